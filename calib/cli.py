@@ -1,0 +1,128 @@
+"""`kvcalib` command line: thin Click commands over the library functions.
+
+Importing this module must stay cheap (no torch): heavy modules are imported inside the commands.
+Every known failure surfaces as one line `Error: ...` and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from . import recipe as recipe_mod
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = ROOT / "data" / "sample_text.jsonl"
+BUILD_DIR = ROOT / "build"
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from . import data, export, model, observe
+
+    return (recipe_mod.RecipeError, data.DataError, model.ModelError, observe.CaptureError, export.ExportError)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Calibrate FP8 KV-cache scales on your own text; export checkpoints serving engines load directly."""
+
+
+@main.command()
+@click.option("--model", "model_src", help="Model directory or hub id. Default: the project's embedded small model.")
+@click.option("--data", "data_src", help="Calibration data: .jsonl/.json/.parquet/.csv/.txt file, folder, or dataset "
+              "id name[:config][:split]. Default: the project's sample text.")
+@click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False), help="Recipe YAML (see recipes/).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Output checkpoint directory.")
+@click.option("--samples", type=int, help="Number of calibration samples (overrides the recipe).")
+@click.option("--seq-len", type=int, help="Tokens per sample (overrides the recipe).")
+@click.option("--batch-size", type=int, help="Sequences per forward pass (overrides the recipe).")
+@click.option("--seed", type=int, help="Seed for the sample order (overrides the recipe).")
+@click.option("--headroom", type=float, help="Scale multiplier, >= 1 leaves room for unseen data (overrides the recipe).")
+@click.option("--pack/--no-pack", default=None, help="Pack samples into full seq-len sequences.")
+@click.option("--device", help="torch device, e.g. cuda:0 or cpu. Default: cuda when available.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (off by default).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_size, seed, headroom, pack, device,
+              trust_remote_code, force) -> None:
+    """Calibrate FP8 KV scales and write a checkpoint vLLM loads."""
+    try:
+        recipe = recipe_mod.load(recipe_path).replace(samples=samples, seq_len=seq_len, batch_size=batch_size,
+                                                      seed=seed, headroom=headroom, pack=pack)
+    except recipe_mod.RecipeError as e:
+        raise click.ClickException(str(e)) from None
+    from tqdm import tqdm
+
+    from . import pipeline
+
+    try:
+        if model_src is None:
+            from .default_model import ensure_default_model
+
+            model_src = str(ensure_default_model(BUILD_DIR, DEFAULT_DATA, log=lambda m: click.echo(m, err=True)))
+        data_src = data_src or str(DEFAULT_DATA)
+        out = out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-kv-fp8"
+        with tqdm(desc="calibrating", unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True) as bar:
+            result = pipeline.calibrate(model_src, data_src, recipe, out, device=device,
+                                        trust_remote_code=trust_remote_code, force=force, progress=bar)
+    except _user_errors() as e:
+        raise click.ClickException(str(e)) from None
+    d = result.data
+    click.echo(f"\nsamples: {d.used} used, {d.skipped_short} skipped (shorter than {recipe.min_tokens} tokens); "
+               f"{d.tokens} tokens in {result.forward_seconds:.1f} s ({result.tokens_per_second:,.0f} tokens/s, "
+               f"{result.model_dtype} on {result.device})")
+    click.echo(_scale_table({i: (float(s.k_amax.max()), float(s.k_scale), float(s.v_amax.max()), float(s.v_scale))
+                             for i, s in result.scales.items()}))
+    over = [i for i, s in result.scales.items() if max(float(s.k_amax.max()), float(s.v_amax.max())) > 448]
+    if over:
+        click.echo(f"layers {over} reach |x| > 448: with the default scale 1.0 their FP8 cache would saturate.")
+    click.echo(f"\nwrote {result.out}")
+    click.echo(f"serve it with FP8 KV cache:\n  vllm serve {shlex.quote(str(result.out))} --kv-cache-dtype fp8")
+
+
+def _scale_table(rows: dict[int, tuple[float, float, float, float]]) -> str:
+    lines = [f"{'layer':>5}  {'max|K|':>10}  {'k_scale':>12}  {'max|V|':>10}  {'v_scale':>12}"]
+    for i, (ka, ks, va, vs) in rows.items():
+        lines.append(f"{i:>5}  {ka:>10.4g}  {ks:>12.6g}  {va:>10.4g}  {vs:>12.6g}")
+    return "\n".join(lines)
+
+
+@main.command()
+@click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def inspect(ckpt: Path) -> None:
+    """Show a checkpoint's KV-cache format, target engines and per-layer scales."""
+    from .checkpoint import read_kv_info
+
+    try:
+        info = read_kv_info(ckpt)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise click.ClickException(f"{ckpt}: {e}") from None
+    click.echo(f"checkpoint: {info.path}")
+    click.echo(f"targets:    {', '.join(info.targets) or 'none (no KV cache quantization declared)'}")
+    if info.kv_scheme:
+        s = info.kv_scheme
+        click.echo(f"kv scheme:  {s.get('type')}{s.get('num_bits')} strategy={s.get('strategy')} dynamic={s.get('dynamic')}")
+    if info.provenance:
+        p = info.provenance
+        d = p.get("data", {})
+        click.echo(f"calibrated: by {p.get('producer')} on {d.get('samples')} samples / {d.get('tokens')} tokens "
+                   f"of {d.get('source')} ({p.get('created')})")
+    if not info.scales:
+        click.echo("no KV scale tensors found")
+        return
+    layers = (info.provenance or {}).get("layers", {})
+    rows = {}
+    for i, sc in info.scales.items():
+        amax = layers.get(str(i), {})
+        rows[i] = (amax.get("k_amax", float("nan")), max(sc.get("k", [float("nan")])),
+                   amax.get("v_amax", float("nan")), max(sc.get("v", [float("nan")])))
+    click.echo(_scale_table(rows))
+    if info.num_layers is not None and len(info.scales) != info.num_layers:
+        click.echo(f"warning: scales for {len(info.scales)} of {info.num_layers} layers; "
+                   "engines use 1.0 for the others", err=True)
+
+
+if __name__ == "__main__":
+    main()

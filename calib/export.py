@@ -1,0 +1,177 @@
+"""Write a checkpoint that an engine loads with our KV scales; the source weights are never rewritten.
+
+Why not `save_pretrained`: re-serializing a 16 GB model costs minutes and risks changing bytes (dtype
+casts, tied weights, shard layout). Weight files are hard-linked (or copied where links are impossible)
+byte for byte; the scales go into one extra shard named in `model.safetensors.index.json`, and only the
+small JSON files are rewritten.
+
+vLLM target (compressed-tensors format): `config.json` gains a `quantization_config` with an empty
+`config_groups` and a `kv_cache_scheme`; tensors `model.layers.{i}.self_attn.k_scale` / `.v_scale`.
+Without the config vLLM refuses the scale tensors; with the config but without tensors it silently
+uses 1.0 — so both are written together, always.
+
+Atomicity: everything is written to a hidden temporary sibling directory and renamed into place only
+when complete; on any error the temporary directory is removed and nothing appears at OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .scales import Scales
+
+SCALES_FILE = "kv_scales.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PROVENANCE_FILE = "kvcalib.json"
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+class ExportError(RuntimeError):
+    """The checkpoint cannot be written; nothing was left at the output path."""
+
+
+def vllm_scale_names(layer: int) -> tuple[str, str]:
+    return f"model.layers.{layer}.self_attn.k_scale", f"model.layers.{layer}.self_attn.v_scale"
+
+
+def vllm_quantization_config() -> dict[str, Any]:
+    """The compressed-tensors block for KV-only FP8, built with the library's own objects."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+
+    qc = QuantizationConfig(
+        config_groups={},
+        kv_cache_scheme=QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True),
+        quantization_status="compressed",
+        format="dense",
+        ignore=[],
+    )
+    return _drop_none(qc.to_dict())
+
+
+def _drop_none(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _drop_none(v) for k, v in d.items() if v is not None}
+    return d
+
+
+@contextmanager
+def atomic_dir(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a temp sibling of `out`; on success it replaces `out`, on error it is removed."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise ExportError(f"output {out} already exists; pass --force to replace it or choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(out.parent, os.W_OK):
+        raise ExportError(f"output folder {out.parent} is not writable; choose another --out")
+    tmp = out.parent / f".{out.name}.kvcalib-tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            trash = out.parent / f".{out.name}.kvcalib-old-{os.getpid()}"
+            os.rename(out, trash)
+            os.rename(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def link_or_copy(src: Path, dst: Path) -> str:
+    """Hard link when the filesystem allows (free, byte-identical), else copy the bytes."""
+    try:
+        os.link(src, dst)
+        return "link"
+    except OSError:
+        shutil.copyfile(src, dst)
+        return "copy"
+
+
+def _weight_map(src: Path) -> tuple[dict[str, str], int]:
+    """tensor name -> shard file, and total tensor bytes, from the index or from the shards' headers."""
+    from safetensors import safe_open
+
+    index = src / INDEX_FILE
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text())
+            wmap = dict(data["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ExportError(f"{index} is not a valid safetensors index ({e}); repair or remove it") from None
+        missing = sorted({f for f in wmap.values() if not (src / f).is_file()})
+        if missing:
+            raise ExportError(f"{index} names shard(s) {missing} that are not in {src}; the checkpoint is incomplete")
+        total = data.get("metadata", {}).get("total_size")
+        if isinstance(total, int):
+            return wmap, total
+        shards = sorted(set(wmap.values()))
+    else:
+        shards = sorted(p.name for p in src.glob("*.safetensors"))
+        wmap = {}
+    total = 0
+    for shard in shards:
+        try:
+            with safe_open(src / shard, framework="pt") as f:
+                for key in f.keys():
+                    wmap.setdefault(key, shard)
+                    sl = f.get_slice(key)
+                    total += _DTYPE_BYTES.get(sl.get_dtype(), 0) * int(torch.Size(sl.get_shape()).numel())
+        except Exception as e:
+            raise ExportError(f"{src / shard}: not a readable safetensors file ({str(e)[:200]})") from None
+    return wmap, total
+
+
+def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, Any], *, force: bool = False) -> Path:
+    """Write the vLLM (compressed-tensors) variant of `source` with `scales` to `out`; returns `out`."""
+    from safetensors.torch import save_file
+
+    source, out = Path(source), Path(out)
+    if out.resolve() == source.resolve():
+        raise ExportError(f"--out {out} is the source model directory; choose a new directory")
+    config = json.loads((source / "config.json").read_text())
+    if "quantization_config" in config:
+        raise ExportError(f"{source}/config.json already has a quantization_config; attaching KV scales to a "
+                          "weight-quantized checkpoint is not supported yet")
+    wmap, total = _weight_map(source)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer, s in scales.items():
+        k_name, v_name = vllm_scale_names(layer)
+        tensors[k_name] = s.k_scale.to(torch.float32).reshape(()).contiguous()
+        tensors[v_name] = s.v_scale.to(torch.float32).reshape(()).contiguous()
+    clash = sorted(set(tensors) & set(wmap))
+    if clash:
+        raise ExportError(f"{source} already carries KV scale tensors ({clash[0]}, ...); "
+                          "start from the unquantized checkpoint")
+    config["quantization_config"] = vllm_quantization_config()
+    weight_files = set(wmap.values())
+
+    with atomic_dir(out, force) as tmp:
+        how = set()
+        for f in sorted(source.iterdir()):
+            if not f.is_file() or f.name in ("config.json", INDEX_FILE, PROVENANCE_FILE, SCALES_FILE):
+                continue
+            if f.name in weight_files:
+                how.add(link_or_copy(f, tmp / f.name))
+            elif f.suffix != ".safetensors":
+                shutil.copy2(f, tmp / f.name)
+        save_file(tensors, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "kvcalib"})
+        new_map = {**wmap, **{name: SCALES_FILE for name in tensors}}
+        index = {"metadata": {"total_size": total + 4 * len(tensors)},
+                 "weight_map": dict(sorted(new_map.items()))}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        prov = {**provenance, "target": "vllm", "weights": sorted(how)}
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(prov, indent=2) + "\n")
+    return out

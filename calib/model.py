@@ -1,0 +1,133 @@
+"""Load the model to calibrate and decide whether its KV cache is one we can calibrate.
+
+Why the checks come first: an architecture whose cache is not plain per-layer K and V (DeepSeek's MLA
+latent cache, Mamba/linear-attention layers) would produce scales that mean nothing to the engine. We
+refuse those from the config alone, before a single weight is read.
+
+Only the base model (no LM head) is loaded: calibration needs K and V, not logits, and the head of a
+large-vocabulary model costs memory and time for nothing. On a GPU the model runs in bf16 (what the
+engines serve); on CPU in the checkpoint's own dtype, so a float32 checkpoint is calibrated in float32.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# model_type values whose cache is not (only) plain K/V: hybrid recurrent / state-space models.
+NOT_PLAIN_KV = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "rwkv", "jamba", "zamba", "zamba2", "bamba", "falcon_h1",
+    "nemotron_h", "granitemoehybrid", "qwen3_next", "lfm2", "recurrent_gemma", "xlstm", "minimax",
+})
+
+
+class ModelError(ValueError):
+    """The model cannot be calibrated; the message says which and what to do."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module          # the base model (no LM head), eval mode
+    tokenizer: Any | None           # None when the directory has no tokenizer files
+    source_dir: Path                # local directory holding the checkpoint files
+    config: Any                     # the text config (num_hidden_layers, head_dim, ...)
+    attention_layers: list[int]     # layer_idx of every attention module, ascending
+    device: torch.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+def resolve_source(model_id: str | Path) -> Path:
+    """A local checkpoint directory; a hub id is downloaded (config, weights, tokenizer) first."""
+    path = Path(model_id)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"MODEL {path} has no config.json; point MODEL at a Hugging Face model directory")
+        return path
+    if str(model_id).startswith((".", "/", "~")) or str(model_id).count("/") > 1:
+        raise ModelError(f"MODEL {model_id} not found; give a model directory or a hub id like org/name")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(model_id), allow_patterns=[
+            "*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.jinja", "*.tiktoken"]))
+    except Exception as e:
+        raise ModelError(f"MODEL {model_id}: not a local directory and the hub download failed "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+def check_cache_kind(config: Any, where: str) -> None:
+    """Refuse configs whose KV cache is not plain per-layer K/V (raises ModelError)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    mtype = getattr(text, "model_type", "?")
+    if getattr(text, "kv_lora_rank", None):
+        raise ModelError(f"{where}: {mtype} uses multi-head latent attention (MLA); its cache stores a compressed "
+                         "latent, not K and V, so per-layer K/V scales do not apply — not supported")
+    if mtype in NOT_PLAIN_KV or getattr(config, "model_type", None) in NOT_PLAIN_KV:
+        raise ModelError(f"{where}: {mtype} has recurrent/state-space layers whose cache is not plain K/V — not supported")
+    kinds = set(getattr(text, "layer_types", None) or []) - KV_LAYER_TYPES
+    if kinds:
+        raise ModelError(f"{where}: layer types {sorted(kinds)} keep no plain K/V cache — not supported "
+                         f"(only {sorted(KV_LAYER_TYPES)})")
+
+
+def find_attention_layers(model: torch.nn.Module) -> list[int]:
+    """layer_idx of every attention module (modules named *Attention that carry a layer_idx)."""
+    found = {m.layer_idx for m in model.modules()
+             if "Attention" in type(m).__name__ and isinstance(getattr(m, "layer_idx", None), int)}
+    return sorted(found)
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
+    from transformers import AutoConfig, AutoModel
+
+    src = resolve_source(model_id)
+    try:
+        config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise ModelError(f"MODEL {src}: config.json not understood by transformers ({str(e).splitlines()[0][:200]}); "
+                         "if the model ships its own code, pass --trust-remote-code") from None
+    check_cache_kind(config, f"MODEL {src}")
+    if not any(src.glob("*.safetensors")):
+        raise ModelError(f"MODEL {src} has no .safetensors weights; kvcalib reads only safetensors "
+                         "(convert pickle .bin weights with transformers' save_pretrained first)")
+    dev = pick_device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else "auto"
+    try:
+        model = AutoModel.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code,
+                                          attn_implementation=None)
+    except OSError as e:
+        raise ModelError(f"MODEL {src}: weights could not be loaded ({str(e).splitlines()[0][:200]})") from None
+    model.to(dev).eval()
+    layers = find_attention_layers(model)
+    if not layers:
+        raise ModelError(f"MODEL {src}: {type(model).__name__} exposes no attention layers with a layer_idx, so "
+                         "K/V cannot be captured through transformers' attention interface — not supported")
+    return LoadedModel(model=model, tokenizer=_load_tokenizer(src, trust_remote_code), source_dir=src,
+                       config=config.get_text_config(), attention_layers=layers, device=dev)
+
+
+def _load_tokenizer(src: Path, trust_remote_code: bool) -> Any | None:
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+    if not any((src / n).is_file() for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code)
+
+
+def source_config(src: Path) -> dict[str, Any]:
+    return json.loads((src / "config.json").read_text())

@@ -1,0 +1,59 @@
+"""Fold observed K/V ranges into the scales an engine multiplies its FP8 cache by.
+
+Semantics (both vLLM and TensorRT-LLM): the stored scale is the *dequantisation* multiplier. The engine
+writes `fp8 = saturate(x / scale)` and reads `x ≈ fp8 * scale`, so `scale = amax * headroom / 448` maps the
+largest observed |x| onto FP8 e4m3's largest finite value (448). A scale of 1.0 — what the engines use
+when a checkpoint carries none — saturates every |x| > 448 and flushes every |x| < 2^-9 to zero.
+
+Scales are float32: a bf16 scale keeps only ~3 significant digits.
+A layer whose range is exactly zero (all-zero K or V) gets the smallest normal float32 as its scale:
+any scale represents zeros exactly, and a zero or infinite scale would break the engine's division.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .observe import Stats
+
+FP8_E4M3_MAX = 448.0
+MIN_SCALE = float(torch.finfo(torch.float32).tiny)
+
+
+@dataclass(frozen=True)
+class LayerScales:
+    """Per-tensor FP8 scales of one layer (0-dim float32 tensors) plus the per-head ranges they came from."""
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_amax: torch.Tensor      # [kv_heads]
+    v_amax: torch.Tensor      # [kv_heads]
+
+
+Scales = dict[int, LayerScales]
+
+
+def amax_to_scale(amax: torch.Tensor, headroom: float = 1.0, qmax: float = FP8_E4M3_MAX) -> torch.Tensor:
+    """float32 scale(s) for the given range(s); never zero, negative or non-finite."""
+    amax = amax.to(torch.float32)
+    if not torch.isfinite(amax).all() or (amax < 0).any():
+        raise ValueError(f"ranges must be finite and >= 0, got {amax.tolist()}")
+    scale = amax * torch.tensor(headroom, dtype=torch.float32) / torch.tensor(qmax, dtype=torch.float32)
+    scale = scale.clamp_min(MIN_SCALE)
+    if not torch.isfinite(scale).all():
+        raise ValueError(f"headroom {headroom} makes a scale overflow float32 for ranges {amax.tolist()}")
+    return scale
+
+
+def per_tensor_fp8(stats: Stats, headroom: float = 1.0) -> Scales:
+    """One K and one V scale per layer: the max over KV heads of the observed |x|."""
+    return {
+        layer: LayerScales(
+            k_scale=amax_to_scale(s.k_amax.max(), headroom),
+            v_scale=amax_to_scale(s.v_amax.max(), headroom),
+            k_amax=s.k_amax,
+            v_amax=s.v_amax,
+        )
+        for layer, s in sorted(stats.items())
+    }

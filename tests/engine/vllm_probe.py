@@ -1,0 +1,145 @@
+"""Load a checkpoint in real vLLM with an FP8 KV cache and report what the engine actually uses.
+
+Runs in the vLLM venv only, never in kvcalib's own environment: it imports nothing from `calib`.
+
+    python tests/engine/vllm_probe.py CKPT OUT.json [--max-tokens N]
+
+OUT.json receives
+    {"scales": {"<layer>": [k_scale, v_scale]},          # the floats the attention kernels are given
+     "layers": {"<layer>": {...}},                         # scale buffers, q scale and cache dtype per layer
+     "kv_cache_dtype": "fp8", "generated_token_ids": [...], "prompt": ...}
+
+vLLM runs the model in a separate engine process, so the functions handed to `LLM.apply_model` must
+be importable there by module name: that is why they live at the top level of this module and why
+`main` puts this directory on PYTHONPATH before vLLM starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+_PROMPT_TEXT = "The quick brown fox jumps over the lazy dog."
+_PROMPT_IDS = [1, 17, 42, 99, 123, 7, 256, 300]
+
+
+def _attention_layers(model):
+    """Yield (layer_index, module) for every attention layer that holds KV-cache scales."""
+    seen = {}
+    for name, module in model.named_modules():
+        # vLLM's Attention/MLAAttention carry `_k_scale_float` (what the kernels read) and `kv_cache_dtype`.
+        if not (hasattr(module, "_k_scale_float") and hasattr(module, "kv_cache_dtype")):
+            continue
+        match = _LAYER_RE.search(name)
+        if match is None:
+            raise RuntimeError(f"attention module {name!r} has no layer index in its name")
+        index = int(match.group(1))
+        if index in seen:
+            raise RuntimeError(f"two attention modules for layer {index}: {seen[index]!r} and {name!r}")
+        seen[index] = name
+        yield index, module
+
+
+def read_kv_scales(model) -> dict[int, tuple[float, float]]:
+    """`apply_model` target: {layer_index: (k_scale, v_scale)} as the attention kernels receive them."""
+    return {
+        index: (float(module._k_scale_float), float(module._v_scale_float))
+        for index, module in _attention_layers(model)
+    }
+
+
+def read_layer_details(model) -> dict[int, dict]:
+    """`apply_model` target: the scale buffers behind the floats, q scale and cache dtype, per layer."""
+
+    def values(module, attr):
+        tensor = getattr(module, attr, None)
+        return None if tensor is None else [float(x) for x in tensor.detach().float().cpu().flatten()]
+
+    return {
+        index: {
+            "module": type(module).__name__,
+            "k_scale_buffer": values(module, "_k_scale"),
+            "v_scale_buffer": values(module, "_v_scale"),
+            "q_scale_float": float(getattr(module, "_q_scale_float", float("nan"))),
+            "kv_cache_dtype": str(module.kv_cache_dtype),
+        }
+        for index, module in _attention_layers(model)
+    }
+
+
+def _has_tokenizer(ckpt: Path) -> bool:
+    return any((ckpt / name).is_file() for name in _TOKENIZER_FILES)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("ckpt", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--max-tokens", type=int, default=16, help="greedy tokens to generate; 0 skips generation")
+    args = parser.parse_args(argv)
+
+    # Must be set before vLLM is imported; the engine process inherits them.
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default pool would take a large share of RAM
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # lets apply_model ship our functions
+    here = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # Import ourselves by module name so the functions pickle by reference, not as `__main__.<fn>`.
+    import vllm_probe
+
+    ckpt = args.ckpt.resolve()
+    use_tokenizer = _has_tokenizer(ckpt)
+    llm = LLM(
+        model=str(ckpt),
+        kv_cache_dtype="fp8",
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=4,
+        seed=0,
+        skip_tokenizer_init=not use_tokenizer,
+    )
+
+    scales = llm.apply_model(vllm_probe.read_kv_scales)[0]
+    details = llm.apply_model(vllm_probe.read_layer_details)[0]
+
+    try:
+        kv_cache_dtype = str(llm.llm_engine.vllm_config.cache_config.cache_dtype)
+    except AttributeError:
+        kv_cache_dtype = str(llm.llm_engine.cache_config.cache_dtype)
+
+    generated: list[int] = []
+    if args.max_tokens > 0:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=use_tokenizer
+        )
+        prompt = _PROMPT_TEXT if use_tokenizer else TokensPrompt(prompt_token_ids=_PROMPT_IDS)
+        outputs = llm.generate([prompt], params, use_tqdm=False)
+        generated = [int(t) for t in outputs[0].outputs[0].token_ids]
+
+    result = {
+        "scales": {str(i): [k, v] for i, (k, v) in sorted(scales.items())},
+        "layers": {str(i): d for i, d in sorted(details.items())},
+        "kv_cache_dtype": kv_cache_dtype,
+        "generated_token_ids": generated,
+        "prompt": _PROMPT_TEXT if use_tokenizer else _PROMPT_IDS,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({"scales": result["scales"], "kv_cache_dtype": kv_cache_dtype, "generated": generated}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""End to end on CPU: pre-tokenized data through a tokenizer-less float32 Llama to exported scales."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from calib import data, pipeline
+from calib.recipe import Recipe
+from conftest import tiny_causal_lm
+from test_observe import _reference_amax
+
+
+def _used_sequences(data_path, recipe, vocab):
+    rep = data.DataReport()
+    return list(data.samples(data_path, None, seq_len=recipe.seq_len, max_samples=recipe.samples,
+                             min_tokens=recipe.min_tokens, pack=recipe.pack, seed=recipe.seed,
+                             vocab_size=vocab, report=rep)), rep
+
+
+def test_scales_equal_amax_over_exactly_the_tokens_used(tiny_llama_dir, token_data, tmp_path):
+    recipe = Recipe(samples=10, seq_len=24, min_tokens=12, batch_size=3, seed=5)
+    res = pipeline.calibrate(tiny_llama_dir, token_data, recipe, tmp_path / "out", device="cpu")
+    assert res.model_dtype == "float32"
+    seqs, rep = _used_sequences(token_data, recipe, 257)
+    assert res.data.to_dict() == rep.to_dict() and rep.used == 10
+    ref = _reference_amax(tiny_causal_lm("llama"), seqs)  # same seed → same weights as the saved model
+    with safe_open(tmp_path / "out" / "kv_scales.safetensors", "pt") as f:
+        for i, (k_amax, v_amax) in ref.items():
+            k = f.get_tensor(f"model.layers.{i}.self_attn.k_scale")
+            v = f.get_tensor(f"model.layers.{i}.self_attn.v_scale")
+            assert float(k) == pytest.approx(float(k_amax.max()) / 448, rel=1e-3)
+            assert float(v) == pytest.approx(float(v_amax.max()) / 448, rel=1e-3)
+    prov = json.loads((tmp_path / "out" / "kvcalib.json").read_text())
+    assert prov["data"]["tokens"] == sum(map(len, seqs))
+    assert prov["recipe"]["seed"] == 5 and prov["layers"]["0"]["k_scale"] == pytest.approx(float(ref[0][0].max()) / 448, rel=1e-6)
+
+
+def test_same_inputs_give_the_same_scales_across_batch_sizes(tiny_llama_dir, token_data, tmp_path):
+    """Same data, batch 1 vs 5: equal up to float32 GEMM blocking (batched matmuls round differently)."""
+    outs = []
+    for bs in (1, 5):
+        r = Recipe(samples=12, seq_len=32, min_tokens=8, batch_size=bs)
+        outs.append(pipeline.calibrate(tiny_llama_dir, token_data, r, tmp_path / f"o{bs}", device="cpu").scales)
+    for i in outs[0]:
+        torch.testing.assert_close(outs[0][i].k_scale, outs[1][i].k_scale, rtol=1e-6, atol=0)
+        torch.testing.assert_close(outs[0][i].v_scale, outs[1][i].v_scale, rtol=1e-6, atol=0)
+
+
+def test_seq_len_beyond_context_is_refused_before_running(tiny_llama_dir, token_data, tmp_path):
+    from calib.model import ModelError
+    with pytest.raises(ModelError, match="max_position_embeddings = 256"):
+        pipeline.calibrate(tiny_llama_dir, token_data, Recipe(seq_len=1024), tmp_path / "out", device="cpu")
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_with_non_plain_kv_cache_is_refused(tmp_path, token_data):
+    from calib.model import ModelError, check_cache_kind
+    from transformers import DeepseekV3Config, LlamaConfig
+    with pytest.raises(ModelError, match="latent"):
+        check_cache_kind(DeepseekV3Config(), "MODEL x")
+    cfg = LlamaConfig()
+    cfg.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ModelError, match="linear_attention"):
+        check_cache_kind(cfg, "MODEL x")
+
+
+def test_big_k_range_gives_scale_above_one(tmp_path, token_data):
+    """A model whose K exceeds FP8's 448 (where the default scale 1.0 saturates) gets scale > 1."""
+    src = tmp_path / "big"
+    tiny_causal_lm("llama", scale_k=2000.0).save_pretrained(src)
+    res = pipeline.calibrate(src, token_data, Recipe(samples=6, seq_len=32, min_tokens=8), tmp_path / "o", device="cpu")
+    assert max(float(s.k_amax.max()) for s in res.scales.values()) > 448
+    assert max(float(s.k_scale) for s in res.scales.values()) > 1.0

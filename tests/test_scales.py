@@ -1,0 +1,43 @@
+"""Scale folding: amax/448 in float32, max over heads, never zero/negative/non-finite."""
+
+import pytest
+import torch
+
+from calib import scales
+from calib.observe import LayerStats
+
+
+def test_per_tensor_scale_is_max_over_heads_over_448():
+    stats = {0: LayerStats(torch.tensor([1.0, 896.0]), torch.tensor([0.5, 0.25])),
+             3: LayerStats(torch.tensor([3.5]), torch.tensor([44.8]))}
+    out = scales.per_tensor_fp8(stats)
+    assert list(out) == [0, 3]
+    assert out[0].k_scale.dtype == torch.float32 and out[0].k_scale.shape == ()
+    assert float(out[0].k_scale) == 2.0
+    assert float(out[0].v_scale) == pytest.approx(0.5 / 448, rel=1e-7)
+    assert float(out[3].v_scale) == pytest.approx(0.1, rel=1e-7)
+
+
+def test_headroom_multiplies_the_range():
+    s = scales.amax_to_scale(torch.tensor(448.0), headroom=2.0)
+    assert float(s) == 2.0
+
+
+def test_zero_range_gets_the_documented_floor_not_zero():
+    s = scales.amax_to_scale(torch.tensor([0.0, 1.0]))
+    assert s[0] == scales.MIN_SCALE > 0 and torch.isfinite(1 / s).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_bad_ranges_are_errors(bad):
+    with pytest.raises(ValueError):
+        scales.amax_to_scale(torch.tensor([bad]))
+
+
+def test_scaled_values_fit_fp8_exactly_at_the_max():
+    """x / scale for the largest |x| lands on 448, FP8 e4m3's largest finite value (no saturation)."""
+    x = torch.tensor([-1234.5, 3.0, 1234.5])
+    s = scales.amax_to_scale(x.abs().max())
+    q = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    assert q.abs().max() == 448.0
+    assert torch.allclose(q * s, x, rtol=0.07)  # e4m3 has 3 mantissa bits: rel. error <= 2^-4
