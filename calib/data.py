@@ -108,13 +108,18 @@ def _read_parquet(path: Path) -> Iterator[Record]:
 
 def _read_csv(path: Path) -> Iterator[Record]:
     with path.open("r", encoding="utf-8", newline="") as f:
-        for n, row in enumerate(csv.DictReader(f), 1):
-            if isinstance(row.get("input_ids"), str):
-                try:
-                    row["input_ids"] = json.loads(row["input_ids"])
-                except json.JSONDecodeError:
-                    raise DataError(f"{path} row {n}: input_ids must be a JSON list like [1, 2, 3]") from None
-            yield Record(row, f"{path} row {n}")
+        reader = csv.DictReader(f)
+        try:
+            for n, row in enumerate(reader, 1):
+                if isinstance(row.get("input_ids"), str):
+                    try:
+                        row["input_ids"] = json.loads(row["input_ids"])
+                    except json.JSONDecodeError:
+                        raise DataError(f"{path} row {n}: input_ids must be a JSON list like [1, 2, 3]") from None
+                yield Record(row, f"{path} row {n}")
+        except csv.Error as e:  # malformed quoting, a field over csv.field_size_limit(), ...
+            raise DataError(f"{path} line {reader.line_num}: not readable as CSV ({e}); "
+                            "fix the file or convert it to .jsonl") from None
 
 
 def _read_txt(path: Path) -> Iterator[Record]:
@@ -177,14 +182,22 @@ def _read_hub(spec: str) -> Iterator[Record]:
         yield Record(dict(obj), f"{spec}[{n}]")
 
 
+def check_source(source: str | Path) -> None:
+    """Fail fast (before a model is loaded) on a local DATA path that is missing or holds no usable files."""
+    path = Path(source)
+    if path.exists():
+        _local_files(path)
+    elif path.suffix.lower() in SUFFIXES or str(source).startswith((".", "/", "~")):
+        raise DataError(f"DATA {source} not found; give an existing file/folder or a dataset id name[:config][:split]")
+
+
 def read_records(source: str | Path) -> Iterator[Record]:
     """All records of a source, in file order."""
+    check_source(source)
     path = Path(source)
     if path.exists():
         for f in _local_files(path):
             yield from _read_file(f)
-    elif path.suffix.lower() in SUFFIXES or str(source).startswith((".", "/", "~")):
-        raise DataError(f"DATA {source} not found; give an existing file/folder or a dataset id name[:config][:split]")
     else:
         yield from _read_hub(str(source))
 
@@ -207,14 +220,14 @@ def shuffled(items: Iterable[Record], seed: int, buffer: int = SHUFFLE_BUFFER) -
 
 def _detect_column(rec: Record) -> str:
     for c in COLUMNS:
-        if c in rec.fields:
+        if rec.fields.get(c) is not None:  # columnar readers (json array, parquet, hub) fill absent keys with None
             return c
-    raise DataError(f"{rec.origin}: no usable column; found {sorted(rec.fields)[:8]}, "
+    raise DataError(f"{rec.origin}: no usable column; found {sorted(map(str, rec.fields))[:8]}, "
                     f"need one of {', '.join(COLUMNS)}")
 
 
 def _to_ids(rec: Record, column: str, tokenizer: Any, max_len: int | None) -> list[int]:
-    if column not in rec.fields:
+    if rec.fields.get(column) is None:
         raise DataError(f"{rec.origin}: missing column '{column}' (the first record used '{column}'); "
                         "all records of a DATA source must share one format")
     value = rec.fields[column]

@@ -11,6 +11,7 @@ engines serve); on CPU in the checkpoint's own dtype, so a float32 checkpoint is
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,8 +108,8 @@ def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: 
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else "auto"
     try:
-        model = AutoModel.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code,
-                                          attn_implementation=None)
+        with _quiet_transformers():  # its load report flags the absent LM head, which we leave out on purpose
+            model = AutoModel.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code)
     except OSError as e:
         raise ModelError(f"MODEL {src}: weights could not be loaded ({str(e).splitlines()[0][:200]})") from None
     model.to(dev).eval()
@@ -118,6 +119,18 @@ def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: 
                          "K/V cannot be captured through transformers' attention interface — not supported")
     return LoadedModel(model=model, tokenizer=_load_tokenizer(src, trust_remote_code), source_dir=src,
                        config=config.get_text_config(), attention_layers=layers, device=dev)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _load_tokenizer(src: Path, trust_remote_code: bool) -> Any | None:

@@ -120,6 +120,7 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
     t_start = time.perf_counter()
     if Path(out).exists() and not force:  # fail before the expensive part
         raise export.ExportError(f"output {out} already exists; pass --force to replace it or choose another --out")
+    data_mod.check_source(data_src)
     loaded = model_mod.load(model_src, device=device, trust_remote_code=trust_remote_code)
     max_pos = getattr(loaded.config, "max_position_embeddings", None)
     if max_pos and recipe.seq_len > max_pos:

@@ -108,7 +108,7 @@ def _check_choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
 
 def from_dict(data: dict[str, Any], source: str = "recipe") -> Recipe:
     known = {f.name for f in fields(Recipe)}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - known, key=str)  # YAML keys may be ints/bools: never compare them to str
     if unknown:
         raise RecipeError(f"{source}: unknown field(s) {', '.join(map(repr, unknown))}; known fields: {', '.join(sorted(known))}")
     data = dict(data)
@@ -116,7 +116,10 @@ def from_dict(data: dict[str, Any], source: str = "recipe") -> Recipe:
         t = data["targets"]
         data["targets"] = tuple(t.split(",")) if isinstance(t, str) else tuple(t) if isinstance(t, list) else t
     if isinstance(data.get("headroom"), int) and not isinstance(data.get("headroom"), bool):
-        data["headroom"] = float(data["headroom"])
+        try:
+            data["headroom"] = float(data["headroom"])
+        except OverflowError:
+            raise RecipeError("recipe field 'headroom' is too large: must be a finite number > 0 (1.0 = none)") from None
     return Recipe(**data)
 
 
@@ -128,9 +131,13 @@ def load(path: str | Path | None) -> Recipe:
     if not path.is_file():
         raise RecipeError(f"recipe file {path} not found; list shipped recipes with `kvcalib recipes`")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise RecipeError(f"recipe file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"recipe file {path} is not UTF-8 text") from None
+    if data is None:  # an empty file means all defaults; `[]`, `0` or `false` are mistakes, not defaults
+        data = {}
     if not isinstance(data, dict):
         raise RecipeError(f"recipe file {path} must hold a mapping of field: value, got {type(data).__name__}")
     try:

@@ -1,0 +1,77 @@
+"""The Click commands, driven with CliRunner: output the user reads, one-line errors, no torch on import."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from calib.cli import main
+
+
+def _run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_calibrate_then_inspect(tiny_llama_dir, token_data, tmp_path):
+    out = tmp_path / "ckpt"
+    r = _run("calibrate", "--model", tiny_llama_dir, "--data", token_data, "--out", out, "--samples", 8,
+             "--seq-len", 32, "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert f"wrote {out}" in r.output
+    assert f"vllm serve {out} --kv-cache-dtype fp8" in r.output
+    prov = json.loads((out / "kvcalib.json").read_text())
+    table_rows = [ln.split() for ln in r.output.splitlines() if ln.strip()[:1].isdigit() and len(ln.split()) == 5]
+    assert [int(row[0]) for row in table_rows] == [0, 1, 2]
+    assert float(table_rows[2][2]) == pytest.approx(prov["layers"]["2"]["k_scale"], rel=1e-5)
+    assert "8 used" in r.output
+
+    r = _run("inspect", out)
+    assert r.exit_code == 0, r.output
+    assert "targets:    vllm" in r.output and "strategy=tensor" in r.output
+    assert "8 samples" in r.output
+    rows = [ln.split() for ln in r.output.splitlines() if ln.strip()[:1].isdigit() and len(ln.split()) == 5]
+    assert float(rows[1][4]) == pytest.approx(prov["layers"]["1"]["v_scale"], rel=1e-5)
+
+
+def test_inspect_plain_model_says_no_kv_quantization(tiny_llama_dir):
+    r = _run("inspect", tiny_llama_dir)
+    assert r.exit_code == 0 and "none (no KV cache quantization declared)" in r.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "./no-such-model"], "MODEL ./no-such-model not found"),
+    (["--data", "./missing.jsonl"], "DATA ./missing.jsonl not found"),
+    (["--samples", "0"], "'samples' = 0"),
+    (["--seq-len", "4096"], "exceeds the model's context"),
+])
+def test_bad_input_is_one_line_error_and_no_output(args, message, tiny_llama_dir, token_data, tmp_path):
+    base = {"--model": str(tiny_llama_dir), "--data": str(token_data)}
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    out = tmp_path / "out"
+    r = _run("calibrate", *sum(base.items(), ()), "--out", out, "--device", "cpu", *([] if "--seq-len" in args else ["--seq-len", "32"]))
+    assert r.exit_code == 1
+    err = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
+    assert len(err) == 1 and message in err[0], r.output
+    assert not out.exists()
+
+
+def test_recipe_file_errors_name_the_field(tmp_path, tiny_llama_dir, token_data):
+    bad = tmp_path / "r.yaml"
+    bad.write_text("headrom: 2\n")
+    r = _run("calibrate", "--model", tiny_llama_dir, "--data", token_data, "--recipe", bad, "--out", tmp_path / "o")
+    assert r.exit_code == 1 and "unknown field(s) 'headrom'" in r.output
+
+
+def test_existing_output_needs_force(tiny_llama_dir, token_data, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    r = _run("calibrate", "--model", tiny_llama_dir, "--data", token_data, "--out", out, "--device", "cpu")
+    assert r.exit_code == 1 and "--force" in r.output
+
+
+def test_importing_the_cli_does_not_import_torch():
+    code = "import sys, calib.cli; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
