@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._text import first_line
+
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 COLUMNS = ("input_ids", "messages", "text")
 SHUFFLE_BUFFER = 1024
@@ -89,7 +91,7 @@ def _read_json(path: Path) -> Iterator[Record]:
     except DataError:
         raise
     except Exception as e:  # datasets wraps parse errors in many types
-        raise DataError(f"{path}: cannot read as JSON ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        raise DataError(f"{path}: cannot read as JSON ({type(e).__name__}: {first_line(e)})") from None
 
 
 def _read_parquet(path: Path) -> Iterator[Record]:
@@ -98,7 +100,7 @@ def _read_parquet(path: Path) -> Iterator[Record]:
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:
-        raise DataError(f"{path}: not a readable parquet file ({str(e).splitlines()[0][:200]})") from None
+        raise DataError(f"{path}: not a readable parquet file ({first_line(e)})") from None
     n = 0
     for batch in pf.iter_batches(batch_size=256):
         for row in batch.to_pylist():
@@ -118,7 +120,7 @@ def _read_csv(path: Path) -> Iterator[Record]:
                         raise DataError(f"{path} row {n}: input_ids must be a JSON list like [1, 2, 3]") from None
                 yield Record(row, f"{path} row {n}")
         except csv.Error as e:  # malformed quoting, a field over csv.field_size_limit(), ...
-            raise DataError(f"{path} line {reader.line_num}: not readable as CSV ({e}); "
+            raise DataError(f"{path} after line {reader.line_num}: not readable as CSV ({e}); "
                             "fix the file or convert it to .jsonl") from None
 
 
@@ -177,14 +179,14 @@ def _read_hub(spec: str) -> Iterator[Record]:
         ds = load_dataset(name, config or None, split=split or "train", streaming=True)
     except Exception as e:
         raise DataError(f"DATA '{spec}' is neither a local path nor a loadable dataset id "
-                        f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+                        f"({type(e).__name__}: {first_line(e)})") from None
     for n, obj in enumerate(ds):
         yield Record(dict(obj), f"{spec}[{n}]")
 
 
 def check_source(source: str | Path) -> None:
     """Fail fast (before a model is loaded) on a local DATA path that is missing or holds no usable files."""
-    path = Path(source)
+    path = Path(source).expanduser()
     if path.exists():
         _local_files(path)
     elif path.suffix.lower() in SUFFIXES or str(source).startswith((".", "/", "~")):
@@ -194,7 +196,7 @@ def check_source(source: str | Path) -> None:
 def read_records(source: str | Path) -> Iterator[Record]:
     """All records of a source, in file order."""
     check_source(source)
-    path = Path(source)
+    path = Path(source).expanduser()
     if path.exists():
         for f in _local_files(path):
             yield from _read_file(f)
@@ -265,7 +267,8 @@ def samples(source: str | Path, tokenizer: Any, *, seq_len: int, max_samples: in
     """Yield at most `max_samples` token sequences of at most `seq_len` ids; counts go into `report`.
 
     Unpacked (default): one record → one sequence, truncated; shorter than `min_tokens` → skipped.
-    Packed: records are concatenated and cut into full `seq_len` chunks (a short tail is dropped).
+    Packed: records are concatenated and cut into full `seq_len` chunks; a final tail is kept only when it
+    has at least `min_tokens` ids.
     """
     buffer: list[int] = []
     for rec in shuffled(read_records(source), seed):

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ._text import first_line
+
 KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # model_type values whose cache is not (only) plain K/V: hybrid recurrent / state-space models.
 NOT_PLAIN_KV = frozenset({
@@ -61,7 +63,7 @@ def resolve_source(model_id: str | Path) -> Path:
             "*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.jinja", "*.tiktoken"]))
     except Exception as e:
         raise ModelError(f"MODEL {model_id}: not a local directory and the hub download failed "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+                         f"({type(e).__name__}: {first_line(e)})") from None
 
 
 def check_cache_kind(config: Any, where: str) -> None:
@@ -99,7 +101,7 @@ def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: 
     try:
         config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
     except ValueError as e:
-        raise ModelError(f"MODEL {src}: config.json not understood by transformers ({str(e).splitlines()[0][:200]}); "
+        raise ModelError(f"MODEL {src}: config.json not understood by transformers ({first_line(e)}); "
                          "if the model ships its own code, pass --trust-remote-code") from None
     check_cache_kind(config, f"MODEL {src}")
     if not any(src.glob("*.safetensors")):
@@ -111,7 +113,7 @@ def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: 
         with _quiet_transformers():  # its load report flags the absent LM head, which we leave out on purpose
             model = AutoModel.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code)
     except OSError as e:
-        raise ModelError(f"MODEL {src}: weights could not be loaded ({str(e).splitlines()[0][:200]})") from None
+        raise ModelError(f"MODEL {src}: weights could not be loaded ({first_line(e)})") from None
     model.to(dev).eval()
     layers = find_attention_layers(model)
     if not layers:

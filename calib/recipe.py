@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from ._text import first_line
+
 DTYPES = ("fp8_e4m3",)
 GRANULARITIES = ("tensor",)
 OBSERVERS = ("absmax",)
@@ -133,7 +135,7 @@ def load(path: str | Path | None) -> Recipe:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
-        raise RecipeError(f"recipe file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise RecipeError(f"recipe file {path} is not valid YAML: {first_line(e)}") from None
     except UnicodeDecodeError:
         raise RecipeError(f"recipe file {path} is not UTF-8 text") from None
     if data is None:  # an empty file means all defaults; `[]`, `0` or `false` are mistakes, not defaults

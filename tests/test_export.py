@@ -48,7 +48,7 @@ def test_export_layout(tiny_llama_dir, tmp_path):
 
 
 def test_sharded_source_keeps_its_index_entries(tmp_path):
-    from conftest import tiny_causal_lm
+    from tiny import tiny_causal_lm
     src = tmp_path / "sharded"
     tiny_causal_lm("llama").save_pretrained(src, max_shard_size="100KB")
     shards = sorted(p.name for p in src.glob("model-*.safetensors"))
@@ -94,7 +94,7 @@ def test_refuses_source_as_output_and_existing_scales(tiny_llama_dir, tmp_path):
 
 
 def test_missing_shard_named_in_index_is_an_error(tmp_path):
-    from conftest import tiny_causal_lm
+    from tiny import tiny_causal_lm
     src = tmp_path / "sharded"
     tiny_causal_lm("llama").save_pretrained(src, max_shard_size="100KB")
     next(src.glob("model-*.safetensors")).unlink()

@@ -8,7 +8,7 @@ import torch
 from calib import observe
 from calib.model import find_attention_layers
 from calib.pipeline import batches
-from conftest import ARCHS, random_sequences, tiny_causal_lm
+from tiny import ARCHS, random_sequences, tiny_causal_lm
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

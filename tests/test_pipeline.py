@@ -8,7 +8,7 @@ from safetensors import safe_open
 
 from calib import data, pipeline
 from calib.recipe import Recipe
-from conftest import tiny_causal_lm
+from tiny import tiny_causal_lm
 from test_observe import _reference_amax
 
 
