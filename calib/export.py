@@ -21,6 +21,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,17 +40,19 @@ class ExportError(RuntimeError):
     """The checkpoint cannot be written; nothing was left at the output path."""
 
 
-def vllm_scale_names(layer: int) -> tuple[str, str]:
-    return f"model.layers.{layer}.self_attn.k_scale", f"model.layers.{layer}.self_attn.v_scale"
+def vllm_scale_name(layer: int, kind: str) -> str:
+    """`kind` is k, v or q; vLLM remaps `self_attn.{kind}_scale` onto its attention layer."""
+    return f"model.layers.{layer}.self_attn.{kind}_scale"
 
 
-def vllm_quantization_config() -> dict[str, Any]:
-    """The compressed-tensors block for KV-only FP8, built with the library's own objects."""
+def vllm_quantization_config(strategy: str = "tensor") -> dict[str, Any]:
+    """The compressed-tensors block for KV-only FP8, built with the library's own objects.
+    `config_groups` stays (empty): vLLM injects head counts for `attn_head` only when the key exists."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 
     qc = QuantizationConfig(
         config_groups={},
-        kv_cache_scheme=QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True),
+        kv_cache_scheme=QuantizationArgs(num_bits=8, type="float", strategy=strategy, dynamic=False, symmetric=True),
         quantization_status="compressed",
         format="dense",
         ignore=[],
@@ -133,10 +136,38 @@ def _weight_map(src: Path) -> tuple[dict[str, str], int]:
     return wmap, total
 
 
-def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, Any], *, force: bool = False) -> Path:
-    """Write the vLLM (compressed-tensors) variant of `source` with `scales` to `out`; returns `out`."""
-    from safetensors.torch import save_file
+def _vllm_tensor(scale: torch.Tensor, strategy: str) -> torch.Tensor:
+    """Per tensor: one element, shape []. `attn_head`: [heads, 1, 1], the layout vLLM's loader flattens."""
+    t = scale.to(torch.float32).contiguous()
+    return t.reshape(()) if strategy == "tensor" else t.reshape(-1, 1, 1)
 
+
+def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, Any], *, strategy: str = "tensor",
+                force: bool = False) -> Path:
+    """Write the vLLM (compressed-tensors) variant of `source` with `scales` to `out`; returns `out`.
+    `strategy` is `tensor` (scales of shape []) or `attn_head` (scales of shape [kv_heads])."""
+    prepared = prepare_source(source, out)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer, s in scales.items():
+        for kind, value in (("k", s.k_scale), ("v", s.v_scale), ("q", s.q_scale)):
+            if value is not None:
+                if strategy == "tensor" and value.numel() != 1:
+                    raise ExportError(f"layer {layer}: {kind}_scale has {value.numel()} values but strategy is tensor")
+                tensors[vllm_scale_name(layer, kind)] = _vllm_tensor(value, strategy)
+    config = dict(prepared.config, quantization_config=vllm_quantization_config(strategy))
+    return write_variant(prepared, out, tensors, config, {**provenance, "target": "vllm"}, force=force)
+
+
+@dataclass(frozen=True)
+class PreparedSource:
+    path: Path
+    config: dict[str, Any]
+    weight_map: dict[str, str]
+    total_size: int
+
+
+def prepare_source(source: Path, out: Path) -> PreparedSource:
+    """Validate a source checkpoint for export (before anything is written)."""
     source, out = Path(source), Path(out)
     if out.resolve() == source.resolve():
         raise ExportError(f"--out {out} is the source model directory; choose a new directory")
@@ -145,22 +176,25 @@ def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, A
         raise ExportError(f"{source}/config.json already has a quantization_config; attaching KV scales to a "
                           "weight-quantized checkpoint is not supported yet")
     wmap, total = _weight_map(source)
-    tensors: dict[str, torch.Tensor] = {}
-    for layer, s in scales.items():
-        k_name, v_name = vllm_scale_names(layer)
-        tensors[k_name] = s.k_scale.to(torch.float32).reshape(()).contiguous()
-        tensors[v_name] = s.v_scale.to(torch.float32).reshape(()).contiguous()
-    clash = sorted(set(tensors) & set(wmap))
-    if clash:
-        raise ExportError(f"{source} already carries KV scale tensors ({clash[0]}, ...); "
-                          "start from the unquantized checkpoint")
-    config["quantization_config"] = vllm_quantization_config()
-    weight_files = set(wmap.values())
+    existing = sorted(k for k in wmap if k.endswith(("k_scale", "v_scale")) and ".self_attn." in k)
+    if existing:
+        raise ExportError(f"{source} already carries KV scale tensors ({existing[0]}, ...); "
+                          "start from the checkpoint without KV scales")
+    return PreparedSource(source, config, wmap, total)
 
+
+def write_variant(src: PreparedSource, out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any],
+                  provenance: dict[str, Any], *, force: bool = False, extra_files: dict[str, str] | None = None) -> Path:
+    """Link the weights, add the scale shard to the index, write config/provenance (+ extra JSON files)."""
+    from safetensors.torch import save_file
+
+    source, wmap, total = src.path, src.weight_map, src.total_size
+    weight_files = set(wmap.values())
     with atomic_dir(out, force) as tmp:
         how = set()
         for f in sorted(source.iterdir()):
-            if not f.is_file() or f.name in ("config.json", INDEX_FILE, PROVENANCE_FILE, SCALES_FILE):
+            if not f.is_file() or f.name in ("config.json", INDEX_FILE, PROVENANCE_FILE, SCALES_FILE,
+                                             *(extra_files or {})):
                 continue
             if f.name in weight_files:
                 how.add(link_or_copy(f, tmp / f.name))
@@ -168,10 +202,13 @@ def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, A
                 shutil.copy2(f, tmp / f.name)
         save_file(tensors, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "kvcalib"})
         new_map = {**wmap, **{name: SCALES_FILE for name in tensors}}
-        index = {"metadata": {"total_size": total + 4 * len(tensors)},
+        index = {"metadata": {"total_size": total + sum(4 * t.numel() for t in tensors.values())},
                  "weight_map": dict(sorted(new_map.items()))}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        prov = {**provenance, "target": "vllm", "weights": sorted(how)}
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        (tmp / SCALES_FILE).chmod(0o644)
+        prov = {**provenance, "weights": sorted(how)}
         (tmp / PROVENANCE_FILE).write_text(json.dumps(prov, indent=2) + "\n")
     return out

@@ -20,6 +20,7 @@ import itertools
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -59,44 +60,131 @@ class AbsMaxObserver:
 
 @dataclass(frozen=True)
 class LayerStats:
-    """Ranges of one attention layer's cached K and V. Shapes: k_amax, v_amax [kv_heads] float32."""
+    """What one attention layer's cached K and V (and optionally Q) looked like.
+
+    k_amax, v_amax   [kv_heads]            exact max |x| over all real tokens (always kept)
+    k_clip, v_clip   [kv_heads]            the recipe observer's range (== amax for `absmax`)
+    q_amax           [heads] | None        exact max |Q| after RoPE, when q_scale is asked for
+    k_channel, ...   [kv_heads, head_dim]  per-channel max |x| (granularity `channel`)
+    k_token, ...     [len(quantiles), kv_heads]  quantiles over tokens of each token's max |x| (`token`)
+    """
     k_amax: torch.Tensor
     v_amax: torch.Tensor
+    k_clip: torch.Tensor | None = None
+    v_clip: torch.Tensor | None = None
+    q_amax: torch.Tensor | None = None
+    k_channel: torch.Tensor | None = None
+    v_channel: torch.Tensor | None = None
+    k_token: torch.Tensor | None = None
+    v_token: torch.Tensor | None = None
+
+    def clip(self, kind: str) -> torch.Tensor:
+        c = self.k_clip if kind == "k" else self.v_clip
+        return c if c is not None else (self.k_amax if kind == "k" else self.v_amax)
 
 
 Stats = dict[int, LayerStats]
+Factory = Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What to record per layer. `k_observer`/`v_observer` make the range observers of the recipe (None: the
+    exact absmax is the range); `q` records Q; `channels` keeps per-channel maxima; `token_quantiles` keeps
+    quantiles (in percent) of the per-token maxima."""
+    k_observer: Factory | None = None
+    v_observer: Factory | None = None
+    q: bool = False
+    channels: bool = False
+    token_quantiles: tuple[float, ...] = ()
+    token_observer: Callable[[float], Any] | None = None
+
+
+class ChannelMaxObserver:
+    """Exact running max of |x| per head and channel: state [heads, head_dim]."""
+
+    def __init__(self) -> None:
+        self._amax: torch.Tensor | None = None
+
+    def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
+        a = x.detach().abs()
+        if mask is not None:
+            a = a.masked_fill(~mask[:, None, :, None], 0)
+        batch = a.amax(dim=(0, 2)).float()
+        self._amax = batch if self._amax is None else torch.maximum(self._amax, batch)
+
+    def amax(self) -> torch.Tensor:
+        return self._amax.detach().cpu().clone()
+
+
+class _TokenMax:
+    """Feeds each token's max |x| (per head) into quantile observers: the ranges a per-token scheme sees."""
+
+    def __init__(self, quantiles: tuple[float, ...], make: Callable[[float], Any]) -> None:
+        self.observers = [make(q) for q in quantiles]
+
+    def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
+        per_token = x.detach().abs().amax(dim=-1, keepdim=True)     # [b, h, s, 1]
+        for o in self.observers:
+            o.update(per_token, mask)
+
+    def amax(self) -> torch.Tensor:
+        return torch.stack([o.amax() for o in self.observers])
+
+
+class _LayerObservers:
+    def __init__(self, spec: CaptureSpec) -> None:
+        self.k, self.v = AbsMaxObserver(), AbsMaxObserver()
+        self.k_clip = spec.k_observer() if spec.k_observer else None
+        self.v_clip = spec.v_observer() if spec.v_observer else None
+        self.q = AbsMaxObserver() if spec.q else None
+        self.k_ch = ChannelMaxObserver() if spec.channels else None
+        self.v_ch = ChannelMaxObserver() if spec.channels else None
+        tok = spec.token_quantiles and spec.token_observer
+        self.k_tok = _TokenMax(spec.token_quantiles, spec.token_observer) if tok else None
+        self.v_tok = _TokenMax(spec.token_quantiles, spec.token_observer) if tok else None
+
+    def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:
+        for obs, x in ((self.k, k), (self.v, v), (self.k_clip, k), (self.v_clip, v), (self.q, q),
+                       (self.k_ch, k), (self.v_ch, v), (self.k_tok, k), (self.v_tok, v)):
+            if obs is not None:
+                obs.update(x, mask)
+
+    def read(self) -> LayerStats:
+        def get(o):
+            return None if o is None else o.amax()
+        return LayerStats(self.k.amax(), self.v.amax(), get(self.k_clip), get(self.v_clip), get(self.q),
+                          get(self.k_ch), get(self.v_ch), get(self.k_tok), get(self.v_tok))
 
 
 class KVCapture:
-    """Receives K/V from the attention wrapper and keeps one observer pair per layer."""
+    """Receives Q/K/V from the attention wrapper and keeps one set of observers per layer."""
 
-    def __init__(self, layers: list[int]) -> None:
+    def __init__(self, layers: list[int], spec: CaptureSpec | None = None) -> None:
         self.layers = list(layers)
         self.token_mask: torch.Tensor | None = None
-        self._k = {i: AbsMaxObserver() for i in self.layers}
-        self._v = {i: AbsMaxObserver() for i in self.layers}
+        self._obs = {i: _LayerObservers(spec or CaptureSpec()) for i in self.layers}
 
-    def record(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        if layer not in self._k:
+    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if layer not in self._obs:
             raise CaptureError(f"attention layer {layer} is not among the model's attention layers {self.layers}")
         mask = self.token_mask
         if mask is not None and mask.shape != (key.shape[0], key.shape[2]):
-            raise CaptureError(f"layer {layer}: K has batch x seq {tuple(key.shape[::2][:2])} but the token mask "
+            raise CaptureError(f"layer {layer}: K has batch x seq {(key.shape[0], key.shape[2])} but the token mask "
                                f"is {tuple(mask.shape)}; run with use_cache=False and no past K/V")
-        self._k[layer].update(key, mask)
-        self._v[layer].update(value, mask)
+        self._obs[layer].update(query, key, value, mask)
 
     def stats(self) -> Stats:
         """The statistics of every layer; errors name layers that were never seen or are not finite."""
-        missing = [i for i in self.layers if self._k[i]._amax is None]
+        missing = [i for i in self.layers if self._obs[i].k._amax is None]
         if missing:
             raise CaptureError(
                 f"attention layers {missing} never passed K/V through the attention interface; this architecture "
                 "does not use transformers' AttentionInterface for them and cannot be calibrated")
-        out = {i: LayerStats(self._k[i].amax(), self._v[i].amax()) for i in self.layers}
+        out = {i: self._obs[i].read() for i in self.layers}
         for i, s in out.items():
-            for name, t in (("K", s.k_amax), ("V", s.v_amax)):
-                if not torch.isfinite(t).all():
+            for name, t in (("K", s.k_amax), ("V", s.v_amax), ("Q", s.q_amax)):
+                if t is not None and not torch.isfinite(t).all():
                     raise CaptureError(f"layer {i}: {name} holds NaN/Inf values; the model produces non-finite "
                                        "activations on this data (check the dtype and the weights)")
         return out
@@ -123,7 +211,7 @@ def _delegate_for(impl: str) -> Callable:
 
 
 @contextlib.contextmanager
-def capture_kv(model: torch.nn.Module, layers: list[int]) -> Iterator[KVCapture]:
+def capture_kv(model: torch.nn.Module, layers: list[int], spec: CaptureSpec | None = None) -> Iterator[KVCapture]:
     """Route every attention call of `model` through a recording wrapper; always restores the model.
 
     Usage:
@@ -139,11 +227,11 @@ def capture_kv(model: torch.nn.Module, layers: list[int]) -> Iterator[KVCapture]
     if original not in ("eager", "sdpa") and original not in ALL_ATTENTION_FUNCTIONS:
         raise CaptureError(f"attention implementation {original!r} is not known to transformers' AttentionInterface")
     delegate = _delegate_for(original)
-    capture = KVCapture(layers)
+    capture = KVCapture(layers, spec)
     name = f"kvcalib_capture_{next(_ids)}"
 
     def recording_attention(module, query, key, value, attention_mask, **kwargs):
-        capture.record(module.layer_idx, key, value)
+        capture.record(module.layer_idx, query, key, value)
         return delegate(module, query, key, value, attention_mask, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS.register(name, recording_attention)

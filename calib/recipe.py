@@ -19,10 +19,27 @@ import yaml
 
 from ._text import first_line
 
-DTYPES = ("fp8_e4m3",)
-GRANULARITIES = ("tensor",)
-OBSERVERS = ("absmax",)
-TARGETS = ("vllm",)
+DTYPES = ("fp8_e4m3", "int8")
+GRANULARITIES = ("tensor", "head", "channel", "token")
+EXPORTABLE = ("tensor", "head")
+TARGETS = ("vllm", "trtllm")
+SKIP_KEYWORDS = ("sliding_window",)
+# observer -> {parameter: (check, description)}; validated here so the recipe never needs torch.
+OBSERVERS: dict[str, dict[str, tuple[Any, str]]] = {
+    "absmax": {},
+    "percentile": {"p": (lambda v: _is_num(v) and 0 < v <= 100, "a number in (0, 100]")},
+    "mse": {"grid": (lambda v: _is_int(v) and v >= 2, "an integer >= 2"),
+            "min_ratio": (lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]")},
+    "rope_bound": {},
+}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
 
 
 class RecipeError(ValueError):
@@ -30,33 +47,47 @@ class RecipeError(ValueError):
 
 
 def _doc(text: str, default: Any) -> Any:
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"doc": text})
     return field(default=default, metadata={"doc": text})
 
 
 @dataclass(frozen=True)
 class Recipe:
-    dtype: str = _doc("KV cache dtype the scales are for: fp8_e4m3", "fp8_e4m3")
-    granularity: str = _doc("scale granularity exported to the engine: tensor (one K and one V scale per layer)", "tensor")
-    observer: str = _doc("how the range is measured: absmax (exact running max of |x| over all real tokens)", "absmax")
+    dtype: str = _doc("KV cache dtype the scales are for: fp8_e4m3 (scale = range/448) or int8 (range/127)", "fp8_e4m3")
+    granularity: str = _doc("tensor (one K and one V scale per layer), head (one per KV head); channel and token "
+                            "are statistics only (targets: [])", "tensor")
+    observer: str = _doc("how the range is measured: absmax (exact max |x|), percentile (clip at p-th percentile), "
+                         "mse (clip minimising quantisation MSE), rope_bound (K bound valid at every position; "
+                         "V uses absmax)", "absmax")
+    observer_params: dict = _doc("observer parameters: percentile {p: 99.99}; mse {grid: 100, min_ratio: 0.3}", {})
     headroom: float = _doc("multiplier on the observed range before forming the scale (>= 1 leaves room for unseen data)", 1.0)
+    q_scale: bool = _doc("also observe Q (after RoPE) and export q_scale for vLLM's FP8 attention", False)
+    skip_layers: tuple = _doc("layers whose KV cache stays in the model dtype: indices and/or sliding_window", ())
     samples: int = _doc("number of calibration samples (sequences) to use", 128)
     seq_len: int = _doc("tokens per sample; longer samples are truncated", 512)
     min_tokens: int = _doc("samples shorter than this are skipped and counted", 16)
     batch_size: int = _doc("sequences per forward pass", 4)
     pack: bool = _doc("concatenate samples into full seq_len sequences instead of one sample per sequence", False)
     seed: int = _doc("seed for the sample order", 0)
-    targets: tuple[str, ...] = _doc("engines to export for: vllm", ("vllm",))
+    targets: tuple[str, ...] = _doc("engines to export for: vllm, trtllm; [] writes statistics only", ("vllm",))
 
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("granularity", self.granularity, GRANULARITIES)
-        _check_choice("observer", self.observer, OBSERVERS)
+        _check_choice("observer", self.observer, tuple(OBSERVERS))
+        _check_observer_params(self.observer, self.observer_params)
         for t in self.targets:
             _check_choice("targets", t, TARGETS)
-        if not self.targets:
-            raise RecipeError("recipe field 'targets' is empty; give at least one of: " + ", ".join(TARGETS))
+        if len(set(self.targets)) != len(self.targets):
+            raise RecipeError(f"recipe field 'targets' = {list(self.targets)} names an engine twice")
+        for item in self.skip_layers:
+            if not ((_is_int(item) and item >= 0) or item in SKIP_KEYWORDS):
+                raise RecipeError(f"recipe field 'skip_layers' has {item!r}: give layer indices >= 0 and/or "
+                                  f"{', '.join(SKIP_KEYWORDS)}")
+        self._check_combination()
         if not self.headroom > 0 or self.headroom != self.headroom or self.headroom == float("inf"):
             raise RecipeError(f"recipe field 'headroom' = {self.headroom!r}: must be a finite number > 0 (1.0 = none)")
         for name in ("samples", "seq_len", "min_tokens", "batch_size"):
@@ -67,9 +98,22 @@ class Recipe:
                 f"recipe field 'min_tokens' = {self.min_tokens} exceeds 'seq_len' = {self.seq_len}: "
                 "every sample would be skipped; lower min_tokens or raise seq_len")
 
+    def _check_combination(self) -> None:
+        if self.targets and self.granularity not in EXPORTABLE:
+            raise RecipeError(f"recipe field 'granularity' = {self.granularity!r} cannot be exported: no engine reads "
+                              f"it; use {' or '.join(EXPORTABLE)}, or set targets: [] to keep statistics only")
+        if self.dtype == "int8" and "vllm" in self.targets:
+            raise RecipeError("recipe field 'dtype' = 'int8' with target vllm: vLLM reads only FP8 KV-cache scales; "
+                              "use dtype fp8_e4m3, or targets [trtllm] for INT8")
+        if self.q_scale and "vllm" not in self.targets:
+            raise RecipeError("recipe field 'q_scale' = true needs target vllm (only vLLM's FP8 attention reads "
+                              "q_scale); add vllm to targets or drop q_scale")
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["targets"] = list(self.targets)
+        d["skip_layers"] = list(self.skip_layers)
+        d["observer_params"] = dict(self.observer_params)
         return d
 
     def replace(self, **overrides: Any) -> "Recipe":
@@ -87,7 +131,13 @@ _TYPE_NAMES = {"str": str, "float": float, "int": int, "bool": bool}
 
 def _check_type(name: str, value: Any, type_name: Any) -> None:
     type_name = str(type_name)
-    if type_name.startswith("tuple"):
+    if type_name == "tuple":
+        ok = isinstance(value, tuple)
+        want = "a list"
+    elif type_name == "dict":
+        ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
+        want = "a mapping of name: value"
+    elif type_name.startswith("tuple"):
         ok = isinstance(value, tuple) and all(isinstance(v, str) for v in value)
         want = "a list of strings"
     elif type_name == "float":
@@ -103,6 +153,18 @@ def _check_type(name: str, value: Any, type_name: Any) -> None:
         raise RecipeError(f"recipe field '{name}' = {value!r} has the wrong type: expected {want}")
 
 
+def _check_observer_params(observer: str, params: dict) -> None:
+    accepted = OBSERVERS[observer]
+    for key, value in params.items():
+        if key not in accepted:
+            names = ", ".join(accepted) or "none"
+            raise RecipeError(f"recipe field 'observer_params' has {key!r}, which observer {observer!r} does not "
+                              f"take; accepted: {names}")
+        check, want = accepted[key]
+        if not check(value):
+            raise RecipeError(f"recipe field 'observer_params.{key}' = {value!r}: must be {want}")
+
+
 def _check_choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
     if value not in accepted:
         raise RecipeError(f"recipe field '{name}' = {value!r} is not supported; accepted: {', '.join(accepted)}")
@@ -116,13 +178,24 @@ def from_dict(data: dict[str, Any], source: str = "recipe") -> Recipe:
     data = dict(data)
     if "targets" in data:
         t = data["targets"]
-        data["targets"] = tuple(t.split(",")) if isinstance(t, str) else tuple(t) if isinstance(t, list) else t
+        data["targets"] = tuple(x for x in t.split(",") if x) if isinstance(t, str) else tuple(t) if isinstance(t, list) else t
+    if "skip_layers" in data:
+        t = data["skip_layers"]
+        data["skip_layers"] = (tuple(_int_or_str(x) for x in t.split(",") if x) if isinstance(t, str)
+                               else tuple(t) if isinstance(t, list) else t)
+    if data.get("observer_params") is None and "observer_params" in data:
+        data["observer_params"] = {}
     if isinstance(data.get("headroom"), int) and not isinstance(data.get("headroom"), bool):
         try:
             data["headroom"] = float(data["headroom"])
         except OverflowError:
             raise RecipeError("recipe field 'headroom' is too large: must be a finite number > 0 (1.0 = none)") from None
     return Recipe(**data)
+
+
+def _int_or_str(x: str) -> int | str:
+    x = x.strip()
+    return int(x) if x.isdigit() else x
 
 
 def load(path: str | Path | None) -> Recipe:

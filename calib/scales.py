@@ -19,16 +19,20 @@ import torch
 from .observe import Stats
 
 FP8_E4M3_MAX = 448.0
+INT8_MAX = 127.0
+QMAX = {"fp8_e4m3": FP8_E4M3_MAX, "int8": INT8_MAX}
 MIN_SCALE = float(torch.finfo(torch.float32).tiny)
 
 
 @dataclass(frozen=True)
 class LayerScales:
-    """Per-tensor FP8 scales of one layer (0-dim float32 tensors) plus the per-head ranges they came from."""
+    """Scales of one layer (float32; shape [] per tensor, [kv_heads] per head; q: [] or [heads]) plus the
+    exact per-head ranges they came from."""
     k_scale: torch.Tensor
     v_scale: torch.Tensor
     k_amax: torch.Tensor      # [kv_heads]
     v_amax: torch.Tensor      # [kv_heads]
+    q_scale: torch.Tensor | None = None
 
 
 Scales = dict[int, LayerScales]
@@ -47,13 +51,30 @@ def amax_to_scale(amax: torch.Tensor, headroom: float = 1.0, qmax: float = FP8_E
 
 
 def per_tensor_fp8(stats: Stats, headroom: float = 1.0) -> Scales:
-    """One K and one V scale per layer: the max over KV heads of the observed |x|."""
+    """One K and one V FP8 scale per layer: the max over KV heads of the observed range."""
+    return compute(stats, dtype="fp8_e4m3", granularity="tensor", headroom=headroom)
+
+
+def compute(stats: Stats, *, dtype: str, granularity: str, headroom: float = 1.0) -> Scales:
+    """Scales of every layer at `granularity` (`tensor`: max over heads; `head`: one per KV head) for `dtype`.
+    K and V use the recipe observer's range; Q (when observed) its exact max."""
+    from .granularity import GRANULARITIES
+
+    gran, qmax = GRANULARITIES[granularity], QMAX[dtype]
+    if not gran.exportable:
+        raise ValueError(f"granularity {granularity!r} is statistics only; no engine reads its scales")
     return {
         layer: LayerScales(
-            k_scale=amax_to_scale(s.k_amax.max(), headroom),
-            v_scale=amax_to_scale(s.v_amax.max(), headroom),
+            k_scale=amax_to_scale(gran.fold(s.clip("k")), headroom, qmax),
+            v_scale=amax_to_scale(gran.fold(s.clip("v")), headroom, qmax),
             k_amax=s.k_amax,
             v_amax=s.v_amax,
+            q_scale=None if s.q_amax is None else amax_to_scale(gran.fold(s.q_amax), headroom, qmax),
         )
         for layer, s in sorted(stats.items())
     }
+
+
+def per_tensor(s: LayerScales) -> tuple[float, float]:
+    """(k, v) folded to one scale each — what engines that read a single scale per layer get."""
+    return float(s.k_scale.max()), float(s.v_scale.max())

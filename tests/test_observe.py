@@ -117,7 +117,7 @@ def test_padding_values_never_reach_statistics():
     mask = torch.ones(2, 5, dtype=torch.bool)
     mask[1, 3:] = False
     cap.token_mask = mask
-    cap.record(0, k, k)
+    cap.record(0, k, k, k)
     assert cap.stats()[0].k_amax.tolist() == [1.0, 1.0]
 
 
@@ -152,7 +152,7 @@ def test_hook_removed_on_exception():
 
 def test_unseen_layers_are_a_hard_error_naming_them():
     cap = observe.KVCapture([0, 1, 2])
-    cap.record(1, torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+    cap.record(1, torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
     with pytest.raises(observe.CaptureError, match=r"\[0, 2\]"):
         cap.stats()
 
@@ -161,7 +161,7 @@ def test_non_finite_values_are_an_error_naming_the_layer():
     cap = observe.KVCapture([0])
     k = torch.ones(1, 2, 3, 4)
     k[0, 1, 2, 3] = float("nan")
-    cap.record(0, k, torch.ones(1, 2, 3, 4))
+    cap.record(0, k, k, torch.ones(1, 2, 3, 4))
     with pytest.raises(observe.CaptureError, match="layer 0: K"):
         cap.stats()
 

@@ -18,8 +18,9 @@ RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.ya
 KNOWN = sorted(f.name for f in fields(Recipe))
 
 # Written out by hand: the documented defaults, not read back from the dataclass.
-DEFAULTS = {"dtype": "fp8_e4m3", "granularity": "tensor", "observer": "absmax", "headroom": 1.0, "samples": 128,
-            "seq_len": 512, "min_tokens": 16, "batch_size": 4, "pack": False, "seed": 0, "targets": ["vllm"]}
+DEFAULTS = {"dtype": "fp8_e4m3", "granularity": "tensor", "observer": "absmax", "observer_params": {}, "headroom": 1.0,
+            "q_scale": False, "skip_layers": [], "samples": 128, "seq_len": 512, "min_tokens": 16, "batch_size": 4,
+            "pack": False, "seed": 0, "targets": ["vllm"]}
 
 
 def recipe_error(data: dict) -> str:
@@ -120,16 +121,41 @@ def test_wrong_type_in_file_names_file_and_field(tmp_path):
     assert str(path) in msg and "'samples'" in msg and "'many'" in msg
 
 
-@pytest.mark.parametrize("name, value", [("dtype", "int4"), ("granularity", "channel"), ("observer", "mse"),
+@pytest.mark.parametrize("name, value", [("dtype", "int4"), ("granularity", "row"), ("observer", "minmax"),
                                          ("targets", ["vllm", "tensorrt"])])
 def test_bad_choice_names_accepted_values(name, value):
     msg = recipe_error({name: value})
-    accepted = {"dtype": "fp8_e4m3", "granularity": "tensor", "observer": "absmax", "targets": "vllm"}[name]
+    accepted = {"dtype": "fp8_e4m3, int8", "granularity": "tensor, head, channel, token",
+                "observer": "absmax, percentile, mse, rope_bound", "targets": "vllm, trtllm"}[name]
     assert f"'{name}'" in msg and "accepted" in msg and accepted in msg
 
 
-def test_empty_targets():
-    assert "'targets'" in recipe_error({"targets": []})
+def test_empty_targets_means_statistics_only_and_allows_analysis_granularities():
+    assert R.from_dict({"targets": [], "granularity": "channel"}).targets == ()
+    assert R.from_dict({"targets": [], "granularity": "token"}).granularity == "token"
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"granularity": "channel"}, "cannot be exported"),
+    ({"granularity": "token", "targets": ["trtllm"]}, "cannot be exported"),
+    ({"dtype": "int8"}, "vLLM reads only FP8"),
+    ({"q_scale": True, "targets": ["trtllm"], "dtype": "int8"}, "needs target vllm"),
+    ({"observer": "percentile", "observer_params": {"q": 1}}, "accepted: p"),
+    ({"observer": "percentile", "observer_params": {"p": 0}}, "observer_params.p"),
+    ({"observer": "mse", "observer_params": {"grid": 1.5}}, "observer_params.grid"),
+    ({"observer_params": {"p": 99}}, "does not take"),
+    ({"skip_layers": [-1]}, "'skip_layers'"),
+    ({"skip_layers": ["sliding"]}, "sliding_window"),
+    ({"targets": ["vllm", "vllm"]}, "twice"),
+])
+def test_impossible_combinations_name_the_field_and_the_fix(fields, says):
+    assert says in recipe_error(fields)
+
+
+def test_skip_layers_and_targets_from_comma_strings():
+    r = R.from_dict({"skip_layers": "0,3,sliding_window", "targets": "vllm,trtllm"})
+    assert r.skip_layers == (0, 3, "sliding_window") and r.targets == ("vllm", "trtllm")
+    assert R.from_dict(r.to_dict()) == r
 
 
 @pytest.mark.parametrize("value", [0, 0.0, -1.0, -0.5, math.inf, -math.inf, math.nan,
@@ -232,7 +258,8 @@ VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(), st.integers(min_value=2**1024, max_value=2**1100),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
     st.sampled_from(["fp8_e4m3", "tensor", "absmax", "vllm", "int4", "", "vllm,vllm"]),
-    st.lists(st.one_of(st.sampled_from(["vllm", "x"]), st.integers(), st.none(), st.floats()), max_size=3),
+    st.lists(st.one_of(st.sampled_from(["vllm", "trtllm", "x", "sliding_window"]), st.integers(), st.none(),
+                       st.floats()), max_size=3),
     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
     st.tuples(st.text(max_size=3)),
 )
@@ -251,5 +278,7 @@ def test_random_dicts_raise_only_recipe_error(data):
     for name in ("samples", "seq_len", "min_tokens", "batch_size", "seed"):
         assert type(getattr(r, name)) is int
     assert 1 <= r.min_tokens <= r.seq_len and r.samples >= 1 and r.batch_size >= 1
-    assert type(r.pack) is bool and r.targets and set(r.targets) <= {"vllm"}
+    assert type(r.pack) is bool and set(r.targets) <= {"vllm", "trtllm"}
+    assert r.targets or r.granularity in ("channel", "token", "tensor", "head")
+    assert all((type(x) is int and x >= 0) or x == "sliding_window" for x in r.skip_layers)
     assert R.from_dict(r.to_dict()) == r
