@@ -6,6 +6,7 @@ Every known failure surfaces as one line `Error: ...` and a non-zero exit, never
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -42,15 +43,23 @@ def main() -> None:
 @click.option("--seed", type=int, help="Seed for the sample order (overrides the recipe).")
 @click.option("--headroom", type=float, help="Scale multiplier, >= 1 leaves room for unseen data (overrides the recipe).")
 @click.option("--pack/--no-pack", default=None, help="Pack samples into full seq-len sequences.")
+@click.option("--dtype", type=click.Choice(recipe_mod.DTYPES), help="KV cache dtype (overrides the recipe).")
+@click.option("--granularity", type=click.Choice(recipe_mod.GRANULARITIES), help="Scale granularity (overrides the recipe).")
+@click.option("--observer", type=click.Choice(tuple(recipe_mod.OBSERVERS)), help="Range observer (overrides the recipe).")
+@click.option("--q-scale/--no-q-scale", default=None, help="Also calibrate q_scale for vLLM's FP8 attention.")
+@click.option("--skip-layers", help="Comma list of layer indices and/or sliding_window kept in the model dtype.")
+@click.option("--target", "targets", help="Comma list of engines: vllm, trtllm; '' for statistics only.")
 @click.option("--device", help="torch device, e.g. cuda:0 or cpu. Default: cuda when available.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (off by default).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_size, seed, headroom, pack, device,
-              trust_remote_code, force) -> None:
-    """Calibrate FP8 KV scales and write a checkpoint vLLM loads."""
+def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_size, seed, headroom, pack, dtype,
+              granularity, observer, q_scale, skip_layers, targets, device, trust_remote_code, force) -> None:
+    """Calibrate KV-cache scales and write checkpoints the engines load."""
     try:
-        recipe = recipe_mod.load(recipe_path).replace(samples=samples, seq_len=seq_len, batch_size=batch_size,
-                                                      seed=seed, headroom=headroom, pack=pack)
+        recipe = recipe_mod.load(recipe_path).replace(
+            samples=samples, seq_len=seq_len, batch_size=batch_size, seed=seed, headroom=headroom, pack=pack,
+            dtype=dtype, granularity=granularity, observer=observer, q_scale=q_scale, skip_layers=skip_layers,
+            targets=targets)
     except recipe_mod.RecipeError as e:
         raise click.ClickException(str(e)) from None
     from tqdm import tqdm
@@ -63,23 +72,43 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
 
             model_src = str(ensure_default_model(BUILD_DIR, DEFAULT_DATA, log=lambda m: click.echo(m, err=True)))
         data_src = data_src or str(DEFAULT_DATA)
-        out = out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-kv-fp8"
+        out = out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-kv-{recipe.dtype.split('_')[0]}"
         with tqdm(desc="calibrating", unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True) as bar:
             result = pipeline.calibrate(model_src, data_src, recipe, out, device=device,
                                         trust_remote_code=trust_remote_code, force=force, progress=bar)
     except _user_errors() as e:
         raise click.ClickException(str(e)) from None
+    _report(result, recipe)
+
+
+def _report(result, recipe: recipe_mod.Recipe) -> None:
     d = result.data
     click.echo(f"\nsamples: {d.used} used, {d.skipped_short} skipped (shorter than {recipe.min_tokens} tokens); "
                f"{d.tokens} tokens in {result.forward_seconds:.1f} s ({result.tokens_per_second:,.0f} tokens/s, "
                f"{result.model_dtype} on {result.device})")
-    click.echo(_scale_table({i: (float(s.k_amax.max()), float(s.k_scale), float(s.v_amax.max()), float(s.v_scale))
-                             for i, s in result.scales.items()}))
-    over = [i for i, s in result.scales.items() if max(float(s.k_amax.max()), float(s.v_amax.max())) > 448]
+    if result.scales:
+        click.echo(f"{recipe.dtype} scales, granularity {recipe.granularity} (max over heads shown), "
+                   f"observer {recipe.observer}:")
+        click.echo(_scale_table({i: (float(s.k_amax.max()), float(s.k_scale.max()), float(s.v_amax.max()),
+                                     float(s.v_scale.max())) for i, s in result.scales.items()}))
+    over = [i for i, s in result.stats.items() if max(float(s.k_amax.max()), float(s.v_amax.max())) > 448]
     if over:
         click.echo(f"layers {over} reach |x| > 448: with the default scale 1.0 their FP8 cache would saturate.")
     click.echo(f"\nwrote {result.out}")
-    click.echo(f"serve it with FP8 KV cache:\n  vllm serve {shlex.quote(str(result.out))} --kv-cache-dtype fp8")
+    if not recipe.targets:
+        click.echo("statistics only (no target): stats.safetensors and kvcalib.json")
+        return
+    skip = ""
+    if result.skipped:
+        click.echo(f"layers {result.skipped} keep their KV cache in the model dtype (skip_layers)")
+        skip = " --kv-cache-dtype-skip-layers " + " ".join(map(str, result.skipped))
+    multi = len(recipe.targets) > 1
+    for t in recipe.targets:
+        path = shlex.quote(str(result.out / t if multi else result.out))
+        if t == "vllm":
+            click.echo(f"serve it with FP8 KV cache:\n  vllm serve {path} --kv-cache-dtype fp8{skip}")
+        else:
+            click.echo(f"TensorRT-LLM reads {path}/hf_quant_config.json:\n  trtllm-serve {path}")
 
 
 def _scale_table(rows: dict[int, tuple[float, float, float, float]]) -> str:
@@ -122,6 +151,30 @@ def inspect(ckpt: Path) -> None:
     if info.num_layers is not None and len(info.scales) != info.num_layers:
         click.echo(f"warning: scales for {len(info.scales)} of {info.num_layers} layers; "
                    "engines use 1.0 for the others", err=True)
+
+
+@main.group(invoke_without_command=True)
+@click.pass_context
+def recipes(ctx: click.Context) -> None:
+    """List the shipped recipes (recipes/*.yaml), one line each."""
+    if ctx.invoked_subcommand is None:
+        for path in sorted((ROOT / "recipes").glob("*.yaml")):
+            first = next((ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
+            click.echo(f"{path.stem:<18} {first}")
+
+
+@recipes.command("show")
+@click.argument("name")
+def recipes_show(name: str) -> None:
+    """Print the resolved recipe NAME (a shipped name or a YAML path), every field with its doc."""
+    path = Path(name) if name.endswith((".yaml", ".yml")) else ROOT / "recipes" / f"{name}.yaml"
+    try:
+        r = recipe_mod.load(path)
+    except recipe_mod.RecipeError as e:
+        raise click.ClickException(str(e)) from None
+    docs = recipe_mod.Recipe.field_docs()
+    for key, value in r.to_dict().items():
+        click.echo(f"{key}: {json.dumps(value)}    # {docs[key]}")
 
 
 if __name__ == "__main__":

@@ -144,5 +144,38 @@ def _load_tokenizer(src: Path, trust_remote_code: bool) -> Any | None:
     return AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code)
 
 
+def rotary_dim(config: Any) -> int:
+    """Channels of each head that RoPE rotates (partial rotary models rotate only the first ones)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None)
+    factor = getattr(config, "partial_rotary_factor", None)
+    if factor is None and isinstance(rope, dict):
+        factor = rope.get("partial_rotary_factor")
+    return int(head_dim * (factor or 1.0))
+
+
+def resolve_skip_layers(spec: tuple, config: Any, layers: list[int]) -> list[int]:
+    """Layer indices a recipe's `skip_layers` names: indices as given, `sliding_window` from the config's
+    layer types (or every layer when the whole model slides). Errors name what does not exist."""
+    out: set[int] = set()
+    for item in spec:
+        if item == "sliding_window":
+            types = getattr(config, "layer_types", None)
+            if types:
+                sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+            else:
+                sliding = list(layers) if getattr(config, "sliding_window", None) else []
+            if not sliding:
+                raise ModelError("recipe field 'skip_layers' has sliding_window, but the model has no "
+                                 "sliding-window layers; remove it")
+            out.update(sliding)
+        elif item not in layers:
+            raise ModelError(f"recipe field 'skip_layers' has layer {item}, but the model's attention layers are "
+                             f"{layers[0]}..{layers[-1]}; remove it")
+        else:
+            out.add(item)
+    return sorted(out)
+
+
 def source_config(src: Path) -> dict[str, Any]:
     return json.loads((src / "config.json").read_text())

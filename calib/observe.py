@@ -248,3 +248,27 @@ def capture_kv(model: torch.nn.Module, layers: list[int], spec: CaptureSpec | No
         finally:
             ALL_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
             ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
+
+
+_STAT_FIELDS = ("k_amax", "v_amax", "k_clip", "v_clip", "q_amax", "k_channel", "v_channel", "k_token", "v_token")
+
+
+def stats_to_tensors(stats: Stats) -> dict[str, torch.Tensor]:
+    """Flat `layers.{i}.{field}` float32 tensors (for a safetensors file; fields that were not kept are absent)."""
+    out = {}
+    for i, s in stats.items():
+        for name in _STAT_FIELDS:
+            t = getattr(s, name)
+            if t is not None:
+                out[f"layers.{i}.{name}"] = t.to(torch.float32).contiguous()
+    return out
+
+
+def stats_from_tensors(tensors: dict[str, torch.Tensor]) -> Stats:
+    """Inverse of `stats_to_tensors`."""
+    per_layer: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        _, i, name = key.split(".", 2)
+        if name in _STAT_FIELDS:
+            per_layer.setdefault(int(i), {})[name] = t
+    return {i: LayerStats(**fields) for i, fields in sorted(per_layer.items())}

@@ -9,9 +9,11 @@ device and are read once at the end.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,9 @@ from .recipe import Recipe
 @dataclass
 class Result:
     out: Path
-    scales: scales_mod.Scales
+    scales: scales_mod.Scales       # empty when the recipe has no targets (statistics only)
+    stats: observe.Stats
+    skipped: list[int]
     data: data_mod.DataReport
     seconds: float
     forward_seconds: float
@@ -61,13 +65,13 @@ def _pad(group: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_size: int,
-               progress: Any | None = None) -> tuple[observe.Stats, float]:
+               progress: Any | None = None, spec: observe.CaptureSpec | None = None) -> tuple[observe.Stats, float]:
     """Run the base model over the sequences with the K/V capture installed; returns (stats, loop seconds,
     which include streaming and tokenizing the data)."""
     model, dev = loaded.model, loaded.device
     pad_id = getattr(loaded.tokenizer, "pad_token_id", None) or 0
     t0 = time.perf_counter()
-    with observe.capture_kv(model, loaded.attention_layers) as cap, torch.inference_mode():
+    with observe.capture_kv(model, loaded.attention_layers, spec) as cap, torch.inference_mode():
         for ids, mask in batches(seqs, batch_size, pad_id):
             n = int(mask.sum())
             ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
@@ -82,6 +86,29 @@ def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_s
     return stats, spent
 
 
+TOKEN_QUANTILES = (50.0, 90.0, 99.0, 100.0)
+
+
+def capture_spec(recipe: Recipe, config: Any) -> observe.CaptureSpec:
+    """Observers the recipe asks for. `rope_bound` applies to K only (V is not rotated): V then uses absmax."""
+    from .observers import RotaryLayout, make_observer
+    from .quant import by_name
+
+    dtype = by_name(recipe.dtype)
+    params = dict(recipe.observer_params)
+    k_obs = v_obs = None
+    if recipe.observer != "absmax":
+        rotary = RotaryLayout(model_mod.rotary_dim(config)) if recipe.observer == "rope_bound" else None
+        k_obs = partial(make_observer, recipe.observer, params, dtype, rotary)
+        if recipe.observer != "rope_bound":
+            v_obs = partial(make_observer, recipe.observer, params, dtype, None)
+    token = recipe.granularity == "token"
+    return observe.CaptureSpec(
+        k_observer=k_obs, v_observer=v_obs, q=recipe.q_scale, channels=recipe.granularity == "channel",
+        token_quantiles=TOKEN_QUANTILES if token else (),
+        token_observer=(lambda p: make_observer("percentile", {"p": p}, dtype, None)) if token else None)
+
+
 def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -94,25 +121,69 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def provenance(recipe: Recipe, model_src: str, data_src: str, report: data_mod.DataReport,
-               scales: scales_mod.Scales, dtype: str) -> dict[str, Any]:
+def provenance(recipe: Recipe, model_src: str, data_src: str, report: data_mod.DataReport, stats: observe.Stats,
+               scales: scales_mod.Scales, skipped: list[int], dtype: str) -> dict[str, Any]:
+    def vec(t):
+        return None if t is None else [float(x) for x in t.reshape(-1)]
+
+    layers = {}
+    for i, st in stats.items():
+        entry = {"k_amax": float(st.k_amax.max()), "v_amax": float(st.v_amax.max()),
+                 "k_amax_per_head": vec(st.k_amax), "v_amax_per_head": vec(st.v_amax),
+                 "k_range_per_head": vec(st.clip("k")), "v_range_per_head": vec(st.clip("v"))}
+        if st.q_amax is not None:
+            entry["q_amax_per_head"] = vec(st.q_amax)
+        if i in scales:
+            sc = scales[i]
+            entry.update(k_scale=vec(sc.k_scale), v_scale=vec(sc.v_scale), q_scale=vec(sc.q_scale))
+            entry = {k: (v[0] if isinstance(v, list) and len(v) == 1 and k.endswith("_scale") else v)
+                     for k, v in entry.items() if v is not None}
+        layers[str(i)] = entry
     return {
         "producer": "kvcalib",
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "model": str(model_src),
         "data": {"source": str(data_src), **report.to_dict()},
         "recipe": recipe.to_dict(),
+        "skipped_layers": skipped,
         "calibration_dtype": dtype,
         "versions": _versions(),
-        "layers": {
-            str(i): {
-                "k_scale": float(s.k_scale), "v_scale": float(s.v_scale),
-                "k_amax": float(s.k_amax.max()), "v_amax": float(s.v_amax.max()),
-                "k_amax_per_head": [float(x) for x in s.k_amax], "v_amax_per_head": [float(x) for x in s.v_amax],
-            }
-            for i, s in scales.items()
-        },
+        "layers": layers,
     }
+
+
+def _exporters() -> dict[str, Any]:
+    from . import trtllm
+
+    return {"vllm": export.export_vllm, "trtllm": trtllm.export_trtllm}
+
+
+def write_outputs(source: Path, out: Path, recipe: Recipe, stats: observe.Stats, scales: scales_mod.Scales,
+                  prov: dict[str, Any], *, force: bool) -> Path:
+    """One target → OUT is that checkpoint; several → OUT/<target> each (weights hard-linked between them);
+    no target → OUT holds the statistics only (stats.safetensors + kvcalib.json)."""
+    from safetensors.torch import save_file
+
+    targets = list(recipe.targets)
+    if not targets:
+        with export.atomic_dir(out, force) as tmp:
+            save_file(observe.stats_to_tensors(stats), str(tmp / "stats.safetensors"), metadata={"producer": "kvcalib"})
+            (tmp / export.PROVENANCE_FILE).write_text(json.dumps({**prov, "target": None}, indent=2) + "\n")
+        return out
+
+    def one(target: str, path: Path, force_one: bool) -> Path:
+        if target == "vllm":
+            strategy = "attn_head" if recipe.granularity == "head" else "tensor"
+            return export.export_vllm(source, path, scales, prov, strategy=strategy, force=force_one)
+        return _exporters()[target](source, path, scales, prov, kv_algo=recipe.dtype.split("_")[0].upper(),
+                                    force=force_one)
+
+    if len(targets) == 1:
+        return one(targets[0], out, force)
+    with export.atomic_dir(out, force) as tmp:
+        for t in targets:
+            one(t, tmp / t, False)
+    return out
 
 
 def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
@@ -126,14 +197,19 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
     if max_pos and recipe.seq_len > max_pos:
         raise model_mod.ModelError(f"seq_len {recipe.seq_len} exceeds the model's context "
                                    f"(max_position_embeddings = {max_pos}); lower SEQ_LEN")
+    skipped = model_mod.resolve_skip_layers(recipe.skip_layers, loaded.config, loaded.attention_layers)
+    if recipe.targets:  # source problems surface before the expensive pass
+        export.prepare_source(loaded.source_dir, Path(out))
     report = data_mod.DataReport()
     seqs = data_mod.samples(data_src, loaded.tokenizer, seq_len=recipe.seq_len, max_samples=recipe.samples,
                             min_tokens=recipe.min_tokens, pack=recipe.pack, seed=recipe.seed,
                             vocab_size=getattr(loaded.config, "vocab_size", None), report=report)
-    stats, fwd = observe_kv(loaded, seqs, recipe.batch_size, progress)
-    scales = scales_mod.per_tensor_fp8(stats, recipe.headroom)
+    stats, fwd = observe_kv(loaded, seqs, recipe.batch_size, progress, capture_spec(recipe, loaded.config))
+    scales = (scales_mod.compute(stats, dtype=recipe.dtype, granularity=recipe.granularity, headroom=recipe.headroom)
+              if recipe.targets else {})
     dtype = str(loaded.dtype).removeprefix("torch.")
-    prov = provenance(recipe, str(model_src), str(data_src), report, scales, dtype)
-    path = export.export_vllm(loaded.source_dir, Path(out), scales, prov, force=force)
-    return Result(out=path, scales=scales, data=report, seconds=time.perf_counter() - t_start,
-                  forward_seconds=fwd, model_dtype=dtype, device=str(loaded.device))
+    prov = provenance(recipe, str(model_src), str(data_src), report, stats, scales, skipped, dtype)
+    path = write_outputs(loaded.source_dir, Path(out), recipe, stats, scales, prov, force=force)
+    return Result(out=path, scales=scales, stats=stats, skipped=skipped, data=report,
+                  seconds=time.perf_counter() - t_start, forward_seconds=fwd, model_dtype=dtype,
+                  device=str(loaded.device))
