@@ -49,11 +49,13 @@ def main() -> None:
 @click.option("--q-scale/--no-q-scale", default=None, help="Also calibrate q_scale for vLLM's FP8 attention.")
 @click.option("--skip-layers", help="Comma list of layer indices and/or sliding_window kept in the model dtype.")
 @click.option("--target", "targets", help="Comma list of engines: vllm, trtllm; '' for statistics only.")
+@click.option("--max-batch-tokens", type=int, help="Token budget per batch; groups similar lengths to cut padding.")
 @click.option("--device", help="torch device, e.g. cuda:0 or cpu. Default: cuda when available.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (off by default).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_size, seed, headroom, pack, dtype,
-              granularity, observer, q_scale, skip_layers, targets, device, trust_remote_code, force) -> None:
+              granularity, observer, q_scale, skip_layers, targets, max_batch_tokens, device, trust_remote_code,
+              force) -> None:
     """Calibrate KV-cache scales and write checkpoints the engines load."""
     try:
         recipe = recipe_mod.load(recipe_path).replace(
@@ -75,7 +77,8 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
         out = out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-kv-{recipe.dtype.split('_')[0]}"
         with tqdm(desc="calibrating", unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True) as bar:
             result = pipeline.calibrate(model_src, data_src, recipe, out, device=device,
-                                        trust_remote_code=trust_remote_code, force=force, progress=bar)
+                                        trust_remote_code=trust_remote_code, force=force, progress=bar,
+                                        options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens))
     except _user_errors() as e:
         raise click.ClickException(str(e)) from None
     _report(result, recipe)
@@ -85,7 +88,7 @@ def _report(result, recipe: recipe_mod.Recipe) -> None:
     d = result.data
     click.echo(f"\nsamples: {d.used} used, {d.skipped_short} skipped (shorter than {recipe.min_tokens} tokens); "
                f"{d.tokens} tokens in {result.forward_seconds:.1f} s ({result.tokens_per_second:,.0f} tokens/s, "
-               f"{result.model_dtype} on {result.device})")
+               f"{result.model_dtype} on {result.device}, {result.padding:.1%} padding)")
     if result.scales:
         click.echo(f"{recipe.dtype} scales, granularity {recipe.granularity} (max over heads shown), "
                    f"observer {recipe.observer}:")

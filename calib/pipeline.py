@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -21,6 +21,7 @@ import torch
 
 from . import data as data_mod
 from . import export, model as model_mod, observe, scales as scales_mod
+from .batching import PaddingStats, batches, prefetch
 from .recipe import Recipe
 
 
@@ -31,6 +32,7 @@ class Result:
     stats: observe.Stats
     skipped: list[int]
     data: data_mod.DataReport
+    padding: float                  # share of computed positions that were padding
     seconds: float
     forward_seconds: float
     model_dtype: str
@@ -41,39 +43,30 @@ class Result:
         return self.data.tokens / max(self.forward_seconds, 1e-9)
 
 
-def batches(seqs: Iterable[list[int]], batch_size: int, pad_id: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Right-padded `(input_ids, attention_mask)` batches. Right padding keeps every real token at its true
-    position, and causal attention never lets a real token see the padding after it."""
-    group: list[list[int]] = []
-    for s in seqs:
-        group.append(s)
-        if len(group) == batch_size:
-            yield _pad(group, pad_id)
-            group = []
-    if group:
-        yield _pad(group, pad_id)
-
-
-def _pad(group: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in group)
-    ids = torch.full((len(group), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(group), width), dtype=torch.long)
-    for row, s in enumerate(group):
-        ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[row, : len(s)] = 1
-    return ids, mask
+@dataclass(frozen=True)
+class RunOptions:
+    """How the forward loop is fed (not part of the recipe: none of these changes a statistic)."""
+    max_batch_tokens: int | None = None   # token budget per batch; enables length bucketing
+    prefetch: int = 2                     # batches prepared ahead by a background thread (0: none)
 
 
 def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_size: int,
-               progress: Any | None = None, spec: observe.CaptureSpec | None = None) -> tuple[observe.Stats, float]:
+               progress: Any | None = None, spec: observe.CaptureSpec | None = None,
+               options: RunOptions = RunOptions(), padding: PaddingStats | None = None) -> tuple[observe.Stats, float]:
     """Run the base model over the sequences with the K/V capture installed; returns (stats, loop seconds,
     which include streaming and tokenizing the data)."""
     model, dev = loaded.model, loaded.device
     pad_id = getattr(loaded.tokenizer, "pad_token_id", None) or 0
+    feed: Iterable = batches(seqs, batch_size, pad_id, max_batch_tokens=options.max_batch_tokens, padding=padding)
+    if options.prefetch:
+        feed = prefetch(feed, options.prefetch)
+    pin = dev.type == "cuda"
     t0 = time.perf_counter()
     with observe.capture_kv(model, loaded.attention_layers, spec) as cap, torch.inference_mode():
-        for ids, mask in batches(seqs, batch_size, pad_id):
+        for ids, mask in feed:
             n = int(mask.sum())
+            if pin:
+                ids, mask = ids.pin_memory(), mask.pin_memory()
             ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
             cap.token_mask = mask.bool()
             model(input_ids=ids, attention_mask=mask, use_cache=False)
@@ -187,7 +180,8 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, stats: observe.Stats,
 
 
 def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
-              trust_remote_code: bool = False, force: bool = False, progress: Any | None = None) -> Result:
+              trust_remote_code: bool = False, force: bool = False, progress: Any | None = None,
+              options: RunOptions = RunOptions()) -> Result:
     t_start = time.perf_counter()
     if Path(out).exists() and not force:  # fail before the expensive part
         raise export.ExportError(f"output {out} already exists; pass --force to replace it or choose another --out")
@@ -204,12 +198,14 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
     seqs = data_mod.samples(data_src, loaded.tokenizer, seq_len=recipe.seq_len, max_samples=recipe.samples,
                             min_tokens=recipe.min_tokens, pack=recipe.pack, seed=recipe.seed,
                             vocab_size=getattr(loaded.config, "vocab_size", None), report=report)
-    stats, fwd = observe_kv(loaded, seqs, recipe.batch_size, progress, capture_spec(recipe, loaded.config))
+    padding = PaddingStats()
+    stats, fwd = observe_kv(loaded, seqs, recipe.batch_size, progress, capture_spec(recipe, loaded.config),
+                            options, padding)
     scales = (scales_mod.compute(stats, dtype=recipe.dtype, granularity=recipe.granularity, headroom=recipe.headroom)
               if recipe.targets else {})
     dtype = str(loaded.dtype).removeprefix("torch.")
     prov = provenance(recipe, str(model_src), str(data_src), report, stats, scales, skipped, dtype)
     path = write_outputs(loaded.source_dir, Path(out), recipe, stats, scales, prov, force=force)
-    return Result(out=path, scales=scales, stats=stats, skipped=skipped, data=report,
+    return Result(out=path, scales=scales, stats=stats, skipped=skipped, data=report, padding=padding.fraction,
                   seconds=time.perf_counter() - t_start, forward_seconds=fwd, model_dtype=dtype,
                   device=str(loaded.device))
