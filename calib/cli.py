@@ -50,12 +50,15 @@ def main() -> None:
 @click.option("--skip-layers", help="Comma list of layer indices and/or sliding_window kept in the model dtype.")
 @click.option("--target", "targets", help="Comma list of engines: vllm, trtllm; '' for statistics only.")
 @click.option("--max-batch-tokens", type=int, help="Token budget per batch; groups similar lengths to cut padding.")
+@click.option("--device-map", help="accelerate device map for models larger than one device, e.g. auto.")
+@click.option("--max-memory", help="Memory per device for --device-map, e.g. 0=70GiB,1=70GiB,cpu=200GiB.")
+@click.option("--offload-folder", type=click.Path(file_okay=False), help="Disk offload folder for --device-map.")
 @click.option("--device", help="torch device, e.g. cuda:0 or cpu. Default: cuda when available.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (off by default).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_size, seed, headroom, pack, dtype,
-              granularity, observer, q_scale, skip_layers, targets, max_batch_tokens, device, trust_remote_code,
-              force) -> None:
+              granularity, observer, q_scale, skip_layers, targets, max_batch_tokens, device_map, max_memory,
+              offload_folder, device, trust_remote_code, force) -> None:
     """Calibrate KV-cache scales and write checkpoints the engines load."""
     try:
         recipe = recipe_mod.load(recipe_path).replace(
@@ -78,10 +81,25 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
         with tqdm(desc="calibrating", unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True) as bar:
             result = pipeline.calibrate(model_src, data_src, recipe, out, device=device,
                                         trust_remote_code=trust_remote_code, force=force, progress=bar,
-                                        options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens))
+                                        options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens),
+                                        placement=_placement(device, device_map, max_memory, offload_folder))
     except _user_errors() as e:
         raise click.ClickException(str(e)) from None
     _report(result, recipe)
+
+
+def _placement(device, device_map, max_memory, offload_folder):
+    from .model import Placement
+
+    if (max_memory or offload_folder) and not device_map:
+        raise click.ClickException("--max-memory and --offload-folder need --device-map (e.g. --device-map auto)")
+    mem = None
+    if max_memory:
+        try:
+            mem = dict(item.split("=", 1) for item in max_memory.split(","))
+        except ValueError:
+            raise click.ClickException(f"--max-memory {max_memory!r}: use device=size pairs, e.g. 0=70GiB,cpu=200GiB") from None
+    return Placement(device=device, device_map=device_map, max_memory=mem, offload_folder=offload_folder)
 
 
 def _report(result, recipe: recipe_mod.Recipe) -> None:

@@ -94,7 +94,18 @@ def pick_device(device: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
+@dataclass(frozen=True)
+class Placement:
+    """Where the weights live. `device_map` (e.g. "auto") spreads a model larger than one accelerator over
+    GPUs, CPU memory (`max_memory`, e.g. {"0": "70GiB", "cpu": "200GiB"}) and disk (`offload_folder`)."""
+    device: str | None = None
+    device_map: str | None = None
+    max_memory: dict[str, str] | None = None
+    offload_folder: str | None = None
+
+
+def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: bool = False,
+         placement: Placement | None = None) -> LoadedModel:
     from transformers import AutoConfig, AutoModel
 
     src = resolve_source(model_id)
@@ -107,20 +118,42 @@ def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: 
     if not any(src.glob("*.safetensors")):
         raise ModelError(f"MODEL {src} has no .safetensors weights; kvcalib reads only safetensors "
                          "(convert pickle .bin weights with transformers' save_pretrained first)")
-    dev = pick_device(device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else "auto"
+    place = placement or Placement(device=device)
+    dev = pick_device(place.device)
+    dtype = torch.bfloat16 if (dev.type == "cuda" or (place.device_map and torch.cuda.is_available())) else "auto"
+    kwargs: dict[str, Any] = {}
+    if place.device_map:
+        kwargs = {"device_map": place.device_map, "max_memory": _max_memory(place.max_memory),
+                  "offload_folder": place.offload_folder}
     try:
         with _quiet_transformers():  # its load report flags the absent LM head, which we leave out on purpose
-            model = AutoModel.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code)
+            model = AutoModel.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     except OSError as e:
         raise ModelError(f"MODEL {src}: weights could not be loaded ({first_line(e)})") from None
-    model.to(dev).eval()
+    except ValueError as e:
+        if not place.device_map:
+            raise
+        raise ModelError(f"MODEL {src}: device map {place.device_map!r} failed ({first_line(e)}); "
+                         "give --max-memory and --offload-folder that fit the model") from None
+    if place.device_map:
+        dev = model.get_input_embeddings().weight.device  # inputs go where the first layer lives
+        if dev.type == "meta":  # embeddings offloaded to disk: accelerate moves them to the execution device
+            dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    else:
+        model.to(dev)
+    model.eval()
     layers = find_attention_layers(model)
     if not layers:
         raise ModelError(f"MODEL {src}: {type(model).__name__} exposes no attention layers with a layer_idx, so "
                          "K/V cannot be captured through transformers' attention interface — not supported")
     return LoadedModel(model=model, tokenizer=_load_tokenizer(src, trust_remote_code), source_dir=src,
                        config=config.get_text_config(), attention_layers=layers, device=dev)
+
+
+def _max_memory(spec: dict[str, str] | None) -> dict[int | str, str] | None:
+    if not spec:
+        return None
+    return {int(k) if str(k).isdigit() else k: v for k, v in spec.items()}
 
 
 @contextlib.contextmanager

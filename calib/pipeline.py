@@ -181,12 +181,12 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, stats: observe.Stats,
 
 def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
               trust_remote_code: bool = False, force: bool = False, progress: Any | None = None,
-              options: RunOptions = RunOptions()) -> Result:
+              options: RunOptions = RunOptions(), placement: model_mod.Placement | None = None) -> Result:
     t_start = time.perf_counter()
     if Path(out).exists() and not force:  # fail before the expensive part
         raise export.ExportError(f"output {out} already exists; pass --force to replace it or choose another --out")
     data_mod.check_source(data_src)
-    loaded = model_mod.load(model_src, device=device, trust_remote_code=trust_remote_code)
+    loaded = model_mod.load(model_src, device=device, trust_remote_code=trust_remote_code, placement=placement)
     max_pos = getattr(loaded.config, "max_position_embeddings", None)
     if max_pos and recipe.seq_len > max_pos:
         raise model_mod.ModelError(f"seq_len {recipe.seq_len} exceeds the model's context "
