@@ -69,7 +69,7 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
         raise click.ClickException(str(e)) from None
     from tqdm import tqdm
 
-    from . import pipeline
+    from . import distributed, pipeline
 
     try:
         if model_src is None:
@@ -78,14 +78,18 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
             model_src = str(ensure_default_model(BUILD_DIR, DEFAULT_DATA, log=lambda m: click.echo(m, err=True)))
         data_src = data_src or str(DEFAULT_DATA)
         out = out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-kv-{recipe.dtype.split('_')[0]}"
-        with tqdm(desc="calibrating", unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True) as bar:
+        dist = distributed.from_env()
+        device = distributed.device_for(dist, device)
+        with tqdm(desc="calibrating", unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True,
+                  disable=not dist.is_main) as bar:
             result = pipeline.calibrate(model_src, data_src, recipe, out, device=device,
                                         trust_remote_code=trust_remote_code, force=force, progress=bar,
-                                        options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens),
+                                        options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist),
                                         placement=_placement(device, device_map, max_memory, offload_folder))
     except _user_errors() as e:
         raise click.ClickException(str(e)) from None
-    _report(result, recipe)
+    if dist.is_main:
+        _report(result, recipe)
 
 
 def _placement(device, device_map, max_memory, offload_folder):
@@ -112,9 +116,14 @@ def _report(result, recipe: recipe_mod.Recipe) -> None:
                    f"observer {recipe.observer}:")
         click.echo(_scale_table({i: (float(s.k_amax.max()), float(s.k_scale.max()), float(s.v_amax.max()),
                                      float(s.v_scale.max())) for i, s in result.scales.items()}))
-    over = [i for i, s in result.stats.items() if max(float(s.k_amax.max()), float(s.v_amax.max())) > 448]
+    over = {i: (float(s.k_over), float(s.v_over)) for i, s in result.stats.items() if float(s.k_over) + float(s.v_over) > 0}
     if over:
-        click.echo(f"layers {over} reach |x| > 448: with the default scale 1.0 their FP8 cache would saturate.")
+        click.echo(f"layers {sorted(over)} reach |x| > 448: with the default scale 1.0 their FP8 cache saturates "
+                   "(share of K / V values: " + ", ".join(f"{i}: {k:.3%} / {v:.3%}" for i, (k, v) in over.items()) + ")")
+        if "trtllm" in recipe.targets and recipe.dtype == "fp8_e4m3":
+            click.secho("WARNING: TensorRT-LLM's FP8 KV cache runs with scale 1.0 whatever the checkpoint says; "
+                        "these values WILL saturate there. Consider INT8 KV or vLLM for this model.", err=True,
+                        fg="red", bold=True)
     click.echo(f"\nwrote {result.out}")
     if not recipe.targets:
         click.echo("statistics only (no target): stats.safetensors and kvcalib.json")
@@ -172,6 +181,24 @@ def inspect(ckpt: Path) -> None:
     if info.num_layers is not None and len(info.scales) != info.num_layers:
         click.echo(f"warning: scales for {len(info.scales)} of {info.num_layers} layers; "
                    "engines use 1.0 for the others", err=True)
+
+
+@main.command()
+@click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--engine", type=click.Choice(["all", "vllm", "trtllm"]), default="all", show_default=True,
+              help="Check the rules of this engine (all: the engines the checkpoint declares).")
+def verify(ckpt: Path, engine: str) -> None:
+    """Check CKPT against each engine's loader rules; one line per problem, non-zero exit on errors."""
+    from .verify import verify as run_verify
+
+    problems = run_verify(ckpt, engine)
+    for p in problems:
+        click.echo(str(p))
+    errors = [p for p in problems if p.severity == "error"]
+    warnings = len(problems) - len(errors)
+    click.echo(f"{ckpt}: {len(errors)} error(s), {warnings} warning(s)", err=True)
+    if errors:
+        sys.exit(1)
 
 
 @main.group(invoke_without_command=True)

@@ -77,6 +77,8 @@ class LayerStats:
     v_channel: torch.Tensor | None = None
     k_token: torch.Tensor | None = None
     v_token: torch.Tensor | None = None
+    k_over: torch.Tensor | None = None   # [] fraction of real K values with |x| > 448 (saturate at scale 1.0)
+    v_over: torch.Tensor | None = None
 
     def clip(self, kind: str) -> torch.Tensor:
         c = self.k_clip if kind == "k" else self.v_clip
@@ -113,8 +115,40 @@ class ChannelMaxObserver:
         batch = a.amax(dim=(0, 2)).float()
         self._amax = batch if self._amax is None else torch.maximum(self._amax, batch)
 
+    def merge(self, other: "ChannelMaxObserver") -> None:
+        if other._amax is not None:
+            self._amax = other._amax.clone() if self._amax is None else torch.maximum(self._amax, other._amax)
+
     def amax(self) -> torch.Tensor:
         return self._amax.detach().cpu().clone()
+
+
+class OverflowCounter:
+    """Fraction of real values with |x| > limit — what an FP8 cache with scale 1.0 clips (limit 448)."""
+
+    def __init__(self, limit: float = 448.0) -> None:
+        self.limit = limit
+        self._over: torch.Tensor | None = None
+        self._total: torch.Tensor | None = None
+
+    def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
+        big = x.detach().abs() > self.limit
+        if mask is not None:
+            big = big & mask[:, None, :, None]
+            total = mask.sum() * x.shape[1] * x.shape[3]
+        else:
+            total = torch.tensor(x.numel(), device=x.device)
+        over = big.sum()
+        self._over = over if self._over is None else self._over + over
+        self._total = total if self._total is None else self._total + total
+
+    def merge(self, other: "OverflowCounter") -> None:
+        if other._over is not None:
+            self._over = other._over if self._over is None else self._over + other._over.to(self._over.device)
+            self._total = other._total if self._total is None else self._total + other._total.to(self._total.device)
+
+    def amax(self) -> torch.Tensor:
+        return (self._over.double() / self._total.clamp_min(1).double()).float().cpu()
 
 
 class _TokenMax:
@@ -128,8 +162,27 @@ class _TokenMax:
         for o in self.observers:
             o.update(per_token, mask)
 
+    def merge(self, other: "_TokenMax") -> None:
+        for mine, theirs in zip(self.observers, other.observers):
+            mine.merge(theirs)
+
     def amax(self) -> torch.Tensor:
         return torch.stack([o.amax() for o in self.observers])
+
+
+def _to_cpu(obj: Any) -> Any:
+    """The same observer with every tensor it holds moved to the CPU (for gathering across processes)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, list):
+        moved = [_to_cpu(o) for o in obj]
+        return obj if all(a is b for a, b in zip(moved, obj)) else moved
+    if hasattr(obj, "__dict__"):
+        for k, v in list(vars(obj).items()):
+            new = _to_cpu(v)
+            if new is not v:
+                setattr(obj, k, new)
+    return obj
 
 
 class _LayerObservers:
@@ -143,18 +196,32 @@ class _LayerObservers:
         tok = spec.token_quantiles and spec.token_observer
         self.k_tok = _TokenMax(spec.token_quantiles, spec.token_observer) if tok else None
         self.v_tok = _TokenMax(spec.token_quantiles, spec.token_observer) if tok else None
+        self.k_over, self.v_over = OverflowCounter(), OverflowCounter()
 
     def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:
         for obs, x in ((self.k, k), (self.v, v), (self.k_clip, k), (self.v_clip, v), (self.q, q),
-                       (self.k_ch, k), (self.v_ch, v), (self.k_tok, k), (self.v_tok, v)):
+                       (self.k_ch, k), (self.v_ch, v), (self.k_tok, k), (self.v_tok, v),
+                       (self.k_over, k), (self.v_over, v)):
             if obs is not None:
                 obs.update(x, mask)
+
+    _FIELDS = ("k", "v", "k_clip", "v_clip", "q", "k_ch", "v_ch", "k_tok", "v_tok", "k_over", "v_over")
+
+    def merge(self, other: "_LayerObservers") -> None:
+        for name in self._FIELDS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is not None and theirs is not None:
+                mine.merge(theirs)
+
+    def to_cpu(self) -> "_LayerObservers":
+        return _to_cpu(self)
 
     def read(self) -> LayerStats:
         def get(o):
             return None if o is None else o.amax()
         return LayerStats(self.k.amax(), self.v.amax(), get(self.k_clip), get(self.v_clip), get(self.q),
-                          get(self.k_ch), get(self.v_ch), get(self.k_tok), get(self.v_tok))
+                          get(self.k_ch), get(self.v_ch), get(self.k_tok), get(self.v_tok), get(self.k_over),
+                          get(self.v_over))
 
 
 class KVCapture:
@@ -173,6 +240,10 @@ class KVCapture:
             raise CaptureError(f"layer {layer}: K has batch x seq {(key.shape[0], key.shape[2])} but the token mask "
                                f"is {tuple(mask.shape)}; run with use_cache=False and no past K/V")
         self._obs[layer].update(query, key, value, mask)
+
+    def merge_across(self, merge: Callable[[dict[int, Any]], dict[int, Any]]) -> None:
+        """Replace the per-layer observers by `merge(observers)` (e.g. the merge over all ranks)."""
+        self._obs = merge(self._obs)
 
     def stats(self) -> Stats:
         """The statistics of every layer; errors name layers that were never seen or are not finite."""
@@ -250,7 +321,8 @@ def capture_kv(model: torch.nn.Module, layers: list[int], spec: CaptureSpec | No
             ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
 
 
-_STAT_FIELDS = ("k_amax", "v_amax", "k_clip", "v_clip", "q_amax", "k_channel", "v_channel", "k_token", "v_token")
+_STAT_FIELDS = ("k_amax", "v_amax", "k_clip", "v_clip", "q_amax", "k_channel", "v_channel", "k_token", "v_token",
+                "k_over", "v_over")
 
 
 def stats_to_tensors(stats: Stats) -> dict[str, torch.Tensor]:

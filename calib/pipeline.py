@@ -22,6 +22,7 @@ import torch
 from . import data as data_mod
 from . import export, model as model_mod, observe, scales as scales_mod
 from .batching import PaddingStats, batches, prefetch
+from .distributed import Dist, barrier, merge_all, shard
 from .recipe import Recipe
 
 
@@ -48,6 +49,7 @@ class RunOptions:
     """How the forward loop is fed (not part of the recipe: none of these changes a statistic)."""
     max_batch_tokens: int | None = None   # token budget per batch; enables length bucketing
     prefetch: int = 2                     # batches prepared ahead by a background thread (0: none)
+    dist: Dist = Dist()                   # this process's rank under torchrun (default: one process)
 
 
 def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_size: int,
@@ -57,7 +59,8 @@ def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_s
     which include streaming and tokenizing the data)."""
     model, dev = loaded.model, loaded.device
     pad_id = getattr(loaded.tokenizer, "pad_token_id", None) or 0
-    feed: Iterable = batches(seqs, batch_size, pad_id, max_batch_tokens=options.max_batch_tokens, padding=padding)
+    feed: Iterable = shard(batches(seqs, batch_size, pad_id, max_batch_tokens=options.max_batch_tokens,
+                                   padding=padding), options.dist)
     if options.prefetch:
         feed = prefetch(feed, options.prefetch)
     pin = dev.type == "cuda"
@@ -75,6 +78,7 @@ def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_s
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         spent = time.perf_counter() - t0
+        cap.merge_across(lambda obs: merge_all(obs, options.dist))
         stats = cap.stats()
     return stats, spent
 
@@ -205,7 +209,10 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
               if recipe.targets else {})
     dtype = str(loaded.dtype).removeprefix("torch.")
     prov = provenance(recipe, str(model_src), str(data_src), report, stats, scales, skipped, dtype)
-    path = write_outputs(loaded.source_dir, Path(out), recipe, stats, scales, prov, force=force)
+    path = Path(out)
+    if options.dist.is_main:
+        path = write_outputs(loaded.source_dir, Path(out), recipe, stats, scales, prov, force=force)
+    barrier(options.dist)
     return Result(out=path, scales=scales, stats=stats, skipped=skipped, data=report, padding=padding.fraction,
                   seconds=time.perf_counter() - t_start, forward_seconds=fwd, model_dtype=dtype,
                   device=str(loaded.device))

@@ -105,6 +105,9 @@ class Recipe:
         if self.dtype == "int8" and "vllm" in self.targets:
             raise RecipeError("recipe field 'dtype' = 'int8' with target vllm: vLLM reads only FP8 KV-cache scales; "
                               "use dtype fp8_e4m3, or targets [trtllm] for INT8")
+        if self.skip_layers and "trtllm" in self.targets:
+            raise RecipeError("recipe field 'skip_layers' with target trtllm: TensorRT-LLM applies one KV cache dtype "
+                              "to every layer and cannot skip any; drop skip_layers or the trtllm target")
         if self.q_scale and "vllm" not in self.targets:
             raise RecipeError("recipe field 'q_scale' = true needs target vllm (only vLLM's FP8 attention reads "
                               "q_scale); add vllm to targets or drop q_scale")

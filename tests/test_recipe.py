@@ -153,8 +153,10 @@ def test_impossible_combinations_name_the_field_and_the_fix(fields, says):
 
 
 def test_skip_layers_and_targets_from_comma_strings():
-    r = R.from_dict({"skip_layers": "0,3,sliding_window", "targets": "vllm,trtllm"})
-    assert r.skip_layers == (0, 3, "sliding_window") and r.targets == ("vllm", "trtllm")
+    r = R.from_dict({"skip_layers": "0,3,sliding_window", "targets": "vllm"})
+    assert r.skip_layers == (0, 3, "sliding_window") and r.targets == ("vllm",)
+    assert R.from_dict({"targets": "vllm,trtllm"}).targets == ("vllm", "trtllm")
+    assert "cannot skip" in recipe_error({"skip_layers": [1], "targets": ["trtllm"]})
     assert R.from_dict(r.to_dict()) == r
 
 

@@ -1,0 +1,164 @@
+"""Passkey retrieval: can the model still find one fact deep in a long context when its KV cache is FP8?
+
+Why it is in the evaluation: next-token KL averages over every position, and most positions need only the
+last few tokens. Retrieval needs one key stored thousands of positions earlier to survive quantisation
+of its K and V (a saturated or flushed key head changes which token attention finds). So it catches
+long-context damage that the averages dilute.
+
+The generator is ours (no dataset needed): filler sentences repeated to a target token length, one line
+"The pass key is NNNNN. Remember it." at a chosen depth of the filler (0 = first line, 1 = last line), then
+a question. The answer is scored by exact match of the first number in at most `MAX_NEW_TOKENS` greedily
+generated tokens. Meaningful on trained models; on random test models only the mechanics are checked.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+MAX_NEW_TOKENS = 8
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+         "Find it and memorize it. I will quiz you about it.\n")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+NEEDLE = "The pass key is {key}. Remember it.\n"
+QUESTION = "What is the pass key? The pass key is"
+_NUMBER = re.compile(r"\d+")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One retrieval prompt: token ids (special tokens included), the key, where the needle sits."""
+    ids: tuple[int, ...]
+    key: str
+    depth: float
+    bucket: int
+    needle_token: int     # index of the first token of the needle line (approximate at token merges)
+    filler_lines: int     # filler sentences in the prompt (needle inserted after round(depth * lines))
+
+
+def _count(tokenizer: Any, text: str) -> int:
+    return len(tokenizer(text)["input_ids"])
+
+
+def _text(key: str, lines: int, depth: float) -> tuple[str, str]:
+    """(full prompt, the part before the needle)."""
+    before = INTRO + FILLER * round(depth * lines)
+    return before + NEEDLE.format(key=key) + FILLER * (lines - round(depth * lines)) + QUESTION, before
+
+
+def build(tokenizer: Any, target_tokens: int, depth: float, key: str, bucket: int) -> Prompt | None:
+    """The longest prompt of at most `target_tokens` tokens with the key at `depth`; None when even one
+    filler line does not fit."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth {depth} must lie in [0, 1]")
+    base = _count(tokenizer, _text(key, 0, depth)[0])
+    per_line = max(1.0, (_count(tokenizer, FILLER * 16) - _count(tokenizer, "")) / 16)
+    lines = max(0, int((target_tokens - base) / per_line))
+    while lines > 0 and _count(tokenizer, _text(key, lines, depth)[0]) > target_tokens:
+        lines -= 1
+    while _count(tokenizer, _text(key, lines + 1, depth)[0]) <= target_tokens:
+        lines += 1
+    if lines == 0:
+        return None
+    full, before = _text(key, lines, depth)
+    ids = tuple(tokenizer(full)["input_ids"])
+    return Prompt(ids, key, depth, bucket, needle_token=_count(tokenizer, before), filler_lines=lines)
+
+
+def prompts(tokenizer: Any, buckets: Sequence[int], trials: int, seed: int,
+            depths: Sequence[float] = DEPTHS) -> tuple[list[Prompt], list[str]]:
+    """`trials` prompts per depth for every bucket, each sized so prompt + answer lands in that bucket
+    (longer than the previous bucket, at most the bucket minus MAX_NEW_TOKENS). Returns (prompts, notes
+    about buckets too small for a prompt)."""
+    rng = random.Random(seed)
+    out: list[Prompt] = []
+    notes: list[str] = []
+    lower = 0
+    for bucket in sorted(buckets):
+        target = bucket - MAX_NEW_TOKENS
+        made = [build(tokenizer, target, d, str(rng.randint(10000, 99999)), bucket)
+                for d in depths for _ in range(trials)] if target > lower else [None]
+        if any(p is None or len(p.ids) <= lower for p in made):
+            notes.append(f"passkey: bucket {bucket} is too small for a prompt longer than {lower} tokens; skipped")
+        else:
+            out.extend(p for p in made if p is not None)
+        lower = bucket
+    return out, notes
+
+
+def answer(text: str) -> str | None:
+    """The first number in a generated answer (None if there is none)."""
+    m = _NUMBER.search(text)
+    return m.group(0) if m else None
+
+
+def correct(text: str, key: str) -> bool:
+    """Exact match: the first number generated is the key, all of it and nothing more."""
+    return answer(text) == key
+
+
+def _cache_kw(model: torch.nn.Module) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x); pass whichever the model takes."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@torch.inference_mode()
+def greedy(model: torch.nn.Module, ids: Sequence[int], max_new_tokens: int = MAX_NEW_TOKENS,
+           eos_id: int | None = None) -> list[int]:
+    """Greedy continuation of one prompt with the model's KV cache (whatever attention hook is installed
+    sees the whole cached K/V at every step, so fake quantisation covers the prompt too)."""
+    device = next(model.parameters()).device
+    kw = _cache_kw(model)
+    x = torch.tensor([list(ids)], device=device)
+    out = model(input_ids=x, use_cache=True, logits_to_keep=1)
+    new: list[int] = []
+    for step in range(max_new_tokens):
+        tok = int(out.logits[0, -1].argmax())
+        new.append(tok)
+        if tok == eos_id or step == max_new_tokens - 1:
+            break
+        cache = out.get("cache", None)
+        cache = out.get("past_key_values", None) if cache is None else cache
+        out = model(input_ids=torch.tensor([[tok]], device=device), use_cache=True, logits_to_keep=1, **{kw: cache})
+    return new
+
+
+@dataclass(frozen=True)
+class Outcome:
+    bucket: int
+    depth: float
+    key: str
+    generated: str
+    correct: bool
+
+
+def run(model: torch.nn.Module, tokenizer: Any, items: Sequence[Prompt]) -> list[Outcome]:
+    """Generate and score every prompt under whatever K/V treatment is currently installed."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    out = []
+    for p in items:
+        text = tokenizer.decode(greedy(model, p.ids, eos_id=eos), skip_special_tokens=True)
+        out.append(Outcome(p.bucket, p.depth, p.key, text, correct(text, p.key)))
+    return out
+
+
+def summarize(outcomes: Sequence[Outcome]) -> dict[str, dict[str, Any]]:
+    """Per bucket: correct / total / accuracy, and the same per depth."""
+    table: dict[str, dict[str, Any]] = {}
+    for o in outcomes:
+        b = table.setdefault(str(o.bucket), {"correct": 0, "total": 0, "by_depth": {}})
+        d = b["by_depth"].setdefault(f"{o.depth:g}", {"correct": 0, "total": 0})
+        for t in (b, d):
+            t["correct"] += int(o.correct)
+            t["total"] += 1
+    for b in table.values():
+        b["accuracy"] = b["correct"] / b["total"]
+    return table

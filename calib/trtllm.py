@@ -1,0 +1,243 @@
+"""TensorRT-LLM target (PyTorch backend / `LLM` API): the checkpoint variant TRT-LLM loads with our KV scales.
+
+Why a second variant next to the vLLM one (both share the hard-linked weight files):
+- TRT-LLM reads the KV-cache algorithm from `hf_quant_config.json` (`ModelConfig.from_pretrained` in
+  `tensorrt_llm/_torch/model_config.py`, normalised by `read_modelopt_quant_config` in
+  `tensorrt_llm/quantization/modelopt_config.py`, legacy `{"quantization": {...}}` shape). When that file
+  sets no weight `quant_algo`, it falls back to `config.json`'s `quantization_config`
+  (`ModelConfig.load_hf_quant_config`); a compressed-tensors block there goes to
+  `update_quant_config_from_compressed_tensors` (`tensorrt_llm/models/quant_config_utils.py`), which
+  raises "config_groups is empty" for the KV-only block the vLLM variant needs. Any other weight format
+  found there replaces the whole quant config, dropping the `kv_cache_quant_algo` we declared. So the
+  TRT-LLM variant carries no compressed-tensors block, and the vLLM variant cannot carry this layout.
+- Scale tensor names: TRT-LLM fuses q/k/v into `qkv_proj` and hands the fused linear one dict per source
+  projection (`_load_weights_impl` in `tensorrt_llm/_torch/models/modeling_utils.py`: `filter_weights`
+  on `...self_attn.{q,k,v}_proj`), so it finds a scale only as `...self_attn.k_proj.k_scale` (key
+  `k_scale` of the k shard) and `...self_attn.v_proj.v_scale`. Scalars, float32 (ModelOpt's layout).
+  It loads every `*.safetensors` file of the directory (`HfWeightLoader.load_weights`,
+  `tensorrt_llm/_torch/models/checkpoints/hf/weight_loader.py`), not through the index; we still list
+  the scale shard in `model.safetensors.index.json` for every tool that does.
+
+What the engine does with the scales (read 2026-12):
+- FP8 KV: nothing yet. `TrtllmAttention.__init__` (`tensorrt_llm/_torch/attention_backend/trtllm.py`)
+  sets `kv_cache_scaling_factor = 1.0` and the PyTorch backend never overrides it; `Attention._attn_impl`
+  (`tensorrt_llm/_torch/modules/attention.py`) passes `qkv_proj.kv_scales` only when
+  `has_fp4_kv_cache()`. Any |K| or |V| above 448 saturates: see `saturation_report`. We still write
+  the calibrated scales (the format ModelOpt uses), so the checkpoint is right when the engine reads them.
+- INT8 KV: the calibrated-INT8 path under review (NVIDIA/TensorRT-LLM pull request 18953, "Add calibrated
+  INT8 KV cache to PyTorch backend"; its tests load `weights[1]["k_scale"]`, `weights[2]["v_scale"]` into
+  the fused QKV linear) requires BOTH scalar scales per layer, positive and finite, and uses ONE
+  `kv_cache_scaling_factor = max(k_scale, v_scale)` per layer. It accepts only unquantized FP16/BF16
+  projections (weight `quant_algo` null), the TRTLLM attention backend, and refuses
+  `TRTLLM_LOAD_KV_SCALES=0`. We write k and v separately (what it reads) and record the max it will use
+  in `kvcalib.json`. Scales must be INT8 ones (`amax / 127`) when `kv_algo="INT8"`.
+- Skipped layers: not expressible. `DecoderModelForCausalLM.apply_quant_config_exclude_modules`
+  (`tensorrt_llm/_torch/models/modeling_utils.py`) gives excluded modules
+  `QuantConfig(kv_cache_quant_algo=...)` ("kv_cache_quant_algo takes precedence over exclude_modules"),
+  and the cache pool has one dtype. So a layer missing from `scales` is an `ExportError` here.
+
+Atomic like the vLLM export: built in a temporary sibling directory, renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__
+from .export import (INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, ExportError, _weight_map, atomic_dir,
+                     link_or_copy)
+from .scales import FP8_E4M3_MAX, Scales
+from .verify._checkpoint import HF_QUANT_CONFIG
+from .verify._common import _ct, _is_modelopt, _modelopt_flat
+
+KV_ALGOS = ("FP8", "INT8")
+_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".k_proj.output_scale", ".v_proj.output_scale",
+                      ".kv_cache_scaling_factor")
+
+
+def trtllm_scale_names(layer: int) -> tuple[str, str]:
+    """The names TRT-LLM's fused-QKV loader finds a layer's K and V scale under."""
+    return f"model.layers.{layer}.self_attn.k_proj.k_scale", f"model.layers.{layer}.self_attn.v_proj.v_scale"
+
+
+def saturation_report(scales: Scales, fractions: Mapping[int, tuple[float, float]] | None = None) -> list[str]:
+    """One line per layer whose K or V range exceeds 448, the largest FP8 e4m3 value.
+
+    TRT-LLM's FP8 KV cache runs with scale 1.0 today (module docstring), so every such value is clipped to
+    ±448 in the cache. `fractions` (optional, from data: layer -> (fraction of K values, fraction of V
+    values) above 448) adds how much of the layer saturates; without it only the range is known.
+    """
+    lines = []
+    for layer, s in sorted(scales.items()):
+        parts = []
+        for i, (kind, amax) in enumerate((("K", s.k_amax), ("V", s.v_amax))):
+            peak = float(torch.as_tensor(amax, dtype=torch.float32).max())
+            if not peak > FP8_E4M3_MAX:
+                continue
+            text = f"{kind} amax {peak:.4g} > {FP8_E4M3_MAX:g}"
+            if fractions is not None and layer in fractions:
+                text += f" ({100.0 * float(fractions[layer][i]):.3g}% of values)"
+            parts.append(text)
+        if parts:
+            lines.append(f"layer {layer}: {', '.join(parts)}; TensorRT-LLM's FP8 KV cache (scale 1.0) "
+                         "clips these to ±448")
+    return lines
+
+
+def _num_layers(config: dict[str, Any], source: Path) -> int:
+    text = config.get("text_config") or config
+    n = text.get("num_hidden_layers", config.get("num_hidden_layers"))
+    if not isinstance(n, int) or n <= 0:
+        raise ExportError(f"{source}/config.json has no num_hidden_layers; cannot tell which layers need scales")
+    return n
+
+
+def _modelopt_inner(qc: dict[str, Any], where: str) -> dict[str, Any]:
+    """The legacy `quantization` dict of a ModelOpt config, from either of its two shapes (a copy).
+
+    Reads a flat `kv_cache_scheme` only as float/8 -> FP8, more narrowly than calib.verify does.
+    """
+    if "quantization" in qc:
+        inner = qc["quantization"]
+        if not isinstance(inner, dict):
+            raise ExportError(f"{where}: 'quantization' must be an object")
+        return dict(inner)
+    flat = _modelopt_flat(qc)
+    scheme = qc.get("kv_cache_scheme")
+    if isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8:
+        flat["kv_cache_quant_algo"] = "FP8"
+    return flat
+
+
+def _source_quantization(source: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """The source's weight quantization as a legacy `quantization` dict (quant_algo None when unquantized)."""
+    inline = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if isinstance(inline, dict) and _ct(inline):
+        raise ExportError(
+            f"{source}/config.json has a compressed-tensors quantization_config. TensorRT-LLM reads it when "
+            "hf_quant_config.json sets no weight quant_algo and rejects one without weight config_groups "
+            "(update_quant_config_from_compressed_tensors), and a KV-only hf_quant_config.json cannot describe "
+            "compressed-tensors weights. Export the TRT-LLM variant from the unquantized model (or a ModelOpt "
+            "checkpoint), not from a compressed-tensors one")
+    hq_file = source / HF_QUANT_CONFIG
+    if hq_file.is_file():
+        try:
+            hq = json.loads(hq_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ExportError(f"{hq_file} is not valid JSON ({e}); repair or remove it") from None
+        if not isinstance(hq, dict):
+            raise ExportError(f"{hq_file} must hold a JSON object")
+        inner = _modelopt_inner(hq, str(hq_file))
+    elif _is_modelopt(inline):
+        inner = _modelopt_inner(inline, f"{source}/config.json")
+    else:
+        inner = {}
+    if inner.get("quant_algo") is None and isinstance(inline, dict) and not _is_modelopt(inline):
+        raise ExportError(
+            f"{source}/config.json has a quantization_config (quant_method "
+            f"{inline.get('quant_method')!r}) that hf_quant_config.json cannot express. With no weight "
+            "quant_algo in hf_quant_config.json, TensorRT-LLM takes the quantization from config.json instead "
+            "(ModelConfig.from_pretrained) and drops the kv_cache_quant_algo we declare. Start from the "
+            "unquantized model or a ModelOpt checkpoint")
+    if inner.get("kv_cache_quant_algo") is not None:
+        raise ExportError(f"{source} already declares kv_cache_quant_algo={inner['kv_cache_quant_algo']!r}; "
+                          "start from a checkpoint without KV-cache quantization")
+    inner.pop("kv_cache_quant_algo", None)
+    return inner
+
+
+def _scalar(t: torch.Tensor, what: str) -> torch.Tensor:
+    value = torch.as_tensor(t).detach().to(torch.float32).max().reshape(()).contiguous()
+    if not (torch.isfinite(value) and value > 0):
+        raise ExportError(f"{what} is {float(value)!r}; scales must be finite and > 0")
+    return value
+
+
+def export_trtllm(source: Path, out: Path, scales: Scales, provenance: dict[str, Any], *, kv_algo: str = "FP8",
+                  force: bool = False) -> Path:
+    """Write the TensorRT-LLM variant of `source` with `scales` to `out`; returns `out`.
+
+    `scales` must cover every layer (TRT-LLM cannot keep some layers out of a quantized KV cache) and hold
+    scales for `kv_algo` (FP8: amax / 448; INT8: amax / 127). Per-head scales are folded to one per layer
+    by their max, which is all TRT-LLM reads.
+    """
+    source, out = Path(source), Path(out)
+    kv_algo = str(kv_algo).upper()
+    if kv_algo not in KV_ALGOS:
+        raise ExportError(f"kv_algo {kv_algo!r} is not one kvcalib writes for TensorRT-LLM; use one of {KV_ALGOS}")
+    if out.resolve() == source.resolve():
+        raise ExportError(f"--out {out} is the source model directory; choose a new directory")
+    config_file = source / "config.json"
+    if not config_file.is_file():
+        raise ExportError(f"{source} has no config.json; point at a checkpoint directory")
+    config = json.loads(config_file.read_text())
+    n_layers = _num_layers(config, source)
+    beyond = sorted(i for i in scales if not 0 <= i < n_layers)
+    if beyond:
+        raise ExportError(f"scales name layer(s) {beyond} but the model has {n_layers} layers (0..{n_layers - 1})")
+    skipped = sorted(set(range(n_layers)) - set(scales))
+    if skipped:
+        raise ExportError(
+            f"the TensorRT-LLM target cannot skip layers (layers {skipped} have no scales): TRT-LLM applies "
+            "kv_cache_quant_algo to every attention layer, exclude_modules included, and its cache pool has one "
+            "dtype. Calibrate all layers for TRT-LLM, or serve the skipping variant with vLLM "
+            "(--kv-cache-dtype-skip-layers)")
+    quantization = _source_quantization(source, config)
+    weight_algo = quantization.get("quant_algo")
+    if kv_algo == "INT8" and weight_algo is not None:
+        raise ExportError(f"INT8 KV cache in TensorRT-LLM needs unquantized FP16/BF16 projections, but {source} "
+                          f"has weight quant_algo {weight_algo!r}; use kv_algo='FP8' or an unquantized model")
+
+    tensors: dict[str, torch.Tensor] = {}
+    for layer, s in sorted(scales.items()):
+        k_name, v_name = trtllm_scale_names(layer)
+        tensors[k_name] = _scalar(s.k_scale, f"layer {layer} k_scale")
+        tensors[v_name] = _scalar(s.v_scale, f"layer {layer} v_scale")
+    wmap, total = _weight_map(source)
+    carried = sorted(n for n in wmap if n.endswith(_KV_SCALE_SUFFIXES))
+    if carried:
+        raise ExportError(f"{source} already carries KV scale tensors ({carried[0]}, ...); "
+                          "start from a checkpoint without them")
+
+    quantization = {**quantization, "quant_algo": weight_algo, "kv_cache_quant_algo": kv_algo,
+                    "exclude_modules": list(quantization.get("exclude_modules") or [])}
+    hf_quant = {"producer": {"name": "kvcalib", "version": __version__}, "quantization": quantization}
+    prov: dict[str, Any] = {**provenance, "target": "trtllm", "kv_cache_quant_algo": kv_algo}
+    if kv_algo == "FP8":
+        prov["trtllm_fp8_saturation"] = saturation_report(scales)
+    else:
+        prov["trtllm_int8_layer_scale"] = {
+            str(i): max(float(tensors[trtllm_scale_names(i)[0]]), float(tensors[trtllm_scale_names(i)[1]]))
+            for i in sorted(scales)}
+    weight_files = set(wmap.values())
+    skip_names = {"config.json", INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, HF_QUANT_CONFIG}
+
+    from safetensors.torch import save_file
+
+    with atomic_dir(out, force) as tmp:
+        how = set()
+        for f in sorted(source.iterdir()):
+            if not f.is_file() or f.name in skip_names:
+                continue
+            if f.name in weight_files:
+                how.add(link_or_copy(f, tmp / f.name))
+            elif f.suffix != ".safetensors":
+                shutil.copy2(f, tmp / f.name)
+        shutil.copy2(config_file, tmp / "config.json")
+        save_file(tensors, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "kvcalib"})
+        new_map = {**wmap, **{name: SCALES_FILE for name in tensors}}
+        index = {"metadata": {"total_size": total + 4 * len(tensors)}, "weight_map": dict(sorted(new_map.items()))}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=2) + "\n")
+        prov["weights"] = sorted(how)
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(prov, indent=2) + "\n")
+    return out
+
+
+__all__ = ["HF_QUANT_CONFIG", "KV_ALGOS", "export_trtllm", "saturation_report", "trtllm_scale_names"]

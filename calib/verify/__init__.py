@@ -1,0 +1,77 @@
+"""Check a checkpoint against the rules vLLM and TensorRT-LLM apply when they load its KV-cache scales.
+
+Works on any producer's layout: kvcalib's two variants, llm-compressor (compressed-tensors, scales
+`*.self_attn.{k,v}_scale`, shape [] or [1], [kv_heads, 1, 1] per head), ModelOpt (`hf_quant_config.json`,
+`*.self_attn.{k,v}_proj.{k,v}_scale`) and AMD Quark (`quant_method: quark`, `*.{k,v}_proj.output_scale`).
+Each rule is a small function whose docstring names the engine file and function it restates; rules
+were read from vLLM 0.32 (module paths under `vllm/`) and TensorRT-LLM main as of 2026-12 (paths under
+`tensorrt_llm/`). A rule the engine would fail on is an "error"; one that loads but loses precision or
+is ignored today is a "warning".
+
+Reads JSON and safetensors headers/values only (`safetensors.safe_open(..., framework="numpy")`; bf16
+values, which numpy cannot represent, are decoded from the file's raw bytes). Never unpickles, never
+imports torch, so it is fast enough for a pre-deploy check.
+
+Layout: `_checkpoint` reads the checkpoint once (and defines `Problem`), `_common` holds helpers both
+engines' rules share, `vllm` and `trtllm` hold each engine's view and rules; this module picks the
+engines and runs their rules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ._checkpoint import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, Problem, _Checkpoint
+from .trtllm import (TRT_KV_ALGOS, TRT_RULES, trt_config_json_quantization, trt_hf_quant_config,
+                     trt_int8_needs_unquantized_weights, trt_no_skipped_layers, trt_scale_names,
+                     trt_scale_shapes_dtypes_values, trt_scales_present, _trt_view)
+from .vllm import (VLLM_RULES, vllm_ct_config_groups, vllm_ct_kv_cache_scheme, vllm_declared_without_scales,
+                   vllm_index_consistent, vllm_one_scale_per_layer, vllm_quark_kv_config, vllm_reads_a_quant_config,
+                   vllm_scale_dtypes, vllm_scale_names, vllm_scale_shapes, vllm_scale_values, _vllm_config,
+                   _vllm_method, _vllm_view)
+
+# The rule functions and file-name constants stay importable from `calib.verify`, as before the split.
+
+ENGINES = ("vllm", "trtllm")
+
+
+def _targets(ck: _Checkpoint) -> list[str]:
+    """Engines the checkpoint is made for: what its configs declare, else what kvcalib.json says, else both."""
+    found = []
+    source, qc = _vllm_config(ck)
+    if source == "config.json" or _vllm_method(qc) is not None:
+        found.append("vllm")
+    if ck.hf_quant_present:
+        found.append("trtllm")
+    target = (ck.provenance or {}).get("target")
+    if target in ENGINES and target not in found:
+        found.append(target)
+    return found or list(ENGINES)
+
+
+def verify(ckpt: str | Path, engine: str = "all") -> list[Problem]:
+    """Problems an engine would hit loading `ckpt`'s KV-cache scales; [] when none.
+
+    `engine`: "vllm", "trtllm", or "all" (the engines the checkpoint declares itself for; both when it
+    declares none).
+    """
+    if engine not in ("all", *ENGINES):
+        raise ValueError(f"engine must be 'all', 'vllm' or 'trtllm', got {engine!r}")
+    path = Path(ckpt)
+    if not (path / "config.json").is_file():
+        return [Problem("checkpoint", str(path), "no config.json: not a checkpoint directory", code="checkpoint.config")]
+    ck = _Checkpoint(path)
+    problems = list(ck.read_problems)
+    engines = _targets(ck) if engine == "all" else [engine]
+    if "vllm" in engines:
+        view = _vllm_view(ck)
+        for rule in VLLM_RULES:
+            problems.extend(rule(ck, view))
+    if "trtllm" in engines:
+        tview = _trt_view(ck)
+        for rule in TRT_RULES:
+            problems.extend(rule(ck, tview))
+    return list(dict.fromkeys(problems))
+
+
+__all__ = ["ENGINES", "Problem", "VLLM_RULES", "TRT_RULES", "verify"]
