@@ -149,7 +149,13 @@ def main() -> None:
 
     floor()  # warm-up: kernels, allocator
     results = {"plain forward (floor)": timed(floor, device, args.repeat)}
+    out: dict = {"results": results}
     stats_for_export = None
+
+    def save() -> None:  # after every arm, so a run cut short still leaves its numbers
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=2))
+
     for name in args.arms.split(","):
         recipe = Recipe(**ARMS[name])
 
@@ -160,6 +166,13 @@ def main() -> None:
             scales_mod.compute(stats, dtype=recipe.dtype, granularity=recipe.granularity)
             stats_for_export = stats
         results[f"kvcalib {name}"] = timed(arm, device, args.repeat)
+        print(f"{name}: {results[f'kvcalib {name}']}", flush=True)
+        save()
+        if args.export and "export" not in out:
+            with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+                out["export"] = bench_export(loaded, Path(tmp), stats_for_export)
+            print(f"export: {out['export']}", flush=True)
+            save()
     try:
         import llmcompressor  # noqa: F401
     except ImportError:
@@ -180,15 +193,12 @@ def main() -> None:
         r["tokens_per_s"] = tokens / r["seconds"]
         r["ratio_to_floor"] = r["seconds"] / floor_s
         print(f"{name:<28} {r['seconds']:>9.3f} {r['tokens_per_s']:>11,.0f} {r['peak_gib']:>9.2f} {r['ratio_to_floor']:>8.3f}")
-    out = {"env": env, "results": results}
-    if args.export:
-        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-            out["export"] = bench_export(loaded, Path(tmp), stats_for_export)
+    out["env"] = env
+    if "export" in out:
         e = out["export"]
         print(f"export of {e['checkpoint_gib']:.2f} GiB: {e['export_seconds']:.2f} s vs copy {e['copy_seconds']:.2f} s "
               f"({e['ratio_to_copy']:.3f}x)")
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+    save()
 
 
 if __name__ == "__main__":
