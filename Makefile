@@ -18,7 +18,7 @@ ENGINE_CKPT ?= build/engine-test-ckpt
 CAL_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(if $(RECIPE),--recipe $(RECIPE)) \
 	$(if $(OUT),--out $(OUT)) $(if $(SAMPLES),--samples $(SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN))
 
-.PHONY: install calibrate inspect test test-all engine-test engine-venv clean
+.PHONY: install calibrate inspect test test-all engine-test engine-venv bad-input-table clean
 
 install: $(STAMP)
 
@@ -57,6 +57,9 @@ engine-test: $(STAMP) $(VLLM_STAMP)
 	rm -rf $(ENGINE_CKPT)
 	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT) --samples 32
 	$(VLLM_VENV)/bin/python -m pytest -q -m engine tests/engine --ckpt $(ENGINE_CKPT)
+
+bad-input-table: $(STAMP)
+	$(BIN)/python tests/bad_input_table.py README.md
 
 clean:
 	rm -rf build out

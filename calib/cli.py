@@ -6,8 +6,11 @@ Every known failure surfaces as one line `Error: ...` and a non-zero exit, never
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -71,25 +74,42 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
 
     from . import distributed, pipeline
 
+    placement = _placement(device, device_map, max_memory, offload_folder)
     try:
-        if model_src is None:
-            from .default_model import ensure_default_model
+        with _terminate_as_interrupt():
+            if model_src is None:
+                from .default_model import ensure_default_model
 
-            model_src = str(ensure_default_model(BUILD_DIR, DEFAULT_DATA, log=lambda m: click.echo(m, err=True)))
-        data_src = data_src or str(DEFAULT_DATA)
-        out = out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-kv-{recipe.dtype.split('_')[0]}"
-        dist = distributed.from_env()
-        device = distributed.device_for(dist, device)
-        with tqdm(desc="calibrating", unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True,
-                  disable=not dist.is_main) as bar:
-            result = pipeline.calibrate(model_src, data_src, recipe, out, device=device,
-                                        trust_remote_code=trust_remote_code, force=force, progress=bar,
-                                        options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist),
-                                        placement=_placement(device, device_map, max_memory, offload_folder))
+                model_src = str(ensure_default_model(BUILD_DIR, DEFAULT_DATA, log=lambda m: click.echo(m, err=True)))
+            data_src = data_src or str(DEFAULT_DATA)
+            out = out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-kv-{recipe.dtype.split('_')[0]}"
+            dist = distributed.from_env()
+            placement = dataclasses.replace(placement, device=distributed.device_for(dist, device))
+            with tqdm(desc="calibrating", unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True,
+                      disable=not dist.is_main) as bar:
+                result = pipeline.calibrate(
+                    model_src, data_src, recipe, out, trust_remote_code=trust_remote_code, force=force, progress=bar,
+                    options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist), placement=placement)
     except _user_errors() as e:
         raise click.ClickException(str(e)) from None
     if dist.is_main:
         _report(result, recipe)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM unwinds like Ctrl-C, so the temporary output directory is removed on the way out."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (e.g. embedded use): leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _placement(device, device_map, max_memory, offload_folder):

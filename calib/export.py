@@ -72,6 +72,11 @@ def atomic_dir(out: Path, force: bool) -> Iterator[Path]:
     out = Path(out)
     if out.exists() and not force:
         raise ExportError(f"output {out} already exists; pass --force to replace it or choose another --out")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"output {out} is a file, not a directory; choose another --out")
+    blocking = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ExportError(f"output folder {blocking} is a file, not a directory; choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
     if not os.access(out.parent, os.W_OK):
         raise ExportError(f"output folder {out.parent} is not writable; choose another --out")
@@ -90,6 +95,18 @@ def atomic_dir(out: Path, force: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_space(files: list[Path], out: Path, extra_bytes: int = 1 << 20) -> None:
+    """Refuse before writing when the output filesystem cannot hold the export. Weights on the same
+    filesystem are hard-linked and cost no space; otherwise their bytes are copied."""
+    parent = next(p for p in (out.parent, *out.parent.parents) if p.exists())
+    same_fs = all(f.stat().st_dev == parent.stat().st_dev for f in files)
+    need = extra_bytes + (0 if same_fs else sum(f.stat().st_size for f in files))
+    free = shutil.disk_usage(parent).free
+    if free < need:
+        raise ExportError(f"output folder {parent} has {free / 2**30:.2f} GiB free but the export needs "
+                          f"{need / 2**30:.2f} GiB; free space or choose another --out")
 
 
 def link_or_copy(src: Path, dst: Path) -> str:
@@ -190,6 +207,7 @@ def write_variant(src: PreparedSource, out: Path, tensors: dict[str, torch.Tenso
 
     source, wmap, total = src.path, src.weight_map, src.total_size
     weight_files = set(wmap.values())
+    check_space([source / f for f in sorted(weight_files)], Path(out))
     with atomic_dir(out, force) as tmp:
         how = set()
         for f in sorted(source.iterdir()):

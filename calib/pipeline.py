@@ -190,14 +190,15 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
     if Path(out).exists() and not force:  # fail before the expensive part
         raise export.ExportError(f"output {out} already exists; pass --force to replace it or choose another --out")
     data_mod.check_source(data_src)
-    loaded = model_mod.load(model_src, device=device, trust_remote_code=trust_remote_code, placement=placement)
+    source_dir = model_mod.resolve_source(model_src)
+    if recipe.targets:  # a broken source checkpoint surfaces before anything is loaded
+        export.prepare_source(source_dir, Path(out))
+    loaded = model_mod.load(source_dir, device=device, trust_remote_code=trust_remote_code, placement=placement)
     max_pos = getattr(loaded.config, "max_position_embeddings", None)
     if max_pos and recipe.seq_len > max_pos:
         raise model_mod.ModelError(f"seq_len {recipe.seq_len} exceeds the model's context "
                                    f"(max_position_embeddings = {max_pos}); lower SEQ_LEN")
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, loaded.config, loaded.attention_layers)
-    if recipe.targets:  # source problems surface before the expensive pass
-        export.prepare_source(loaded.source_dir, Path(out))
     report = data_mod.DataReport()
     seqs = data_mod.samples(data_src, loaded.tokenizer, seq_len=recipe.seq_len, max_samples=recipe.samples,
                             min_tokens=recipe.min_tokens, pack=recipe.pack, seed=recipe.seed,

@@ -94,7 +94,9 @@ def _how_to_serve(name: str, entry: dict[str, Any]) -> str:
     if entry["kind"] == "stats":
         return (f"calibrate with `granularity: {entry['granularity']}` on this data and serve the result "
                 "(vLLM: `--kv-cache-dtype fp8`)")
-    return f"serve `{entry['source']}` (vLLM: `--kv-cache-dtype fp8`)"
+    skip = entry.get("serve_skip") or []
+    flag = f" {SKIP_FLAG} {' '.join(map(str, skip))}" if skip else ""
+    return f"serve `{entry['source']}` (vLLM: `--kv-cache-dtype fp8{flag}`)"
 
 
 def verdict(ref: dict[str, Any], results: dict[str, dict[str, Any]], th: Thresholds, reference: str) -> dict[str, Any]:
@@ -121,7 +123,7 @@ def verdict(ref: dict[str, Any], results: dict[str, dict[str, Any]], th: Thresho
         out.update(action="ship", arm=best, text=text)
     elif skipped:
         best = skipped[0]
-        layers = results[best]["skip"]
+        layers = sorted(set(results[best]["skip"]) | set(results[best].get("serve_skip", [])))
         flag = f"{SKIP_FLAG} {' '.join(map(str, layers))}"
         base = best.rsplit(" skip ", 1)[0]
         out.update(action="ship_with_skip", arm=base, skip_layers=layers, flag=flag, text=(
