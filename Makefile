@@ -1,5 +1,6 @@
 # kvcalib — every target builds its own environment on first use and reuses it afterwards.
-#   make calibrate [MODEL=dir|hub-id] [DATA=path|hub-id] [RECIPE=recipes/x.yaml] [OUT=dir] [SAMPLES=n] [SEQ_LEN=n]
+#   make calibrate [MODEL=dir|hub-id] [DATA=path|hub-id] [RECIPE=name|file.yaml] [OUT=dir] [SAMPLES=n] [SEQ_LEN=n]
+#                  [TARGET=vllm,trtllm]
 #   make test            fast CPU suite
 #   make engine-test     real vLLM (CPU build, own venv) loads the exported checkpoint
 # GPU users: make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" calibrate
@@ -16,7 +17,8 @@ VLLM_STAMP := $(VLLM_VENV)/.kvcalib-installed
 ENGINE_CKPT ?= build/engine-test-ckpt
 
 CAL_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(if $(RECIPE),--recipe $(RECIPE)) \
-	$(if $(OUT),--out $(OUT)) $(if $(SAMPLES),--samples $(SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN))
+	$(if $(OUT),--out $(OUT)) $(if $(SAMPLES),--samples $(SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) \
+	$(if $(TARGET),--target $(TARGET))
 
 .PHONY: install calibrate inspect test test-all engine-test engine-venv bad-input-table clean
 

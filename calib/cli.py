@@ -38,7 +38,7 @@ def main() -> None:
 @click.option("--model", "model_src", help="Model directory or hub id. Default: the project's embedded small model.")
 @click.option("--data", "data_src", help="Calibration data: .jsonl/.json/.parquet/.csv/.txt file, folder, or dataset "
               "id name[:config][:split]. Default: the project's sample text.")
-@click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False), help="Recipe YAML (see recipes/).")
+@click.option("--recipe", "recipe_path", help="Recipe: a shipped name (`kvcalib recipes`) or a YAML file.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Output checkpoint directory.")
 @click.option("--samples", type=int, help="Number of calibration samples (overrides the recipe).")
 @click.option("--seq-len", type=int, help="Tokens per sample (overrides the recipe).")
@@ -63,6 +63,8 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
               granularity, observer, q_scale, skip_layers, targets, max_batch_tokens, device_map, max_memory,
               offload_folder, device, trust_remote_code, force) -> None:
     """Calibrate KV-cache scales and write checkpoints the engines load."""
+    if recipe_path and not recipe_path.endswith((".yaml", ".yml")) and "/" not in recipe_path:
+        recipe_path = str(ROOT / "recipes" / f"{recipe_path}.yaml")  # a shipped recipe by name
     try:
         recipe = recipe_mod.load(recipe_path).replace(
             samples=samples, seq_len=seq_len, batch_size=batch_size, seed=seed, headroom=headroom, pack=pack,
@@ -186,8 +188,15 @@ def inspect(ckpt: Path) -> None:
     if info.provenance:
         p = info.provenance
         d = p.get("data", {})
+        r = p.get("recipe", {})
         click.echo(f"calibrated: by {p.get('producer')} on {d.get('samples')} samples / {d.get('tokens')} tokens "
                    f"of {d.get('source')} ({p.get('created')})")
+        click.echo(f"recipe:     {r.get('dtype')} granularity={r.get('granularity')} observer={r.get('observer')} "
+                   f"headroom={r.get('headroom')} q_scale={r.get('q_scale')}")
+        skipped = p.get("skipped_layers") or []
+        if skipped:
+            click.echo(f"skipped:    layers {skipped} keep the model dtype: serve with "
+                       f"--kv-cache-dtype-skip-layers {' '.join(map(str, skipped))}")
     if not info.scales:
         click.echo("no KV scale tensors found")
         return

@@ -59,7 +59,7 @@ def test_empty_file_gives_defaults(tmp_path):
 
 
 def test_shipped_recipes_exist():
-    assert any(p.name == "default.yaml" for p in RECIPES)
+    assert any(p.name == "fp8-tensor.yaml" for p in RECIPES)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)

@@ -35,7 +35,7 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_every_shipped_recipe_runs(path, tiny_llama_dir, token_data, tmp_path):
     src = tiny_llama_dir
-    if path.stem == "skip_sliding":
+    if path.stem == "fp8-skip-sliding":
         src = tmp_path / "gemma2"
         tiny_causal_lm("gemma2").save_pretrained(src)
     r, res = _run(src, token_data, tmp_path / "out", path)
@@ -48,7 +48,7 @@ def test_every_shipped_recipe_runs(path, tiny_llama_dir, token_data, tmp_path):
 
 
 def test_per_head_scales_are_head_amax_over_448_in_vllm_layout(tiny_llama_dir, token_data, tmp_path):
-    r, res = _run(tiny_llama_dir, token_data, tmp_path / "out", "per_head")
+    r, res = _run(tiny_llama_dir, token_data, tmp_path / "out", "fp8-head")
     ref = _reference_amax(tiny_causal_lm("llama"), _used_sequences(token_data, r, 257)[0])
     t = _tensors(res.out)
     cfg = json.loads((res.out / "config.json").read_text())
@@ -61,7 +61,7 @@ def test_per_head_scales_are_head_amax_over_448_in_vllm_layout(tiny_llama_dir, t
 
 
 def test_q_scale_is_max_q_after_rope_per_head(tiny_llama_dir, token_data, tmp_path):
-    r, res = _run(tiny_llama_dir, token_data, tmp_path / "out", "fp8_attention")
+    r, res = _run(tiny_llama_dir, token_data, tmp_path / "out", "fp8-head-q")
     seqs = _used_sequences(token_data, r, 257)[0]
     model = tiny_causal_lm("llama")
     q_max = {}
@@ -93,7 +93,7 @@ def test_skip_sliding_window_layers_of_gemma2(tmp_path, token_data):
     model.save_pretrained(src)
     sliding = [i for i, t in enumerate(model.config.layer_types) if t == "sliding_attention"]
     assert 0 < len(sliding) < 4
-    r, res = _run(src, token_data, tmp_path / "out", "skip_sliding")
+    r, res = _run(src, token_data, tmp_path / "out", "fp8-skip-sliding")
     assert res.skipped == sliding
     assert json.loads((res.out / "kvcalib.json").read_text())["skipped_layers"] == sliding
 
@@ -101,14 +101,14 @@ def test_skip_sliding_window_layers_of_gemma2(tmp_path, token_data):
 def test_skip_unknown_layer_is_an_error(tiny_llama_dir, token_data, tmp_path):
     from calib.model import ModelError
     with pytest.raises(ModelError, match="layer 7"):
-        _run(tiny_llama_dir, token_data, tmp_path / "out", "default", skip_layers=(7,))
+        _run(tiny_llama_dir, token_data, tmp_path / "out", "fp8-tensor", skip_layers=(7,))
     with pytest.raises(ModelError, match="no sliding-window layers"):
-        _run(tiny_llama_dir, token_data, tmp_path / "out", "skip_sliding")
+        _run(tiny_llama_dir, token_data, tmp_path / "out", "fp8-skip-sliding")
     assert not (tmp_path / "out").exists()
 
 
 def test_channel_statistics_reduce_to_the_head_amax(tiny_llama_dir, token_data, tmp_path):
-    r, res = _run(tiny_llama_dir, token_data, tmp_path / "out", "channel_stats")
+    r, res = _run(tiny_llama_dir, token_data, tmp_path / "out", "stats-channel")
     stats = load_file(res.out / "stats.safetensors")
     ch = stats["layers.1.k_channel"]
     assert ch.shape == (2, 16)
@@ -116,7 +116,7 @@ def test_channel_statistics_reduce_to_the_head_amax(tiny_llama_dir, token_data, 
 
 
 def test_token_statistics_are_ordered_quantiles_below_the_max(tiny_llama_dir, token_data, tmp_path):
-    r, res = _run(tiny_llama_dir, token_data, tmp_path / "out", "token_stats")
+    r, res = _run(tiny_llama_dir, token_data, tmp_path / "out", "stats-token")
     stats = load_file(res.out / "stats.safetensors")
     tok, amax = stats["layers.0.k_token"], stats["layers.0.k_amax"]
     assert tok.shape == (len(pipeline.TOKEN_QUANTILES), 2)
@@ -125,16 +125,16 @@ def test_token_statistics_are_ordered_quantiles_below_the_max(tiny_llama_dir, to
 
 
 def test_rope_bound_k_scale_is_at_least_absmax(tiny_llama_dir, token_data, tmp_path):
-    _, base = _run(tiny_llama_dir, token_data, tmp_path / "a", "default")
-    _, rope = _run(tiny_llama_dir, token_data, tmp_path / "b", "rope_bound")
+    _, base = _run(tiny_llama_dir, token_data, tmp_path / "a", "fp8-tensor")
+    _, rope = _run(tiny_llama_dir, token_data, tmp_path / "b", "fp8-rope-bound")
     for i in base.scales:
         assert float(rope.scales[i].k_scale) >= float(base.scales[i].k_scale)
         assert float(rope.scales[i].v_scale) == float(base.scales[i].v_scale)  # V is not rotated: absmax
 
 
 def test_percentile_and_mse_clip_at_or_below_absmax(tiny_llama_dir, token_data, tmp_path):
-    _, base = _run(tiny_llama_dir, token_data, tmp_path / "a", "default")
-    for name in ("percentile", "mse"):
+    _, base = _run(tiny_llama_dir, token_data, tmp_path / "a", "fp8-tensor")
+    for name in ("fp8-percentile", "fp8-mse"):
         _, res = _run(tiny_llama_dir, token_data, tmp_path / name, name)
         for i in base.scales:
             assert float(res.scales[i].k_scale) <= float(base.scales[i].k_scale) * 1.001
