@@ -24,38 +24,13 @@ from typing import Any
 
 import torch
 
+from .observers import AbsMaxObserver
+
 _ids = itertools.count()
 
 
 class CaptureError(RuntimeError):
     """K/V capture did not see what it must (missing layers, shape mismatch, non-finite values)."""
-
-
-class AbsMaxObserver:
-    """Exact running max of |x| per KV head, over real tokens only.
-
-    update(x [batch, heads, seq, dim], mask [batch, seq]) folds a batch in; amax() reads the state
-    (shape [heads], float32) without changing it; merge() combines observers of disjoint data.
-    """
-
-    def __init__(self) -> None:
-        self._amax: torch.Tensor | None = None
-
-    def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
-        per_token = x.detach().abs().amax(dim=-1)                     # [b, h, s]
-        if mask is not None:
-            per_token = per_token.masked_fill(~mask[:, None, :], 0)
-        batch_amax = per_token.amax(dim=(0, 2)).float()                  # [h]
-        self._amax = batch_amax if self._amax is None else torch.maximum(self._amax, batch_amax)
-
-    def merge(self, other: "AbsMaxObserver") -> None:
-        if other._amax is not None:
-            self._amax = other._amax.clone() if self._amax is None else torch.maximum(self._amax, other._amax)
-
-    def amax(self) -> torch.Tensor:
-        if self._amax is None:
-            raise CaptureError("observer has seen no data")
-        return self._amax.detach().cpu().clone()
 
 
 @dataclass(frozen=True)
@@ -177,6 +152,9 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, list):
         moved = [_to_cpu(o) for o in obj]
         return obj if all(a is b for a, b in zip(moved, obj)) else moved
+    if isinstance(obj, dict):
+        moved_d = {k: _to_cpu(v) for k, v in obj.items()}
+        return obj if all(moved_d[k] is v for k, v in obj.items()) else moved_d
     if hasattr(obj, "__dict__"):
         for k, v in list(vars(obj).items()):
             new = _to_cpu(v)
@@ -247,7 +225,7 @@ class KVCapture:
 
     def stats(self) -> Stats:
         """The statistics of every layer; errors name layers that were never seen or are not finite."""
-        missing = [i for i in self.layers if self._obs[i].k._amax is None]
+        missing = [i for i in self.layers if not self._obs[i].k.seen]
         if missing:
             raise CaptureError(
                 f"attention layers {missing} never passed K/V through the attention interface; this architecture "

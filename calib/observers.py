@@ -101,7 +101,12 @@ class AbsMaxObserver(_MaxState):
     KEYS = ("amax",)
 
     def update(self, x: Tensor, mask: Tensor | None) -> None:
-        self._fold({"amax": _masked_abs(x, mask).amax(dim=(0, 2, 3))})
+        # Reduce over channels first, in x's own dtype (a max selects an element: exact in any dtype), then
+        # mask the much smaller [b, h, s] — no float32 copy of the whole tensor on the hot path.
+        per_token = x.detach().abs().amax(dim=-1)
+        if mask is not None:
+            per_token = per_token.masked_fill(~mask.to(x.device, torch.bool)[:, None, :], 0)
+        self._fold({"amax": per_token.amax(dim=(0, 2)).to(torch.float32)})
 
     def amax(self) -> Tensor:
         return self._read()["amax"].detach().cpu().clone()
@@ -168,6 +173,9 @@ class RopeBoundObserver(_MaxState):
 SUB_BITS = 7                  # mantissa bits a histogram bin keeps: 128 bins per octave
 _SHIFT = 23 - SUB_BITS        # float32 has 23 mantissa bits
 E_MIN, E_MAX = -126, 127      # range exponents: all-zero heads sit at the bottom, absurd values clamp at the top
+_GPU_LANES = 32               # copies of every bin, picked by element position: neighbouring GPU threads that
+                              # hit one bin add to different copies (3x faster than contended atomics on an H200;
+                              # on the CPU, where adds are serial, the copies only cost memory traffic)
 
 
 def _key(a: Tensor) -> Tensor:
@@ -204,8 +212,8 @@ class _HistogramObserver:
     """
 
     def __init__(self, bins: int = 2048) -> None:
-        if not 2 << SUB_BITS <= bins <= 2**20 or bins & (bins - 1):
-            raise ValueError(f"bins must be a power of two in [{2 << SUB_BITS}, 2^20], got {bins}")
+        if not 2 << SUB_BITS <= bins <= 2**15 or bins & (bins - 1):      # 2^15 bins: all float32 octaves
+            raise ValueError(f"bins must be a power of two in [{2 << SUB_BITS}, {2**15}], got {bins}")
         self.bins = bins
         self._state: dict[str, Tensor] = {}
 
@@ -228,11 +236,15 @@ class _HistogramObserver:
         if mask is not None:
             dump = ~mask.to(a.device, torch.bool)[:, None, :, None]
             idx = idx.masked_fill(dump, h * self.bins)                     # padded tokens go to a dropped slot
+        slots, lanes = h * self.bins + 1, 1 if a.device.type == "cpu" else _GPU_LANES
         idx = idx.reshape(-1)
-        counts = torch.zeros(h * self.bins + 1, dtype=torch.int64, device=a.device)
+        if lanes > 1:
+            idx += (torch.arange(idx.numel(), device=a.device, dtype=torch.int32) % lanes) * slots
+        counts = torch.zeros(lanes * slots, dtype=torch.int64, device=a.device)
         counts.index_add_(0, idx, torch.ones(1, dtype=torch.int64, device=a.device).expand(idx.numel()))
-        sums = torch.zeros(h * self.bins + 1, dtype=torch.float64, device=a.device)
+        sums = torch.zeros(lanes * slots, dtype=torch.float64, device=a.device)
         sums.index_add_(0, idx, a.reshape(-1).double())
+        counts, sums = counts.view(lanes, slots).sum(0), sums.view(lanes, slots).sum(0)
         self._fold({"exponent": e, "counts": counts[:-1].view(h, self.bins), "sums": sums[:-1].view(h, self.bins),
                     "amax": amax})
 
