@@ -24,9 +24,19 @@ BUILD_DIR = ROOT / "build"
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from . import data, export, model, observe
+    from . import data, export, model, observe, statsfile
 
-    return (recipe_mod.RecipeError, data.DataError, model.ModelError, observe.CaptureError, export.ExportError)
+    return (recipe_mod.RecipeError, data.DataError, model.ModelError, observe.CaptureError, export.ExportError,
+            statsfile.StatsError)
+
+
+def _load_recipe(recipe_path: str | None, **overrides) -> recipe_mod.Recipe:
+    if recipe_path and not recipe_path.endswith((".yaml", ".yml")) and "/" not in recipe_path:
+        recipe_path = str(ROOT / "recipes" / f"{recipe_path}.yaml")  # a shipped recipe by name
+    try:
+        return recipe_mod.load(recipe_path).replace(**overrides)
+    except recipe_mod.RecipeError as e:
+        raise click.ClickException(str(e)) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -58,20 +68,16 @@ def main() -> None:
 @click.option("--offload-folder", type=click.Path(file_okay=False), help="Disk offload folder for --device-map.")
 @click.option("--device", help="torch device, e.g. cuda:0 or cpu. Default: cuda when available.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (off by default).")
+@click.option("--stats-out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the raw statistics (for `kvcalib merge` / `kvcalib export --stats`).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_size, seed, headroom, pack, dtype,
               granularity, observer, q_scale, skip_layers, targets, max_batch_tokens, device_map, max_memory,
-              offload_folder, device, trust_remote_code, force) -> None:
+              offload_folder, device, trust_remote_code, stats_out, force) -> None:
     """Calibrate KV-cache scales and write checkpoints the engines load."""
-    if recipe_path and not recipe_path.endswith((".yaml", ".yml")) and "/" not in recipe_path:
-        recipe_path = str(ROOT / "recipes" / f"{recipe_path}.yaml")  # a shipped recipe by name
-    try:
-        recipe = recipe_mod.load(recipe_path).replace(
-            samples=samples, seq_len=seq_len, batch_size=batch_size, seed=seed, headroom=headroom, pack=pack,
-            dtype=dtype, granularity=granularity, observer=observer, q_scale=q_scale, skip_layers=skip_layers,
-            targets=targets)
-    except recipe_mod.RecipeError as e:
-        raise click.ClickException(str(e)) from None
+    recipe = _load_recipe(recipe_path, samples=samples, seq_len=seq_len, batch_size=batch_size, seed=seed,
+                          headroom=headroom, pack=pack, dtype=dtype, granularity=granularity, observer=observer,
+                          q_scale=q_scale, skip_layers=skip_layers, targets=targets)
     from tqdm import tqdm
 
     from . import distributed, pipeline
@@ -91,7 +97,8 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
                       disable=not dist.is_main) as bar:
                 result = pipeline.calibrate(
                     model_src, data_src, recipe, out, trust_remote_code=trust_remote_code, force=force, progress=bar,
-                    options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist), placement=placement)
+                    options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist), placement=placement,
+                    stats_out=stats_out)
     except _user_errors() as e:
         raise click.ClickException(str(e)) from None
     if dist.is_main:
@@ -210,6 +217,49 @@ def inspect(ckpt: Path) -> None:
     if info.num_layers is not None and len(info.scales) != info.num_layers:
         click.echo(f"warning: scales for {len(info.scales)} of {info.num_layers} layers; "
                    "engines use 1.0 for the others", err=True)
+
+
+@main.command()
+@click.argument("stats", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Merged statistics file.")
+def merge(stats: tuple[Path, ...], out: Path) -> None:
+    """Combine statistics files of one model (other data, shards, days) exactly as one run over all of it."""
+    from . import statsfile
+
+    if out.exists():
+        raise click.ClickException(f"{out} already exists; choose another --out")
+    try:
+        statsfile.merge(list(stats), out)
+    except statsfile.StatsError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {out} (merged {len(stats)} files)")
+
+
+@main.command("export")
+@click.option("--stats", "stats_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Statistics file from `calibrate --stats-out` or `merge`.")
+@click.option("--model", "model_src", required=True, help="The model the statistics were recorded on.")
+@click.option("--recipe", "recipe_path", help="Recipe: a shipped name or a YAML file.")
+@click.option("--dtype", type=click.Choice(recipe_mod.DTYPES))
+@click.option("--granularity", type=click.Choice(recipe_mod.EXPORTABLE))
+@click.option("--headroom", type=float)
+@click.option("--skip-layers")
+@click.option("--target", "targets")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--force", is_flag=True)
+def export_cmd(stats_path, model_src, recipe_path, dtype, granularity, headroom, skip_layers, targets, out, force):
+    """Turn statistics into a checkpoint for a recipe, without running the model again."""
+    from . import pipeline
+
+    recipe = _load_recipe(recipe_path, dtype=dtype, granularity=granularity, headroom=headroom,
+                          skip_layers=skip_layers, targets=targets)
+    try:
+        path, scales, skipped = pipeline.export_from_stats(stats_path, model_src, recipe, out, force=force)
+    except _user_errors() as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(_scale_table({i: (float(s.k_amax.max()), float(s.k_scale.max()), float(s.v_amax.max()),
+                                 float(s.v_scale.max())) for i, s in scales.items()}))
+    click.echo(f"wrote {path}")
 
 
 @main.command()

@@ -97,6 +97,12 @@ class ChannelMaxObserver:
     def amax(self) -> torch.Tensor:
         return self._amax.detach().cpu().clone()
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {} if self._amax is None else {"amax": self._amax}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._amax = state.get("amax")
+
 
 class OverflowCounter:
     """Fraction of real values with |x| > limit — what an FP8 cache with scale 1.0 clips (limit 448)."""
@@ -125,6 +131,12 @@ class OverflowCounter:
     def amax(self) -> torch.Tensor:
         return (self._over.double() / self._total.clamp_min(1).double()).float().cpu()
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {} if self._over is None else {"over": self._over, "total": self._total}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._over, self._total = state.get("over"), state.get("total")
+
 
 class _TokenMax:
     """Feeds each token's max |x| (per head) into quantile observers: the ranges a per-token scheme sees."""
@@ -143,6 +155,15 @@ class _TokenMax:
 
     def amax(self) -> torch.Tensor:
         return torch.stack([o.amax() for o in self.observers])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{j}.{k}": v for j, o in enumerate(self.observers) for k, v in o.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for j, o in enumerate(self.observers):
+            part = {k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == str(j)}
+            if part:
+                o.load_state_dict(part)
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -194,6 +215,22 @@ class _LayerObservers:
     def to_cpu(self) -> "_LayerObservers":
         return _to_cpu(self)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every observer's state as flat `field.key` tensors (what a statistics file stores)."""
+        out = {}
+        for name in self._FIELDS:
+            obs = getattr(self, name)
+            if obs is not None:
+                out.update({f"{name}.{k}": v.detach().cpu() for k, v in obs.state_dict().items()})
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name in self._FIELDS:
+            obs = getattr(self, name)
+            part = {k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == name}
+            if obs is not None and part:
+                obs.load_state_dict(part)
+
     def read(self) -> LayerStats:
         def get(o):
             return None if o is None else o.amax()
@@ -218,6 +255,18 @@ class KVCapture:
             raise CaptureError(f"layer {layer}: K has batch x seq {(key.shape[0], key.shape[2])} but the token mask "
                                f"is {tuple(mask.shape)}; run with use_cache=False and no past K/V")
         self._obs[layer].update(query, key, value, mask)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"layers.{i}.{k}": v for i, o in self._obs.items() for k, v in o.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for i, o in self._obs.items():
+            prefix = f"layers.{i}."
+            o.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+
+    def merge_from(self, other: "KVCapture") -> None:
+        for i, o in self._obs.items():
+            o.merge(other._obs[i])
 
     def merge_across(self, merge: Callable[[dict[int, Any]], dict[int, Any]]) -> None:
         """Replace the per-layer observers by `merge(observers)` (e.g. the merge over all ranks)."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import data as data_mod
-from . import export, model as model_mod, observe, scales as scales_mod
+from . import export, model as model_mod, observe, scales as scales_mod, statsfile
 from .batching import PaddingStats, batches, prefetch
 from .distributed import Dist, barrier, merge_all, shard
 from .recipe import Recipe
@@ -54,9 +54,10 @@ class RunOptions:
 
 def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_size: int,
                progress: Any | None = None, spec: observe.CaptureSpec | None = None,
-               options: RunOptions = RunOptions(), padding: PaddingStats | None = None) -> tuple[observe.Stats, float]:
+               options: RunOptions = RunOptions(), padding: PaddingStats | None = None,
+               keep: list | None = None) -> tuple[observe.Stats, float]:
     """Run the base model over the sequences with the K/V capture installed; returns (stats, loop seconds,
-    which include streaming and tokenizing the data)."""
+    which include streaming and tokenizing the data). `keep`, when given, receives the merged capture."""
     model, dev = loaded.model, loaded.device
     pad_id = getattr(loaded.tokenizer, "pad_token_id", None) or 0
     feed: Iterable = shard(batches(seqs, batch_size, pad_id, max_batch_tokens=options.max_batch_tokens,
@@ -80,14 +81,17 @@ def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_s
         spent = time.perf_counter() - t0
         cap.merge_across(lambda obs: merge_all(obs, options.dist))
         stats = cap.stats()
+        if keep is not None:
+            keep.append(cap)
     return stats, spent
 
 
 TOKEN_QUANTILES = (50.0, 90.0, 99.0, 100.0)
 
 
-def capture_spec(recipe: Recipe, config: Any) -> observe.CaptureSpec:
-    """Observers the recipe asks for. `rope_bound` applies to K only (V is not rotated): V then uses absmax."""
+def capture_spec(recipe: Recipe, config: Any = None, *, rotary_dim: int | None = None) -> observe.CaptureSpec:
+    """Observers the recipe asks for. `rope_bound` applies to K only (V is not rotated): V then uses absmax.
+    The rotary layout comes from the model `config` (or `rotary_dim` when rebuilding from a statistics file)."""
     from .observers import RotaryLayout, make_observer
     from .quant import by_name
 
@@ -95,7 +99,8 @@ def capture_spec(recipe: Recipe, config: Any) -> observe.CaptureSpec:
     params = dict(recipe.observer_params)
     k_obs = v_obs = None
     if recipe.observer != "absmax":
-        rotary = RotaryLayout(model_mod.rotary_dim(config)) if recipe.observer == "rope_bound" else None
+        rot = rotary_dim if rotary_dim is not None else model_mod.rotary_dim(config)
+        rotary = RotaryLayout(rot) if recipe.observer == "rope_bound" else None
         k_obs = partial(make_observer, recipe.observer, params, dtype, rotary)
         if recipe.observer != "rope_bound":
             v_obs = partial(make_observer, recipe.observer, params, dtype, None)
@@ -155,16 +160,21 @@ def _exporters() -> dict[str, Any]:
     return {"vllm": export.export_vllm, "trtllm": trtllm.export_trtllm}
 
 
-def write_outputs(source: Path, out: Path, recipe: Recipe, stats: observe.Stats, scales: scales_mod.Scales,
+def stats_header(prov: dict[str, Any], source: Path) -> dict[str, Any]:
+    """What a statistics file records besides the tensors (enough to merge and re-export it)."""
+    return {"producer": "kvcalib", "model": prov["model"], "model_config_sha256": statsfile.config_sha256(source),
+            "rotary_dim": prov["rotary_dim"], "recipe": prov["recipe"], "data": prov["data"],
+            "versions": prov["versions"]}
+
+
+def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCapture, scales: scales_mod.Scales,
                   prov: dict[str, Any], *, force: bool) -> Path:
     """One target → OUT is that checkpoint; several → OUT/<target> each (weights hard-linked between them);
     no target → OUT holds the statistics only (stats.safetensors + kvcalib.json)."""
-    from safetensors.torch import save_file
-
     targets = list(recipe.targets)
     if not targets:
         with export.atomic_dir(out, force) as tmp:
-            save_file(observe.stats_to_tensors(stats), str(tmp / "stats.safetensors"), metadata={"producer": "kvcalib"})
+            statsfile.save(tmp / "stats.safetensors", capture, stats_header(prov, source))
             (tmp / export.PROVENANCE_FILE).write_text(json.dumps({**prov, "target": None}, indent=2) + "\n")
         return out
 
@@ -183,9 +193,32 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, stats: observe.Stats,
     return out
 
 
+def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, out: Path, *,
+                      force: bool = False) -> tuple[Path, scales_mod.Scales, list[int]]:
+    """Scales for `recipe` from a statistics file, written against the model's checkpoint — no forward pass."""
+    from transformers import AutoConfig
+
+    if not recipe.targets:
+        raise statsfile.StatsError("export needs at least one target (vllm, trtllm)")
+    sf = statsfile.load(Path(stats_path))
+    source = model_mod.resolve_source(model_src)
+    if statsfile.config_sha256(source) != sf.header.get("model_config_sha256"):
+        raise statsfile.StatsError(f"{stats_path} was recorded on another model than {source} (config.json differs)")
+    export.prepare_source(source, Path(out))
+    stats = statsfile.stats_for_recipe(sf, recipe, str(stats_path))
+    config = AutoConfig.from_pretrained(source).get_text_config()
+    skipped = model_mod.resolve_skip_layers(recipe.skip_layers, config, sf.capture.layers)
+    scales = scales_mod.compute(stats, dtype=recipe.dtype, granularity=recipe.granularity, headroom=recipe.headroom)
+    report = data_mod.DataReport()
+    prov = provenance(recipe, str(model_src), "", report, stats, scales, skipped, "from statistics file")
+    prov["data"] = {**sf.header.get("data", {}), "statistics_file": str(stats_path)}
+    return write_outputs(source, Path(out), recipe, sf.capture, scales, prov, force=force), scales, skipped
+
+
 def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
               trust_remote_code: bool = False, force: bool = False, progress: Any | None = None,
-              options: RunOptions = RunOptions(), placement: model_mod.Placement | None = None) -> Result:
+              options: RunOptions = RunOptions(), placement: model_mod.Placement | None = None,
+              stats_out: Path | None = None) -> Result:
     t_start = time.perf_counter()
     if Path(out).exists() and not force:  # fail before the expensive part
         raise export.ExportError(f"output {out} already exists; pass --force to replace it or choose another --out")
@@ -203,16 +236,19 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
     seqs = data_mod.samples(data_src, loaded.tokenizer, seq_len=recipe.seq_len, max_samples=recipe.samples,
                             min_tokens=recipe.min_tokens, pack=recipe.pack, seed=recipe.seed,
                             vocab_size=getattr(loaded.config, "vocab_size", None), report=report)
-    padding = PaddingStats()
+    padding, kept = PaddingStats(), []
     stats, fwd = observe_kv(loaded, seqs, recipe.batch_size, progress, capture_spec(recipe, loaded.config),
-                            options, padding)
+                            options, padding, kept)
     scales = (scales_mod.compute(stats, dtype=recipe.dtype, granularity=recipe.granularity, headroom=recipe.headroom)
               if recipe.targets else {})
     dtype = str(loaded.dtype).removeprefix("torch.")
     prov = provenance(recipe, str(model_src), str(data_src), report, stats, scales, skipped, dtype)
+    prov["rotary_dim"] = model_mod.rotary_dim(loaded.config)
     path = Path(out)
     if options.dist.is_main:
-        path = write_outputs(loaded.source_dir, Path(out), recipe, stats, scales, prov, force=force)
+        path = write_outputs(loaded.source_dir, Path(out), recipe, kept[0], scales, prov, force=force)
+        if stats_out is not None:
+            statsfile.save(Path(stats_out), kept[0], stats_header(prov, loaded.source_dir))
     barrier(options.dist)
     return Result(out=path, scales=scales, stats=stats, skipped=skipped, data=report, padding=padding.fraction,
                   seconds=time.perf_counter() - t_start, forward_seconds=fwd, model_dtype=dtype,

@@ -110,15 +110,15 @@ def test_skip_unknown_layer_is_an_error(tiny_llama_dir, token_data, tmp_path):
 def test_channel_statistics_reduce_to_the_head_amax(tiny_llama_dir, token_data, tmp_path):
     r, res = _run(tiny_llama_dir, token_data, tmp_path / "out", "stats-channel")
     stats = load_file(res.out / "stats.safetensors")
-    ch = stats["layers.1.k_channel"]
+    ch = stats["stats.layers.1.k_channel"]
     assert ch.shape == (2, 16)
-    torch.testing.assert_close(ch.amax(dim=1), stats["layers.1.k_amax"])
+    torch.testing.assert_close(ch.amax(dim=1), stats["stats.layers.1.k_amax"])
 
 
 def test_token_statistics_are_ordered_quantiles_below_the_max(tiny_llama_dir, token_data, tmp_path):
     r, res = _run(tiny_llama_dir, token_data, tmp_path / "out", "stats-token")
     stats = load_file(res.out / "stats.safetensors")
-    tok, amax = stats["layers.0.k_token"], stats["layers.0.k_amax"]
+    tok, amax = stats["stats.layers.0.k_token"], stats["stats.layers.0.k_amax"]
     assert tok.shape == (len(pipeline.TOKEN_QUANTILES), 2)
     assert (tok[1:] >= tok[:-1]).all()
     assert (tok[-1] <= amax * 1.001).all() and (tok[-1] >= amax * 0.99).all()
