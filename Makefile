@@ -20,7 +20,7 @@ CAL_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(if $(
 	$(if $(OUT),--out $(OUT)) $(if $(SAMPLES),--samples $(SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) \
 	$(if $(TARGET),--target $(TARGET))
 
-.PHONY: install calibrate inspect test test-all engine-test engine-venv bad-input-table clean
+.PHONY: install calibrate eval inspect test test-all engine-test engine-venv bad-input-table clean
 
 install: $(STAMP)
 
@@ -33,6 +33,11 @@ $(STAMP): pyproject.toml
 
 calibrate: $(STAMP)
 	$(BIN)/kvcalib calibrate $(CAL_ARGS) $(ARGS)
+
+# make eval [MODEL=...] [DATA=...] [SCALES="ckpt1 ckpt2"] [STATS=dir] [OUT=dir] [ARGS="--buckets 512,2048"]
+eval: $(STAMP)
+	$(BIN)/kvcalib eval $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(foreach s,$(SCALES),--scales $(s)) \
+	$(if $(STATS),--stats $(STATS)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 inspect: $(STAMP)
 	$(BIN)/kvcalib inspect $(CKPT)
@@ -56,9 +61,13 @@ $(VLLM_STAMP):
 
 # Calibrate the embedded default with our venv, then let the real engine load the result.
 engine-test: $(STAMP) $(VLLM_STAMP)
-	rm -rf $(ENGINE_CKPT)
+	rm -rf $(ENGINE_CKPT) $(ENGINE_CKPT)-head-q $(ENGINE_CKPT)-skip
 	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT) --samples 32
+	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT)-head-q --samples 32 --granularity head --q-scale
+	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT)-skip --samples 32 --skip-layers 1
 	$(VLLM_VENV)/bin/python -m pytest -q -m engine tests/engine --ckpt $(ENGINE_CKPT)
+	$(VLLM_VENV)/bin/python -m pytest -q -m engine tests/engine --ckpt $(ENGINE_CKPT)-head-q --require per-head,q-scale -k "not control"
+	$(VLLM_VENV)/bin/python -m pytest -q -m engine tests/engine --ckpt $(ENGINE_CKPT)-skip --require skip-layers -k "not control"
 
 bad-input-table: $(STAMP)
 	$(BIN)/python tests/bad_input_table.py README.md

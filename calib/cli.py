@@ -262,6 +262,60 @@ def export_cmd(stats_path, model_src, recipe_path, dtype, granularity, headroom,
     click.echo(f"wrote {path}")
 
 
+@main.command("eval")
+@click.option("--model", "model_src", help="Model directory or hub id. Default: the embedded default model.")
+@click.option("--data", "data_src", help="Held-out text (same formats as calibrate). Default: the sample text.")
+@click.option("--scales", multiple=True, help="A checkpoint whose KV scales form an arm (any tool's layout); repeatable.")
+@click.option("--stats", "stats_src", help="A kvcalib statistics output: adds per-tensor/head/channel/token arms.")
+@click.option("--dtype", type=click.Choice(recipe_mod.DTYPES), default="fp8_e4m3", show_default=True)
+@click.option("--buckets", default="512,2048,8192", show_default=True, help="Context-length buckets (tokens).")
+@click.option("--samples", type=int, default=64, show_default=True)
+@click.option("--min-tokens", type=int, default=16, show_default=True)
+@click.option("--pack/--no-pack", default=False, help="Concatenate records so samples fill every bucket.")
+@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--passkey-trials", type=int, default=1, show_default=True, help="Prompts per depth and bucket; 0: off.")
+@click.option("--failures", type=int, default=3, show_default=True, help="Worst samples kept per arm.")
+@click.option("--plots/--no-plots", default=True)
+@click.option("--max-kl", type=float, default=0.01, show_default=True, help="Ship threshold: mean KL (nats) per bucket.")
+@click.option("--max-ppl-increase", type=float, default=0.01, show_default=True, help="Ship threshold: relative ppl rise.")
+@click.option("--passkey-drop", type=int, default=0, show_default=True)
+@click.option("--max-skip", type=int, default=3, show_default=True, help="Most layers tried unquantised.")
+@click.option("--device")
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Report directory.")
+@click.option("--force", is_flag=True)
+def eval_cmd(model_src, data_src, scales, stats_src, dtype, buckets, samples, min_tokens, pack, batch_size, seed,
+             passkey_trials, failures, plots, max_kl, max_ppl_increase, passkey_drop, max_skip, device,
+             trust_remote_code, out, force) -> None:
+    """Compare BF16, default-scale and calibrated FP8 KV by layer and context length; write a report + verdict."""
+    from . import evaluate, report
+
+    try:
+        bucket_list = tuple(int(b) for b in buckets.split(",") if b.strip())
+    except ValueError:
+        raise click.ClickException(f"--buckets {buckets!r}: give token lengths like 512,2048,8192") from None
+    try:
+        if model_src is None:
+            from .default_model import ensure_default_model
+
+            model_src = str(ensure_default_model(BUILD_DIR, DEFAULT_DATA, log=lambda m: click.echo(m, err=True)))
+        cfg = evaluate.EvalConfig(
+            model=str(model_src), data=data_src or str(DEFAULT_DATA),
+            out=out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-eval", scales=tuple(scales),
+            stats=stats_src, dtype=dtype, buckets=bucket_list, samples=samples, min_tokens=min_tokens, pack=pack,
+            batch_size=batch_size, seed=seed, passkey_trials=passkey_trials, failures=failures, plots=plots,
+            thresholds=report.Thresholds(max_kl=max_kl, max_ppl_increase=max_ppl_increase,
+                                         passkey_drop=passkey_drop, max_skip=max_skip),
+            device=device, trust_remote_code=trust_remote_code, force=force)
+        with _terminate_as_interrupt():
+            result = evaluate.run_eval(cfg, log=lambda m: click.echo(m, err=True))
+    except (*_user_errors(), evaluate.EvalError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(result.verdict["text"])
+    click.echo(f"report: {result.out / 'report.md'} ({result.seconds:.1f} s)")
+
+
 @main.command()
 @click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--engine", type=click.Choice(["all", "vllm", "trtllm"]), default="all", show_default=True,

@@ -75,3 +75,19 @@ def test_existing_output_needs_force(tiny_llama_dir, token_data, tmp_path):
 def test_importing_the_cli_does_not_import_torch():
     code = "import sys, calib.cli; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_eval_command_reports_a_verdict(tmp_path, token_data):
+    from tiny import tiny_causal_lm
+    src = tmp_path / "big"
+    tiny_causal_lm("llama", scale_k=6000.0).save_pretrained(src)
+    r = _run("calibrate", "--model", src, "--data", token_data, "--out", tmp_path / "cal", "--seq-len", "40",
+             "--samples", "12", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    r = _run("eval", "--model", src, "--data", token_data, "--scales", tmp_path / "cal", "--buckets", "64",
+             "--samples", "8", "--no-plots", "--passkey-trials", "0", "--device", "cpu", "--out", tmp_path / "ev")
+    assert r.exit_code == 0, r.output
+    assert "calibrated" in r.output.lower() and (tmp_path / "ev" / "report.md").is_file()
+    doc = json.loads((tmp_path / "ev" / "report.json").read_text())
+    arms = doc["arms"]
+    assert arms["default"]["summary"]["kl"] > 5 * arms[f"calibrated:{tmp_path / 'cal'}"]["summary"]["kl"]
