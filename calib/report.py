@@ -252,6 +252,9 @@ def markdown(doc: dict[str, Any], plots: Sequence[str]) -> str:
         [[n, b, r["samples"], r["tokens"], r["kl"], _pct(r["top1"]), r["ppl"], r["ppl_ref"], _pct(r["ppl_rel"])]
          for n, e in quant.items() for b, r in e["buckets"].items()])
     lines += ["## Passkey retrieval", ""]
+    ref_pk = _passkey_correct(arms[ref_name])
+    if ref_pk and ref_pk[0] == 0:
+        lines += [f"{ref_name} itself retrieves no key: on this model the test cannot show KV damage.", ""]
     if arms[ref_name].get("passkey"):
         lines += table(["arm", "bucket <=", "correct", "accuracy", "by depth"],
                        [[n, b, f"{r['correct']}/{r['total']}", _pct(r["accuracy"]),
@@ -299,6 +302,7 @@ def plot_all(doc: dict[str, Any], out: Path) -> tuple[list[str], str | None]:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         return [], "plots skipped: matplotlib is not installed (pip install matplotlib)"
     ref_name = doc["reference"]
@@ -317,11 +321,14 @@ def plot_all(doc: dict[str, Any], out: Path) -> tuple[list[str], str | None]:
             if any(math.isfinite(y) for y in ys):
                 ax.plot([int(i) for i in layers], ys, marker="o", label=n)
         ax.set(yscale="log", xlabel="layer", ylabel=f"{kind}_scale (max over heads)", title=f"{kind.upper()} scales")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=6)
         amax = [doc["arms"][ref_name]["ranges"][i][f"{kind}_amax"] for i in layers]
         ax = fig.add_subplot(2, 2, 3 + j)
         im = ax.imshow(amax, aspect="auto", cmap="viridis", interpolation="nearest")
         ax.set(xlabel="KV head", ylabel="layer", title=f"max |{kind.upper()}| per head ({ref_name} pass)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         fig.colorbar(im, ax=ax)
     save(fig, PLOTS[0])
 
@@ -334,6 +341,7 @@ def plot_all(doc: dict[str, Any], out: Path) -> tuple[list[str], str | None]:
             ys = [_pos(y) if j == 0 else (y if y is not None and math.isfinite(y) else math.nan) for y in ys]
             ax.plot([int(i) for i in e["layers"]], ys, marker="o", label=n)
         ax.set(xlabel="layer", title=label, yscale="log" if j == 0 else "linear")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=6)
     save(fig, PLOTS[1])
 

@@ -14,7 +14,7 @@ from tiny import tiny_causal_lm
 SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "data" / "sample_text.jsonl"
 
 
-def train_tokenizer(vocab_size: int = 320, max_length: int = 256):
+def train_tokenizer(vocab_size: int = 1000, max_length: int = 256):
     """A small byte-level BPE tokenizer (BOS added to every text) trained on the project's sample text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -57,7 +57,7 @@ def test_key_sits_at_the_requested_depth(tokenizer, depth):
 
 def test_prompt_is_the_longest_that_fits(tokenizer):
     per_line = len(tokenizer(passkey.FILLER * 10)["input_ids"]) / 10
-    for target in (120, 250, 400):
+    for target in (130, 250, 400):
         p = passkey.build(tokenizer, target, 0.5, "55555", bucket=target)
         assert target - 2 * per_line < len(p.ids) <= target
     assert passkey.build(tokenizer, 20, 0.5, "55555", bucket=32) is None     # not even the question fits
@@ -66,10 +66,10 @@ def test_prompt_is_the_longest_that_fits(tokenizer):
 
 
 def test_prompts_land_in_their_bucket_and_are_deterministic(tokenizer):
-    buckets = (40, 128, 256)
+    buckets = (40, 160, 256)
     ps, notes = passkey.prompts(tokenizer, buckets, trials=2, seed=3)
     assert len(notes) == 1 and "bucket 40" in notes[0]          # too small for intro + needle + question
-    assert {p.bucket for p in ps} == {128, 256}
+    assert {p.bucket for p in ps} == {160, 256}
     for p in ps:
         lower = max(b for b in (0, *buckets) if b < p.bucket)
         assert lower < len(p.ids) <= p.bucket - passkey.MAX_NEW_TOKENS

@@ -4,6 +4,9 @@ from pathlib import Path
 
 import pytest
 
+# Checkpoint features whose tests skip when the checkpoint lacks them; `--require` makes that a failure.
+FEATURES = ("per-head", "q-scale", "skip-layers")
+
 
 def pytest_addoption(parser):
     parser.addoption(
@@ -11,6 +14,12 @@ def pytest_addoption(parser):
         action="store",
         default=None,
         help="directory of a checkpoint exported with target 'vllm'; the engine tests skip without it",
+    )
+    parser.addoption(
+        "--require",
+        action="store",
+        default="",
+        help=f"comma list of {', '.join(FEATURES)}: the checkpoint must have them (their tests fail, not skip)",
     )
 
 
@@ -23,3 +32,13 @@ def ckpt(request) -> Path:
     if not (path / "config.json").is_file():
         pytest.fail(f"--ckpt {value}: no config.json there, not a checkpoint directory")
     return path
+
+
+@pytest.fixture(scope="session")
+def required(request) -> set[str]:
+    value = request.config.getoption("--require")
+    features = {f.strip() for f in value.split(",") if f.strip()}
+    unknown = sorted(features - set(FEATURES))
+    if unknown:
+        pytest.fail(f"--require {value}: unknown {unknown}; choose from {', '.join(FEATURES)}")
+    return features

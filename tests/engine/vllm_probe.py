@@ -7,7 +7,13 @@ Runs in the vLLM venv only, never in kvcalib's own environment: it imports nothi
 OUT.json receives
     {"scales": {"<layer>": [k_scale, v_scale]},          # the floats the attention kernels are given
      "layers": {"<layer>": {...}},                         # scale buffers, q scale and cache dtype per layer
-     "kv_cache_dtype": "fp8", "generated_token_ids": [...], "prompt": ...}
+     "kv_cache_dtype": "fp8",                              # the engine-wide cache dtype
+     "model_dtype": "bfloat16",
+     "kv_cache_dtype_skip_layers": {"passed": [...], "engine": [...]},
+     "generated_token_ids": [...], "prompt": ...}
+
+Layers named in the checkpoint's kvcalib.json `skipped_layers` are passed to vLLM as
+`kv_cache_dtype_skip_layers`, as `kvcalib calibrate` tells users to serve such a checkpoint.
 
 vLLM runs the model in a separate engine process, so the functions handed to `LLM.apply_model` must
 be importable there by module name: that is why they live at the top level of this module and why
@@ -66,11 +72,34 @@ def read_layer_details(model) -> dict[int, dict]:
             "module": type(module).__name__,
             "k_scale_buffer": values(module, "_k_scale"),
             "v_scale_buffer": values(module, "_v_scale"),
+            "q_scale_buffer": values(module, "_q_scale"),
             "q_scale_float": float(getattr(module, "_q_scale_float", float("nan"))),
+            "num_heads": int(module.num_heads),
+            "num_kv_heads": int(module.num_kv_heads),
             "kv_cache_dtype": str(module.kv_cache_dtype),
+            "impl_kv_cache_dtype": str(getattr(getattr(module, "impl", None), "kv_cache_dtype", None)),
+            "kv_cache_tensor_dtype": _cache_tensor_dtype(module),
         }
         for index, module in _attention_layers(model)
     }
+
+
+def _cache_tensor_dtype(module) -> str | None:
+    """dtype of the cache tensor vLLM bound to this layer (None before binding or when absent)."""
+    cache = getattr(module, "kv_cache", None)
+    if isinstance(cache, (list, tuple)):  # one per virtual engine in some versions
+        cache = cache[0] if cache else None
+    if cache is None or not hasattr(cache, "dtype") or cache.numel() == 0:
+        return None
+    return str(cache.dtype).removeprefix("torch.")
+
+
+def skipped_layers(ckpt: Path) -> list[int]:
+    """Layers kvcalib kept in the model dtype (`skipped_layers` of kvcalib.json); [] without the file."""
+    provenance = ckpt / "kvcalib.json"
+    if not provenance.is_file():
+        return []
+    return sorted(int(i) for i in json.loads(provenance.read_text()).get("skipped_layers") or [])
 
 
 def _has_tokenizer(ckpt: Path) -> bool:
@@ -100,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ckpt = args.ckpt.resolve()
     use_tokenizer = _has_tokenizer(ckpt)
+    # What `kvcalib calibrate` prints for serving: --kv-cache-dtype-skip-layers <skipped_layers>.
+    skip = [str(i) for i in skipped_layers(ckpt)]
     llm = LLM(
         model=str(ckpt),
         kv_cache_dtype="fp8",
@@ -109,15 +140,18 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=4,
         seed=0,
         skip_tokenizer_init=not use_tokenizer,
+        kv_cache_dtype_skip_layers=skip,
     )
 
     scales = llm.apply_model(vllm_probe.read_kv_scales)[0]
     details = llm.apply_model(vllm_probe.read_layer_details)[0]
 
     try:
-        kv_cache_dtype = str(llm.llm_engine.vllm_config.cache_config.cache_dtype)
+        cache_config, model_config = llm.llm_engine.vllm_config.cache_config, llm.llm_engine.vllm_config.model_config
     except AttributeError:
-        kv_cache_dtype = str(llm.llm_engine.cache_config.cache_dtype)
+        cache_config, model_config = llm.llm_engine.cache_config, llm.llm_engine.model_config
+    kv_cache_dtype = str(cache_config.cache_dtype)
+    engine_skip = [str(x) for x in getattr(cache_config, "kv_cache_dtype_skip_layers", None) or []]
 
     generated: list[int] = []
     if args.max_tokens > 0:
@@ -132,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         "scales": {str(i): [k, v] for i, (k, v) in sorted(scales.items())},
         "layers": {str(i): d for i, d in sorted(details.items())},
         "kv_cache_dtype": kv_cache_dtype,
+        "model_dtype": str(model_config.dtype).removeprefix("torch."),
+        "kv_cache_dtype_skip_layers": {"passed": skip, "engine": engine_skip},
         "generated_token_ids": generated,
         "prompt": _PROMPT_TEXT if use_tokenizer else _PROMPT_IDS,
     }

@@ -1,0 +1,347 @@
+"""Engine-faithful fake quantisation of K/V, and the arms (ways of storing the KV cache) it applies.
+
+Why at the capture point: the engine quantises K and V when it writes them to the cache, after RoPE and
+k-norm and before grouped-query expansion — exactly what transformers hands the function registered in
+`ALL_ATTENTION_FUNCTIONS` (DESIGN.md section 3). So the hook here is the calibration hook's twin: it
+replaces K and V by what the cache would give back (`fake_quant`: divide by the scale, saturate, round,
+multiply back) for every token attention reads, prompt included, and then calls the model's own attention.
+Perplexity measured with full-precision prompt K/V would hide exactly the damage we look for.
+
+Why a module of its own: what an arm is and how the cache would store it (scales from a checkpoint or a
+statistics file, shaped per tensor/head/channel or per token) is independent of how an evaluation picks
+its samples and scores logits (`calib/evaluate.py`, which drives this hook and re-exports these names).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import observe
+from .checkpoint import read_kv_info
+from .quant import FP8_E4M3, INT8, KVDtype, by_name, quantize
+from .scales import MIN_SCALE, amax_to_scale
+
+TOKEN = "token"            # an arm's scale for a layer may be this: dynamic, each token's own max|x| / qmax
+_ids = itertools.count()
+
+
+class EvalError(ValueError):
+    """The evaluation cannot run as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way of storing the KV cache. `k`/`v` map a layer to its scale, already shaped to broadcast
+    against K of shape [b, kv_heads, s, head_dim] ([] / [1,h,1,1] / [1,h,1,d]) or TOKEN; a layer absent
+    from both stays unquantised. `dtype` None marks the reference."""
+    name: str
+    dtype: KVDtype | None
+    k: Mapping[int, torch.Tensor | str] = field(default_factory=dict)
+    v: Mapping[int, torch.Tensor | str] = field(default_factory=dict)
+    kind: str = "reference"           # reference | default | checkpoint | stats
+    granularity: str = "tensor"
+    shippable: bool = True            # an engine can serve it (per-channel/per-token are what-ifs)
+    source: str | None = None
+    skip: tuple[int, ...] = ()        # layers this evaluation left unquantised to measure a skip
+    serve_skip: tuple[int, ...] = ()  # layers the checkpoint was calibrated to skip (served with the skip flag)
+    notes: tuple[str, ...] = ()
+
+    def skipping(self, layers: Iterable[int]) -> "Arm":
+        drop = set(layers) | set(self.skip)
+        keep = {i: s for i, s in self.k.items() if i not in drop}
+        return replace(self, name=f"{self.name} skip {','.join(map(str, sorted(drop)))}", k=keep,
+                       v={i: s for i, s in self.v.items() if i not in drop}, skip=tuple(sorted(drop)))
+
+    def to(self, device: torch.device) -> "Arm":
+        def move(m):
+            return {i: s if isinstance(s, str) else s.to(device) for i, s in m.items()}
+        return replace(self, k=move(self.k), v=move(self.v))
+
+    def describe(self) -> dict[str, Any]:
+        def per_layer(m):
+            return {str(i): None if isinstance(s, str) else float(s.max()) for i, s in sorted(m.items())}
+        return {"kind": self.kind, "dtype": self.dtype.name if self.dtype else None, "granularity": self.granularity,
+                "shippable": self.shippable, "source": self.source, "skip": list(self.skip),
+                "serve_skip": list(self.serve_skip), "notes": list(self.notes),
+                "scales": {"k": per_layer(self.k), "v": per_layer(self.v)}}
+
+
+# ------------------------------------------------------------------------------------------- arms
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: tuple[int, ...]
+    kv_heads: int
+    head_dim: int
+
+    @staticmethod
+    def of(config: Any, layers: Sequence[int]) -> "Geometry":
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return Geometry(tuple(layers), heads, dim)
+
+    def shape(self, values: Any, where: str) -> torch.Tensor:
+        t = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
+        if not (torch.isfinite(t).all() and (t > 0).all()):
+            raise EvalError(f"{where}: scales must be finite and > 0, got {t.tolist()[:8]}")
+        h, d = self.kv_heads, self.head_dim
+        shapes = {1: (), h: (1, h, 1, 1), h * d: (1, h, 1, d)}
+        if t.numel() not in shapes:
+            raise EvalError(f"{where}: {t.numel()} scale values fit neither per tensor (1), per KV head ({h}) "
+                            f"nor per channel ({h}x{d}); is it a checkpoint of another model?")
+        return t.reshape(shapes[t.numel()])
+
+
+def reference_arm(model_dtype: torch.dtype) -> Arm:
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    return Arm(short.get(model_dtype, str(model_dtype).removeprefix("torch.")), None)
+
+
+def default_arm(geo: Geometry, dtype: KVDtype) -> Arm:
+    one = torch.tensor(1.0)
+    return Arm("default", dtype, {i: one for i in geo.layers}, {i: one for i in geo.layers}, kind="default",
+               notes=("scale 1.0: what vLLM and TensorRT-LLM use when a checkpoint carries no KV scales",))
+
+
+def _checkpoint_dtype(path: Path, info: Any) -> KVDtype:
+    scheme = info.kv_scheme or {}
+    if scheme.get("type") == "int":
+        return INT8
+    hq = path / "hf_quant_config.json"
+    if hq.is_file() and json.loads(hq.read_text()).get("quantization", {}).get("kv_cache_quant_algo") == "INT8":
+        return INT8
+    return FP8_E4M3
+
+
+def checkpoint_arms(path: str, geo: Geometry) -> list[Arm]:
+    """The arm of a checkpoint's K/V scales as stored, plus its per-tensor fold when the scales are per head
+    (what vLLM applies outside its FlashAttention-3 backend)."""
+    try:
+        info = read_kv_info(path)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise EvalError(f"--scales {path}: {e}") from None
+    if not info.scales:
+        raise EvalError(f"--scales {path}: no K/V scale tensors (*.k_scale / *.v_scale) found")
+    if info.num_layers is not None and info.num_layers != len(geo.layers):
+        raise EvalError(f"--scales {path} is for a model with {info.num_layers} layers; this model has "
+                        f"{len(geo.layers)}")
+    dtype = _checkpoint_dtype(Path(path), info)
+    k, v, notes = {}, {}, []
+    serve_skip = tuple(sorted(int(i) for i in (info.provenance or {}).get("skipped_layers", [])))
+    if serve_skip:
+        notes.append(f"calibrated with skip_layers {list(serve_skip)}: those layers stay unquantised here, as when "
+                     f"served with --kv-cache-dtype-skip-layers {' '.join(map(str, serve_skip))}")
+    for i in (i for i in geo.layers if i not in serve_skip):
+        sc = info.scales.get(i, {})
+        k[i] = geo.shape(sc.get("k", [1.0]), f"--scales {path} layer {i} k_scale")
+        v[i] = geo.shape(sc.get("v", [1.0]), f"--scales {path} layer {i} v_scale")
+    missing = [i for i in k if not {"k", "v"} <= set(info.scales.get(i, {}))]
+    if missing:
+        notes.append(f"no scales for layers {missing}: engines use 1.0 there, and so does this arm")
+    if "trtllm" in info.targets and "vllm" not in info.targets and dtype is FP8_E4M3:
+        notes.append("TensorRT-LLM's FP8 KV path currently runs with scale 1.0 whatever the checkpoint says "
+                     "(DESIGN.md section 5): served there, this checkpoint behaves like the 'default' arm")
+    per_head = any(s.dim() == 4 for s in (*k.values(), *v.values()))
+    arm = Arm(f"calibrated:{path}", dtype, k, v, kind="checkpoint", granularity="head" if per_head else "tensor",
+              source=str(path), serve_skip=serve_skip, notes=tuple(notes))
+    if not per_head:
+        return [arm]
+    fold = {i: s.max().reshape(()) for i, s in k.items()}, {i: s.max().reshape(()) for i, s in v.items()}
+    return [replace(arm, notes=arm.notes + ("per-head scales apply per head only on vLLM's FlashAttention-3 "
+                                            "backend; see the '@tensor' arm for other backends",)),
+            replace(arm, name=f"{arm.name}@tensor", k=fold[0], v=fold[1], granularity="tensor",
+                    notes=("the per-head scales folded to their max: what vLLM applies outside FlashAttention-3",))]
+
+
+def read_stats(path: str) -> tuple[observe.Stats, dict[str, Any] | None]:
+    """The per-layer ranges of a kvcalib statistics file (a statistics-only output directory or its
+    stats.safetensors) and its header (recipe, data) when it has one. Reads the readable ranges only
+    (`stats.layers.{i}.{field}`, or `layers.{i}.{field}` in files without observer states)."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    file = p / "stats.safetensors" if p.is_dir() else p
+    if not file.is_file():
+        raise EvalError(f"--stats {path}: no stats.safetensors (write one with a statistics-only recipe, targets: [])")
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k.removeprefix("stats."): f.get_tensor(k) for k in f.keys() if not k.startswith("state.")}
+    header = json.loads(meta["kvcalib"]) if "kvcalib" in meta else None
+    prov = file.parent / "kvcalib.json"
+    if header is None and prov.is_file():
+        header = json.loads(prov.read_text())
+    return observe.stats_from_tensors(tensors), header
+
+
+def stats_arms(path: str, geo: Geometry, default_dtype: str) -> list[Arm]:
+    """Per-tensor / per-head / per-channel (when recorded) / per-token arms from a statistics-only output."""
+    stats, header = read_stats(path)
+    if sorted(stats) != sorted(geo.layers):
+        raise EvalError(f"--stats {path} covers layers {sorted(stats)}, the model has {list(geo.layers)}")
+    dtype = by_name((header or {}).get("recipe", {}).get("dtype", default_dtype))
+
+    def arm(gran: str, pick: Callable[[observe.LayerStats, str], Any] | None, shippable: bool) -> Arm:
+        def scales(kind):
+            if pick is None:
+                return {i: TOKEN for i in geo.layers}
+            return {i: geo.shape(amax_to_scale(pick(s, kind), 1.0, dtype.qmax), f"--stats {path} layer {i}")
+                    for i, s in stats.items()}
+        return Arm(f"per-{gran}:{path}", dtype, scales("k"), scales("v"), kind="stats", granularity=gran,
+                   shippable=shippable, source=str(path))
+
+    arms = [arm("tensor", lambda s, kind: s.clip(kind).max(), True), arm("head", lambda s, kind: s.clip(kind), True)]
+    if all(s.k_channel is not None and s.v_channel is not None for s in stats.values()):
+        arms.append(arm("channel", lambda s, kind: s.k_channel if kind == "k" else s.v_channel, False))
+    arms.append(arm("token", None, False))
+    return arms
+
+
+def arms_for(geo: Geometry, dtype: str, scales: Sequence[str] = (), stats: str | None = None) -> list[Arm]:
+    """The default arm, every checkpoint's arms, then the statistics file's arms, under distinct names."""
+    arms = [default_arm(geo, by_name(dtype))]
+    for path in scales:
+        arms += checkpoint_arms(path, geo)
+    if stats:
+        arms += stats_arms(stats, geo, dtype)
+    seen: dict[str, int] = {}
+    out = []
+    for a in arms:                      # the same path given twice still gives two readable, distinct names
+        seen[a.name] = seen.get(a.name, 0) + 1
+        out.append(a if seen[a.name] == 1 else replace(a, name=f"{a.name}#{seen[a.name]}"))
+    return out
+
+
+# ------------------------------------------------------------------------------- the fake-quant hook
+
+_TERMS = ("sat", "flush", "nonzero", "n", "signal", "noise")
+
+
+def fake_quant_terms(x: torch.Tensor, scale: torch.Tensor | str, dtype: KVDtype, mask: torch.Tensor | None,
+                     measure: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(what the cache gives back for x, and when `measure` the float64 sums `_TERMS` over real tokens:
+    saturated values, nonzero values stored as 0, nonzero values, values, sum x^2, sum (x - x_hat)^2)."""
+    dynamic = isinstance(scale, str)
+    if dynamic:
+        scale = x.detach().abs().amax(dim=-1, keepdim=True).float().div(dtype.qmax).clamp_min(MIN_SCALE)
+    codes = quantize(x, scale, dtype)
+    x_hat = (codes * scale).to(x.dtype)
+    if not measure:
+        return x_hat, None
+    w = torch.ones((), device=x.device) if mask is None else mask[:, None, :, None].to(torch.float32)
+    xf = x.float()
+    # a token's own max maps to qmax; a 1-ulp overshoot of x / scale there is not saturation
+    sat = torch.zeros_like(xf, dtype=torch.bool) if dynamic else (xf / scale).abs() > dtype.qmax
+    nonzero = xf != 0
+    parts = (sat, (codes == 0) & nonzero, nonzero, torch.ones_like(xf), xf * xf, (xf - x_hat.float()) ** 2)
+    return x_hat, torch.stack([(p * w).sum(dtype=torch.float64) for p in parts])
+
+
+def _output_terms(module: Any, ref: torch.Tensor, out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """sum |o - o_hat|^2 and sum |o|^2 over real tokens of the attention block's output: after the output
+    projection where the module has `o_proj` (per-head output scales that o_proj undoes would otherwise hide
+    a broken head), else of the attention function's output [b, s, heads, d]."""
+    proj = getattr(module, "o_proj", None)
+    if isinstance(proj, torch.nn.Module) and ref.dim() == 4:
+        ref, out = proj(ref.reshape(*ref.shape[:2], -1)), proj(out.reshape(*out.shape[:2], -1))
+    w = mask.reshape(*mask.shape, *[1] * (ref.dim() - 2)).to(torch.float32) \
+        if mask is not None and ref.shape[:2] == mask.shape else 1.0
+    diff = (ref.float() - out.float()) ** 2
+    return torch.stack([(diff * w).sum(dtype=torch.float64), (ref.float() ** 2 * w).sum(dtype=torch.float64)])
+
+
+class Meter:
+    """Per-layer sums of one arm over every batch it saw; read once at the end (no host sync per batch)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[int, torch.Tensor] = {}
+
+    def add(self, layer: int, terms: torch.Tensor) -> None:
+        self.sums[layer] = terms if layer not in self.sums else self.sums[layer] + terms
+
+    def read(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for i, t in sorted(self.sums.items()):
+            vals = t.tolist()
+            row = {}
+            for kind, base in (("k", 0), ("v", len(_TERMS))):
+                sat, flush, nonzero, n, signal, noise = vals[base:base + len(_TERMS)]
+                row[f"{kind}_saturated"] = sat / max(n, 1)
+                row[f"{kind}_flushed"] = flush / max(nonzero, 1)
+                row[f"{kind}_snr_db"] = 10 * math.log10(signal / noise) if noise > 0 and signal > 0 else math.inf
+            err, ref = vals[-2:]
+            row["attn_rel_error"] = math.sqrt(err / ref) if ref > 0 else 0.0
+            out[str(i)] = row
+        return out
+
+
+class FakeQuantKV:
+    """Switches of the installed hook. `arm` None: pass K/V through untouched (bit-identical outputs).
+    `token_mask` ([batch, seq], True = real token) keeps padding out of every metric; `meter` receives the
+    per-layer sums (None: do not measure, e.g. during generation); `ranges` records per-head max |K|, |V|."""
+
+    def __init__(self) -> None:
+        self.arm: Arm | None = None
+        self.token_mask: torch.Tensor | None = None
+        self.meter: Meter | None = None
+        self.ranges: dict[int, tuple[observe.AbsMaxObserver, observe.AbsMaxObserver]] | None = None
+
+    def attend(self, delegate: Callable, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, **kwargs: Any) -> Any:
+        layer, mask = module.layer_idx, self.token_mask
+        if mask is not None and mask.shape != (key.shape[0], key.shape[2]):
+            mask = None
+        if self.ranges is not None:
+            obs = self.ranges.setdefault(layer, (observe.AbsMaxObserver(), observe.AbsMaxObserver()))
+            obs[0].update(key, mask)
+            obs[1].update(value, mask)
+        arm = self.arm
+        if arm is None or arm.dtype is None or (layer not in arm.k and layer not in arm.v):
+            return delegate(module, query, key, value, attention_mask, **kwargs)
+        measure = self.meter is not None
+        k_hat, k_terms = fake_quant_terms(key, arm.k[layer], arm.dtype, mask, measure)
+        v_hat, v_terms = fake_quant_terms(value, arm.v[layer], arm.dtype, mask, measure)
+        out = delegate(module, query, k_hat, v_hat, attention_mask, **kwargs)
+        if measure:
+            ref = delegate(module, query, key, value, attention_mask, **kwargs)
+            self.meter.add(layer, torch.cat([k_terms, v_terms, _output_terms(module, ref[0], out[0], mask)]))
+        return out
+
+
+@contextlib.contextmanager
+def fake_quant_kv(model: torch.nn.Module) -> Iterator[FakeQuantKV]:
+    """Route every attention call of `model` through the fake-quant hook; always restores the model."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    original = model.config._attn_implementation
+    if original not in ("eager", "sdpa") and original not in ALL_ATTENTION_FUNCTIONS:
+        raise observe.CaptureError(f"attention implementation {original!r} is not known to transformers' AttentionInterface")
+    delegate = observe._delegate_for(original)
+    state = FakeQuantKV()
+    name = f"kvcalib_fakequant_{next(_ids)}"
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        return state.attend(delegate, module, query, key, value, attention_mask, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS.register(name, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    try:
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise observe.CaptureError(f"{type(model).__name__} refused a custom attention implementation")
+        yield state
+    finally:
+        try:
+            model.set_attn_implementation(original)
+        finally:
+            ALL_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
+            ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
