@@ -15,7 +15,6 @@ its samples and scores logits (`calib/evaluate.py`, which drives this hook and r
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -31,7 +30,6 @@ from .quant import FP8_E4M3, INT8, KVDtype, by_name, quantize
 from .scales import MIN_SCALE, amax_to_scale
 
 TOKEN = "token"            # an arm's scale for a layer may be this: dynamic, each token's own max|x| / qmax
-_ids = itertools.count()
 
 
 class EvalError(ValueError):
@@ -319,29 +317,12 @@ class FakeQuantKV:
 @contextlib.contextmanager
 def fake_quant_kv(model: torch.nn.Module) -> Iterator[FakeQuantKV]:
     """Route every attention call of `model` through the fake-quant hook; always restores the model."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    original = model.config._attn_implementation
-    if original not in ("eager", "sdpa") and original not in ALL_ATTENTION_FUNCTIONS:
-        raise observe.CaptureError(f"attention implementation {original!r} is not known to transformers' AttentionInterface")
-    delegate = observe._delegate_for(original)
     state = FakeQuantKV()
-    name = f"kvcalib_fakequant_{next(_ids)}"
 
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        return state.attend(delegate, module, query, key, value, attention_mask, **kwargs)
+    def make(delegate):
+        def attention(module, query, key, value, attention_mask, **kwargs):
+            return state.attend(delegate, module, query, key, value, attention_mask, **kwargs)
+        return attention
 
-    ALL_ATTENTION_FUNCTIONS.register(name, attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
-    try:
-        model.set_attn_implementation(name)
-        if model.config._attn_implementation != name:
-            raise observe.CaptureError(f"{type(model).__name__} refused a custom attention implementation")
+    with observe.route_attention(model, make, "fakequant"):
         yield state
-    finally:
-        try:
-            model.set_attn_implementation(original)
-        finally:
-            ALL_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
-            ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)

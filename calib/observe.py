@@ -309,6 +309,34 @@ def _delegate_for(impl: str) -> Callable:
 
 
 @contextlib.contextmanager
+def route_attention(model: torch.nn.Module, make: Callable[[Callable], Callable], tag: str) -> Iterator[None]:
+    """Switch `model` to the attention function `make(delegate)`, where `delegate` is the model's own
+    implementation, registered under a fresh name (with the delegate's mask function); always restores
+    the model's implementation and unregisters the name, also on exceptions."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    original = model.config._attn_implementation
+    if original not in ("eager", "sdpa") and original not in ALL_ATTENTION_FUNCTIONS:
+        raise CaptureError(f"attention implementation {original!r} is not known to transformers' AttentionInterface")
+    name = f"kvcalib_{tag}_{next(_ids)}"
+    ALL_ATTENTION_FUNCTIONS.register(name, make(_delegate_for(original)))
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    try:
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise CaptureError(f"{type(model).__name__} refused a custom attention implementation; "
+                               "it does not use transformers' AttentionInterface")
+        yield
+    finally:
+        try:
+            model.set_attn_implementation(original)
+        finally:
+            ALL_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
+            ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
+
+
+@contextlib.contextmanager
 def capture_kv(model: torch.nn.Module, layers: list[int], spec: CaptureSpec | None = None) -> Iterator[KVCapture]:
     """Route every attention call of `model` through a recording wrapper; always restores the model.
 
@@ -318,34 +346,16 @@ def capture_kv(model: torch.nn.Module, layers: list[int], spec: CaptureSpec | No
             model(input_ids=ids, attention_mask=attention_mask, use_cache=False)
         stats = cap.stats()
     """
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    original = model.config._attn_implementation
-    if original not in ("eager", "sdpa") and original not in ALL_ATTENTION_FUNCTIONS:
-        raise CaptureError(f"attention implementation {original!r} is not known to transformers' AttentionInterface")
-    delegate = _delegate_for(original)
     capture = KVCapture(layers, spec)
-    name = f"kvcalib_capture_{next(_ids)}"
 
-    def recording_attention(module, query, key, value, attention_mask, **kwargs):
-        capture.record(module.layer_idx, query, key, value)
-        return delegate(module, query, key, value, attention_mask, **kwargs)
+    def make(delegate: Callable) -> Callable:
+        def recording_attention(module, query, key, value, attention_mask, **kwargs):
+            capture.record(module.layer_idx, query, key, value)
+            return delegate(module, query, key, value, attention_mask, **kwargs)
+        return recording_attention
 
-    ALL_ATTENTION_FUNCTIONS.register(name, recording_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
-    try:
-        model.set_attn_implementation(name)
-        if model.config._attn_implementation != name:
-            raise CaptureError(f"{type(model).__name__} refused a custom attention implementation; "
-                               "it does not use transformers' AttentionInterface")
+    with route_attention(model, make, "capture"):
         yield capture
-    finally:
-        try:
-            model.set_attn_implementation(original)
-        finally:
-            ALL_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
-            ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.pop(name, None)
 
 
 _STAT_FIELDS = ("k_amax", "v_amax", "k_clip", "v_clip", "q_amax", "k_channel", "v_channel", "k_token", "v_token",

@@ -1,7 +1,6 @@
 """Interrupted runs leave nothing behind; identical inputs give identical outputs."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 # Tiny configs of real architectures, each with a feature that changes where K lives.
 ARCHS = {
