@@ -68,12 +68,15 @@ def main() -> None:
 @click.option("--offload-folder", type=click.Path(file_okay=False), help="Disk offload folder for --device-map.")
 @click.option("--device", help="torch device, e.g. cuda:0 or cpu. Default: cuda when available.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (off by default).")
+@click.option("--into", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Attach the scales to this weight-quantized checkpoint of the same model (weights untouched). "
+                   "Calibration runs through --model (default: the --into checkpoint itself).")
 @click.option("--stats-out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the raw statistics (for `kvcalib merge` / `kvcalib export --stats`).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_size, seed, headroom, pack, dtype,
               granularity, observer, q_scale, skip_layers, targets, max_batch_tokens, device_map, max_memory,
-              offload_folder, device, trust_remote_code, stats_out, force) -> None:
+              offload_folder, device, trust_remote_code, into, stats_out, force) -> None:
     """Calibrate KV-cache scales and write checkpoints the engines load."""
     recipe = _load_recipe(recipe_path, samples=samples, seq_len=seq_len, batch_size=batch_size, seed=seed,
                           headroom=headroom, pack=pack, dtype=dtype, granularity=granularity, observer=observer,
@@ -85,6 +88,8 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
     placement = _placement(device, device_map, max_memory, offload_folder)
     try:
         with _terminate_as_interrupt():
+            if model_src is None and into is not None:
+                model_src = str(into)
             if model_src is None:
                 from .default_model import ensure_default_model
 
@@ -98,7 +103,7 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
                 result = pipeline.calibrate(
                     model_src, data_src, recipe, out, trust_remote_code=trust_remote_code, force=force, progress=bar,
                     options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist), placement=placement,
-                    stats_out=stats_out)
+                    stats_out=stats_out, into=into)
     except _user_errors() as e:
         raise click.ClickException(str(e)) from None
     if dist.is_main:

@@ -162,8 +162,12 @@ def _vllm_tensor(scale: torch.Tensor, strategy: str) -> torch.Tensor:
 def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, Any], *, strategy: str = "tensor",
                 force: bool = False) -> Path:
     """Write the vLLM (compressed-tensors) variant of `source` with `scales` to `out`; returns `out`.
-    `strategy` is `tensor` (scales of shape []) or `attn_head` (scales of shape [kv_heads])."""
-    prepared = prepare_source(source, out)
+    `strategy` is `tensor` (scales of shape []) or `attn_head` (scales of shape [kv_heads]).
+
+    A `source` that already carries a compressed-tensors weight config (W8A8, FP8, W4A16 ... made by
+    llm-compressor) keeps it — `config_groups`, `ignore`, `format` and the rest — and gains only a
+    `kv_cache_scheme`; its weight files are carried over byte for byte like any other source's."""
+    prepared = prepare_source(source, out, quantized_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for layer, s in scales.items():
         for kind, value in (("k", s.k_scale), ("v", s.v_scale), ("q", s.q_scale)):
@@ -171,7 +175,13 @@ def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, A
                 if strategy == "tensor" and value.numel() != 1:
                     raise ExportError(f"layer {layer}: {kind}_scale has {value.numel()} values but strategy is tensor")
                 tensors[vllm_scale_name(layer, kind)] = _vllm_tensor(value, strategy)
-    config = dict(prepared.config, quantization_config=vllm_quantization_config(strategy))
+    qc = prepared.config.get("quantization_config")
+    if qc is None:
+        qc = vllm_quantization_config(strategy)
+    else:
+        qc = {**qc, "kv_cache_scheme": vllm_quantization_config(strategy)["kv_cache_scheme"]}
+        qc.setdefault("config_groups", {})
+    config = dict(prepared.config, quantization_config=qc)
     return write_variant(prepared, out, tensors, config, {**provenance, "target": "vllm"}, force=force)
 
 
@@ -183,15 +193,23 @@ class PreparedSource:
     total_size: int
 
 
-def prepare_source(source: Path, out: Path) -> PreparedSource:
-    """Validate a source checkpoint for export (before anything is written)."""
+def prepare_source(source: Path, out: Path, *, quantized_ok: bool = False) -> PreparedSource:
+    """Validate a source checkpoint for export (before anything is written). A weight-quantized source is
+    accepted when `quantized_ok` and its config is compressed-tensors (the only weight format whose config
+    we merge into for vLLM); other formats get an error that says so."""
     source, out = Path(source), Path(out)
     if out.resolve() == source.resolve():
         raise ExportError(f"--out {out} is the source model directory; choose a new directory")
     config = json.loads((source / "config.json").read_text())
-    if "quantization_config" in config:
-        raise ExportError(f"{source}/config.json already has a quantization_config; attaching KV scales to a "
-                          "weight-quantized checkpoint is not supported yet")
+    qc = config.get("quantization_config")
+    if qc is not None and not quantized_ok:
+        raise ExportError(f"{source}/config.json already has a quantization_config; to add KV scales to a "
+                          "weight-quantized checkpoint, pass it as --into")
+    if qc is not None and qc.get("quant_method") != "compressed-tensors":
+        raise ExportError(f"{source}: weight quantization {qc.get('quant_method')!r} — the vllm target merges KV "
+                          "scales only into compressed-tensors configs; use the trtllm target for ModelOpt checkpoints")
+    if qc is not None and qc.get("kv_cache_scheme"):
+        raise ExportError(f"{source} already declares a kv_cache_scheme; start from the checkpoint without KV scales")
     wmap, total = _weight_map(source)
     existing = sorted(k for k in wmap if k.endswith(("k_scale", "v_scale")) and ".self_attn." in k)
     if existing:

@@ -215,17 +215,34 @@ def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, o
     return write_outputs(source, Path(out), recipe, sf.capture, scales, prov, force=force), scales, skipped
 
 
+def _check_same_model(source: Path, target: Path) -> None:
+    """The scales of `source` fit `target` only when both have the same attention geometry."""
+    keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
+    a, b = (model_mod.source_config(p) for p in (source, target))
+    a, b = a.get("text_config", a), b.get("text_config", b)
+    diff = [k for k in keys if a.get(k) != b.get(k)]
+    if diff:
+        raise export.ExportError(f"--into {target} is not the same model as {source}: {', '.join(diff)} differ "
+                                 f"({[a.get(k) for k in diff]} vs {[b.get(k) for k in diff]})")
+
+
 def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
               trust_remote_code: bool = False, force: bool = False, progress: Any | None = None,
               options: RunOptions = RunOptions(), placement: model_mod.Placement | None = None,
-              stats_out: Path | None = None) -> Result:
+              stats_out: Path | None = None, into: Path | None = None) -> Result:
+    """Calibrate `model_src` on `data_src` and write the recipe's targets to `out`. With `into` (a
+    weight-quantized checkpoint of the same model), the scales are attached to `into`'s files instead:
+    its weights are carried over byte for byte and its quantization config gains the KV scheme."""
     t_start = time.perf_counter()
     if Path(out).exists() and not force:  # fail before the expensive part
         raise export.ExportError(f"output {out} already exists; pass --force to replace it or choose another --out")
     data_mod.check_source(data_src)
     source_dir = model_mod.resolve_source(model_src)
+    target_dir = source_dir if into is None else model_mod.resolve_source(into)
+    if into is not None:
+        _check_same_model(source_dir, target_dir)
     if recipe.targets:  # a broken source checkpoint surfaces before anything is loaded
-        export.prepare_source(source_dir, Path(out))
+        export.prepare_source(target_dir, Path(out), quantized_ok=into is not None)
     loaded = model_mod.load(source_dir, device=device, trust_remote_code=trust_remote_code, placement=placement)
     max_pos = getattr(loaded.config, "max_position_embeddings", None)
     if max_pos and recipe.seq_len > max_pos:
@@ -246,7 +263,9 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
     prov["rotary_dim"] = model_mod.rotary_dim(loaded.config)
     path = Path(out)
     if options.dist.is_main:
-        path = write_outputs(loaded.source_dir, Path(out), recipe, kept[0], scales, prov, force=force)
+        if into is not None:
+            prov["into"] = str(into)
+        path = write_outputs(target_dir, Path(out), recipe, kept[0], scales, prov, force=force)
         if stats_out is not None:
             statsfile.save(Path(stats_out), kept[0], stats_header(prov, loaded.source_dir))
     barrier(options.dist)

@@ -1,0 +1,95 @@
+"""Stacking KV scales onto weight-quantized checkpoints: weights byte-identical, configs merged."""
+
+import hashlib
+import json
+
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from calib.cli import main
+from calib.verify import verify
+from tiny import tiny_causal_lm
+
+
+def _sha(p):
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _fp8_weight_checkpoint(src, dst):
+    """A compressed-tensors FP8 (channel weights, dynamic token activations) checkpoint of `src`, as
+    llm-compressor lays it out: fp8 `weight` + float32 `weight_scale` per output channel."""
+    dst.mkdir()
+    tensors = load_file(src / "model.safetensors")
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("proj.weight") and ".layers." in name:
+            scale = t.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 448
+            out[name] = (t / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            out[name.replace(".weight", ".weight_scale")] = scale.to(torch.float32)
+        else:
+            out[name] = t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                  "dynamic": True}}}}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def _modelopt_checkpoint(src, dst):
+    dst.mkdir()
+    (dst / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    (dst / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt", "version": "0.0"},
+         "quantization": {"quant_algo": "W4A16_AWQ", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}))
+    return dst
+
+
+def _calibrate(*args):
+    return CliRunner().invoke(main, ["calibrate", *[str(a) for a in args], "--seq-len", "32", "--samples", "8",
+                                     "--device", "cpu"])
+
+
+def test_kv_scales_onto_compressed_tensors_fp8_weights(tiny_llama_dir, token_data, tmp_path):
+    q = _fp8_weight_checkpoint(tiny_llama_dir, tmp_path / "fp8")
+    before = json.loads((q / "config.json").read_text())["quantization_config"]
+    r = _calibrate("--model", tiny_llama_dir, "--into", q, "--data", token_data, "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "out"
+    assert _sha(out / "model.safetensors") == _sha(q / "model.safetensors")
+    after = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert {k: v for k, v in after.items() if k != "kv_cache_scheme"} == before
+    assert after["kv_cache_scheme"]["type"] == "float" and after["kv_cache_scheme"]["num_bits"] == 8
+    assert [p for p in verify(out, "vllm") if p.severity == "error"] == []
+    scales = load_file(out / "kv_scales.safetensors")
+    plain = tmp_path / "plain"
+    assert _calibrate("--model", tiny_llama_dir, "--data", token_data, "--out", plain).exit_code == 0
+    assert all(torch.equal(scales[k], v) for k, v in load_file(plain / "kv_scales.safetensors").items())
+
+
+def test_kv_scales_onto_a_modelopt_checkpoint_for_trtllm(tiny_llama_dir, token_data, tmp_path):
+    q = _modelopt_checkpoint(tiny_llama_dir, tmp_path / "awq")
+    r = _calibrate("--model", tiny_llama_dir, "--into", q, "--data", token_data, "--out", tmp_path / "out",
+                   "--target", "trtllm")
+    assert r.exit_code == 0, r.output
+    hq = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["quant_algo"] == "W4A16_AWQ" and hq["kv_cache_quant_algo"] == "FP8"
+    assert _sha(tmp_path / "out" / "model.safetensors") == _sha(q / "model.safetensors")
+
+
+def test_into_refuses_another_model_and_existing_kv_scales(tiny_llama_dir, token_data, tmp_path):
+    other = tmp_path / "other"
+    tiny_causal_lm("llama", num_hidden_layers=2).save_pretrained(other)
+    r = _calibrate("--model", tiny_llama_dir, "--into", other, "--data", token_data, "--out", tmp_path / "o1")
+    assert r.exit_code == 1 and "not the same model" in r.output and "num_hidden_layers" in r.output
+    done = tmp_path / "done"
+    assert _calibrate("--model", tiny_llama_dir, "--data", token_data, "--out", done).exit_code == 0
+    r = _calibrate("--model", tiny_llama_dir, "--into", done, "--data", token_data, "--out", tmp_path / "o2")
+    assert r.exit_code == 1 and "kv_cache_scheme" in r.output and not (tmp_path / "o2").exists()
