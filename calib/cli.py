@@ -71,12 +71,14 @@ def main() -> None:
 @click.option("--into", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Attach the scales to this weight-quantized checkpoint of the same model (weights untouched). "
                    "Calibration runs through --model (default: the --into checkpoint itself).")
+@click.option("--checkpoint-every", type=int, help="Save the observers every N batches to OUT.kvcalib-resume.safetensors.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from its saved observers (same arguments).")
 @click.option("--stats-out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the raw statistics (for `kvcalib merge` / `kvcalib export --stats`).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_size, seed, headroom, pack, dtype,
               granularity, observer, q_scale, skip_layers, targets, max_batch_tokens, device_map, max_memory,
-              offload_folder, device, trust_remote_code, into, stats_out, force) -> None:
+              offload_folder, device, trust_remote_code, into, checkpoint_every, resume, stats_out, force) -> None:
     """Calibrate KV-cache scales and write checkpoints the engines load."""
     recipe = _load_recipe(recipe_path, samples=samples, seq_len=seq_len, batch_size=batch_size, seed=seed,
                           headroom=headroom, pack=pack, dtype=dtype, granularity=granularity, observer=observer,
@@ -102,7 +104,9 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
                       disable=not dist.is_main) as bar:
                 result = pipeline.calibrate(
                     model_src, data_src, recipe, out, trust_remote_code=trust_remote_code, force=force, progress=bar,
-                    options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist), placement=placement,
+                    options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist,
+                                                checkpoint=_checkpointing(out, checkpoint_every, resume, pipeline)),
+                    placement=placement,
                     stats_out=stats_out, into=into)
     except _user_errors() as e:
         raise click.ClickException(str(e)) from None
@@ -124,6 +128,15 @@ def _terminate_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _checkpointing(out: Path, every: int | None, resume: bool, pipeline):
+    if not every and not resume:
+        return None
+    if every is not None and every < 1:
+        raise click.ClickException(f"--checkpoint-every {every}: give a number of batches >= 1")
+    path = Path(out).parent / f"{Path(out).name}.kvcalib-resume.safetensors"
+    return pipeline.Checkpointing(path=path, every=every or 0, resume=resume)
 
 
 def _placement(device, device_map, max_memory, offload_folder):

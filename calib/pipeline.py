@@ -8,11 +8,12 @@ device and are read once at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -45,11 +46,24 @@ class Result:
 
 
 @dataclass(frozen=True)
+class Checkpointing:
+    """Long runs save the observers' state every `every` batches to `path` (one safetensors file, replaced
+    atomically); `resume` continues after the last saved batch. The data stream is replayed (so the data
+    report and fingerprint stay complete) but the model runs only on batches not yet observed; the result
+    is bit-identical to an uninterrupted run. `header` identifies the run (recipe, model, data)."""
+    path: Path
+    every: int = 0
+    resume: bool = False
+    header: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RunOptions:
     """How the forward loop is fed (not part of the recipe: none of these changes a statistic)."""
     max_batch_tokens: int | None = None   # token budget per batch; enables length bucketing
     prefetch: int = 2                     # batches prepared ahead by a background thread (0: none)
     dist: Dist = Dist()                   # this process's rank under torchrun (default: one process)
+    checkpoint: Checkpointing | None = None  # save observer state every N batches / resume from it
 
 
 def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_size: int,
@@ -65,10 +79,16 @@ def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_s
     if options.prefetch:
         feed = prefetch(feed, options.prefetch)
     pin = dev.type == "cuda"
+    ckpt = options.checkpoint
     t0 = time.perf_counter()
     with observe.capture_kv(model, loaded.attention_layers, spec) as cap, torch.inference_mode():
-        for ids, mask in feed:
+        done = _resume(cap, ckpt) if ckpt is not None and ckpt.resume else 0
+        for i, (ids, mask) in enumerate(feed):
             n = int(mask.sum())
+            if i < done:  # observed before the interruption
+                if progress is not None:
+                    progress.update(n)
+                continue
             if pin:
                 ids, mask = ids.pin_memory(), mask.pin_memory()
             ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
@@ -76,6 +96,8 @@ def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_s
             model(input_ids=ids, attention_mask=mask, use_cache=False)
             if progress is not None:
                 progress.update(n)
+            if ckpt is not None and ckpt.every and (i + 1) % ckpt.every == 0:
+                statsfile.save(ckpt.path, cap, {**ckpt.header, "batches_done": i + 1})
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         spent = time.perf_counter() - t0
@@ -84,6 +106,23 @@ def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_s
         if keep is not None:
             keep.append(cap)
     return stats, spent
+
+
+def _resume(cap: observe.KVCapture, ckpt: Checkpointing) -> int:
+    """Load the saved observer state into `cap`; returns how many batches it covers."""
+    from safetensors import safe_open
+
+    if not ckpt.path.is_file():
+        raise statsfile.StatsError(f"--resume: no saved state at {ckpt.path}; run without --resume")
+    with safe_open(str(ckpt.path), framework="pt") as f:
+        header = json.loads((f.metadata() or {}).get("kvcalib", "{}"))
+        state = {k[len("state."):]: f.get_tensor(k) for k in f.keys() if k.startswith("state.")}
+    for key in ("recipe", "model_config_sha256", "data_source"):
+        if header.get(key) != ckpt.header.get(key):
+            raise statsfile.StatsError(f"--resume: the saved state at {ckpt.path} is from another run ({key} "
+                                       "differs); remove it or run without --resume")
+    cap.load_state_dict(state)
+    return int(header["batches_done"])
 
 
 TOKEN_QUANTILES = (50.0, 90.0, 99.0, 100.0)
@@ -253,6 +292,12 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
     seqs = data_mod.samples(data_src, loaded.tokenizer, seq_len=recipe.seq_len, max_samples=recipe.samples,
                             min_tokens=recipe.min_tokens, pack=recipe.pack, seed=recipe.seed,
                             vocab_size=getattr(loaded.config, "vocab_size", None), report=report)
+    if options.checkpoint is not None:
+        if options.dist.world > 1:
+            raise statsfile.StatsError("--checkpoint-every/--resume run in a single process, not under torchrun")
+        header = {"recipe": recipe.to_dict(), "model_config_sha256": statsfile.config_sha256(source_dir),
+                  "data_source": str(data_src), "rotary_dim": model_mod.rotary_dim(loaded.config)}
+        options = dataclasses.replace(options, checkpoint=dataclasses.replace(options.checkpoint, header=header))
     padding, kept = PaddingStats(), []
     stats, fwd = observe_kv(loaded, seqs, recipe.batch_size, progress, capture_spec(recipe, loaded.config),
                             options, padding, kept)
@@ -268,6 +313,8 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
         path = write_outputs(target_dir, Path(out), recipe, kept[0], scales, prov, force=force)
         if stats_out is not None:
             statsfile.save(Path(stats_out), kept[0], stats_header(prov, loaded.source_dir))
+        if options.checkpoint is not None:
+            options.checkpoint.path.unlink(missing_ok=True)  # the run completed: nothing to resume
     barrier(options.dist)
     return Result(out=path, scales=scales, stats=stats, skipped=skipped, data=report, padding=padding.fraction,
                   seconds=time.perf_counter() - t_start, forward_seconds=fwd, model_dtype=dtype,
