@@ -61,13 +61,17 @@ $(VLLM_STAMP):
 
 # Calibrate the embedded default with our venv, then let the real engine load the result.
 engine-test: $(STAMP) $(VLLM_STAMP)
-	rm -rf $(ENGINE_CKPT) $(ENGINE_CKPT)-head-q $(ENGINE_CKPT)-skip
+	rm -rf $(ENGINE_CKPT) $(ENGINE_CKPT)-head-q $(ENGINE_CKPT)-skip $(ENGINE_CKPT)-fp8w $(ENGINE_CKPT)-into
 	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT) --samples 32
 	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT)-head-q --samples 32 --granularity head --q-scale
 	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT)-skip --samples 32 --skip-layers 1
 	$(VLLM_VENV)/bin/python -m pytest -q -m engine tests/engine --ckpt $(ENGINE_CKPT)
 	$(VLLM_VENV)/bin/python -m pytest -q -m engine tests/engine --ckpt $(ENGINE_CKPT)-head-q --require per-head,q-scale -k "not control"
 	$(VLLM_VENV)/bin/python -m pytest -q -m engine tests/engine --ckpt $(ENGINE_CKPT)-skip --require skip-layers -k "not control"
+	# KV scales stacked onto a compressed-tensors FP8-weight checkpoint of the same model (--into)
+	$(BIN)/python tests/tiny.py fp8-weights build/default-model $(ENGINE_CKPT)-fp8w
+	$(BIN)/kvcalib calibrate --model build/default-model --into $(ENGINE_CKPT)-fp8w --out $(ENGINE_CKPT)-into --samples 32
+	$(VLLM_VENV)/bin/python -m pytest -q -m engine tests/engine --ckpt $(ENGINE_CKPT)-into -k "not control"
 
 bad-input-table: $(STAMP)
 	$(BIN)/python tests/bad_input_table.py README.md

@@ -5,41 +5,15 @@ import json
 
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from calib.cli import main
 from calib.verify import verify
-from tiny import tiny_causal_lm
+from tiny import fp8_weight_checkpoint as _fp8_weight_checkpoint, tiny_causal_lm
 
 
 def _sha(p):
     return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
-def _fp8_weight_checkpoint(src, dst):
-    """A compressed-tensors FP8 (channel weights, dynamic token activations) checkpoint of `src`, as
-    llm-compressor lays it out: fp8 `weight` + float32 `weight_scale` per output channel."""
-    dst.mkdir()
-    tensors = load_file(src / "model.safetensors")
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith("proj.weight") and ".layers." in name:
-            scale = t.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 448
-            out[name] = (t / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-            out[name.replace(".weight", ".weight_scale")] = scale.to(torch.float32)
-        else:
-            out[name] = t
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-        "ignore": ["lm_head"], "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
-                                  "dynamic": True}}}}
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst
 
 
 def _modelopt_checkpoint(src, dst):

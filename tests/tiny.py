@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 # Tiny configs of real architectures, each with a feature that changes where K lives.
 ARCHS = {
@@ -51,3 +53,41 @@ def random_sequences(n: int, vocab: int = 257, lo: int = 8, hi: int = 40, seed: 
     return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lens]
 
 
+def fp8_weight_checkpoint(src, dst):
+    """A compressed-tensors FP8 (channel weights, dynamic token activations) checkpoint of `src`, as
+    llm-compressor lays it out: fp8 `weight` + float32 `weight_scale` per output channel."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst = Path(dst)
+    src = Path(src)
+    dst.mkdir(parents=True)
+    tensors = load_file(src / "model.safetensors")
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("proj.weight") and ".layers." in name:
+            scale = t.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 448
+            out[name] = (t / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            out[name.replace(".weight", ".weight_scale")] = scale.to(torch.float32)
+        else:
+            out[name] = t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                  "dynamic": True}}}}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+if __name__ == "__main__":  # make engine-test: python tests/tiny.py fp8-weights SRC DST
+    import sys
+
+    if sys.argv[1:2] == ["fp8-weights"]:
+        fp8_weight_checkpoint(sys.argv[2], sys.argv[3])
