@@ -124,6 +124,8 @@ def bench_export(loaded: model_mod.LoadedModel, workdir: Path, stats) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description="kvcalib calibration vs. its forward-pass floor")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--model", help="time a real checkpoint instead of a random --shape")
+    ap.add_argument("--data", help="with --model: calibration text (default: random token ids)")
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -136,10 +138,17 @@ def main() -> None:
     args = ap.parse_args()
 
     device = model_mod.pick_device(args.device)
-    loaded = build(args.shape, device)
+    loaded = model_mod.load(args.model, device=args.device) if args.model else build(args.shape, device)
+    device = loaded.device
     g = torch.Generator().manual_seed(0)
-    seqs = torch.randint(0, loaded.config.vocab_size, (args.samples, args.seq_len), generator=g).tolist()
-    tokens = args.samples * args.seq_len
+    if args.model and args.data:
+        from calib import data as data_mod
+        seqs = list(data_mod.samples(args.data, loaded.tokenizer, seq_len=args.seq_len, max_samples=args.samples,
+                                     min_tokens=16, pack=False, seed=0, vocab_size=loaded.config.vocab_size,
+                                     report=data_mod.DataReport()))
+    else:
+        seqs = torch.randint(0, loaded.config.vocab_size, (args.samples, args.seq_len), generator=g).tolist()
+    tokens = sum(map(len, seqs))
     opts = pipeline.RunOptions()
 
     def floor() -> None:
@@ -182,7 +191,8 @@ def main() -> None:
 
     floor_s = results["plain forward (floor)"]["seconds"]
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-           "torch": torch.__version__, "dtype": str(loaded.dtype), "shape": args.shape, "samples": args.samples,
+           "torch": torch.__version__, "dtype": str(loaded.dtype), "shape": args.model or args.shape,
+           "samples": len(seqs),
            "seq_len": args.seq_len, "batch_size": args.batch_size, "tokens": tokens}
     print(" ".join(f"{k}={v}" for k, v in env.items()))
     print(f"{'arm':<28} {'seconds':>9} {'tokens/s':>11} {'peak GiB':>9} {'x floor':>8}")
