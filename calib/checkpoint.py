@@ -50,13 +50,17 @@ def read_kv_info(path: str | Path) -> KVInfo:
         hq = json.loads((path / "hf_quant_config.json").read_text()).get("quantization", {})
         if hq.get("kv_cache_quant_algo"):
             targets.append("trtllm")
+    from .verify._checkpoint import tensor_values
+
     scales: dict[int, dict[str, list[float]]] = {}
     for shard in _shards(path):
         with safe_open(shard, framework="numpy") as f:
-            for key in f.keys():
-                m = _SCALE.search(key)
-                if m:
-                    scales.setdefault(int(m.group(1)), {})[m.group(3)] = [float(x) for x in f.get_tensor(key).reshape(-1)]
+            keys = list(f.keys())
+        for key in keys:
+            m = _SCALE.search(key)
+            values = tensor_values(shard, key) if m else None
+            if values is not None:
+                scales.setdefault(int(m.group(1)), {})[m.group(3)] = [float(x) for x in values]
     prov_file = path / "kvcalib.json"
     prov = json.loads(prov_file.read_text()) if prov_file.is_file() else None
     text_cfg = config.get("text_config", config)

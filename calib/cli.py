@@ -190,8 +190,10 @@ def _report(result, recipe: recipe_mod.Recipe) -> None:
 
 def _scale_table(rows: dict[int, tuple[float, float, float, float]]) -> str:
     lines = [f"{'layer':>5}  {'max|K|':>10}  {'k_scale':>12}  {'max|V|':>10}  {'v_scale':>12}"]
+    def num(x: float, width: int, fmt: str) -> str:
+        return f"{'n/a':>{width}}" if x != x else f"{x:>{width}{fmt}}"
     for i, (ka, ks, va, vs) in rows.items():
-        lines.append(f"{i:>5}  {ka:>10.4g}  {ks:>12.6g}  {va:>10.4g}  {vs:>12.6g}")
+        lines.append(f"{i:>5}  {num(ka, 10, '.4g')}  {num(ks, 12, '.6g')}  {num(va, 10, '.4g')}  {num(vs, 12, '.6g')}")
     return "\n".join(lines)
 
 
@@ -350,6 +352,14 @@ def verify(ckpt: Path, engine: str) -> None:
     click.echo(f"{ckpt}: {len(errors)} error(s), {warnings} warning(s)", err=True)
     if errors:
         sys.exit(1)
+
+
+@main.command("default-model")
+def default_model_cmd() -> None:
+    """Build (once) and print the path of the embedded default model."""
+    from .default_model import ensure_default_model
+
+    click.echo(ensure_default_model(BUILD_DIR, DEFAULT_DATA, log=lambda m: click.echo(m, err=True)))
 
 
 @main.group(invoke_without_command=True)

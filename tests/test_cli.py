@@ -91,3 +91,24 @@ def test_eval_command_reports_a_verdict(tmp_path, token_data):
     doc = json.loads((tmp_path / "ev" / "report.json").read_text())
     arms = doc["arms"]
     assert arms["default"]["summary"]["kl"] > 5 * arms[f"calibrated:{tmp_path / 'cal'}"]["summary"]["kl"]
+
+
+def test_inspect_reads_bf16_scales_of_other_tools(tiny_llama_dir, tmp_path):
+    """llm-compressor stores KV scales in the model dtype (bf16): numpy cannot hold it, inspect must still read it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    ck = tmp_path / "llmc"
+    shutil.copytree(tiny_llama_dir, ck)
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor([0.0153198], dtype=torch.bfloat16)},
+              str(ck / "extra.safetensors"))
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {}, "format": "dense",
+                                  "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                      "dynamic": False, "symmetric": True}}
+    (ck / "config.json").write_text(json.dumps(cfg))
+    r = _run("inspect", ck)
+    assert r.exit_code == 0, r.output
+    row = next(ln.split() for ln in r.output.splitlines() if ln.strip().startswith("0 "))
+    assert float(row[2]) == pytest.approx(float(torch.tensor(0.0153198, dtype=torch.bfloat16)), rel=1e-6)

@@ -156,21 +156,7 @@ class _Checkpoint:
         return self._values[key]
 
     def _read_values(self, t: _Tensor) -> np.ndarray | None:
-        from safetensors import safe_open
-
-        path = self.path / t.file
-        if t.dtype == "BF16":  # numpy has no bfloat16: widen the raw 16-bit patterns to float32 ourselves
-            with open(path, "rb") as fh:
-                n = struct.unpack("<Q", fh.read(8))[0]
-                start, end = json.loads(fh.read(n))[t.name]["data_offsets"]
-                fh.seek(8 + n + start)
-                raw = fh.read(end - start)
-            return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                return np.asarray(f.get_tensor(t.name), dtype=np.float64).reshape(-1)
-        except (TypeError, ValueError):
-            return None
+        return tensor_values(self.path / t.file, t.name)
 
     @cached_property
     def skipped_layers(self) -> set[int]:
@@ -193,3 +179,23 @@ class _Checkpoint:
         if not isinstance(self.num_layers, int):
             return []
         return [i for i in range(self.num_layers) if i not in self.skipped_layers]
+
+
+def tensor_values(path: Path, name: str) -> np.ndarray | None:
+    """float64 values of tensor `name` in a safetensors file, read without torch or pickle; None for dtypes
+    numpy cannot hold (e.g. FP8). bf16 is widened from its raw 16-bit patterns."""
+    from safetensors import safe_open
+
+    with open(path, "rb") as fh:
+        n = struct.unpack("<Q", fh.read(8))[0]
+        entry = json.loads(fh.read(n))[name]
+        if entry["dtype"] == "BF16":
+            start, end = entry["data_offsets"]
+            fh.seek(8 + n + start)
+            raw = fh.read(end - start)
+            return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return np.asarray(f.get_tensor(name), dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        return None
