@@ -109,6 +109,18 @@ def check_space(files: list[Path], out: Path, extra_bytes: int = 1 << 20) -> Non
                           f"{need / 2**30:.2f} GiB; free space or choose another --out")
 
 
+def _without(src: Path, dst: Path, drop: frozenset[str]) -> str:
+    """Re-save a shard without the named tensors; every other tensor keeps its exact bytes and dtype."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        meta = f.metadata()
+        kept = {k: f.get_tensor(k) for k in f.keys() if k not in drop}
+    save_file(kept, str(dst), metadata=meta)
+    return "rewritten without old KV scales"
+
+
 def link_or_copy(src: Path, dst: Path) -> str:
     """Hard link when the filesystem allows (free, byte-identical), else copy the bytes."""
     try:
@@ -160,14 +172,14 @@ def _vllm_tensor(scale: torch.Tensor, strategy: str) -> torch.Tensor:
 
 
 def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, Any], *, strategy: str = "tensor",
-                force: bool = False) -> Path:
+                force: bool = False, overwrite_kv: bool = False) -> Path:
     """Write the vLLM (compressed-tensors) variant of `source` with `scales` to `out`; returns `out`.
     `strategy` is `tensor` (scales of shape []) or `attn_head` (scales of shape [kv_heads]).
 
     A `source` that already carries a compressed-tensors weight config (W8A8, FP8, W4A16 ... made by
     llm-compressor) keeps it — `config_groups`, `ignore`, `format` and the rest — and gains only a
     `kv_cache_scheme`; its weight files are carried over byte for byte like any other source's."""
-    prepared = prepare_source(source, out, quantized_ok=True)
+    prepared = prepare_source(source, out, quantized_ok=True, overwrite_kv=overwrite_kv)
     tensors: dict[str, torch.Tensor] = {}
     for layer, s in scales.items():
         for kind, value in (("k", s.k_scale), ("v", s.v_scale), ("q", s.q_scale)):
@@ -191,9 +203,10 @@ class PreparedSource:
     config: dict[str, Any]
     weight_map: dict[str, str]
     total_size: int
+    drop: frozenset[str] = frozenset()   # existing KV-scale tensors to leave out (--overwrite-kv-scales)
 
 
-def prepare_source(source: Path, out: Path, *, quantized_ok: bool = False) -> PreparedSource:
+def prepare_source(source: Path, out: Path, *, quantized_ok: bool = False, overwrite_kv: bool = False) -> PreparedSource:
     """Validate a source checkpoint for export (before anything is written). A weight-quantized source is
     accepted when `quantized_ok` and its config is compressed-tensors (the only weight format whose config
     we merge into for vLLM); other formats get an error that says so."""
@@ -208,14 +221,21 @@ def prepare_source(source: Path, out: Path, *, quantized_ok: bool = False) -> Pr
     if qc is not None and qc.get("quant_method") != "compressed-tensors":
         raise ExportError(f"{source}: weight quantization {qc.get('quant_method')!r} — the vllm target merges KV "
                           "scales only into compressed-tensors configs; use the trtllm target for ModelOpt checkpoints")
-    if qc is not None and qc.get("kv_cache_scheme"):
-        raise ExportError(f"{source} already declares a kv_cache_scheme; start from the checkpoint without KV scales")
+    if qc is not None and qc.get("kv_cache_scheme") and not overwrite_kv:
+        raise ExportError(f"{source} already declares a kv_cache_scheme; pass --overwrite-kv-scales to replace its "
+                          "KV scales, or start from the checkpoint without them")
     wmap, total = _weight_map(source)
-    existing = sorted(k for k in wmap if k.endswith(("k_scale", "v_scale")) and ".self_attn." in k)
-    if existing:
-        raise ExportError(f"{source} already carries KV scale tensors ({existing[0]}, ...); "
-                          "start from the checkpoint without KV scales")
-    return PreparedSource(source, config, wmap, total)
+    existing = sorted(k for k in wmap if _is_kv_scale(k))
+    if existing and not overwrite_kv:
+        raise ExportError(f"{source} already carries KV scale tensors ({existing[0]}, ...); pass "
+                          "--overwrite-kv-scales to replace them, or start from the checkpoint without them")
+    return PreparedSource(source, config, wmap, total, drop=frozenset(existing))
+
+
+def _is_kv_scale(name: str) -> bool:
+    """KV-cache scale tensors of any producer's layout (compressed-tensors, ModelOpt, Quark)."""
+    return ".self_attn." in name and name.rsplit(".", 1)[-1] in ("k_scale", "v_scale", "q_scale", "output_scale",
+                                                                  "k_zero_point", "v_zero_point", "q_zero_point")
 
 
 def write_variant(src: PreparedSource, out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any],
@@ -223,8 +243,10 @@ def write_variant(src: PreparedSource, out: Path, tensors: dict[str, torch.Tenso
     """Link the weights, add the scale shard to the index, write config/provenance (+ extra JSON files)."""
     from safetensors.torch import save_file
 
-    source, wmap, total = src.path, src.weight_map, src.total_size
-    weight_files = set(wmap.values())
+    source, total = src.path, src.total_size
+    wmap = {k: v for k, v in src.weight_map.items() if k not in src.drop}
+    weight_files = set(src.weight_map.values())
+    rewrite = {src.weight_map[k] for k in src.drop}   # shards holding old KV scales: re-saved without them
     check_space([source / f for f in sorted(weight_files)], Path(out))
     with atomic_dir(out, force) as tmp:
         how = set()
@@ -232,7 +254,9 @@ def write_variant(src: PreparedSource, out: Path, tensors: dict[str, torch.Tenso
             if not f.is_file() or f.name in ("config.json", INDEX_FILE, PROVENANCE_FILE, SCALES_FILE,
                                              *(extra_files or {})):
                 continue
-            if f.name in weight_files:
+            if f.name in rewrite:
+                how.add(_without(f, tmp / f.name, src.drop))
+            elif f.name in weight_files:
                 how.add(link_or_copy(f, tmp / f.name))
             elif f.suffix != ".safetensors":
                 shutil.copy2(f, tmp / f.name)

@@ -207,7 +207,7 @@ def stats_header(prov: dict[str, Any], source: Path) -> dict[str, Any]:
 
 
 def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCapture, scales: scales_mod.Scales,
-                  prov: dict[str, Any], *, force: bool) -> Path:
+                  prov: dict[str, Any], *, force: bool, overwrite_kv: bool = False) -> Path:
     """One target → OUT is that checkpoint; several → OUT/<target> each (weights hard-linked between them);
     no target → OUT holds the statistics only (stats.safetensors + kvcalib.json)."""
     targets = list(recipe.targets)
@@ -220,7 +220,8 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCa
     def one(target: str, path: Path, force_one: bool) -> Path:
         if target == "vllm":
             strategy = "attn_head" if recipe.granularity == "head" else "tensor"
-            return export.export_vllm(source, path, scales, prov, strategy=strategy, force=force_one)
+            return export.export_vllm(source, path, scales, prov, strategy=strategy, force=force_one,
+                                      overwrite_kv=overwrite_kv)
         return _exporters()[target](source, path, scales, prov, kv_algo=recipe.dtype.split("_")[0].upper(),
                                     force=force_one)
 
@@ -268,7 +269,7 @@ def _check_same_model(source: Path, target: Path) -> None:
 def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
               trust_remote_code: bool = False, force: bool = False, progress: Any | None = None,
               options: RunOptions = RunOptions(), placement: model_mod.Placement | None = None,
-              stats_out: Path | None = None, into: Path | None = None) -> Result:
+              stats_out: Path | None = None, into: Path | None = None, overwrite_kv: bool = False) -> Result:
     """Calibrate `model_src` on `data_src` and write the recipe's targets to `out`. With `into` (a
     weight-quantized checkpoint of the same model), the scales are attached to `into`'s files instead:
     its weights are carried over byte for byte and its quantization config gains the KV scheme."""
@@ -281,7 +282,7 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
     if into is not None:
         _check_same_model(source_dir, target_dir)
     if recipe.targets:  # a broken source checkpoint surfaces before anything is loaded
-        export.prepare_source(target_dir, Path(out), quantized_ok=into is not None)
+        export.prepare_source(target_dir, Path(out), quantized_ok=into is not None, overwrite_kv=overwrite_kv)
     loaded = model_mod.load(source_dir, device=device, trust_remote_code=trust_remote_code, placement=placement)
     max_pos = getattr(loaded.config, "max_position_embeddings", None)
     if max_pos and recipe.seq_len > max_pos:
@@ -310,7 +311,8 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
     if options.dist.is_main:
         if into is not None:
             prov["into"] = str(into)
-        path = write_outputs(target_dir, Path(out), recipe, kept[0], scales, prov, force=force)
+        path = write_outputs(target_dir, Path(out), recipe, kept[0], scales, prov, force=force,
+                             overwrite_kv=overwrite_kv)
         if stats_out is not None:
             statsfile.save(Path(stats_out), kept[0], stats_header(prov, loaded.source_dir))
         if options.checkpoint is not None:

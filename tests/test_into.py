@@ -66,4 +66,32 @@ def test_into_refuses_another_model_and_existing_kv_scales(tiny_llama_dir, token
     done = tmp_path / "done"
     assert _calibrate("--model", tiny_llama_dir, "--data", token_data, "--out", done).exit_code == 0
     r = _calibrate("--model", tiny_llama_dir, "--into", done, "--data", token_data, "--out", tmp_path / "o2")
-    assert r.exit_code == 1 and "kv_cache_scheme" in r.output and not (tmp_path / "o2").exists()
+    assert r.exit_code == 1 and "--overwrite-kv-scales" in r.output and not (tmp_path / "o2").exists()
+
+
+def test_overwrite_kv_scales_replaces_old_scales_and_keeps_weights(tiny_llama_dir, token_data, tmp_path):
+    """An llm-compressor style checkpoint whose KV scales live inside its weight shard (bf16, stale values)."""
+    q = _fp8_weight_checkpoint(tiny_llama_dir, tmp_path / "fp8")
+    tensors = load_file(q / "model.safetensors")
+    for i in range(3):
+        for kv in "kv":
+            tensors[f"model.layers.{i}.self_attn.{kv}_scale"] = torch.tensor([0.5], dtype=torch.bfloat16)
+    from safetensors.torch import save_file
+    save_file(tensors, str(q / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((q / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                     "dynamic": False, "symmetric": True}
+    (q / "config.json").write_text(json.dumps(cfg))
+    r = _calibrate("--model", tiny_llama_dir, "--into", q, "--data", token_data, "--out", tmp_path / "out",
+                   "--overwrite-kv-scales")
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "out"
+    new_weights = load_file(out / "model.safetensors")
+    assert not any(k.endswith(("k_scale", "v_scale")) for k in new_weights)
+    for k, t in new_weights.items():  # every weight tensor keeps its dtype and exact values
+        assert t.dtype == tensors[k].dtype and torch.equal(t.view(torch.uint8), tensors[k].view(torch.uint8)), k
+    scales = load_file(out / "kv_scales.safetensors")
+    assert all(float(v) != 0.5 and v.dtype == torch.float32 for v in scales.values())
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["model.layers.0.self_attn.k_scale"] == "kv_scales.safetensors"
+    assert [p for p in verify(out, "vllm") if p.severity == "error"] == []

@@ -41,3 +41,21 @@ def test_scaled_values_fit_fp8_exactly_at_the_max():
     q = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float()
     assert q.abs().max() == 448.0
     assert torch.allclose(q * s, x, rtol=0.07)  # e4m3 has 3 mantissa bits: rel. error <= 2^-4
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(min_value=0, max_value=3e38, allow_nan=False, allow_infinity=False), min_size=1, max_size=8),
+       st.floats(min_value=1e-3, max_value=1e3), st.sampled_from([448.0, 127.0]))
+def test_scales_are_always_positive_finite_float32(amax, headroom, qmax):
+    try:
+        s = scales.amax_to_scale(torch.tensor(amax, dtype=torch.float32), headroom, qmax)
+    except ValueError as e:  # only overflow of float32 may refuse, and it says so
+        assert "overflow" in str(e)
+        return
+    assert s.dtype == torch.float32 and torch.isfinite(s).all() and (s > 0).all()
+    big = torch.tensor(amax, dtype=torch.float32) > 0
+    ref = (torch.tensor(amax, dtype=torch.float32).double() * headroom / qmax).clamp_min(scales.MIN_SCALE)
+    assert torch.allclose(s[big].double(), ref[big], rtol=1e-6)
