@@ -71,6 +71,8 @@ def main() -> None:
 @click.option("--into", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Attach the scales to this weight-quantized checkpoint of the same model (weights untouched). "
                    "Calibration runs through --model (default: the --into checkpoint itself).")
+@click.option("--allow-pickle", is_flag=True,
+              help="Load pickle (.bin) weights when a model has no safetensors (pickle can run code: trusted files only).")
 @click.option("--overwrite-kv-scales", is_flag=True,
               help="With --into: replace KV scales the checkpoint already carries (vllm target).")
 @click.option("--checkpoint-every", type=int, help="Save the observers every N batches to OUT.kvcalib-resume.safetensors.")
@@ -80,8 +82,8 @@ def main() -> None:
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_size, seed, headroom, pack, dtype,
               granularity, observer, q_scale, skip_layers, targets, max_batch_tokens, device_map, max_memory,
-              offload_folder, device, trust_remote_code, into, overwrite_kv_scales, checkpoint_every, resume,
-              stats_out, force) -> None:
+              offload_folder, device, trust_remote_code, allow_pickle, into, overwrite_kv_scales, checkpoint_every,
+              resume, stats_out, force) -> None:
     """Calibrate KV-cache scales and write checkpoints the engines load."""
     recipe = _load_recipe(recipe_path, samples=samples, seq_len=seq_len, batch_size=batch_size, seed=seed,
                           headroom=headroom, pack=pack, dtype=dtype, granularity=granularity, observer=observer,
@@ -110,7 +112,7 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
                     options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist,
                                                 checkpoint=_checkpointing(out, checkpoint_every, resume, pipeline)),
                     placement=placement,
-                    stats_out=stats_out, into=into, overwrite_kv=overwrite_kv_scales)
+                    stats_out=stats_out, into=into, overwrite_kv=overwrite_kv_scales, allow_pickle=allow_pickle)
     except _user_errors() as e:
         raise click.ClickException(str(e)) from None
     if dist.is_main:

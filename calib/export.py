@@ -152,6 +152,10 @@ def _weight_map(src: Path) -> tuple[dict[str, str], int]:
     else:
         shards = sorted(p.name for p in src.glob("*.safetensors"))
         wmap = {}
+        if not shards:
+            raise ExportError(f"{src} has no .safetensors weights; engines' checkpoints are written beside "
+                              "safetensors weights only: convert the model, or calibrate with --target '' for "
+                              "statistics only")
     total = 0
     for shard in shards:
         try:

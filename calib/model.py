@@ -104,20 +104,31 @@ class Placement:
     offload_folder: str | None = None
 
 
-def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: bool = False,
-         placement: Placement | None = None) -> LoadedModel:
-    from transformers import AutoConfig, AutoModel
+def preflight(src: Path, *, trust_remote_code: bool = False, allow_pickle: bool = False) -> tuple[Any, bool]:
+    """Checks that need only config.json and file names (run before any weight is read): returns the config
+    and whether the weights are pickle files."""
+    from transformers import AutoConfig
 
-    src = resolve_source(model_id)
     try:
         config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
     except ValueError as e:
         raise ModelError(f"MODEL {src}: config.json not understood by transformers ({first_line(e)}); "
                          "if the model ships its own code, pass --trust-remote-code") from None
     check_cache_kind(config, f"MODEL {src}")
-    if not any(src.glob("*.safetensors")):
-        raise ModelError(f"MODEL {src} has no .safetensors weights; kvcalib reads only safetensors "
-                         "(convert pickle .bin weights with transformers' save_pretrained first)")
+    pickled = not any(src.glob("*.safetensors"))
+    if pickled and not allow_pickle:
+        raise ModelError(f"MODEL {src} has no .safetensors weights; kvcalib reads only safetensors, since pickle "
+                         "files can run code: convert with transformers' save_pretrained, or pass --allow-pickle "
+                         "if you trust the files")
+    return config, pickled
+
+
+def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: bool = False,
+         placement: Placement | None = None, allow_pickle: bool = False) -> LoadedModel:
+    from transformers import AutoConfig, AutoModel
+
+    src = resolve_source(model_id)
+    config, pickled = preflight(src, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     place = placement or Placement(device=device)
     dev = pick_device(place.device)
     dtype = torch.bfloat16 if (dev.type == "cuda" or (place.device_map and torch.cuda.is_available())) else "auto"
@@ -127,7 +138,8 @@ def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: 
                   "offload_folder": place.offload_folder}
     try:
         with _quiet_transformers():  # its load report flags the absent LM head, which we leave out on purpose
-            model = AutoModel.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+            model = AutoModel.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code,
+                                              use_safetensors=not pickled, **kwargs)
     except OSError as e:
         raise ModelError(f"MODEL {src}: weights could not be loaded ({first_line(e)})") from None
     except ValueError as e:

@@ -269,7 +269,8 @@ def _check_same_model(source: Path, target: Path) -> None:
 def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
               trust_remote_code: bool = False, force: bool = False, progress: Any | None = None,
               options: RunOptions = RunOptions(), placement: model_mod.Placement | None = None,
-              stats_out: Path | None = None, into: Path | None = None, overwrite_kv: bool = False) -> Result:
+              stats_out: Path | None = None, into: Path | None = None, overwrite_kv: bool = False,
+              allow_pickle: bool = False) -> Result:
     """Calibrate `model_src` on `data_src` and write the recipe's targets to `out`. With `into` (a
     weight-quantized checkpoint of the same model), the scales are attached to `into`'s files instead:
     its weights are carried over byte for byte and its quantization config gains the KV scheme."""
@@ -279,11 +280,13 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
     data_mod.check_source(data_src)
     source_dir = model_mod.resolve_source(model_src)
     target_dir = source_dir if into is None else model_mod.resolve_source(into)
+    model_mod.preflight(source_dir, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     if into is not None:
         _check_same_model(source_dir, target_dir)
     if recipe.targets:  # a broken source checkpoint surfaces before anything is loaded
         export.prepare_source(target_dir, Path(out), quantized_ok=into is not None, overwrite_kv=overwrite_kv)
-    loaded = model_mod.load(source_dir, device=device, trust_remote_code=trust_remote_code, placement=placement)
+    loaded = model_mod.load(source_dir, device=device, trust_remote_code=trust_remote_code, placement=placement,
+                            allow_pickle=allow_pickle)
     max_pos = getattr(loaded.config, "max_position_embeddings", None)
     if max_pos and recipe.seq_len > max_pos:
         raise model_mod.ModelError(f"seq_len {recipe.seq_len} exceeds the model's context "

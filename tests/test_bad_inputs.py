@@ -60,9 +60,11 @@ def _config_only(tmp: Path, config: dict) -> Path:
 
 
 def _bin_only(tmp: Path) -> Path:
-    path = _model(tmp)
-    for f in path.glob("*.safetensors"):
-        f.rename(f.with_suffix(".bin"))
+    """A model whose weights are a pickle `pytorch_model.bin` (what older hub repos ship)."""
+    path = tmp / "binmodel"
+    model = tiny_causal_lm("llama")
+    model.config.save_pretrained(path)
+    torch.save(model.state_dict(), path / "pytorch_model.bin")
     return path
 
 
@@ -175,3 +177,14 @@ def test_readme_table_is_generated_from_these_rows():
 
 if __name__ == "__main__":  # prints the README table
     print(markdown_table())
+
+
+def test_pickle_weights_only_with_allow_pickle(tmp_path):
+    model = _bin_only(tmp_path)
+    args = _base(tmp_path, model)
+    ok = CliRunner().invoke(main, ["calibrate", *args, "--allow-pickle", "--target", "", "--force"])
+    assert ok.exit_code == 0, ok.output
+    assert (tmp_path / "out" / "stats.safetensors").is_file()
+    shutil.rmtree(tmp_path / "out")
+    r = CliRunner().invoke(main, ["calibrate", *args, "--allow-pickle"])
+    assert r.exit_code == 1 and "no .safetensors weights" in r.output and not (tmp_path / "out").exists()
