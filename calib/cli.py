@@ -105,8 +105,8 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
             out = out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-kv-{recipe.dtype.split('_')[0]}"
             dist = distributed.from_env()
             placement = dataclasses.replace(placement, device=distributed.device_for(dist, device))
-            with tqdm(desc="calibrating", unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True,
-                      disable=not dist.is_main) as bar:
+            with _LazyBar(tqdm, desc="calibrating", unit="tok", unit_scale=True, file=sys.stderr,
+                          dynamic_ncols=True, disable=not dist.is_main) as bar:
                 result = pipeline.calibrate(
                     model_src, data_src, recipe, out, trust_remote_code=trust_remote_code, force=force, progress=bar,
                     options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist,
@@ -117,6 +117,25 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
         raise click.ClickException(str(e)) from None
     if dist.is_main:
         _report(result, recipe)
+
+
+class _LazyBar:
+    """A tqdm bar that appears with the first batch, not while the model is still loading."""
+
+    def __init__(self, tqdm, **kwargs) -> None:
+        self._make, self._kwargs, self._bar = tqdm, kwargs, None
+
+    def update(self, n: int) -> None:
+        if self._bar is None:
+            self._bar = self._make(**self._kwargs)
+        self._bar.update(n)
+
+    def __enter__(self) -> "_LazyBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 @contextlib.contextmanager
@@ -206,6 +225,16 @@ def _scale_table(rows: dict[int, tuple[float, float, float, float]]) -> str:
 @click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def inspect(ckpt: Path) -> None:
     """Show a checkpoint's KV-cache format, target engines and per-layer scales."""
+    variants = [ckpt / t for t in ("vllm", "trtllm") if (ckpt / t / "config.json").is_file()]
+    if not (ckpt / "config.json").is_file() and variants:  # a multi-target output: OUT/vllm, OUT/trtllm
+        for v in variants:
+            _inspect_one(v)
+            click.echo("")
+        return
+    _inspect_one(ckpt)
+
+
+def _inspect_one(ckpt: Path) -> None:
     from .checkpoint import read_kv_info
 
     try:

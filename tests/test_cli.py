@@ -112,3 +112,14 @@ def test_inspect_reads_bf16_scales_of_other_tools(tiny_llama_dir, tmp_path):
     assert r.exit_code == 0, r.output
     row = next(ln.split() for ln in r.output.splitlines() if ln.strip().startswith("0 "))
     assert float(row[2]) == pytest.approx(float(torch.tensor(0.0153198, dtype=torch.bfloat16)), rel=1e-5)
+
+
+def test_multi_target_output_and_inspect_of_both(tiny_llama_dir, token_data, tmp_path):
+    out = tmp_path / "both"
+    r = _run("calibrate", "--model", tiny_llama_dir, "--data", token_data, "--out", out, "--samples", 8,
+             "--seq-len", 32, "--device", "cpu", "--target", "vllm,trtllm")
+    assert r.exit_code == 0, r.output
+    assert f"vllm serve {out / 'vllm'}" in r.output and f"trtllm-serve {out / 'trtllm'}" in r.output
+    assert (out / "vllm" / "model.safetensors").stat().st_ino == (out / "trtllm" / "model.safetensors").stat().st_ino
+    r = _run("inspect", out)
+    assert r.exit_code == 0 and "targets:    vllm" in r.output and "targets:    trtllm" in r.output
