@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .observers import AbsMaxObserver
+from .quant import FP8_E4M3
 
 _ids = itertools.count()
 
@@ -107,7 +108,7 @@ class ChannelMaxObserver:
 class OverflowCounter:
     """Fraction of real values with |x| > limit — what an FP8 cache with scale 1.0 clips (limit 448)."""
 
-    def __init__(self, limit: float = 448.0) -> None:
+    def __init__(self, limit: float = FP8_E4M3.qmax) -> None:
         self.limit = limit
         self._over: torch.Tensor | None = None
         self._total: torch.Tensor | None = None

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from .observe import Stats
+from .quant import FP8_E4M3, by_name
 
-FP8_E4M3_MAX = 448.0
-INT8_MAX = 127.0
-QMAX = {"fp8_e4m3": FP8_E4M3_MAX, "int8": INT8_MAX}
+FP8_E4M3_MAX = FP8_E4M3.qmax
 MIN_SCALE = float(torch.finfo(torch.float32).tiny)
 
 
@@ -60,7 +59,7 @@ def compute(stats: Stats, *, dtype: str, granularity: str, headroom: float = 1.0
     K and V use the recipe observer's range; Q (when observed) its exact max."""
     from .granularity import GRANULARITIES
 
-    gran, qmax = GRANULARITIES[granularity], QMAX[dtype]
+    gran, qmax = GRANULARITIES[granularity], by_name(dtype).qmax
     if not gran.exportable:
         raise ValueError(f"granularity {granularity!r} is statistics only; no engine reads its scales")
     return {
