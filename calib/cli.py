@@ -23,6 +23,13 @@ DEFAULT_DATA = ROOT / "data" / "sample_text.jsonl"
 BUILD_DIR = ROOT / "build"
 
 
+def _default_model() -> str:
+    """The embedded default model's directory, built on first use (build messages go to stderr)."""
+    from .default_model import ensure_default_model
+
+    return str(ensure_default_model(BUILD_DIR, DEFAULT_DATA, log=lambda m: click.echo(m, err=True)))
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     from . import data, export, model, observe, statsfile
 
@@ -98,9 +105,7 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
             if model_src is None and into is not None:
                 model_src = str(into)
             if model_src is None:
-                from .default_model import ensure_default_model
-
-                model_src = str(ensure_default_model(BUILD_DIR, DEFAULT_DATA, log=lambda m: click.echo(m, err=True)))
+                model_src = _default_model()
             data_src = data_src or str(DEFAULT_DATA)
             out = out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-kv-{recipe.dtype.split('_')[0]}"
             dist = distributed.from_env()
@@ -351,9 +356,7 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, buckets, samples, mi
         raise click.ClickException(f"--buckets {buckets!r}: give token lengths like 512,2048,8192") from None
     try:
         if model_src is None:
-            from .default_model import ensure_default_model
-
-            model_src = str(ensure_default_model(BUILD_DIR, DEFAULT_DATA, log=lambda m: click.echo(m, err=True)))
+            model_src = _default_model()
         cfg = evaluate.EvalConfig(
             model=str(model_src), data=data_src or str(DEFAULT_DATA),
             out=out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-eval", scales=tuple(scales),
@@ -391,9 +394,7 @@ def verify(ckpt: Path, engine: str) -> None:
 @main.command("default-model")
 def default_model_cmd() -> None:
     """Build (once) and print the path of the embedded default model."""
-    from .default_model import ensure_default_model
-
-    click.echo(ensure_default_model(BUILD_DIR, DEFAULT_DATA, log=lambda m: click.echo(m, err=True)))
+    click.echo(_default_model())
 
 
 @main.group(invoke_without_command=True)
