@@ -26,7 +26,6 @@ import torch
 from . import data as data_mod
 from . import model as model_mod
 from . import observe, passkey, report
-from ._text import first_line
 from .checkpoint import read_kv_info
 from .fakequant import (  # noqa: F401  (re-exported: part of this module's API)
     TOKEN, Arm, EvalError, FakeQuantKV, Geometry, Meter, arms_for, checkpoint_arms, default_arm, fake_quant_kv,
@@ -341,27 +340,8 @@ def run_passkey(s: Session, arm: Arm | None, prompts: Sequence[passkey.Prompt]) 
 # ------------------------------------------------------------------------------------------- the run
 
 def load_causal_lm(source: str, device: str | None = None, trust_remote_code: bool = False) -> model_mod.LoadedModel:
-    """Like `model.load`, but with the LM head: evaluation needs logits. `LoadedModel.model` is the causal LM."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    src = model_mod.resolve_source(source)
-    config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
-    model_mod.check_cache_kind(config, f"MODEL {src}")
-    if not any(src.glob("*.safetensors")):
-        raise model_mod.ModelError(f"MODEL {src} has no .safetensors weights; kvcalib reads only safetensors")
-    dev = model_mod.pick_device(device)
-    try:
-        with model_mod._quiet_transformers():
-            lm = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16 if dev.type == "cuda" else "auto",
-                                                      trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise model_mod.ModelError(f"MODEL {src}: no causal LM could be loaded ({first_line(e)})") from None
-    lm.to(dev).eval()
-    layers = model_mod.find_attention_layers(lm)
-    if not layers:
-        raise model_mod.ModelError(f"MODEL {src}: no attention layers with a layer_idx; K/V cannot be reached")
-    return model_mod.LoadedModel(lm, model_mod._load_tokenizer(src, trust_remote_code), src,
-                                 config.get_text_config(), layers, dev)
+    """`model.load` with the LM head: evaluation needs logits. `LoadedModel.model` is the causal LM."""
+    return model_mod.load(source, device=device, trust_remote_code=trust_remote_code, lm_head=True)
 
 
 @dataclass(frozen=True)

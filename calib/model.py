@@ -124,8 +124,9 @@ def preflight(src: Path, *, trust_remote_code: bool = False, allow_pickle: bool 
 
 
 def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: bool = False,
-         placement: Placement | None = None, allow_pickle: bool = False) -> LoadedModel:
-    from transformers import AutoConfig, AutoModel
+         placement: Placement | None = None, allow_pickle: bool = False, lm_head: bool = False) -> LoadedModel:
+    """Load for calibration (base model only) or, with `lm_head`, the causal LM (evaluation needs logits)."""
+    from transformers import AutoModel, AutoModelForCausalLM
 
     src = resolve_source(model_id)
     config, pickled = preflight(src, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
@@ -138,11 +139,14 @@ def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: 
                   "offload_folder": place.offload_folder}
     try:
         with _quiet_transformers():  # its load report flags the absent LM head, which we leave out on purpose
-            model = AutoModel.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code,
-                                              use_safetensors=not pickled, **kwargs)
+            auto = AutoModelForCausalLM if lm_head else AutoModel
+            model = auto.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code,
+                                         use_safetensors=not pickled, **kwargs)
     except OSError as e:
         raise ModelError(f"MODEL {src}: weights could not be loaded ({first_line(e)})") from None
     except ValueError as e:
+        if lm_head and not place.device_map:
+            raise ModelError(f"MODEL {src}: no causal LM could be loaded ({first_line(e)})") from None
         if not place.device_map:
             raise
         raise ModelError(f"MODEL {src}: device map {place.device_map!r} failed ({first_line(e)}); "
