@@ -32,8 +32,16 @@ def read_kv_info(path: str | Path) -> KVInfo:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json; point at a checkpoint directory")
     ck = _Checkpoint(path)
+    first = next((p for p in ck.read_problems if p.severity == "error"), None)
+    for why in (first and f"{first.where}: {first.message}", ck.index_error, ck.hf_quant_error,
+                ck.provenance_error):
+        if why:
+            raise ValueError(why if str(path) in why else f"{path}/{why}")
     qc = ck.inline_qc if isinstance(ck.inline_qc, dict) else {}
     scheme = qc.get("kv_cache_scheme") if qc.get("quant_method") == "compressed-tensors" else None
+    if scheme is not None and not isinstance(scheme, dict):
+        raise ValueError(f"{path}/config.json: quantization_config.kv_cache_scheme must be an object, "
+                         f"not {type(scheme).__name__}")
     targets = ["vllm"] if scheme else []
     hq = ck.hf_quant.get("quantization", ck.hf_quant) if isinstance(ck.hf_quant, dict) else {}
     if isinstance(hq, dict) and hq.get("kv_cache_quant_algo"):

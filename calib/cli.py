@@ -16,30 +16,58 @@ from pathlib import Path
 
 import click
 
+from . import __version__
+from . import emulate as emulate_mod
 from . import recipe as recipe_mod
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = ROOT / "data" / "sample_text.jsonl"
-BUILD_DIR = ROOT / "build"
+from . import resources
+
+DEFAULT_DATA = resources.default_data()
+BUILD_DIR = resources.build_dir()
+
+
+# A run on the embedded default with a shipped recipe is a first look, not a production calibration: small
+# enough to finish in about a minute on a laptop CPU. Explicit --samples / --seq-len always win.
+DEFAULT_MODEL_RUN = {"samples": 16, "seq_len": 256}
+# eval on the default model: 8 short samples, no passkey prompts (each is a prefill plus greedy decoding per
+# arm), about two minutes per arm pair on a 2-core CPU.
+DEFAULT_MODEL_EVAL = {"samples": 8, "buckets": "256,512", "passkey_trials": 0}
+EVAL_DEFAULTS = {"samples": 64, "buckets": "512,2048,8192", "passkey_trials": 1}
+CPU_DTYPES = ("float32", "bfloat16")
 
 
 def _default_model() -> str:
     """The embedded default model's directory, built on first use (build messages go to stderr)."""
     from .default_model import ensure_default_model
 
-    return str(ensure_default_model(BUILD_DIR, DEFAULT_DATA, log=lambda m: click.echo(m, err=True)))
+    return str(ensure_default_model(BUILD_DIR, log=lambda m: click.echo(m, err=True)))
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from . import data, export, model, observe, statsfile
+    from . import data, export, integrity, model, observe, options, outputs, statsfile
+    from .default_model import DefaultModelError
 
     return (recipe_mod.RecipeError, data.DataError, model.ModelError, observe.CaptureError, export.ExportError,
-            statsfile.StatsError)
+            statsfile.StatsError, outputs.OutputError, options.OptionError, integrity.IntegrityError,
+            DefaultModelError)
+
+
+def _recipe_file(recipe_path: str | None) -> Path | None:
+    """The YAML file a --recipe names (an input outputs must never overwrite)."""
+    if not recipe_path:
+        return None
+    if _is_shipped(recipe_path):
+        return resources.shipped_recipe(recipe_path)
+    return Path(recipe_path)
+
+
+def _is_shipped(recipe_path: str | None) -> bool:
+    return recipe_path is None or (not recipe_path.endswith((".yaml", ".yml")) and "/" not in recipe_path)
 
 
 def _load_recipe(recipe_path: str | None, **overrides) -> recipe_mod.Recipe:
-    if recipe_path and not recipe_path.endswith((".yaml", ".yml")) and "/" not in recipe_path:
-        recipe_path = str(ROOT / "recipes" / f"{recipe_path}.yaml")  # a shipped recipe by name
+    if recipe_path and _is_shipped(recipe_path):
+        recipe_path = str(resources.shipped_recipe(recipe_path))  # a shipped recipe by name
     try:
         return recipe_mod.load(recipe_path).replace(**overrides)
     except recipe_mod.RecipeError as e:
@@ -47,12 +75,14 @@ def _load_recipe(recipe_path: str | None, **overrides) -> recipe_mod.Recipe:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="kvcalib", message="%(prog)s %(version)s")
 def main() -> None:
     """Calibrate FP8 KV-cache scales on your own text; export checkpoints serving engines load directly."""
 
 
 @main.command()
-@click.option("--model", "model_src", help="Model directory or hub id. Default: the project's embedded small model.")
+@click.option("--model", "model_src", help="Model directory or hub id. Default: the embedded SmolLM2-135M-Instruct "
+              f"(with a shipped recipe: {DEFAULT_MODEL_RUN['samples']} samples x {DEFAULT_MODEL_RUN['seq_len']} tokens).")
 @click.option("--data", "data_src", help="Calibration data: .jsonl/.json/.parquet/.csv/.txt file, folder, or dataset "
               "id name[:config][:split]. Default: the project's sample text.")
 @click.option("--recipe", "recipe_path", help="Recipe: a shipped name (`kvcalib recipes`) or a YAML file.")
@@ -74,6 +104,8 @@ def main() -> None:
 @click.option("--max-memory", help="Memory per device for --device-map, e.g. 0=70GiB,1=70GiB,cpu=200GiB.")
 @click.option("--offload-folder", type=click.Path(file_okay=False), help="Disk offload folder for --device-map.")
 @click.option("--device", help="torch device, e.g. cuda:0 or cpu. Default: cuda when available.")
+@click.option("--cpu-dtype", type=click.Choice(CPU_DTYPES), default="float32", show_default=True,
+              help="Model dtype on CPU (GPUs run bf16): float32 is faster on most CPUs; bfloat16 is what engines compute in.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (off by default).")
 @click.option("--into", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Attach the scales to this weight-quantized checkpoint of the same model (weights untouched). "
@@ -86,21 +118,29 @@ def main() -> None:
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its saved observers (same arguments).")
 @click.option("--stats-out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the raw statistics (for `kvcalib merge` / `kvcalib export --stats`).")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never a folder of other files).")
 def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_size, seed, headroom, pack, dtype,
               granularity, observer, q_scale, skip_layers, targets, max_batch_tokens, device_map, max_memory,
-              offload_folder, device, trust_remote_code, allow_pickle, into, overwrite_kv_scales, checkpoint_every,
-              resume, stats_out, force) -> None:
+              offload_folder, device, cpu_dtype, trust_remote_code, allow_pickle, into, overwrite_kv_scales,
+              checkpoint_every, resume, stats_out, force) -> None:
     """Calibrate KV-cache scales and write checkpoints the engines load."""
+    if model_src is None and into is None and _is_shipped(recipe_path) and None in (samples, seq_len):
+        samples = DEFAULT_MODEL_RUN["samples"] if samples is None else samples
+        seq_len = DEFAULT_MODEL_RUN["seq_len"] if seq_len is None else seq_len
+        click.echo(f"default model, first look: {samples} samples x {seq_len} tokens "
+                   "(--samples / --seq-len for a full calibration)", err=True)
     recipe = _load_recipe(recipe_path, samples=samples, seq_len=seq_len, batch_size=batch_size, seed=seed,
                           headroom=headroom, pack=pack, dtype=dtype, granularity=granularity, observer=observer,
                           q_scale=q_scale, skip_layers=skip_layers, targets=targets)
     from tqdm import tqdm
 
-    from . import distributed, pipeline
+    from . import distributed, options, pipeline
 
-    placement = _placement(device, device_map, max_memory, offload_folder)
+    placement = _placement(device, device_map, max_memory, offload_folder, cpu_dtype)
     try:
+        # options first: a bad value fails in milliseconds, before the default model is built or a model loads
+        options.calibrate(device_name=device, max_batch_tokens=max_batch_tokens, seq_len=recipe.seq_len,
+                          checkpoint_every=checkpoint_every)
         with _terminate_as_interrupt():
             if model_src is None and into is not None:
                 model_src = str(into)
@@ -117,7 +157,8 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
                     options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist,
                                                 checkpoint=_checkpointing(out, checkpoint_every, resume, pipeline)),
                     placement=placement,
-                    stats_out=stats_out, into=into, overwrite_kv=overwrite_kv_scales, allow_pickle=allow_pickle)
+                    stats_out=stats_out, into=into, overwrite_kv=overwrite_kv_scales, allow_pickle=allow_pickle,
+                    recipe_file=_recipe_file(recipe_path))
     except _user_errors() as e:
         raise click.ClickException(str(e)) from None
     if dist.is_main:
@@ -162,13 +203,13 @@ def _terminate_as_interrupt():
 def _checkpointing(out: Path, every: int | None, resume: bool, pipeline):
     if not every and not resume:
         return None
-    if every is not None and every < 1:
-        raise click.ClickException(f"--checkpoint-every {every}: give a number of batches >= 1")
-    path = Path(out).parent / f"{Path(out).name}.kvcalib-resume.safetensors"
+    from .outputs import resume_path
+
+    path = resume_path(Path(out))
     return pipeline.Checkpointing(path=path, every=every or 0, resume=resume)
 
 
-def _placement(device, device_map, max_memory, offload_folder):
+def _placement(device, device_map, max_memory, offload_folder, cpu_dtype="float32"):
     from .model import Placement
 
     if (max_memory or offload_folder) and not device_map:
@@ -179,7 +220,8 @@ def _placement(device, device_map, max_memory, offload_folder):
             mem = dict(item.split("=", 1) for item in max_memory.split(","))
         except ValueError:
             raise click.ClickException(f"--max-memory {max_memory!r}: use device=size pairs, e.g. 0=70GiB,cpu=200GiB") from None
-    return Placement(device=device, device_map=device_map, max_memory=mem, offload_folder=offload_folder)
+    return Placement(device=device, device_map=device_map, max_memory=mem, offload_folder=offload_folder,
+                     cpu_dtype=cpu_dtype)
 
 
 def _report(result, recipe: recipe_mod.Recipe) -> None:
@@ -280,16 +322,15 @@ def _inspect_one(ckpt: Path) -> None:
 
 @main.command()
 @click.argument("stats", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Merged statistics file.")
-def merge(stats: tuple[Path, ...], out: Path) -> None:
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Merged statistics file.")
+@click.option("--force", is_flag=True, help="Replace OUT if it is a kvcalib statistics file (never any other file).")
+def merge(stats: tuple[Path, ...], out: Path, force: bool) -> None:
     """Combine statistics files of one model (other data, shards, days) exactly as one run over all of it."""
     from . import statsfile
 
-    if out.exists():
-        raise click.ClickException(f"{out} already exists; choose another --out")
     try:
-        statsfile.merge(list(stats), out)
-    except statsfile.StatsError as e:
+        statsfile.merge(list(stats), out, force=force)
+    except _user_errors() as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {out} (merged {len(stats)} files)")
 
@@ -304,8 +345,8 @@ def merge(stats: tuple[Path, ...], out: Path) -> None:
 @click.option("--headroom", type=float)
 @click.option("--skip-layers")
 @click.option("--target", "targets")
-@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--force", is_flag=True)
+@click.option("--out", required=True, type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never other files).")
 def export_cmd(stats_path, model_src, recipe_path, dtype, granularity, headroom, skip_layers, targets, out, force):
     """Turn statistics into a checkpoint for a recipe, without running the model again."""
     from . import pipeline
@@ -313,7 +354,8 @@ def export_cmd(stats_path, model_src, recipe_path, dtype, granularity, headroom,
     recipe = _load_recipe(recipe_path, dtype=dtype, granularity=granularity, headroom=headroom,
                           skip_layers=skip_layers, targets=targets)
     try:
-        path, scales, skipped = pipeline.export_from_stats(stats_path, model_src, recipe, out, force=force)
+        path, scales, skipped = pipeline.export_from_stats(stats_path, model_src, recipe, out, force=force,
+                                                           recipe_file=_recipe_file(recipe_path))
     except _user_errors() as e:
         raise click.ClickException(str(e)) from None
     click.echo(_scale_table({i: (float(s.k_amax.max()), float(s.k_scale.max()), float(s.v_amax.max()),
@@ -327,46 +369,90 @@ def export_cmd(stats_path, model_src, recipe_path, dtype, granularity, headroom,
 @click.option("--scales", multiple=True, help="A checkpoint whose KV scales form an arm (any tool's layout); repeatable.")
 @click.option("--stats", "stats_src", help="A kvcalib statistics output: adds per-tensor/head/channel/token arms.")
 @click.option("--dtype", type=click.Choice(recipe_mod.DTYPES), default="fp8_e4m3", show_default=True)
-@click.option("--buckets", default="512,2048,8192", show_default=True, help="Context-length buckets (tokens).")
-@click.option("--samples", type=int, default=64, show_default=True)
+@click.option("--emulate", "emulation", type=click.Choice(emulate_mod.names()), default=emulate_mod.DEFAULT,
+              show_default=True, help="Whose FP8 arithmetic the emulated arms follow: vLLM's CPU build (the default: "
+              "the engine this tool's users run), vLLM FlashAttention-3 (Hopper), TensorRT-LLM, or K/V rounding only.")
+@click.option("--buckets", help=f"Context-length buckets (tokens). Default: {EVAL_DEFAULTS['buckets']}; "
+              f"{DEFAULT_MODEL_EVAL['buckets']} on the embedded default model.")
+@click.option("--samples", type=int, help=f"Held-out samples. Default: {EVAL_DEFAULTS['samples']}; "
+              f"{DEFAULT_MODEL_EVAL['samples']} on the embedded default model.")
 @click.option("--min-tokens", type=int, default=16, show_default=True)
 @click.option("--pack/--no-pack", default=False, help="Concatenate records so samples fill every bucket.")
 @click.option("--batch-size", type=int, default=4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--passkey-trials", type=int, default=1, show_default=True, help="Prompts per depth and bucket; 0: off.")
+@click.option("--passkey-trials", type=int, help="Prompts per depth and bucket; 0: off. Default: "
+              f"{EVAL_DEFAULTS['passkey_trials']}; {DEFAULT_MODEL_EVAL['passkey_trials']} on the embedded default model.")
 @click.option("--failures", type=int, default=3, show_default=True, help="Worst samples kept per arm.")
 @click.option("--plots/--no-plots", default=True)
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="Progress lines on stderr: arms, samples, buckets, passkey prompts, tokens/s, time left.")
 @click.option("--max-kl", type=float, default=0.01, show_default=True, help="Ship threshold: mean KL (nats) per bucket.")
 @click.option("--max-ppl-increase", type=float, default=0.01, show_default=True, help="Ship threshold: relative ppl rise.")
 @click.option("--passkey-drop", type=int, default=0, show_default=True)
 @click.option("--max-skip", type=int, default=3, show_default=True, help="Most layers tried unquantised.")
 @click.option("--device")
+@click.option("--cpu-dtype", type=click.Choice(CPU_DTYPES), help="Model dtype on CPU (GPUs run bf16); the reference "
+              "arm runs in it. Default: float32; with --engine the checkpoint's own dtype, which the engine serves.")
 @click.option("--trust-remote-code", is_flag=True)
+@click.option("--engine", type=click.Choice(["vllm"]), help="Also measure every arm in this real engine, on the same "
+              "token ids (its own environment: --vllm-venv).")
+@click.option("--vllm-venv", envvar="KVCALIB_VLLM_VENV", type=click.Path(file_okay=False, path_type=Path),
+              help="Virtual environment with vLLM installed (env KVCALIB_VLLM_VENV); used with --engine vllm.")
+@click.option("--engine-top-k", type=int, default=20, show_default=True,
+              help="Log-probabilities per position from the engine (its KL is a lower bound from these).")
+@click.option("--engine-kv-gib", type=int, default=1, show_default=True,
+              help="KV-cache pool per engine run in GiB (an integer); capacity is reported in tokens.")
+@click.option("--engine-timeout", type=float, default=3600.0, show_default=True,
+              help="Seconds one engine arm may take before it is stopped and reported as not run.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Report directory.")
-@click.option("--force", is_flag=True)
-def eval_cmd(model_src, data_src, scales, stats_src, dtype, buckets, samples, min_tokens, pack, batch_size, seed,
-             passkey_trials, failures, plots, max_kl, max_ppl_increase, passkey_drop, max_skip, device,
-             trust_remote_code, out, force) -> None:
+@click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib report (never other files).")
+def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, samples, min_tokens, pack, batch_size,
+             seed, passkey_trials, failures, plots, progress, max_kl, max_ppl_increase, passkey_drop, max_skip, device,
+             cpu_dtype, trust_remote_code, engine, vllm_venv, engine_top_k, engine_kv_gib, engine_timeout, out, force) -> None:
     """Compare BF16, default-scale and calibrated FP8 KV by layer and context length; write a report + verdict."""
     from . import evaluate, report
+    from .progress import Progress
 
+    small = DEFAULT_MODEL_EVAL if model_src is None else EVAL_DEFAULTS
+    if model_src is None and None in (buckets, samples, passkey_trials):
+        click.echo(f"default model, first look: --samples {small['samples']} --buckets {small['buckets']} "
+                   f"--passkey-trials {small['passkey_trials']} unless given", err=True)
+    buckets = small["buckets"] if buckets is None else buckets
+    samples = small["samples"] if samples is None else samples
+    passkey_trials = small["passkey_trials"] if passkey_trials is None else passkey_trials
     try:
         bucket_list = tuple(int(b) for b in buckets.split(",") if b.strip())
     except ValueError:
         raise click.ClickException(f"--buckets {buckets!r}: give token lengths like 512,2048,8192") from None
+    from . import options
+
+    engine_spec = None
+    if engine:
+        from .engine.driver import EngineSpec
+
+        if vllm_venv is None:
+            raise click.ClickException("--engine vllm needs --vllm-venv PATH (or KVCALIB_VLLM_VENV): the virtual "
+                                       "environment where vLLM is installed (`make engine-venv` builds one)")
+        engine_spec = EngineSpec(engine, vllm_venv, top_k=engine_top_k, kv_gib=engine_kv_gib, timeout=engine_timeout)
     try:
-        if model_src is None:
-            model_src = _default_model()
         cfg = evaluate.EvalConfig(
-            model=str(model_src), data=data_src or str(DEFAULT_DATA),
-            out=out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-eval", scales=tuple(scales),
-            stats=stats_src, dtype=dtype, buckets=bucket_list, samples=samples, min_tokens=min_tokens, pack=pack,
+            model=str(model_src or ""), data=data_src or str(DEFAULT_DATA), out=out or Path("out"), scales=tuple(scales),
+            stats=stats_src, dtype=dtype, emulate=emulation, buckets=bucket_list, samples=samples,
+            min_tokens=min_tokens, pack=pack,
             batch_size=batch_size, seed=seed, passkey_trials=passkey_trials, failures=failures, plots=plots,
             thresholds=report.Thresholds(max_kl=max_kl, max_ppl_increase=max_ppl_increase,
                                          passkey_drop=passkey_drop, max_skip=max_skip),
-            device=device, trust_remote_code=trust_remote_code, force=force)
+            device=device, cpu_dtype=cpu_dtype or (None if engine else "float32"),
+            trust_remote_code=trust_remote_code, force=force,
+            engine=engine_spec)
+        options.evaluation(cfg)        # before the default model is built or any model loads
+        if model_src is None:
+            model_src = _default_model()
+        cfg = dataclasses.replace(cfg, model=str(model_src),
+                                  out=out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-eval")
         with _terminate_as_interrupt():
-            result = evaluate.run_eval(cfg, log=lambda m: click.echo(m, err=True))
+            result = evaluate.run_eval(cfg, log=lambda m: click.echo(m, err=True),
+                                       progress=Progress((lambda m: click.echo(m, err=True)) if progress else None))
     except (*_user_errors(), evaluate.EvalError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(result.verdict["text"])
@@ -393,8 +479,12 @@ def verify(ckpt: Path, engine: str) -> None:
 
 @main.command("default-model")
 def default_model_cmd() -> None:
-    """Build (once) and print the path of the embedded default model."""
-    click.echo(_default_model())
+    """Build (once) and print the path of the embedded default model (SmolLM2-135M-Instruct)."""
+    try:
+        path = _default_model()
+    except _user_errors() as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(path)
 
 
 @main.group(invoke_without_command=True)
@@ -402,7 +492,7 @@ def default_model_cmd() -> None:
 def recipes(ctx: click.Context) -> None:
     """List the shipped recipes (recipes/*.yaml), one line each."""
     if ctx.invoked_subcommand is None:
-        for path in sorted((ROOT / "recipes").glob("*.yaml")):
+        for path in resources.shipped_recipes():
             first = next((ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
             click.echo(f"{path.stem:<18} {first}")
 
@@ -411,7 +501,7 @@ def recipes(ctx: click.Context) -> None:
 @click.argument("name")
 def recipes_show(name: str) -> None:
     """Print the resolved recipe NAME (a shipped name or a YAML path), every field with its doc."""
-    path = Path(name) if name.endswith((".yaml", ".yml")) else ROOT / "recipes" / f"{name}.yaml"
+    path = Path(name) if name.endswith((".yaml", ".yml")) else resources.shipped_recipe(name)
     try:
         r = recipe_mod.load(path)
     except recipe_mod.RecipeError as e:

@@ -11,12 +11,18 @@ Columns, decided by the first record and then required of every record:
   `messages`  — a chat, rendered with the tokenizer's chat template;
   `text`      — plain text, tokenized with the tokenizer's own special tokens (BOS where the model adds it).
 `.txt` files give one sample per paragraph (blank-line separated).
+A FIFO or a process substitution (`--data <(zcat data.jsonl.gz)`) is read once, as a stream: JSON lines or
+`.txt` paragraphs (by its suffix, or, without one, JSON lines when it starts with `{`). It is never stat-ed
+for size, seeked or opened twice; formats that need a seekable file (parquet, a JSON array) say so.
+Chat records go through `calib.chat`: OpenAI-style content parts, null contents and empty conversations
+become text or a one-line error.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import itertools
 import json
 import random
 import struct
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import chat
 from ._text import first_line
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
@@ -72,14 +79,20 @@ class DataReport:
 
 def _read_jsonl(path: Path) -> Iterator[Record]:
     with path.open("r", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-            yield Record(_as_fields(obj, f"{path}:{n}"), f"{path}:{n}")
+        yield from _jsonl_lines(f, path)
+
+
+def _jsonl_lines(lines: Iterable[str], path: Path, start: int = 1) -> Iterator[Record]:
+    for n, line in enumerate(lines, start):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+        except RecursionError:
+            raise DataError(f"{path}:{n}: JSON nested too deeply to be a record") from None
+        yield Record(_as_fields(obj, f"{path}:{n}"), f"{path}:{n}")
 
 
 def _read_json(path: Path) -> Iterator[Record]:
@@ -119,6 +132,12 @@ def _read_csv(path: Path) -> Iterator[Record]:
                         row["input_ids"] = json.loads(row["input_ids"])
                     except json.JSONDecodeError:
                         raise DataError(f"{path} row {n}: input_ids must be a JSON list like [1, 2, 3]") from None
+                if isinstance(row.get("messages"), str):
+                    try:
+                        row["messages"] = json.loads(row["messages"])
+                    except json.JSONDecodeError:
+                        raise DataError(f"{path} row {n}: messages must be a JSON list of "
+                                        "{role, content} objects") from None
                 yield Record(row, f"{path} row {n}")
         except csv.Error as e:  # malformed quoting, a field over csv.field_size_limit(), ...
             raise DataError(f"{path} after line {reader.line_num}: not readable as CSV ({e}); "
@@ -126,19 +145,62 @@ def _read_csv(path: Path) -> Iterator[Record]:
 
 
 def _read_txt(path: Path) -> Iterator[Record]:
-    para: list[str] = []
-    start = 1
     with path.open("r", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                if not para:
-                    start = n
-                para.append(line.rstrip("\n"))
-            elif para:
-                yield Record({"text": "\n".join(para)}, f"{path}:{start}")
-                para = []
+        yield from _txt_paragraphs(f, path)
+
+
+def _txt_paragraphs(lines: Iterable[str], path: Path, first: int = 1) -> Iterator[Record]:
+    para: list[str] = []
+    start = first
+    for n, line in enumerate(lines, first):
+        if line.strip():
+            if not para:
+                start = n
+            para.append(line.rstrip("\n"))
+        elif para:
+            yield Record({"text": "\n".join(para)}, f"{path}:{start}")
+            para = []
     if para:
         yield Record({"text": "\n".join(para)}, f"{path}:{start}")
+
+
+STREAMABLE = (".jsonl", ".txt", ".csv", "")
+
+
+def is_stream(path: Path) -> bool:
+    """A FIFO or pipe (`mkfifo`, `<(...)`): readable once, front to back."""
+    import stat
+
+    try:
+        return stat.S_ISFIFO(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def _read_stream(path: Path) -> Iterator[Record]:
+    """One pass over a pipe. Without a known suffix the first non-blank line decides: `{` → JSON lines,
+    anything else → text paragraphs."""
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        yield from _read_csv(path)
+        return
+    with path.open("r", encoding="utf-8") as f:
+        if suffix == ".jsonl":
+            yield from _jsonl_lines(f, path)
+            return
+        if suffix == ".txt":
+            yield from _txt_paragraphs(f, path)
+            return
+        head: list[str] = []
+        for line in f:
+            head.append(line)
+            if line.strip():
+                break
+        lines = itertools.chain(head, f)
+        if head and head[-1].lstrip().startswith("{"):
+            yield from _jsonl_lines(lines, path)
+        else:
+            yield from _txt_paragraphs(lines, path)
 
 
 _READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv, ".txt": _read_txt}
@@ -153,6 +215,9 @@ def _as_fields(obj: Any, where: str) -> dict[str, Any]:
 
 def _read_file(path: Path) -> Iterator[Record]:
     try:
+        if is_stream(path):
+            yield from _read_stream(path)
+            return
         yield from _READERS[path.suffix.lower()](path)
     except UnicodeDecodeError:
         raise DataError(f"{path}: not UTF-8 text; convert it or pass a .parquet file") from None
@@ -161,6 +226,11 @@ def _read_file(path: Path) -> Iterator[Record]:
 
 
 def _local_files(path: Path) -> list[Path]:
+    if is_stream(path):
+        if path.suffix.lower() not in STREAMABLE:
+            raise DataError(f"DATA {path} is a pipe, and '{path.suffix}' needs a seekable file; stream JSON lines, "
+                            "CSV or text, or write the data to a file first")
+        return [path]
     if path.is_file():
         if path.suffix.lower() not in SUFFIXES:
             raise DataError(f"DATA {path}: unsupported file type '{path.suffix}'; use one of {', '.join(SUFFIXES)}")
@@ -225,12 +295,17 @@ def _detect_column(rec: Record) -> str:
     for c in COLUMNS:
         if rec.fields.get(c) is not None:  # columnar readers (json array, parquet, hub) fill absent keys with None
             return c
+    nulls = [c for c in COLUMNS if c in rec.fields]
+    if nulls:
+        raise DataError(f"{rec.origin}: '{nulls[0]}' is null; give a value or remove the record")
     raise DataError(f"{rec.origin}: no usable column; found {sorted(map(str, rec.fields))[:8]}, "
                     f"need one of {', '.join(COLUMNS)}")
 
 
 def _to_ids(rec: Record, column: str, tokenizer: Any, max_len: int | None) -> list[int]:
     if rec.fields.get(column) is None:
+        if column in rec.fields and not any(rec.fields.get(c) is not None for c in COLUMNS):
+            raise DataError(f"{rec.origin}: '{column}' is null; give a value or remove the record")
         raise DataError(f"{rec.origin}: missing column '{column}' (the first record used '{column}'); "
                         "all records of a DATA source must share one format")
     value = rec.fields[column]
@@ -239,20 +314,28 @@ def _to_ids(rec: Record, column: str, tokenizer: Any, max_len: int | None) -> li
             raise DataError(f"{rec.origin}: input_ids must be a list of integers")
         ids = list(value)
         return ids[:max_len] if max_len else ids
+    if column == "messages":  # the record's own shape first: its errors do not depend on the model
+        try:
+            value = chat.normalize(value)
+        except chat.ChatError as e:
+            raise DataError(f"{rec.origin}: {e}") from None
+    elif not isinstance(value, str):
+        raise DataError(f"{rec.origin}: text must be a string, got {type(value).__name__}")
     if tokenizer is None:
         raise DataError(f"{rec.origin}: the model has no tokenizer, so '{column}' data cannot be used; "
                         "give pre-tokenized data with an input_ids column")
     if column == "messages":
-        if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
-            raise DataError(f"{rec.origin}: messages must be a list of {{role, content}} objects")
+        messages = value
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(f"{rec.origin}: the tokenizer has no chat template to render 'messages'; "
                             "use a 'text' column or a tokenizer with a chat_template")
-        text = tokenizer.apply_chat_template(value, tokenize=False)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+        except Exception as e:  # templates raise their own errors (roles out of order, missing fields)
+            raise DataError(f"{rec.origin}: the model's chat template refused this conversation "
+                            f"({type(e).__name__}: {first_line(e)})") from None
         special = False  # the template already carries BOS and turn markers
     else:
-        if not isinstance(value, str):
-            raise DataError(f"{rec.origin}: text must be a string, got {type(value).__name__}")
         text, special = value, True
     enc = tokenizer(text, add_special_tokens=special, truncation=max_len is not None, max_length=max_len)
     return list(enc["input_ids"])

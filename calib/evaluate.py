@@ -24,11 +24,13 @@ from typing import Any
 import torch
 
 from . import data as data_mod
+from . import emulate
 from . import model as model_mod
-from . import observe, passkey, report
+from . import observe, options, outputs, passkey, report
+from .progress import SILENT, Progress, Stage
 from .checkpoint import read_kv_info
 from .fakequant import (  # noqa: F401  (re-exported: part of this module's API)
-    TOKEN, Arm, EvalError, FakeQuantKV, Geometry, Meter, arms_for, checkpoint_arms, default_arm, fake_quant_kv,
+    TOKEN, Arm, EvalError, FakeQuantKV, Geometry, Meter, arms_for, cache_codes, checkpoint_arms, default_arm, fake_quant_kv,
     fake_quant_terms, read_stats, reference_arm, stats_arms)
 
 OVERLAP_WINDOW = 16        # tokens compared to recognise a calibration sample among the eval samples
@@ -39,13 +41,15 @@ Log = Callable[[str], Any]
 @dataclass(frozen=True)
 class EvalConfig:
     """One `kvcalib eval` run. `scales`: checkpoint directories (any tool's layout); `stats`: a kvcalib
-    statistics-only output (directory or its stats.safetensors) for per-tensor/head/channel/token arms."""
+    statistics-only output (directory or its stats.safetensors) for per-tensor/head/channel/token arms.
+    `emulate`: whose FP8 arithmetic the quantised arms follow (`calib/emulate.py`; default vLLM's CPU build)."""
     model: str
     data: str
     out: Path
     scales: tuple[str, ...] = ()
     stats: str | None = None
     dtype: str = "fp8_e4m3"
+    emulate: str = emulate.DEFAULT
     buckets: tuple[int, ...] = (512, 2048, 8192)
     samples: int = 64
     min_tokens: int = 16
@@ -57,8 +61,10 @@ class EvalConfig:
     plots: bool = True
     thresholds: report.Thresholds = field(default_factory=report.Thresholds)
     device: str | None = None
+    cpu_dtype: str | None = "float32"  # model dtype on CPU (model.Placement; None: the checkpoint's own)
     trust_remote_code: bool = False
     force: bool = False
+    engine: Any = None                # calib.engine.driver.EngineSpec: also measure every arm in that engine
 
 
 # ------------------------------------------------------------------------------------------- logits
@@ -231,8 +237,9 @@ def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
 class _Acc:
     """Running sums of one arm: per bucket [tokens, KL, top-1 agreements, NLL], per layer (Meter), the worst samples."""
 
-    def __init__(self, buckets: int, device: torch.device) -> None:
+    def __init__(self, buckets: int, device: torch.device, samples: int = 0) -> None:
         self.sums = torch.zeros(4, buckets, dtype=torch.float64, device=device)
+        self.sample_nll = torch.zeros(samples, dtype=torch.float64, device=device)   # per sample (noise estimates)
         self.meter, self.worst, self.seconds = Meter(), [], 0.0
 
     def track(self, s: Session, group: Sequence[Sample], valid: torch.Tensor, kl: torch.Tensor,
@@ -277,25 +284,32 @@ def _bucket_table(s: Session, sums: torch.Tensor, ref_nll: torch.Tensor) -> tupl
     return table, total
 
 
-def measure(s: Session, arms: Sequence[Arm], ranges: bool = False) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
+            stage: Stage | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """One pass over the samples: per batch the reference once, then every arm. Returns (reference entry,
-    {arm name: entry}) with per-bucket, overall, per-layer numbers, the worst samples and the seconds spent."""
+    {arm name: entry}) with per-bucket, overall, per-layer numbers, the worst samples and the seconds spent.
+    `stage` (optional) is advanced after every forward pass: tokens, samples done, arms done in the batch."""
     from .batching import pad
 
     dev, nb = s.device, len(s.buckets)
     arms = [a.to(dev) for a in arms]
-    accs = {a.name: _Acc(nb, dev) for a in arms}
+    accs = {a.name: _Acc(nb, dev, len(s.samples)) for a in arms}
     ref_sums = torch.zeros(2, nb, dtype=torch.float64, device=dev)      # tokens, nll
+    ref_sample_nll = torch.zeros(len(s.samples), dtype=torch.float64, device=dev)
     recorded: dict[int, tuple[observe.AbsMaxObserver, observe.AbsMaxObserver]] = {}
     ref_seconds = 0.0
     order = sorted(s.samples, key=lambda x: len(x.ids))
     groups = [order[i:i + s.batch_size] for i in range(0, len(order), s.batch_size)]
+    done = 0
     for group in groups:
         t0 = _clock(dev)
+        n_tok, label = sum(len(x.ids) for x in group), {"bucket": f"bucket <= {group[-1].bucket}"}
         ids, mask = pad([list(x.ids) for x in group], s.pad_id)
         ids, mask = ids.to(dev), mask.to(dev)
         valid = (mask[:, 1:] * mask[:, :-1]).bool()
-        where = torch.tensor([s.buckets.index(x.bucket) for x in group], device=dev)[valid.nonzero()[:, 0]]
+        rows = valid.nonzero()[:, 0]
+        where = torch.tensor([s.buckets.index(x.bucket) for x in group], device=dev)[rows]
+        which = torch.tensor([x.index for x in group], device=dev)[rows]
         tgt = ids[:, 1:][valid]
         s.hook.arm, s.hook.meter, s.hook.token_mask = None, None, mask.bool()
         s.hook.ranges = recorded if ranges else None
@@ -303,35 +317,48 @@ def measure(s: Session, arms: Sequence[Arm], ranges: bool = False) -> tuple[dict
         s.hook.ranges = None
         ref_nll, ref_top = _chunked(s.head, h_ref, None, tgt)
         ref_sums.index_add_(1, where, torch.stack([torch.ones_like(ref_nll), ref_nll]).double())
+        ref_sample_nll.index_add_(0, which, ref_nll.double())
         ref_seconds += _clock(dev) - t0
-        for arm in arms:
+        if stage is not None:
+            stage.advance(n_tok, label, samples=done, arms=1)
+        for j, arm in enumerate(arms):
             t0, acc = _clock(dev), accs[arm.name]
             s.hook.arm, s.hook.meter = arm, acc.meter
             kl, agree, nll, top = _chunked(s.head, h_ref, s.head.features(ids, mask)[:, :-1][valid], tgt)
             acc.sums.index_add_(1, where, torch.stack([torch.ones_like(kl), kl, agree.to(kl.dtype), nll]).double())
+            acc.sample_nll.index_add_(0, which, nll.double())
             acc.track(s, group, valid, kl, ref_top, top)
             acc.seconds += _clock(dev) - t0
+            if stage is not None:
+                stage.advance(n_tok, label, samples=done + (len(group) if j == len(arms) - 1 else 0), arms=j + 2)
+        done += len(group)
     s.hook.arm = s.hook.meter = s.hook.token_mask = None
     zero = torch.zeros_like(ref_sums[0])   # the reference against itself: KL 0, top-1 agreement 1
     ref_table, ref_total = _bucket_table(s, torch.stack([ref_sums[0], zero, ref_sums[0], ref_sums[1]]), ref_sums[1])
     ref = {"buckets": ref_table, "summary": ref_total, "seconds": {"metrics": ref_seconds},
+           "sample_nll": ref_sample_nll.tolist(), "sample_tokens": [len(x.ids) - 1 for x in s.samples],
            "ranges": {str(i): {"k_amax": o[0].amax().tolist(), "v_amax": o[1].amax().tolist()}
                       for i, o in sorted(recorded.items())}}
     out = {}
     for arm in arms:
         acc = accs[arm.name]
         table, total = _bucket_table(s, acc.sums, ref_sums[1])
-        out[arm.name] = {**arm.describe(), "buckets": table, "summary": total, "layers": acc.meter.read(),
+        out[arm.name] = {**arm.describe(), "buckets": table, "summary": total, "sample_nll": acc.sample_nll.tolist(),
+                         "layers": acc.meter.read(),
                          "failures": acc.worst, "seconds": {"metrics": acc.seconds}}
     return ref, out
 
 
-def run_passkey(s: Session, arm: Arm | None, prompts: Sequence[passkey.Prompt]) -> tuple[dict[str, Any], float]:
-    """Passkey accuracy per bucket under `arm` (None: the reference) and the seconds it took."""
+def run_passkey(s: Session, arm: Arm | None, prompts: Sequence[passkey.Prompt],
+                stage: Stage | None = None) -> tuple[dict[str, Any], float]:
+    """Passkey accuracy per bucket under `arm` (None: the reference) and the seconds it took; `stage` is
+    advanced after every prompt."""
     t0 = _clock(s.device)
     s.hook.arm, s.hook.meter, s.hook.token_mask = (arm.to(s.device) if arm else None), None, None
+    on_done = None if stage is None else (lambda p: stage.advance(len(p.ids) + passkey.MAX_NEW_TOKENS,
+                                                                 prompts=stage.counters["prompts"][0] + 1))
     try:
-        outcomes = passkey.run(s.lm, s.tokenizer, prompts)
+        outcomes = passkey.run(s.lm, s.tokenizer, prompts, on_done=on_done)
     finally:
         s.hook.arm = None
     return passkey.summarize(outcomes), _clock(s.device) - t0
@@ -339,9 +366,11 @@ def run_passkey(s: Session, arm: Arm | None, prompts: Sequence[passkey.Prompt]) 
 
 # ------------------------------------------------------------------------------------------- the run
 
-def load_causal_lm(source: str, device: str | None = None, trust_remote_code: bool = False) -> model_mod.LoadedModel:
+def load_causal_lm(source: str, device: str | None = None, trust_remote_code: bool = False,
+                   cpu_dtype: str | None = "float32") -> model_mod.LoadedModel:
     """`model.load` with the LM head: evaluation needs logits. `LoadedModel.model` is the causal LM."""
-    return model_mod.load(source, device=device, trust_remote_code=trust_remote_code, lm_head=True)
+    return model_mod.load(source, placement=model_mod.Placement(device=device, cpu_dtype=cpu_dtype),
+                          trust_remote_code=trust_remote_code, lm_head=True)
 
 
 @dataclass(frozen=True)
@@ -353,19 +382,47 @@ class EvalResult:
 
 
 def _provenances(cfg: EvalConfig) -> list[tuple[str, dict | None]]:
-    out: list[tuple[str, dict | None]] = [(p, read_kv_info(p).provenance) for p in cfg.scales]
+    out: list[tuple[str, dict | None]] = []
+    for p in cfg.scales:
+        try:
+            out.append((p, read_kv_info(p).provenance))
+        except (FileNotFoundError, ValueError) as e:
+            raise EvalError(f"--scales {p}: {e}") from None
     if cfg.stats:
         out.append((cfg.stats, read_stats(cfg.stats)[1]))
     return out
 
 
-def run_eval(cfg: EvalConfig, log: Log = lambda _m: None) -> EvalResult:
-    """Evaluate every arm against the reference on held-out samples and write the report to `cfg.out`."""
-    t_start = time.perf_counter()
-    if Path(cfg.out).exists() and not cfg.force:
-        raise EvalError(f"output {cfg.out} already exists; pass --force to replace it or choose another --out")
+def check_eval(cfg: EvalConfig) -> None:
+    """Everything checkable before the model loads: options, the report folder (never an input, never a
+    folder of someone else's files), the data source."""
+    options.evaluation(cfg)
+    inputs = [("the model folder", cfg.model), ("the data", cfg.data), ("the statistics output", cfg.stats),
+              *(("a --scales checkpoint", p) for p in cfg.scales)]
+    outputs.check_folder(Path(cfg.out), force=cfg.force, inputs=inputs)
+    outputs.check_room(Path(cfg.out))
+    try:
+        emulate.by_name(cfg.emulate)
+    except ValueError as e:
+        raise EvalError(f"--emulate: {e}") from None
     data_mod.check_source(cfg.data)
-    loaded = load_causal_lm(cfg.model, cfg.device, cfg.trust_remote_code)
+
+
+def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = SILENT) -> EvalResult:
+    """Evaluate every arm against the reference on held-out samples and write the report to `cfg.out`;
+    `progress` receives a stage per measuring pass (calib/progress.py). Checks first, then the report
+    folder's lock (a second run into it refuses), then the work."""
+    t_start = time.perf_counter()
+    check_eval(cfg)
+    with outputs.lock(Path(cfg.out)):
+        check_eval(cfg)          # again under the lock: taking it may have put back an output a killed run moved aside
+        return _run_eval(cfg, log, progress, t_start)
+
+
+def _run_eval(cfg: EvalConfig, log: Log, progress: Progress, t_start: float) -> EvalResult:
+    emulation = emulate.by_name(cfg.emulate)     # checked by check_eval
+    engine_version = _engine_check(cfg)
+    loaded = load_causal_lm(cfg.model, cfg.device, cfg.trust_remote_code, cfg.cpu_dtype)
     lm, tok, config = loaded.model, loaded.tokenizer, loaded.config
     geo = Geometry.of(config, loaded.attention_layers)
     arms = arms_for(geo, cfg.dtype, cfg.scales, cfg.stats)
@@ -387,25 +444,44 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None) -> EvalResult:
     log(f"eval: {len(samples)} samples / {used.tokens} tokens, {len(arms)} arms + reference, "
         f"{len(prompts)} passkey prompts per arm")
     ref_arm = reference_arm(loaded.dtype)
-    with fake_quant_kv(lm) as hook, torch.inference_mode():
+    log(f"eval: emulating {emulation.line()}")
+    with fake_quant_kv(lm, emulation) as hook, torch.inference_mode():
         head = _Head(lm)
         note = head.verify(samples[0].ids)
         notes += [note] if note else []
         pad = getattr(tok, "pad_token_id", None) or 0
         s = Session(lm, hook, head, tok, tuple(samples), buckets, cfg.batch_size, pad, cfg.failures)
-        ref, results = measure(s, arms, ranges=True)
+        with _metrics_stage(progress, "emulation", samples, len(arms) + 1) as stage:
+            ref, results = measure(s, arms, ranges=True, stage=stage)
         by_name_ = {a.name: a for a in arms}
         if prompts:
-            ref["passkey"], ref["seconds"]["passkey"] = run_passkey(s, None, prompts)
-            for a in arms:
-                results[a.name]["passkey"], results[a.name]["seconds"]["passkey"] = run_passkey(s, a, prompts)
+            with _passkey_stage(progress, "emulation passkey", prompts, len(arms) + 1) as stage:
+                stage.labels = {"arm": f"arm 1/{len(arms) + 1}"}
+                ref["passkey"], ref["seconds"]["passkey"] = run_passkey(s, None, prompts, stage)
+                for j, a in enumerate(arms):
+                    stage.labels = {"arm": f"arm {j + 2}/{len(arms) + 1}"}
+                    results[a.name]["passkey"], results[a.name]["seconds"]["passkey"] = run_passkey(s, a, prompts, stage)
+        engine = None
+        if cfg.engine is not None:
+            from .engine.run import EngineRun
+
+            engine = EngineRun(cfg.engine, engine_version, str(cfg.model), str(loaded.dtype).removeprefix("torch."),
+                               samples, buckets, prompts, tok, getattr(config, "max_position_embeddings", None),
+                               progress)
+            for name, entry in engine.measure(ref_arm, arms).items():
+                (ref if name == ref_arm.name else results[name])["engine"] = entry
         for name, layers in report.skip_plan(ref, results, cfg.thresholds):
             for k in range(1, len(layers) + 1):      # smallest prefix of the dominant layers that passes
                 trial = by_name_[name].skipping(layers[:k])
                 log(f"eval: measuring {trial.name}")
-                _, r = measure(s, [trial])
+                with _metrics_stage(progress, f"emulation `{trial.name}`", samples, 2) as stage:
+                    _, r = measure(s, [trial], stage=stage)
                 if prompts:
-                    r[trial.name]["passkey"], r[trial.name]["seconds"]["passkey"] = run_passkey(s, trial, prompts)
+                    with _passkey_stage(progress, f"emulation passkey `{trial.name}`", prompts, 1) as stage:
+                        r[trial.name]["passkey"], r[trial.name]["seconds"]["passkey"] = run_passkey(s, trial, prompts,
+                                                                                                      stage)
+                if engine is not None:
+                    r[trial.name]["engine"] = engine.measure(ref_arm, [trial])[trial.name]
                 results.update(r)
                 if not report.failures(r[trial.name], ref, cfg.thresholds):
                     break
@@ -413,13 +489,42 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None) -> EvalResult:
             "device": str(loaded.device), "layers": list(geo.layers), "kv_heads": geo.kv_heads,
             "head_dim": geo.head_dim, "data": {"source": str(cfg.data), **used.to_dict(), "held_out": held_out},
             "buckets": list(buckets), "config": _config_dict(cfg), "notes": notes, "reference": ref_arm.name,
+            "emulation": emulation.describe(),
             "seconds": time.perf_counter() - t_start}
+    if cfg.engine is not None:
+        meta["engine"] = {"name": cfg.engine.name, "version": engine_version, "top_k": cfg.engine.top_k,
+                          "kv_gib": cfg.engine.kv_gib, "continuation_tokens": cfg.engine.continuation_tokens}
     doc = report.document(meta, ref, results, cfg.thresholds)
     report.write(Path(cfg.out), doc, force=cfg.force, plots=cfg.plots)
     return EvalResult(Path(cfg.out), doc["verdict"], doc, time.perf_counter() - t_start)
 
 
+def _metrics_stage(progress: Progress, name: str, samples: Sequence[Sample], passes: int) -> Stage:
+    """A stage of `passes` forward passes (reference + arms) over every sample."""
+    return progress.stage(name, passes * sum(len(x.ids) for x in samples), samples=len(samples), arms=passes)
+
+
+def _passkey_stage(progress: Progress, name: str, prompts: Sequence[passkey.Prompt], arms: int) -> Stage:
+    """A stage of every passkey prompt under `arms` arms (prompt tokens plus the generated ones)."""
+    per_arm = sum(len(p.ids) + passkey.MAX_NEW_TOKENS for p in prompts)
+    return progress.stage(name, arms * per_arm, prompts=arms * len(prompts))
+
+
+def _engine_check(cfg: EvalConfig) -> str | None:
+    """The engine's version, checked before any long work; an unusable engine is an EvalError (one line)."""
+    if cfg.engine is None:
+        return None
+    from .engine import driver
+
+    try:
+        return driver.check(cfg.engine)
+    except driver.EngineError as e:
+        raise EvalError(str(e)) from None
+
+
 def _config_dict(cfg: EvalConfig) -> dict[str, Any]:
     d = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+    if cfg.engine is not None:
+        d["engine"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg.engine).items()}
     d.update(out=str(cfg.out), scales=list(cfg.scales), buckets=list(cfg.buckets), thresholds=cfg.thresholds.to_dict())
     return d

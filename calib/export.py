@@ -11,7 +11,8 @@ Without the config vLLM refuses the scale tensors; with the config but without t
 uses 1.0 — so both are written together, always.
 
 Atomicity: everything is written to a hidden temporary sibling directory and renamed into place only
-when complete; on any error the temporary directory is removed and nothing appears at OUT.
+when complete; on any error the temporary directory is removed and nothing appears at OUT (`outputs`
+decides what may be written or replaced, and locks OUT).
 """
 
 from __future__ import annotations
@@ -19,21 +20,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .outputs import atomic_dir, check_room  # noqa: F401  (atomic_dir: re-exported for the exporters)
+from . import integrity
+from .integrity import INDEX_FILE
 from .scales import Scales
 
 SCALES_FILE = "kv_scales.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 PROVENANCE_FILE = "kvcalib.json"
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
 class ExportError(RuntimeError):
@@ -66,49 +65,6 @@ def _drop_none(d: Any) -> Any:
     return d
 
 
-@contextmanager
-def atomic_dir(out: Path, force: bool) -> Iterator[Path]:
-    """Yield a temp sibling of `out`; on success it replaces `out`, on error it is removed."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise ExportError(f"output {out} already exists; pass --force to replace it or choose another --out")
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"output {out} is a file, not a directory; choose another --out")
-    blocking = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)
-    if blocking is not None and not blocking.is_dir():
-        raise ExportError(f"output folder {blocking} is a file, not a directory; choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(out.parent, os.W_OK):
-        raise ExportError(f"output folder {out.parent} is not writable; choose another --out")
-    tmp = out.parent / f".{out.name}.kvcalib-tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        if out.exists():
-            trash = out.parent / f".{out.name}.kvcalib-old-{os.getpid()}"
-            os.rename(out, trash)
-            os.rename(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def check_space(files: list[Path], out: Path, extra_bytes: int = 1 << 20) -> None:
-    """Refuse before writing when the output filesystem cannot hold the export. Weights on the same
-    filesystem are hard-linked and cost no space; otherwise their bytes are copied."""
-    parent = next(p for p in (out.parent, *out.parent.parents) if p.exists())
-    same_fs = all(f.stat().st_dev == parent.stat().st_dev for f in files)
-    need = extra_bytes + (0 if same_fs else sum(f.stat().st_size for f in files))
-    free = shutil.disk_usage(parent).free
-    if free < need:
-        raise ExportError(f"output folder {parent} has {free / 2**30:.2f} GiB free but the export needs "
-                          f"{need / 2**30:.2f} GiB; free space or choose another --out")
-
-
 def _without(src: Path, dst: Path, drop: frozenset[str]) -> str:
     """Re-save a shard without the named tensors; every other tensor keeps its exact bytes and dtype."""
     from safetensors import safe_open
@@ -131,42 +87,45 @@ def link_or_copy(src: Path, dst: Path) -> str:
         return "copy"
 
 
-def _weight_map(src: Path) -> tuple[dict[str, str], int]:
-    """tensor name -> shard file, and total tensor bytes, from the index or from the shards' headers."""
-    from safetensors import safe_open
+def scan_source(src: Path) -> integrity.Checkpoint:
+    """The source's weight files and tensors, every header checked (calib/integrity.py), as an ExportError."""
+    if not any(Path(src).glob("*.safetensors")) and not (Path(src) / INDEX_FILE).exists():
+        raise ExportError(f"{src} has no .safetensors weights; engines' checkpoints are written beside "
+                          "safetensors weights only: convert the model, or calibrate with --target '' for "
+                          "statistics only")
+    try:
+        return integrity.scan(Path(src))
+    except integrity.IntegrityError as e:
+        raise ExportError(str(e)) from None
 
-    index = src / INDEX_FILE
-    if index.is_file():
+
+def read_source_config(src: Path) -> dict[str, Any]:
+    try:
+        return integrity.read_json(Path(src) / "config.json", f"{src}/config.json")
+    except integrity.IntegrityError as e:
+        raise ExportError(str(e)) from None
+
+
+def carry_files(src: PreparedSource, tmp: Path, skip: set[str]) -> set[str]:
+    """Put the source's files into `tmp`: weight shards hard-linked (or copied; re-saved without old KV scales
+    where asked), other files (tokenizer, generation config, ...) copied; names in `skip` are written by the
+    caller. Only files inside the source folder are carried. Returns how the weights travelled."""
+    how = set()
+    rewrite = {src.weight_map[k] for k in src.drop}
+    for name in sorted(src.shards):
+        dst = tmp / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shard = src.path / name
+        how.add(_without(shard, dst, src.drop) if name in rewrite else link_or_copy(shard, dst))
+    for f in sorted(src.path.iterdir()):
+        if f.name in skip or f.name in src.shards or f.suffix == ".safetensors" or not f.is_file():
+            continue
         try:
-            data = json.loads(index.read_text())
-            wmap = dict(data["weight_map"])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ExportError(f"{index} is not a valid safetensors index ({e}); repair or remove it") from None
-        missing = sorted({f for f in wmap.values() if not (src / f).is_file()})
-        if missing:
-            raise ExportError(f"{index} names shard(s) {missing} that are not in {src}; the checkpoint is incomplete")
-        total = data.get("metadata", {}).get("total_size")
-        if isinstance(total, int):
-            return wmap, total
-        shards = sorted(set(wmap.values()))
-    else:
-        shards = sorted(p.name for p in src.glob("*.safetensors"))
-        wmap = {}
-        if not shards:
-            raise ExportError(f"{src} has no .safetensors weights; engines' checkpoints are written beside "
-                              "safetensors weights only: convert the model, or calibrate with --target '' for "
-                              "statistics only")
-    total = 0
-    for shard in shards:
-        try:
-            with safe_open(src / shard, framework="pt") as f:
-                for key in f.keys():
-                    wmap.setdefault(key, shard)
-                    sl = f.get_slice(key)
-                    total += _DTYPE_BYTES.get(sl.get_dtype(), 0) * int(torch.Size(sl.get_shape()).numel())
-        except Exception as e:
-            raise ExportError(f"{src / shard}: not a readable safetensors file ({str(e)[:200]})") from None
-    return wmap, total
+            integrity.contained(src.path, f.name, str(src.path))
+        except integrity.IntegrityError as e:
+            raise ExportError(str(e)) from None
+        shutil.copy2(f, tmp / f.name)
+    return how
 
 
 def _vllm_tensor(scale: torch.Tensor, strategy: str) -> torch.Tensor:
@@ -206,8 +165,9 @@ class PreparedSource:
     path: Path
     config: dict[str, Any]
     weight_map: dict[str, str]
-    total_size: int
+    total_size: int                      # bytes of the carried tensors, from the shard headers
     drop: frozenset[str] = frozenset()   # existing KV-scale tensors to leave out (--overwrite-kv-scales)
+    shards: tuple[str, ...] = ()         # weight file names (relative to `path`), every header checked
 
 
 def prepare_source(source: Path, out: Path, *, quantized_ok: bool = False, overwrite_kv: bool = False) -> PreparedSource:
@@ -217,8 +177,10 @@ def prepare_source(source: Path, out: Path, *, quantized_ok: bool = False, overw
     source, out = Path(source), Path(out)
     if out.resolve() == source.resolve():
         raise ExportError(f"--out {out} is the source model directory; choose a new directory")
-    config = json.loads((source / "config.json").read_text())
+    config = read_source_config(source)
     qc = config.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ExportError(f"{source}/config.json: quantization_config must be an object, not {type(qc).__name__}")
     if qc is not None and not quantized_ok:
         raise ExportError(f"{source}/config.json already has a quantization_config; to add KV scales to a "
                           "weight-quantized checkpoint, pass it as --into")
@@ -228,12 +190,14 @@ def prepare_source(source: Path, out: Path, *, quantized_ok: bool = False, overw
     if qc is not None and qc.get("kv_cache_scheme") and not overwrite_kv:
         raise ExportError(f"{source} already declares a kv_cache_scheme; pass --overwrite-kv-scales to replace its "
                           "KV scales, or start from the checkpoint without them")
-    wmap, total = _weight_map(source)
+    ckpt = scan_source(source)
+    wmap = ckpt.weight_map
     existing = sorted(k for k in wmap if _is_kv_scale(k))
     if existing and not overwrite_kv:
         raise ExportError(f"{source} already carries KV scale tensors ({existing[0]}, ...); pass "
                           "--overwrite-kv-scales to replace them, or start from the checkpoint without them")
-    return PreparedSource(source, config, wmap, total, drop=frozenset(existing))
+    total = sum(ckpt.tensor(k).nbytes for k in wmap if k not in existing)
+    return PreparedSource(source, config, dict(wmap), total, drop=frozenset(existing), shards=tuple(ckpt.shards))
 
 
 def _is_kv_scale(name: str) -> bool:
@@ -249,24 +213,12 @@ def write_variant(src: PreparedSource, out: Path, tensors: dict[str, torch.Tenso
 
     source, total = src.path, src.total_size
     wmap = {k: v for k, v in src.weight_map.items() if k not in src.drop}
-    weight_files = set(src.weight_map.values())
-    rewrite = {src.weight_map[k] for k in src.drop}   # shards holding old KV scales: re-saved without them
-    check_space([source / f for f in sorted(weight_files)], Path(out))
-    with atomic_dir(out, force) as tmp:
-        how = set()
-        for f in sorted(source.iterdir()):
-            if not f.is_file() or f.name in ("config.json", INDEX_FILE, PROVENANCE_FILE, SCALES_FILE,
-                                             *(extra_files or {})):
-                continue
-            if f.name in rewrite:
-                how.add(_without(f, tmp / f.name, src.drop))
-            elif f.name in weight_files:
-                how.add(link_or_copy(f, tmp / f.name))
-            elif f.suffix != ".safetensors":
-                shutil.copy2(f, tmp / f.name)
+    check_room(Path(out), [source / f for f in src.shards])
+    with atomic_dir(out, force, inputs=[("the model folder", source)]) as tmp:
+        how = carry_files(src, tmp, {"config.json", INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, *(extra_files or {})})
         save_file(tensors, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "kvcalib"})
         new_map = {**wmap, **{name: SCALES_FILE for name in tensors}}
-        index = {"metadata": {"total_size": total + sum(4 * t.numel() for t in tensors.values())},
+        index = {"metadata": {"total_size": total + sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": dict(sorted(new_map.items()))}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

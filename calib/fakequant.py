@@ -2,10 +2,15 @@
 
 Why at the capture point: the engine quantises K and V when it writes them to the cache, after RoPE and
 k-norm and before grouped-query expansion — exactly what transformers hands the function registered in
-`ALL_ATTENTION_FUNCTIONS` (DESIGN.md section 3). So the hook here is the calibration hook's twin: it
+`ALL_ATTENTION_FUNCTIONS` (docs/design.md §3). So the hook here is the calibration hook's twin: it
 replaces K and V by what the cache would give back (`fake_quant`: divide by the scale, saturate, round,
 multiply back) for every token attention reads, prompt included, and then calls the model's own attention.
 Perplexity measured with full-precision prompt K/V would hide exactly the damage we look for.
+
+Which engine's arithmetic: `calib/emulate.py` names what each engine does to Q, K, V and the softmax
+probabilities (the hook's `emulation`); the conversions are `calib/fp8.py`'s, exact to the bit. For
+FlashAttention-3's FP8 path (Q and P in FP8 too) the hook runs `fp8.fp8_attention` instead of the model's
+attention function.
 
 Why a module of its own: what an arm is and how the cache would store it (scales from a checkpoint or a
 statistics file, shaped per tensor/head/channel or per token) is independent of how an evaluation picks
@@ -15,7 +20,6 @@ its samples and scores logits (`calib/evaluate.py`, which drives this hook and r
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -24,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import observe
+from . import emulate, fp8, observe
 from .checkpoint import read_kv_info
 from .quant import FP8_E4M3, INT8, KVDtype, by_name, quantize
 from .scales import MIN_SCALE, amax_to_scale
@@ -40,7 +44,8 @@ class EvalError(ValueError):
 class Arm:
     """One way of storing the KV cache. `k`/`v` map a layer to its scale, already shaped to broadcast
     against K of shape [b, kv_heads, s, head_dim] ([] / [1,h,1,1] / [1,h,1,d]) or TOKEN; a layer absent
-    from both stays unquantised. `dtype` None marks the reference."""
+    from both stays unquantised. `dtype` None marks the reference. `q` maps a layer to its per-tensor q_scale
+    (what vLLM's FlashAttention-3 FP8 path quantises Q with; 1.0 where absent, vLLM's default)."""
     name: str
     dtype: KVDtype | None
     k: Mapping[int, torch.Tensor | str] = field(default_factory=dict)
@@ -52,6 +57,10 @@ class Arm:
     skip: tuple[int, ...] = ()        # layers this evaluation left unquantised to measure a skip
     serve_skip: tuple[int, ...] = ()  # layers the checkpoint was calibrated to skip (served with the skip flag)
     notes: tuple[str, ...] = ()
+    q: Mapping[int, torch.Tensor] = field(default_factory=dict)
+
+    def q_scale(self, layer: int) -> torch.Tensor | float:
+        return self.q.get(layer, 1.0)
 
     def skipping(self, layers: Iterable[int]) -> "Arm":
         drop = set(layers) | set(self.skip)
@@ -62,7 +71,7 @@ class Arm:
     def to(self, device: torch.device) -> "Arm":
         def move(m):
             return {i: s if isinstance(s, str) else s.to(device) for i, s in m.items()}
-        return replace(self, k=move(self.k), v=move(self.v))
+        return replace(self, k=move(self.k), v=move(self.v), q=move(self.q))
 
     def describe(self) -> dict[str, Any]:
         def per_layer(m):
@@ -70,7 +79,7 @@ class Arm:
         return {"kind": self.kind, "dtype": self.dtype.name if self.dtype else None, "granularity": self.granularity,
                 "shippable": self.shippable, "source": self.source, "skip": list(self.skip),
                 "serve_skip": list(self.serve_skip), "notes": list(self.notes),
-                "scales": {"k": per_layer(self.k), "v": per_layer(self.v)}}
+                "scales": {"k": per_layer(self.k), "v": per_layer(self.v), "q": per_layer(self.q)}}
 
 
 # ------------------------------------------------------------------------------------------- arms
@@ -115,8 +124,16 @@ def _checkpoint_dtype(path: Path, info: Any) -> KVDtype:
     if scheme.get("type") == "int":
         return INT8
     hq = path / "hf_quant_config.json"
-    if hq.is_file() and json.loads(hq.read_text()).get("quantization", {}).get("kv_cache_quant_algo") == "INT8":
-        return INT8
+    if hq.is_file():
+        from . import integrity
+
+        try:
+            doc = integrity.read_json(hq)
+        except integrity.IntegrityError as e:
+            raise EvalError(f"--scales {path}: {e}") from None
+        inner = doc.get("quantization", doc)
+        if isinstance(inner, dict) and inner.get("kv_cache_quant_algo") == "INT8":
+            return INT8
     return FP8_E4M3
 
 
@@ -134,7 +151,7 @@ def checkpoint_arms(path: str, geo: Geometry) -> list[Arm]:
                         f"{len(geo.layers)}")
     dtype = _checkpoint_dtype(Path(path), info)
     k, v, notes = {}, {}, []
-    serve_skip = tuple(sorted(int(i) for i in (info.provenance or {}).get("skipped_layers", [])))
+    serve_skip = tuple(sorted(int(i) for i in (info.provenance or {}).get("skipped_layers") or []))
     if serve_skip:
         notes.append(f"calibrated with skip_layers {list(serve_skip)}: those layers stay unquantised here, as when "
                      f"served with --kv-cache-dtype-skip-layers {' '.join(map(str, serve_skip))}")
@@ -142,15 +159,25 @@ def checkpoint_arms(path: str, geo: Geometry) -> list[Arm]:
         sc = info.scales.get(i, {})
         k[i] = geo.shape(sc.get("k", [1.0]), f"--scales {path} layer {i} k_scale")
         v[i] = geo.shape(sc.get("v", [1.0]), f"--scales {path} layer {i} v_scale")
+    q = {}
+    for i in k:
+        vals = info.scales.get(i, {}).get("q")
+        if vals:
+            t = torch.tensor(vals, dtype=torch.float32)
+            if not (torch.isfinite(t).all() and (t > 0).all()):
+                raise EvalError(f"--scales {path} layer {i} q_scale: scales must be finite and > 0, got {vals[:8]}")
+            q[i] = t.max().reshape(())
+    if any(len(info.scales.get(i, {}).get("q") or []) > 1 for i in k):
+        notes.append("per-head q_scale folded to its max: vLLM quantises Q with one scale per tensor")
     missing = [i for i in k if not {"k", "v"} <= set(info.scales.get(i, {}))]
     if missing:
         notes.append(f"no scales for layers {missing}: engines use 1.0 there, and so does this arm")
     if "trtllm" in info.targets and "vllm" not in info.targets and dtype is FP8_E4M3:
         notes.append("TensorRT-LLM's FP8 KV path currently runs with scale 1.0 whatever the checkpoint says "
-                     "(DESIGN.md section 5): served there, this checkpoint behaves like the 'default' arm")
+                     "(docs/design.md §5): served there, this checkpoint behaves like the 'default' arm")
     per_head = any(s.dim() == 4 for s in (*k.values(), *v.values()))
     arm = Arm(f"calibrated:{path}", dtype, k, v, kind="checkpoint", granularity="head" if per_head else "tensor",
-              source=str(path), serve_skip=serve_skip, notes=tuple(notes))
+              source=str(path), serve_skip=serve_skip, notes=tuple(notes), q=q)
     if not per_head:
         return [arm]
     fold = {i: s.max().reshape(()) for i, s in k.items()}, {i: s.max().reshape(()) for i, s in v.items()}
@@ -162,22 +189,18 @@ def checkpoint_arms(path: str, geo: Geometry) -> list[Arm]:
 
 def read_stats(path: str) -> tuple[observe.Stats, dict[str, Any] | None]:
     """The per-layer ranges of a kvcalib statistics file (a statistics-only output directory or its
-    stats.safetensors) and its header (recipe, data) when it has one. Reads the readable ranges only
-    (`stats.layers.{i}.{field}`, or `layers.{i}.{field}` in files without observer states)."""
-    from safetensors import safe_open
+    stats.safetensors) and its header (recipe, data), through the checked reader of calib.statsfile."""
+    from . import statsfile
 
     p = Path(path)
     file = p / "stats.safetensors" if p.is_dir() else p
     if not file.is_file():
         raise EvalError(f"--stats {path}: no stats.safetensors (write one with a statistics-only recipe, targets: [])")
-    with safe_open(str(file), framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {k.removeprefix("stats."): f.get_tensor(k) for k in f.keys() if not k.startswith("state.")}
-    header = json.loads(meta["kvcalib"]) if "kvcalib" in meta else None
-    prov = file.parent / "kvcalib.json"
-    if header is None and prov.is_file():
-        header = json.loads(prov.read_text())
-    return observe.stats_from_tensors(tensors), header
+    try:
+        sf = statsfile.load(file, "--stats")
+        return sf.stats(), sf.header
+    except statsfile.StatsError as e:
+        raise EvalError(str(e)) from None
 
 
 def stats_arms(path: str, geo: Geometry, default_dtype: str) -> list[Arm]:
@@ -194,7 +217,10 @@ def stats_arms(path: str, geo: Geometry, default_dtype: str) -> list[Arm]:
             return {i: geo.shape(amax_to_scale(pick(s, kind), 1.0, dtype.qmax), f"--stats {path} layer {i}")
                     for i, s in stats.items()}
         return Arm(f"per-{gran}:{path}", dtype, scales("k"), scales("v"), kind="stats", granularity=gran,
-                   shippable=shippable, source=str(path))
+                   shippable=shippable, source=str(path), q=q)
+
+    q = {i: amax_to_scale(s.q_amax.max(), 1.0, dtype.qmax).reshape(()).float()
+         for i, s in stats.items() if s.q_amax is not None and dtype is FP8_E4M3}
 
     arms = [arm("tensor", lambda s, kind: s.clip(kind).max(), True), arm("head", lambda s, kind: s.clip(kind), True)]
     if all(s.k_channel is not None and s.v_channel is not None for s in stats.values()):
@@ -223,15 +249,27 @@ def arms_for(geo: Geometry, dtype: str, scales: Sequence[str] = (), stats: str |
 _TERMS = ("sat", "flush", "nonzero", "n", "signal", "noise")
 
 
+def cache_codes(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype,
+                cast: emulate.Cast | None = None) -> torch.Tensor:
+    """The codes (float32 grid values) the engine's cache write stores for x: `cast` says how an FP8 cache
+    rounds and applies the scale (None: `quant.quantize`, x / scale rounded to nearest). INT8 always rounds
+    to nearest: every engine serving INT8 KV does."""
+    if cast is None or dtype is not FP8_E4M3:
+        return quantize(x, scale, dtype)
+    return fp8.cache_write(x, scale, cast.rounding, cast.scale_op)
+
+
 def fake_quant_terms(x: torch.Tensor, scale: torch.Tensor | str, dtype: KVDtype, mask: torch.Tensor | None,
-                     measure: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(what the cache gives back for x, and when `measure` the float64 sums `_TERMS` over real tokens:
-    saturated values, nonzero values stored as 0, nonzero values, values, sum x^2, sum (x - x_hat)^2)."""
+                     measure: bool, cast: emulate.Cast | None = None,
+                     out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(what the cache gives back for x, in `out_dtype` (default x's), and when `measure` the float64 sums
+    `_TERMS` over real tokens: saturated values, nonzero values stored as 0, nonzero values, values, sum x^2,
+    sum (x - x_hat)^2). `cast`: the engine's FP8 conversion (`cache_codes`)."""
     dynamic = isinstance(scale, str)
     if dynamic:
         scale = x.detach().abs().amax(dim=-1, keepdim=True).float().div(dtype.qmax).clamp_min(MIN_SCALE)
-    codes = quantize(x, scale, dtype)
-    x_hat = (codes * scale).to(x.dtype)
+    codes = cache_codes(x, scale, dtype, cast)
+    x_hat = (codes * scale).to(out_dtype or x.dtype)
     if not measure:
         return x_hat, None
     w = torch.ones((), device=x.device) if mask is None else mask[:, None, :, None].to(torch.float32)
@@ -284,9 +322,11 @@ class Meter:
 class FakeQuantKV:
     """Switches of the installed hook. `arm` None: pass K/V through untouched (bit-identical outputs).
     `token_mask` ([batch, seq], True = real token) keeps padding out of every metric; `meter` receives the
-    per-layer sums (None: do not measure, e.g. during generation); `ranges` records per-head max |K|, |V|."""
+    per-layer sums (None: do not measure, e.g. during generation); `ranges` records per-head max |K|, |V|;
+    `emulation` is the engine whose arithmetic quantised arms follow (`calib/emulate.py`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, emulation: emulate.Emulation | None = None) -> None:
+        self.emulation = emulation or emulate.by_name(emulate.DEFAULT)
         self.arm: Arm | None = None
         self.token_mask: torch.Tensor | None = None
         self.meter: Meter | None = None
@@ -304,20 +344,39 @@ class FakeQuantKV:
         arm = self.arm
         if arm is None or arm.dtype is None or (layer not in arm.k and layer not in arm.v):
             return delegate(module, query, key, value, attention_mask, **kwargs)
-        measure = self.meter is not None
-        k_hat, k_terms = fake_quant_terms(key, arm.k[layer], arm.dtype, mask, measure)
-        v_hat, v_terms = fake_quant_terms(value, arm.v[layer], arm.dtype, mask, measure)
-        out = delegate(module, query, k_hat, v_hat, attention_mask, **kwargs)
+        measure, emu = self.meter is not None, self.emulation
+        fa3 = emu.attention == "fa3" and arm.dtype is FP8_E4M3
+        wide = torch.float32 if fa3 else None
+        k_hat, k_terms = fake_quant_terms(key, arm.k[layer], arm.dtype, mask, measure, emu.k, wide)
+        v_hat, v_terms = fake_quant_terms(value, arm.v[layer], arm.dtype, mask, measure, emu.v, wide)
+        if fa3:
+            out = (_fa3(module, query, k_hat, v_hat, attention_mask, arm.q_scale(layer), emu, kwargs), None)
+        else:
+            out = delegate(module, query, k_hat, v_hat, attention_mask, **kwargs)
         if measure:
             ref = delegate(module, query, key, value, attention_mask, **kwargs)
             self.meter.add(layer, torch.cat([k_terms, v_terms, _output_terms(module, ref[0], out[0], mask)]))
         return out
 
 
+def _fa3(module: Any, query: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor, attention_mask: Any,
+         q_scale: torch.Tensor | float, emu: emulate.Emulation, kwargs: dict[str, Any]) -> torch.Tensor:
+    """FlashAttention-3's FP8 attention (`fp8.fp8_attention`) in place of the model's own, same layout/dtype."""
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise EvalError("--emulate vllm-fa3 does not model attention sinks; use --emulate kv-only for this model")
+    scaling = kwargs.get("scaling")
+    scaling = scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5)
+    mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
+    causal = bool(getattr(module, "is_causal", True))
+    out = fp8.fp8_attention(query, k_hat, v_hat, scaling=float(scaling), q_scale=q_scale, mask=mask, causal=causal,
+                            quant_q=emu.q is not None, quant_p=emu.p is not None, softcap=kwargs.get("softcap"))
+    return out.to(query.dtype).contiguous()
+
+
 @contextlib.contextmanager
-def fake_quant_kv(model: torch.nn.Module) -> Iterator[FakeQuantKV]:
+def fake_quant_kv(model: torch.nn.Module, emulation: emulate.Emulation | None = None) -> Iterator[FakeQuantKV]:
     """Route every attention call of `model` through the fake-quant hook; always restores the model."""
-    state = FakeQuantKV()
+    state = FakeQuantKV(emulation)
 
     def make(delegate):
         def attention(module, query, key, value, attention_mask, **kwargs):

@@ -6,19 +6,21 @@ refuse those from the config alone, before a single weight is read.
 
 Only the base model (no LM head) is loaded: calibration needs K and V, not logits, and the head of a
 large-vocabulary model costs memory and time for nothing. On a GPU the model runs in bf16 (what the
-engines serve); on CPU in the checkpoint's own dtype, so a float32 checkpoint is calibrated in float32.
+engines serve). On CPU it runs in `Placement.cpu_dtype`: float32 by default, because most CPUs lack
+fast bf16 matrix units (a bf16 forward of the default model took 6x as long as float32 on a 2-core AVX2 machine);
+bfloat16 reproduces the engines' arithmetic, at that cost.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import geometry, integrity
 from ._text import first_line
 
 KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
@@ -53,6 +55,10 @@ def resolve_source(model_id: str | Path) -> Path:
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelError(f"MODEL {path} has no config.json; point MODEL at a Hugging Face model directory")
+        try:
+            integrity.contained(path, "config.json", f"MODEL {path}")
+        except integrity.IntegrityError as e:
+            raise ModelError(str(e)) from None
         return path
     if str(model_id).startswith((".", "/", "~")) or str(model_id).count("/") > 1:
         raise ModelError(f"MODEL {model_id} not found; give a model directory or a hub id like org/name")
@@ -102,25 +108,73 @@ class Placement:
     device_map: str | None = None
     max_memory: dict[str, str] | None = None
     offload_folder: str | None = None
+    cpu_dtype: str | None = "float32"   # the model's dtype on CPU: float32, bfloat16, None = the checkpoint's
+
+
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                  "added_tokens.json", "generation_config.json")
+
+
+def read_config(src: Path) -> dict[str, Any]:
+    """config.json as a dict, strict JSON, its geometry checked (no transformers involved)."""
+    where = f"MODEL {src}/config.json"
+    try:
+        raw = integrity.read_json(src / "config.json", where)
+        geometry.check(raw, where)
+    except (integrity.IntegrityError, geometry.GeometryError) as e:
+        raise ModelError(str(e)) from None
+    return raw
 
 
 def preflight(src: Path, *, trust_remote_code: bool = False, allow_pickle: bool = False) -> tuple[Any, bool]:
-    """Checks that need only config.json and file names (run before any weight is read): returns the config
-    and whether the weights are pickle files."""
+    """Checks that need only config.json, file names and safetensors headers (run before any weight is read):
+    returns the config and whether the weights are pickle files."""
     from transformers import AutoConfig
 
+    raw = read_config(src)
     try:
         config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
     except ValueError as e:
         raise ModelError(f"MODEL {src}: config.json not understood by transformers ({first_line(e)}); "
                          "if the model ships its own code, pass --trust-remote-code") from None
+    except Exception as e:  # config classes raise anything (TypeError, KeyError, ...) on odd values
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = lines[-1][:200] if lines and lines[0].endswith(":") else first_line(e)  # validators wrap the cause
+        raise ModelError(f"MODEL {src}/config.json: transformers cannot build a config from it "
+                         f"({type(e).__name__}: {why}); use the model's original config.json") from None
     check_cache_kind(config, f"MODEL {src}")
     pickled = not any(src.glob("*.safetensors"))
     if pickled and not allow_pickle:
         raise ModelError(f"MODEL {src} has no .safetensors weights; kvcalib reads only safetensors, since pickle "
                          "files can run code: convert with transformers' save_pretrained, or pass --allow-pickle "
                          "if you trust the files")
+    for name in TOKENIZER_JSON:
+        if (src / name).exists():
+            try:
+                integrity.contained(src, name, f"MODEL {src}")
+                integrity.read_json(src / name, f"MODEL {src}/{name}")
+            except integrity.IntegrityError as e:
+                raise ModelError(str(e)) from None
+    if not pickled:
+        check_weights(src, raw)
     return config, pickled
+
+
+def check_weights(src: Path, raw_config: dict[str, Any]) -> integrity.Checkpoint:
+    """Every shard header checked; integer/packed weights need a quantization_config that says how to read them."""
+    try:
+        ckpt = integrity.scan(src)
+    except integrity.IntegrityError as e:
+        raise ModelError(str(e)) from None
+    text, _ = geometry.text_part(raw_config)
+    qc = raw_config.get("quantization_config") or text.get("quantization_config")
+    packed = sorted(n for n in ckpt.weight_map if ckpt.tensor(n).dtype in integrity.PACKED_DTYPES)
+    if packed and not (isinstance(qc, dict) and isinstance(qc.get("quant_method"), str)):
+        t = ckpt.tensor(packed[0])
+        raise ModelError(f"MODEL {src}: {len(packed)} tensor(s) hold {t.dtype} values ({packed[0]}, ...) but "
+                         "config.json has no quantization_config saying how to read them; calibrating would use "
+                         "raw integer codes as weights. Use the unquantized model, or its original config.json")
+    return ckpt
 
 
 def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: bool = False,
@@ -132,18 +186,23 @@ def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: 
     config, pickled = preflight(src, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     place = placement or Placement(device=device)
     dev = pick_device(place.device)
-    dtype = torch.bfloat16 if (dev.type == "cuda" or (place.device_map and torch.cuda.is_available())) else "auto"
+    on_gpu = dev.type == "cuda" or (place.device_map and torch.cuda.is_available())
+    dtype = torch.bfloat16 if on_gpu else getattr(torch, place.cpu_dtype) if place.cpu_dtype else "auto"
     kwargs: dict[str, Any] = {}
     if place.device_map:
         kwargs = {"device_map": place.device_map, "max_memory": _max_memory(place.max_memory),
                   "offload_folder": place.offload_folder}
+    auto = AutoModelForCausalLM if lm_head else AutoModel
+    _check_size(auto, config, src, pickled, trust_remote_code)
     try:
-        with _quiet_transformers():  # its load report flags the absent LM head, which we leave out on purpose
-            auto = AutoModelForCausalLM if lm_head else AutoModel
-            model = auto.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code,
-                                         use_safetensors=not pickled, **kwargs)
+        with _quiet_transformers():  # we check its load report ourselves (check_load_report)
+            model, info = auto.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code,
+                                               use_safetensors=not pickled, output_loading_info=True,
+                                               ignore_mismatched_sizes=True, **kwargs)
     except OSError as e:
         raise ModelError(f"MODEL {src}: weights could not be loaded ({first_line(e)})") from None
+    except (RuntimeError, TypeError, KeyError, AttributeError, IndexError) as e:
+        raise ModelError(f"MODEL {src}: weights could not be loaded ({type(e).__name__}: {first_line(e)})") from None
     except ValueError as e:
         if lm_head and not place.device_map:
             raise ModelError(f"MODEL {src}: no causal LM could be loaded ({first_line(e)})") from None
@@ -151,6 +210,7 @@ def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: 
             raise
         raise ModelError(f"MODEL {src}: device map {place.device_map!r} failed ({first_line(e)}); "
                          "give --max-memory and --offload-folder that fit the model") from None
+    check_load_report(info, src, lm_head)
     if place.device_map:
         dev = model.get_input_embeddings().weight.device  # inputs go where the first layer lives
         if dev.type == "meta":  # embeddings offloaded to disk: accelerate moves them to the execution device
@@ -164,6 +224,70 @@ def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: 
                          "K/V cannot be captured through transformers' attention interface — not supported")
     return LoadedModel(model=model, tokenizer=_load_tokenizer(src, trust_remote_code), source_dir=src,
                        config=config.get_text_config(), attention_layers=layers, device=dev)
+
+
+def check_load_report(info: dict[str, Any], src: Path, lm_head: bool) -> None:
+    """Missing, unexpected or mismatched tensors mean config.json and the weight files are not one model:
+    transformers would initialise the gaps randomly and we would calibrate noise. An error names them."""
+    def names(items: list, n: int = 3) -> str:
+        shown = [str(x[0] if isinstance(x, tuple) else x) for x in sorted(items, key=str)[:n]]
+        return ", ".join(shown) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+    missing = list(info.get("missing_keys") or [])
+    if missing:
+        raise ModelError(f"MODEL {src}: the weight files lack {len(missing)} tensor(s) config.json needs "
+                         f"({names(missing)}); they would be random — the config and the weights are not one "
+                         "model (check num_hidden_layers and the shards)")
+    mismatched = list(info.get("mismatched_keys") or [])
+    if mismatched:
+        first = mismatched[0]
+        detail = f": file {tuple(first[1])} vs config {tuple(first[2])}" if isinstance(first, tuple) and len(first) == 3 else ""
+        raise ModelError(f"MODEL {src}: {len(mismatched)} tensor(s) have another shape than config.json implies "
+                         f"({names(mismatched)}{detail}); the config and the weights are not one model")
+    unexpected = [k for k in info.get("unexpected_keys") or []
+                  if not (not lm_head and k.startswith("lm_head.")) and not _is_kv_scale(k)]
+    if unexpected:
+        raise ModelError(f"MODEL {src}: the weight files hold {len(unexpected)} tensor(s) the model defined by "
+                         f"config.json does not have ({names(unexpected)}); the config and the weights are not "
+                         "one model")
+    errors = [e for e in info.get("error_msgs") or [] if e]
+    if errors:
+        raise ModelError(f"MODEL {src}: loading the weights failed ({str(errors[0]).splitlines()[0][:200]})")
+
+
+def _is_kv_scale(name: str) -> bool:
+    """KV-cache scale tensors of a checkpoint calibrated before (any producer's names): not model weights."""
+    return ".self_attn." in name and name.rsplit(".", 1)[-1] in ("k_scale", "v_scale", "q_scale", "output_scale",
+                                                                  "k_zero_point", "v_zero_point", "q_zero_point")
+
+
+def _check_size(auto: Any, config: Any, src: Path, pickled: bool, trust_remote_code: bool) -> None:
+    """Refuse before allocating when config.json describes more parameters than the files hold (an edited
+    hidden_size or layer count would otherwise allocate the whole imagined model, then fail)."""
+    if pickled or getattr(config, "quantization_config", None) is not None:
+        return  # packed weights hold several parameters per element: counts do not compare
+    try:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(), _quiet_transformers():
+            meta = auto.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # a model class that cannot be built empty: the load report still checks every tensor
+        return
+    meta.tie_weights()  # built empty, tied embeddings are two tensors until tied; the files hold one
+    need = sum(p.numel() for p in meta.parameters())
+    ckpt = integrity.scan(src)
+    have = sum(_numel(ckpt.tensor(n).shape) for n in ckpt.weight_map)
+    if need > have:
+        raise ModelError(f"MODEL {src}: config.json describes {need:,} parameters but the weight files hold "
+                         f"{have:,}; the config and the weights are not one model (check num_hidden_layers, "
+                         "hidden_size and the shards)")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _max_memory(spec: dict[str, str] | None) -> dict[int | str, str] | None:
@@ -190,7 +314,13 @@ def _load_tokenizer(src: Path, trust_remote_code: bool) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code)
+    try:
+        with _quiet_transformers():
+            return AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code)
+    except Exception as e:  # tokenizer backends raise anything on damaged files
+        present = ", ".join(n for n in (*names, "merges.txt", "special_tokens_map.json") if (src / n).is_file())
+        raise ModelError(f"MODEL {src}: the tokenizer files ({present}) cannot be loaded ({type(e).__name__}: "
+                         f"{first_line(e)}); repair them, or use pre-tokenized data (input_ids) without them") from None
 
 
 def rotary_dim(config: Any) -> int:
@@ -227,4 +357,4 @@ def resolve_skip_layers(spec: tuple, config: Any, layers: list[int]) -> list[int
 
 
 def source_config(src: Path) -> dict[str, Any]:
-    return json.loads((src / "config.json").read_text())
+    return read_config(src)

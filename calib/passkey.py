@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,14 +140,22 @@ class Outcome:
     correct: bool
 
 
-def run(model: torch.nn.Module, tokenizer: Any, items: Sequence[Prompt]) -> list[Outcome]:
-    """Generate and score every prompt under whatever K/V treatment is currently installed."""
+def run(model: torch.nn.Module, tokenizer: Any, items: Sequence[Prompt],
+        on_done: Callable[[Prompt], Any] | None = None) -> list[Outcome]:
+    """Generate and score every prompt under whatever K/V treatment is currently installed; `on_done` is
+    called after each prompt (progress)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     out = []
     for p in items:
-        text = tokenizer.decode(greedy(model, p.ids, eos_id=eos), skip_special_tokens=True)
-        out.append(Outcome(p.bucket, p.depth, p.key, text, correct(text, p.key)))
+        out.append(score(p, tokenizer.decode(greedy(model, p.ids, eos_id=eos), skip_special_tokens=True)))
+        if on_done is not None:
+            on_done(p)
     return out
+
+
+def score(p: Prompt, generated: str) -> Outcome:
+    """The outcome of one prompt given the text generated after it (by the emulation or by an engine)."""
+    return Outcome(p.bucket, p.depth, p.key, generated, correct(generated, p.key))
 
 
 def summarize(outcomes: Sequence[Outcome]) -> dict[str, dict[str, Any]]:

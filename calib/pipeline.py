@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import data as data_mod
-from . import export, model as model_mod, observe, scales as scales_mod, statsfile
+from . import export, model as model_mod, observe, options as opts, outputs, scales as scales_mod, statsfile
 from .batching import PaddingStats, batches, prefetch
 from .distributed import Dist, barrier, merge_all, shard
 from .recipe import Recipe
@@ -109,20 +109,21 @@ def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_s
 
 
 def _resume(cap: observe.KVCapture, ckpt: Checkpointing) -> int:
-    """Load the saved observer state into `cap`; returns how many batches it covers."""
-    from safetensors import safe_open
-
+    """Load the saved observer state into `cap` (checked like any statistics file); returns how many batches
+    it covers."""
     if not ckpt.path.is_file():
         raise statsfile.StatsError(f"--resume: no saved state at {ckpt.path}; run without --resume")
-    with safe_open(str(ckpt.path), framework="pt") as f:
-        header = json.loads((f.metadata() or {}).get("kvcalib", "{}"))
-        state = {k[len("state."):]: f.get_tensor(k) for k in f.keys() if k.startswith("state.")}
+    raw = statsfile.read(ckpt.path, "--resume: the saved state")
     for key in ("recipe", "model_config_sha256", "data_source"):
-        if header.get(key) != ckpt.header.get(key):
+        if raw.header.get(key) != ckpt.header.get(key):
             raise statsfile.StatsError(f"--resume: the saved state at {ckpt.path} is from another run ({key} "
                                        "differs); remove it or run without --resume")
-    cap.load_state_dict(state)
-    return int(header["batches_done"])
+    if raw.header["layers"] != cap.layers or raw.header.get("batches_done") is None:
+        raise statsfile.StatsError(f"--resume: the saved state at {ckpt.path} does not cover this model's "
+                                   "attention layers or has no batch count; remove it or run without --resume")
+    statsfile.build_capture(raw)          # every consistency check, on a scratch capture
+    cap.load_state_dict(raw.state)
+    return raw.header["batches_done"]
 
 
 TOKEN_QUANTILES = (50.0, 90.0, 99.0, 100.0)
@@ -212,7 +213,7 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCa
     no target → OUT holds the statistics only (stats.safetensors + kvcalib.json)."""
     targets = list(recipe.targets)
     if not targets:
-        with export.atomic_dir(out, force) as tmp:
+        with outputs.atomic_dir(out, force, kind="statistics") as tmp:
             statsfile.save(tmp / "stats.safetensors", capture, stats_header(prov, source))
             (tmp / export.PROVENANCE_FILE).write_text(json.dumps({**prov, "target": None}, indent=2) + "\n")
         return out
@@ -227,26 +228,38 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCa
 
     if len(targets) == 1:
         return one(targets[0], out, force)
-    with export.atomic_dir(out, force) as tmp:
+    with outputs.atomic_dir(out, force) as tmp:
         for t in targets:
             one(t, tmp / t, False)
     return out
 
 
 def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, out: Path, *,
-                      force: bool = False) -> tuple[Path, scales_mod.Scales, list[int]]:
-    """Scales for `recipe` from a statistics file, written against the model's checkpoint — no forward pass."""
-    from transformers import AutoConfig
-
+                      force: bool = False, recipe_file: Path | None = None) -> tuple[Path, scales_mod.Scales, list[int]]:
+    """Scales for `recipe` from a statistics file, written against the model's checkpoint — no forward pass.
+    Checks (output path, statistics file, model files, room), then OUT's lock, then the export."""
     if not recipe.targets:
         raise statsfile.StatsError("export needs at least one target (vllm, trtllm)")
+    inputs = [("the statistics file", stats_path), ("the model folder", model_src), ("the recipe", recipe_file)]
+    outputs.check_folder(Path(out), force=force, inputs=inputs)
     sf = statsfile.load(Path(stats_path))
     source = model_mod.resolve_source(model_src)
     if statsfile.config_sha256(source) != sf.header.get("model_config_sha256"):
         raise statsfile.StatsError(f"{stats_path} was recorded on another model than {source} (config.json differs)")
-    export.prepare_source(source, Path(out))
+    prepared = export.prepare_source(source, Path(out))
+    outputs.check_room(Path(out), [source / f for f in sorted(set(prepared.weight_map.values()))],
+                       copies=len(recipe.targets))
+    with outputs.lock(Path(out)):
+        outputs.check_folder(Path(out), force=force, inputs=inputs)     # taking the lock may restore an output
+        return _export_from_stats(sf, stats_path, source, model_src, recipe, Path(out), force)
+
+
+def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, source: Path, model_src: str | Path,
+                       recipe: Recipe, out: Path, force: bool) -> tuple[Path, scales_mod.Scales, list[int]]:
+    from transformers import AutoConfig
+
     stats = statsfile.stats_for_recipe(sf, recipe, str(stats_path))
-    config = AutoConfig.from_pretrained(source).get_text_config()
+    config = model_mod.preflight(source)[0].get_text_config()
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, config, sf.capture.layers)
     scales = scales_mod.compute(stats, dtype=recipe.dtype, granularity=recipe.granularity, headroom=recipe.headroom)
     report = data_mod.DataReport()
@@ -266,25 +279,84 @@ def _check_same_model(source: Path, target: Path) -> None:
                                  f"({[a.get(k) for k in diff]} vs {[b.get(k) for k in diff]})")
 
 
-def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
-              trust_remote_code: bool = False, force: bool = False, progress: Any | None = None,
-              options: RunOptions = RunOptions(), placement: model_mod.Placement | None = None,
-              stats_out: Path | None = None, into: Path | None = None, overwrite_kv: bool = False,
-              allow_pickle: bool = False) -> Result:
-    """Calibrate `model_src` on `data_src` and write the recipe's targets to `out`. With `into` (a
-    weight-quantized checkpoint of the same model), the scales are attached to `into`'s files instead:
-    its weights are carried over byte for byte and its quantization config gains the KV scheme."""
-    t_start = time.perf_counter()
-    if Path(out).exists() and not force:  # fail before the expensive part
-        raise export.ExportError(f"output {out} already exists; pass --force to replace it or choose another --out")
+@dataclass(frozen=True)
+class _Checked:
+    source_dir: Path     # the model that runs
+    target_dir: Path     # the checkpoint whose files the output carries (the model, or --into)
+    options: RunOptions
+    inputs: tuple        # (what, path) of every input: no output may be, hold or lie inside one
+
+
+def check_calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *,
+                    device: str | None = None, trust_remote_code: bool = False, force: bool = False,
+                    options: RunOptions = RunOptions(), placement: model_mod.Placement | None = None,
+                    stats_out: Path | None = None, into: Path | None = None, overwrite_kv: bool = False,
+                    allow_pickle: bool = False, recipe_file: Path | None = None) -> _Checked:
+    """Every check that needs no weights, in the order a user fixes them: options, inputs, output paths
+    (writable, room, never over an input or a foreign file), the model's config and checkpoint files."""
+    ckpt = options.checkpoint
+    place = placement or model_mod.Placement(device=device)
+    opts.calibrate(device_name=place.device, max_batch_tokens=options.max_batch_tokens, seq_len=recipe.seq_len,
+                   checkpoint_every=(ckpt.every or None) if ckpt is not None else None)
+    if ckpt is not None and options.dist.world > 1:
+        raise statsfile.StatsError("--checkpoint-every/--resume run in a single process, not under torchrun")
     data_mod.check_source(data_src)
-    source_dir = model_mod.resolve_source(model_src)
+    local = Path(model_src).expanduser().exists()
+    source_dir = model_mod.resolve_source(model_src) if local else None   # a hub download waits for the checks
+    inputs = [("the model folder", model_src), ("the --into checkpoint", into), ("the data", data_src),
+              ("the recipe", recipe_file)]
+    outputs.check_folder(Path(out), force=force, inputs=inputs)
+    mine = [("the --out folder", out)]
+    if stats_out is not None:
+        outputs.check_file(Path(stats_out), inputs=[*inputs, *mine], option="--stats-out", force=force)
+        outputs.check_room(Path(stats_out), option="--stats-out")
+    if ckpt is not None:
+        outputs.check_file(ckpt.path, inputs=[*inputs, *mine], option="--checkpoint-every", force=None)
+    if place.offload_folder:
+        outputs.check_scratch(Path(place.offload_folder), inputs=[*inputs, *mine], option="--offload-folder")
+    source_dir = source_dir or model_mod.resolve_source(model_src)
     target_dir = source_dir if into is None else model_mod.resolve_source(into)
     model_mod.preflight(source_dir, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     if into is not None:
         _check_same_model(source_dir, target_dir)
+    weights: list[Path] = []
     if recipe.targets:  # a broken source checkpoint surfaces before anything is loaded
-        export.prepare_source(target_dir, Path(out), quantized_ok=into is not None, overwrite_kv=overwrite_kv)
+        prepared = export.prepare_source(target_dir, Path(out), quantized_ok=into is not None, overwrite_kv=overwrite_kv)
+        weights = [target_dir / f for f in sorted(set(prepared.weight_map.values()))]
+    outputs.check_room(Path(out), weights, copies=max(1, len(recipe.targets)))
+    return _Checked(source_dir, target_dir, options, tuple(inputs))
+
+
+def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
+              trust_remote_code: bool = False, force: bool = False, progress: Any | None = None,
+              options: RunOptions = RunOptions(), placement: model_mod.Placement | None = None,
+              stats_out: Path | None = None, into: Path | None = None, overwrite_kv: bool = False,
+              allow_pickle: bool = False, recipe_file: Path | None = None) -> Result:
+    """Calibrate `model_src` on `data_src` and write the recipe's targets to `out`. With `into` (a
+    weight-quantized checkpoint of the same model), the scales are attached to `into`'s files instead:
+    its weights are carried over byte for byte and its quantization config gains the KV scheme.
+    Checks first (nothing loaded), then the output locks (a second run into OUT refuses), then the work."""
+    t_start = time.perf_counter()
+    checked = check_calibrate(model_src, data_src, recipe, out, device=device, trust_remote_code=trust_remote_code,
+                              force=force, options=options, placement=placement, stats_out=stats_out, into=into,
+                              overwrite_kv=overwrite_kv, allow_pickle=allow_pickle, recipe_file=recipe_file)
+    ckpt = options.checkpoint
+    # the resume file's lock too, checkpointing or not: it clears what a killed save left beside it
+    locks = [(out, "--out"), (stats_out, "--stats-out"),
+             (ckpt.path if ckpt else outputs.resume_path(Path(out)), "--checkpoint-every")]
+    with outputs.locked(locks if options.dist.is_main else []):
+        # again under the lock: taking it may have put back an output a killed run had moved aside
+        outputs.check_folder(Path(out), force=force, inputs=checked.inputs)
+        return _calibrate(checked, model_src, data_src, recipe, out, t_start, device=device,
+                          trust_remote_code=trust_remote_code, force=force, progress=progress, placement=placement,
+                          stats_out=stats_out, into=into, overwrite_kv=overwrite_kv, allow_pickle=allow_pickle)
+
+
+def _calibrate(checked: _Checked, model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path,
+               t_start: float, *, device: str | None, trust_remote_code: bool, force: bool, progress: Any | None,
+               placement: model_mod.Placement | None, stats_out: Path | None, into: Path | None,
+               overwrite_kv: bool, allow_pickle: bool) -> Result:
+    source_dir, target_dir, options = checked.source_dir, checked.target_dir, checked.options
     loaded = model_mod.load(source_dir, device=device, trust_remote_code=trust_remote_code, placement=placement,
                             allow_pickle=allow_pickle)
     max_pos = getattr(loaded.config, "max_position_embeddings", None)
@@ -297,8 +369,6 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
                             min_tokens=recipe.min_tokens, pack=recipe.pack, seed=recipe.seed,
                             vocab_size=getattr(loaded.config, "vocab_size", None), report=report)
     if options.checkpoint is not None:
-        if options.dist.world > 1:
-            raise statsfile.StatsError("--checkpoint-every/--resume run in a single process, not under torchrun")
         header = {"recipe": recipe.to_dict(), "model_config_sha256": statsfile.config_sha256(source_dir),
                   "data_source": str(data_src), "rotary_dim": model_mod.rotary_dim(loaded.config)}
         options = dataclasses.replace(options, checkpoint=dataclasses.replace(options.checkpoint, header=header))

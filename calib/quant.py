@@ -2,7 +2,7 @@
 the same numbers the cache will hold.
 
 The engine stores `q = saturate(x / scale)` rounded to the cache dtype and reads back `q * scale`
-(`scale` is the dequantisation multiplier, see DESIGN.md section 4). We emulate that in float32:
+(`scale` is the dequantisation multiplier, see docs/design.md §4). We emulate that in float32:
 - FP8 e4m3: clamp to ±448 *explicitly*, then round through `torch.float8_e4m3fn` (round-to-nearest,
   ties-to-even; values below half the smallest subnormal 2^-9 flush to 0). The explicit clamp matters:
   whether a cast saturates or produces NaN for out-of-range values differs between versions/backends.

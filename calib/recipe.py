@@ -15,23 +15,27 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from ._text import first_line
+from . import safeyaml
 
 DTYPES = ("fp8_e4m3", "int8")
 GRANULARITIES = ("tensor", "head", "channel", "token")
 EXPORTABLE = ("tensor", "head")
 TARGETS = ("vllm", "trtllm")
 SKIP_KEYWORDS = ("sliding_window",)
-# observer -> {parameter: (check, description)}; validated here so the recipe never needs torch.
+MSE_GRID_MAX = 4096          # candidate clips per head: the search holds [grid, bins] values at once
+# observer -> {parameter: (check, description)}; validated here (before any observer allocates) so the recipe
+# never needs torch.
 OBSERVERS: dict[str, dict[str, tuple[Any, str]]] = {
     "absmax": {},
     "percentile": {"p": (lambda v: _is_num(v) and 0 < v <= 100, "a number in (0, 100]")},
-    "mse": {"grid": (lambda v: _is_int(v) and v >= 2, "an integer >= 2"),
+    "mse": {"grid": (lambda v: _is_int(v) and 2 <= v <= MSE_GRID_MAX, f"an integer in [2, {MSE_GRID_MAX}]"),
             "min_ratio": (lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]")},
     "rope_bound": {},
 }
+# Upper bounds: a value past these is a typo (an extra zero), not a calibration anyone runs; it would
+# otherwise surface as an allocation failure deep inside the forward pass.
+LIMITS = {"samples": 10_000_000, "seq_len": 1 << 22, "min_tokens": 1 << 22, "batch_size": 65_536,
+          "seed": 2**63 - 1, "headroom": 1000.0, "skip_layers": 1 << 20}
 
 
 def _is_int(v: Any) -> bool:
@@ -84,15 +88,21 @@ class Recipe:
         if len(set(self.targets)) != len(self.targets):
             raise RecipeError(f"recipe field 'targets' = {list(self.targets)} names an engine twice")
         for item in self.skip_layers:
-            if not ((_is_int(item) and item >= 0) or item in SKIP_KEYWORDS):
+            if not ((_is_int(item) and 0 <= item < LIMITS["skip_layers"]) or item in SKIP_KEYWORDS):
                 raise RecipeError(f"recipe field 'skip_layers' has {item!r}: give layer indices >= 0 and/or "
                                   f"{', '.join(SKIP_KEYWORDS)}")
         self._check_combination()
-        if not self.headroom > 0 or self.headroom != self.headroom or self.headroom == float("inf"):
-            raise RecipeError(f"recipe field 'headroom' = {self.headroom!r}: must be a finite number > 0 (1.0 = none)")
+        if not 0 < self.headroom <= LIMITS["headroom"]:  # NaN fails both comparisons
+            raise RecipeError(f"recipe field 'headroom' = {self.headroom!r}: must be a finite number > 0 (1.0 = none) "
+                              f"and at most {LIMITS['headroom']:g}")
         for name in ("samples", "seq_len", "min_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise RecipeError(f"recipe field '{name}' = {getattr(self, name)!r}: must be a positive integer")
+            if getattr(self, name) > LIMITS[name]:
+                raise RecipeError(f"recipe field '{name}' = {getattr(self, name)!r} is beyond {LIMITS[name]:,}; "
+                                  "lower it")
+        if abs(self.seed) > LIMITS["seed"]:
+            raise RecipeError(f"recipe field 'seed' = {self.seed!r}: must be an integer within ±(2**63 - 1)")
         if self.min_tokens > self.seq_len:
             raise RecipeError(
                 f"recipe field 'min_tokens' = {self.min_tokens} exceeds 'seq_len' = {self.seq_len}: "
@@ -209,11 +219,9 @@ def load(path: str | Path | None) -> Recipe:
     if not path.is_file():
         raise RecipeError(f"recipe file {path} not found; list shipped recipes with `kvcalib recipes`")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise RecipeError(f"recipe file {path} is not valid YAML: {first_line(e)}") from None
-    except UnicodeDecodeError:
-        raise RecipeError(f"recipe file {path} is not UTF-8 text") from None
+        data = safeyaml.load(path, where=f"recipe file {path}")
+    except safeyaml.SafeYAMLError as e:
+        raise RecipeError(str(e)) from None
     if data is None:  # an empty file means all defaults; `[]`, `0` or `false` are mistakes, not defaults
         data = {}
     if not isinstance(data, dict):

@@ -24,7 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SKIP_FLAG = "--kv-cache-dtype-skip-layers"
+from .engine import report as engine_report
+from .engine import verdict as honest
+from .engine.verdict import SKIP_FLAG, decisive
 PLOTS = ("scales.png", "layer_error.png", "kl_by_bucket.png")
 
 
@@ -53,12 +55,15 @@ def _passkey_correct(entry: dict[str, Any]) -> tuple[int, int] | None:
 
 
 def failures(entry: dict[str, Any], ref: dict[str, Any], th: Thresholds) -> list[str]:
-    """Why `entry` misses the threshold (empty: it is within)."""
-    why = [f"KL {row['kl']:.3g} > {th.max_kl:g} in bucket <= {b}" for b, row in entry["buckets"].items()
+    """Why `entry` misses the threshold (empty: it is within), on the engine's numbers when the engine
+    measured the arm, the emulation's otherwise (calib/engine/verdict.py)."""
+    nums, source = decisive(entry)
+    ref_nums = ref["engine"] if source == honest.ENGINE and honest.engine_ok(ref) else ref
+    why = [f"KL {row['kl']:.3g} > {th.max_kl:g} in bucket <= {b}" for b, row in nums["buckets"].items()
            if row["kl"] > th.max_kl]
-    if entry["summary"]["ppl_rel"] > th.max_ppl_increase:
-        why.append(f"perplexity +{100 * entry['summary']['ppl_rel']:.2f}% > +{100 * th.max_ppl_increase:g}%")
-    arm_pk, ref_pk = _passkey_correct(entry), _passkey_correct(ref)
+    if nums["summary"]["ppl_rel"] > th.max_ppl_increase:
+        why.append(f"perplexity +{100 * nums['summary']['ppl_rel']:.2f}% > +{100 * th.max_ppl_increase:g}%")
+    arm_pk, ref_pk = _passkey_correct(nums), _passkey_correct(ref_nums)
     if arm_pk and ref_pk and arm_pk[0] < ref_pk[0] - th.passkey_drop:
         why.append(f"passkey {arm_pk[0]}/{arm_pk[1]} < reference {ref_pk[0]}/{ref_pk[1]}")
     return why
@@ -83,53 +88,60 @@ def skip_plan(ref: dict[str, Any], results: dict[str, dict[str, Any]], th: Thres
     plain = _plain(results)
     if not plain or any(not failures(e, ref, th) for e in plain.values()):
         return []
-    best = min(plain, key=lambda n: plain[n]["summary"]["kl"])
+    best = min(plain, key=lambda n: _kl(plain[n]))
     layers = dominant_layers(plain[best], th)
     return [(best, layers)] if layers else []
 
 
-def _how_to_serve(name: str, entry: dict[str, Any]) -> str:
-    if entry["kind"] == "default":
-        return "serve with FP8 KV and no scales (vLLM: `--kv-cache-dtype fp8`); calibration is not needed"
-    if entry["kind"] == "stats":
-        return (f"calibrate with `granularity: {entry['granularity']}` on this data and serve the result "
-                "(vLLM: `--kv-cache-dtype fp8`)")
-    skip = entry.get("serve_skip") or []
-    flag = f" {SKIP_FLAG} {' '.join(map(str, skip))}" if skip else ""
-    return f"serve `{entry['source']}` (vLLM: `--kv-cache-dtype fp8{flag}`)"
+def _kl(entry: dict[str, Any]) -> float:
+    return decisive(entry)[0]["summary"]["kl"]
 
 
 def verdict(ref: dict[str, Any], results: dict[str, dict[str, Any]], th: Thresholds, reference: str) -> dict[str, Any]:
     """The decision: ship an arm, ship it with layers skipped (measured), or keep the reference KV dtype."""
     plain = _plain(results)
-    ok = sorted((n for n in plain if not failures(plain[n], ref, th)), key=lambda n: plain[n]["summary"]["kl"])
+    ok = sorted((n for n in plain if not failures(plain[n], ref, th)), key=lambda n: _kl(plain[n]))
     skipped = sorted((n for n, e in results.items() if e["skip"] and not failures(e, ref, th)),
-                     key=lambda n: (len(results[n]["skip"]), results[n]["summary"]["kl"]))
-    best_any = min(plain, key=lambda n: plain[n]["summary"]["kl"]) if plain else None
+                     key=lambda n: (len(results[n]["skip"]), _kl(results[n])))
+    best_any = min(plain, key=lambda n: _kl(plain[n])) if plain else None
     dominant = dominant_layers(plain[best_any], th) if best_any else []
+    numbers = {n: decisive(e)[1] for n, e in results.items()}
     out = {"action": "keep_reference", "arm": None, "skip_layers": [], "flag": None, "within_threshold": ok,
-           "dominant_layers": dominant, "dominant_in": best_any, "thresholds": th.to_dict()}
+           "dominant_layers": dominant, "dominant_in": best_any, "thresholds": th.to_dict(), "numbers": numbers}
 
     def kl(n):
-        return f"worst-bucket KL {results[n]['summary']['max_bucket_kl']:.3g}, ppl {100 * results[n]['summary']['ppl_rel']:+.2f}%"
+        nums, source = decisive(results[n])
+        label = f"{nums['engine']} {nums['version']}, KL a lower bound" if source == honest.ENGINE else "emulated"
+        return (f"{label}: worst-bucket KL {nums['summary']['max_bucket_kl']:.3g}, "
+                f"ppl {100 * nums['summary']['ppl_rel']:+.2f}%")
 
+    confirmed = [(n, honest.skip_confirmed(results[n], results[n.rsplit(" skip ", 1)[0]])) for n in skipped]
     if ok:
         best = ok[0]
-        text = f"Ship `{best}` ({kl(best)}): {_how_to_serve(best, plain[best])}."
+        text = f"Ship `{best}` ({kl(best)}): {honest.how_to_serve(plain[best])}."
         if len(ok) > 1:
             text += " Also within the threshold: " + "; ".join(f"`{n}` ({kl(n)})" for n in ok[1:]) + "."
-        if "default" in ok and best != "default":
-            text += " The default scale 1.0 is already close to the calibrated scales on this model and data."
         out.update(action="ship", arm=best, text=text)
-    elif skipped:
-        best = skipped[0]
+    elif any(c for _, (c, _) in confirmed):
+        best = next(n for n, (c, _) in confirmed if c)
         layers = sorted(set(results[best]["skip"]) | set(results[best].get("serve_skip", [])))
         flag = f"{SKIP_FLAG} {' '.join(map(str, layers))}"
         base = best.rsplit(" skip ", 1)[0]
         out.update(action="ship_with_skip", arm=base, skip_layers=layers, flag=flag, text=(
             f"Ship `{base}` with layers {layers} kept in {reference}: serve with `{flag}` (vLLM; recipe "
             f"`skip_layers: {layers}`). Those layers dominate the error (attention-output error "
-            f"{_errs(plain[base], layers)}); measured with them unquantised: {kl(best)}."))
+            f"{_errs(plain[base], layers)}); measured with them unquantised: {kl(best)}, confirmed by the engine."))
+    elif confirmed:
+        best, (_, why) = confirmed[0]
+        layers = sorted(set(results[best]["skip"]) | set(results[best].get("serve_skip", [])))
+        flag = f"{SKIP_FLAG} {' '.join(map(str, layers))}"
+        base = best.rsplit(" skip ", 1)[0]
+        out.update(action="skip_unconfirmed", arm=base, skip_layers=layers, flag=flag, text=(
+            f"Keep {reference.upper()} KV for now: no arm is within the threshold "
+            f"(best: `{best_any}`, {'; '.join(failures(plain[best_any], ref, th))}). Keeping layers {layers} in "
+            f"{reference} brings `{base}` within it ({kl(best)}; attention-output error "
+            f"{_errs(plain[base], layers)}), {why}. Before serving with `{flag}`, measure it in the engine "
+            f"(`kvcalib eval --engine vllm`)."))
     else:
         why = "; ".join(failures(plain[best_any], ref, th)) if best_any else "no quantised arm"
         tried = [n for n, e in results.items() if e["skip"]]
@@ -138,6 +150,35 @@ def verdict(ref: dict[str, Any], results: dict[str, dict[str, Any]], th: Thresho
                  " No small set of layers dominates the error, so skipping layers would not help.")
         out["text"] = (f"Keep {reference.upper()} KV for this model: no arm is within the threshold "
                        f"(best: `{best_any}`, {why}).{extra}")
+    return _honest(out, ref, results)
+
+
+def _honest(out: dict[str, Any], ref: dict[str, Any], results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Add what the numbers do not say by themselves: calibration within noise (and why), saturating layers,
+    and which numbers decided."""
+    extra = []
+    noise = honest.scales_within_noise(ref, results, ref.get("sample_tokens") or [])
+    if noise:
+        out["scales_within_noise"] = noise
+        extra.append(noise["text"])
+    out["saturated"] = {}
+    for name in dict.fromkeys(n for n in ("default", out["arm"]) if n in results):
+        text = honest.saturation_text(name, results[name], ref)
+        if text:
+            out["saturated"][name] = honest.saturated_layers(results[name])
+            extra.append(text)
+    used = sorted(set(out["numbers"].values()))
+    if used == [honest.ENGINE]:
+        extra.append("Decided on the engine's numbers.")
+    elif honest.ENGINE in used:
+        emu = [n for n, s in out["numbers"].items() if s == honest.EMULATION]
+        extra.append(f"Decided on the engine's numbers where it ran; emulated numbers for {', '.join(f'`{n}`' for n in emu)} "
+                     "(engine: not run, see the engine table).")
+    elif any("engine" in e for e in results.values()):
+        extra.append("Decided on emulated numbers: the engine ran no quantised arm (see the engine table).")
+    else:
+        extra.append("Decided on emulated numbers (no engine run; `--engine vllm` measures the real engine).")
+    out["text"] = " ".join([out["text"], *extra])
     return out
 
 
@@ -169,10 +210,12 @@ def _finite(x: Any) -> Any:
 
 def write(out: Path, doc: dict[str, Any], *, force: bool, plots: bool = True) -> Path:
     """report.json, report.md and the plots into `out`, atomically (refuses an existing `out` unless force)."""
-    from .export import atomic_dir
+    from .outputs import atomic_dir
 
-    with atomic_dir(out, force) as tmp:
+    with atomic_dir(out, force, kind="eval report") as tmp:
         made, note = plot_all(doc, tmp) if plots else ([], "plots not requested")
+        extra = engine_report.plot(doc, tmp) if plots and made else None
+        made = [*made, extra] if extra else made
         if note:
             doc["notes"] = [*doc.get("notes", []), note]
         (tmp / "report.json").write_text(json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n")
@@ -231,6 +274,9 @@ def markdown(doc: dict[str, Any], plots: Sequence[str]) -> str:
     lines += [f"Data: `{d['source']}`: {d['samples']} samples, {d['tokens']} tokens; {held_txt}. "
               f"Model dtype {doc['model_dtype']} on {doc['device']}; {len(doc['layers'])} layers, "
               f"{doc['kv_heads']} KV heads x {doc['head_dim']}.", ""]
+    emu = doc.get("emulation")
+    if emu:
+        lines += [f"Emulated engine: {emu['line']}.", ""]
     lines += ["## Arms", ""] + table(
         ["arm", "kind", "dtype", "granularity", "mean KL", "worst-bucket KL", "top-1", "ppl", "Δppl", "passkey",
          "within threshold", "seconds"],
@@ -238,6 +284,7 @@ def markdown(doc: dict[str, Any], plots: Sequence[str]) -> str:
           e["summary"]["max_bucket_kl"], _pct(e["summary"]["top1"]), e["summary"]["ppl"],
           _pct(e["summary"]["ppl_rel"]) if n != ref_name else "–", _passkey_cell(e),
           e.get("within_threshold", "reference"), sum(e["seconds"].values())] for n, e in arms.items()])
+    lines += engine_report.markdown(doc, table)
     lines += ["## Per layer", "", "Saturated: share of values with |x / scale| > qmax. Flushed: share of nonzero "
               "values stored as 0. SNR over real tokens. Attention error: ||o - ô|| / ||o|| of the layer's "
               "attention output with quantised K/V (same inputs).", ""]

@@ -49,9 +49,9 @@ from typing import Any
 
 import torch
 
-from . import __version__
-from .export import (INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, ExportError, _weight_map, atomic_dir,
-                     link_or_copy)
+from . import __version__, integrity
+from .export import (INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, ExportError, PreparedSource, atomic_dir,
+                     carry_files, check_room, read_source_config, scan_source)
 from .scales import FP8_E4M3_MAX, Scales
 from .verify._checkpoint import HF_QUANT_CONFIG
 from .verify._common import _ct, _is_modelopt, _modelopt_flat
@@ -91,7 +91,7 @@ def saturation_report(scales: Scales, fractions: Mapping[int, tuple[float, float
 
 
 def _num_layers(config: dict[str, Any], source: Path) -> int:
-    text = config.get("text_config") or config
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     n = text.get("num_hidden_layers", config.get("num_hidden_layers"))
     if not isinstance(n, int) or n <= 0:
         raise ExportError(f"{source}/config.json has no num_hidden_layers; cannot tell which layers need scales")
@@ -117,7 +117,10 @@ def _modelopt_inner(qc: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _source_quantization(source: Path, config: dict[str, Any]) -> dict[str, Any]:
     """The source's weight quantization as a legacy `quantization` dict (quant_algo None when unquantized)."""
-    inline = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    inline = config.get("quantization_config") or text.get("quantization_config")
+    if inline is not None and not isinstance(inline, dict):
+        raise ExportError(f"{source}/config.json: quantization_config must be an object, not {type(inline).__name__}")
     if isinstance(inline, dict) and _ct(inline):
         raise ExportError(
             f"{source}/config.json has a compressed-tensors quantization_config. TensorRT-LLM reads it when "
@@ -128,11 +131,9 @@ def _source_quantization(source: Path, config: dict[str, Any]) -> dict[str, Any]
     hq_file = source / HF_QUANT_CONFIG
     if hq_file.is_file():
         try:
-            hq = json.loads(hq_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ExportError(f"{hq_file} is not valid JSON ({e}); repair or remove it") from None
-        if not isinstance(hq, dict):
-            raise ExportError(f"{hq_file} must hold a JSON object")
+            hq = integrity.read_json(hq_file)
+        except integrity.IntegrityError as e:
+            raise ExportError(str(e)) from None
         inner = _modelopt_inner(hq, str(hq_file))
     elif _is_modelopt(inline):
         inner = _modelopt_inner(inline, f"{source}/config.json")
@@ -176,7 +177,7 @@ def export_trtllm(source: Path, out: Path, scales: Scales, provenance: dict[str,
     config_file = source / "config.json"
     if not config_file.is_file():
         raise ExportError(f"{source} has no config.json; point at a checkpoint directory")
-    config = json.loads(config_file.read_text())
+    config = read_source_config(source)
     n_layers = _num_layers(config, source)
     beyond = sorted(i for i in scales if not 0 <= i < n_layers)
     if beyond:
@@ -199,7 +200,8 @@ def export_trtllm(source: Path, out: Path, scales: Scales, provenance: dict[str,
         k_name, v_name = trtllm_scale_names(layer)
         tensors[k_name] = _scalar(s.k_scale, f"layer {layer} k_scale")
         tensors[v_name] = _scalar(s.v_scale, f"layer {layer} v_scale")
-    wmap, total = _weight_map(source)
+    ckpt = scan_source(source)
+    wmap, total = ckpt.weight_map, ckpt.total_size
     carried = sorted(n for n in wmap if n.endswith(_KV_SCALE_SUFFIXES))
     if carried:
         raise ExportError(f"{source} already carries KV scale tensors ({carried[0]}, ...); "
@@ -215,20 +217,14 @@ def export_trtllm(source: Path, out: Path, scales: Scales, provenance: dict[str,
         prov["trtllm_int8_layer_scale"] = {
             str(i): max(float(tensors[trtllm_scale_names(i)[0]]), float(tensors[trtllm_scale_names(i)[1]]))
             for i in sorted(scales)}
-    weight_files = set(wmap.values())
     skip_names = {"config.json", INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, HF_QUANT_CONFIG}
+    prepared = PreparedSource(source, config, dict(wmap), total, shards=tuple(ckpt.shards))
 
     from safetensors.torch import save_file
 
-    with atomic_dir(out, force) as tmp:
-        how = set()
-        for f in sorted(source.iterdir()):
-            if not f.is_file() or f.name in skip_names:
-                continue
-            if f.name in weight_files:
-                how.add(link_or_copy(f, tmp / f.name))
-            elif f.suffix != ".safetensors":
-                shutil.copy2(f, tmp / f.name)
+    check_room(Path(out), [source / f for f in prepared.shards])
+    with atomic_dir(out, force, inputs=[("the model folder", source)]) as tmp:
+        how = carry_files(prepared, tmp, skip_names)
         shutil.copy2(config_file, tmp / "config.json")
         save_file(tensors, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "kvcalib"})
         new_map = {**wmap, **{name: SCALES_FILE for name in tensors}}

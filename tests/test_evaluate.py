@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from calib import evaluate as ev
-from calib import pipeline, recipe as recipe_mod, report
+from calib import emulate, pipeline, recipe as recipe_mod, report
+from calib.engine import verdict as honest
 from calib.model import find_attention_layers
 from calib.observe import capture_kv
 from calib.quant import FP8_E4M3, INT8, fake_quant
@@ -121,7 +122,7 @@ def test_hook_hands_quantised_kv_to_the_models_attention_and_measures_it():
         seen.append((key, value))
         return value.transpose(1, 2), None
 
-    state = ev.FakeQuantKV()
+    state = ev.FakeQuantKV(emulate.by_name("kv-only"))        # K/V rounded to nearest (test_emulate: other modes)
     assert state.attend(spy, _Layer(), q, k, v, None)[0] is not None and seen[-1][0] is k   # no arm: untouched
     state.arm = ev.Arm("x", FP8_E4M3, {0: torch.tensor(2.0)}, {0: torch.tensor(2 ** -12)})
     state.meter = ev.Meter()
@@ -196,7 +197,7 @@ def test_checkpoint_arms_read_vllm_per_head_and_trtllm_int8_layouts(tmp_path):
     (tmp_path / "vllm" / "kvcalib.json").write_text(json.dumps({"producer": "kvcalib", "skipped_layers": [1]}))
     skipping = ev.checkpoint_arms(str(tmp_path / "vllm"), geo)[0]      # calibrated with skip_layers: [1]
     assert list(skipping.k) == [0] and skipping.serve_skip == (1,) and skipping.skip == ()
-    assert "--kv-cache-dtype-skip-layers 1" in report._how_to_serve(skipping.name, skipping.describe())
+    assert "--kv-cache-dtype-skip-layers 1" in honest.how_to_serve(skipping.describe())
     with pytest.raises(ev.EvalError, match="2 layers; this model has 3"):
         ev.checkpoint_arms(str(tmp_path / "vllm"), ev.Geometry((0, 1, 2), 2, 4))
     with pytest.raises(ev.EvalError, match="per KV head"):
@@ -365,7 +366,9 @@ def test_tokenizer_less_model_runs_on_input_ids_without_passkey(k1000):
 
 def test_existing_output_is_refused_unless_forced(k1000):
     res, _, _, src, data = k1000
-    with pytest.raises(ev.EvalError, match="already exists"):
+    from calib.outputs import OutputError
+
+    with pytest.raises(OutputError, match="already exists"):
         ev.run_eval(_config(src, data, res.out))
 
 
@@ -393,7 +396,9 @@ def test_pathological_layer_is_named_with_the_skip_flag(tmp_path):
     cal = arms[f"calibrated:{ckpt}"]
     assert cal["layers"]["1"]["v_flushed"] > 0.4 and cal["layers"]["0"]["v_flushed"] < 0.01
     assert not cal["within_threshold"]
-    assert v["action"] == "ship_with_skip" and v["skip_layers"] == [1] and v["dominant_layers"] == [1]
+    # measured in the emulation only: named with its flag, but not recommended until an engine confirms it
+    assert v["action"] == "skip_unconfirmed" and v["skip_layers"] == [1] and v["dominant_layers"] == [1]
+    assert "unconfirmed" in v["text"] and v["text"].startswith(f"Keep {res.report['reference'].upper()} KV for now")
     assert v["flag"] == "--kv-cache-dtype-skip-layers 1" and v["flag"] in v["text"]
     measured = arms[f"{v['arm']} skip 1"]                  # the skip was measured, not guessed
     assert measured["skip"] == [1] and "1" not in measured["layers"]

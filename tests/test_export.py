@@ -66,20 +66,28 @@ def test_failure_mid_export_leaves_nothing(tiny_llama_dir, tmp_path, monkeypatch
     def boom(*a, **k):
         raise OSError("disk full")
     monkeypatch.setattr(safetensors.torch, "save_file", boom)
-    with pytest.raises(OSError):
+    from calib.outputs import OutputError
+
+    with pytest.raises(OutputError, match=r"writing failed \(disk full\); nothing was written"):
         export.export_vllm(tiny_llama_dir, tmp_path / "out", _scales(3), {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
 
 
 def test_existing_output_is_refused_unless_forced(tiny_llama_dir, tmp_path):
+    from calib.outputs import MARKER, OutputError
+
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("user data")
-    with pytest.raises(export.ExportError, match="already exists"):
+    with pytest.raises(OutputError, match="already exists"):
         export.export_vllm(tiny_llama_dir, out, _scales(3), {})
+    with pytest.raises(OutputError, match=r"holds files kvcalib did not write \(keep.txt\)"):
+        export.export_vllm(tiny_llama_dir, out, _scales(3), {}, force=True)
     assert (out / "keep.txt").read_text() == "user data"
-    export.export_vllm(tiny_llama_dir, out, _scales(3), {}, force=True)
-    assert not (out / "keep.txt").exists() and (out / export.SCALES_FILE).is_file()
+    (out / "keep.txt").unlink()
+    export.export_vllm(tiny_llama_dir, out, _scales(3), {}, force=True)     # an empty folder is replaced
+    assert (out / export.SCALES_FILE).is_file() and (out / MARKER).is_file()
+    export.export_vllm(tiny_llama_dir, out, _scales(3), {}, force=True)     # and so is our own output
 
 
 def test_refuses_source_as_output_and_existing_scales(tiny_llama_dir, tmp_path):

@@ -169,15 +169,19 @@ def test_failure_mid_export_leaves_nothing(tiny_llama_dir, tmp_path, monkeypatch
     def boom(*a, **k):
         raise OSError("disk full")
     monkeypatch.setattr(safetensors.torch, "save_file", boom)
-    with pytest.raises(OSError):
+    from calib.outputs import OutputError
+
+    with pytest.raises(OutputError, match=r"writing failed \(disk full\); nothing was written"):
         trtllm.export_trtllm(tiny_llama_dir, tmp_path / "out", _scales(3), {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
 
 
 def test_existing_output_is_refused_unless_forced(tiny_llama_dir, tmp_path):
+    from calib.outputs import OutputError
+
     out = tmp_path / "out"
     out.mkdir()
-    with pytest.raises(export.ExportError, match="already exists"):
+    with pytest.raises(OutputError, match="already exists"):
         trtllm.export_trtllm(tiny_llama_dir, out, _scales(3), {})
     trtllm.export_trtllm(tiny_llama_dir, out, _scales(3), {}, force=True)
     assert (out / trtllm.HF_QUANT_CONFIG).is_file()

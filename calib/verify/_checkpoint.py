@@ -76,34 +76,95 @@ def _parse_scale(t: _Tensor) -> _Scale | None:
 
 
 def _read_json(path: Path) -> tuple[Any, str | None]:
+    """Strict JSON (calib.integrity: no duplicate keys, no NaN, size-capped); (value, None) or (None, why)."""
+    from .. import integrity
+
     try:
-        return json.loads(path.read_text()), None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return None, str(e).splitlines()[0][:200]
+        return integrity.read_json(path, path.name, kind=None), None
+    except integrity.IntegrityError as e:
+        return None, str(e)
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def provenance_problem(doc: Any) -> str | None:
+    """Why a kvcalib.json cannot be trusted by the readers (inspect, eval, verify's skipped layers), or None.
+    Only the fields kvcalib reads back are checked; their recipe must be one kvcalib would accept."""
+    if not isinstance(doc, dict):
+        return "must hold a JSON object"
+    for key in ("recipe", "data", "layers", "versions"):
+        if key in doc and not isinstance(doc[key], dict):
+            return f"field '{key}' must be an object"
+    for key in ("skipped_layers", "skip_layers"):   # skipped_layers: resolved indices, as kvcalib writes them
+        items = doc.get(key)
+        if items is not None and not (isinstance(items, list) and all(
+                _is_count(i) or (i == "sliding_window" and key == "skip_layers") for i in items)):
+            return f"field '{key}' must list layer indices"
+    for key in ("producer", "target", "created", "model"):
+        if doc.get(key) is not None and not isinstance(doc[key], str):
+            return f"field '{key}' must be a string"
+    for layer, entry in (doc.get("layers") or {}).items():
+        if not (isinstance(layer, str) and layer.isdigit() and isinstance(entry, dict)):
+            return f"field 'layers' must map layer indices to objects (found {layer!r})"
+        for name, value in entry.items():
+            if not (_number(value) or (isinstance(value, list) and all(_number(x) for x in value))):
+                return f"field 'layers.{layer}.{name}' must be a number or a list of numbers"
+    data = doc.get("data") or {}
+    for key in ("samples", "tokens", "skipped_short"):
+        if data.get(key) is not None and not _is_count(data[key]):
+            return f"field 'data.{key}' must be a count"
+    if "recipe" in doc:
+        from ..recipe import RecipeError, from_dict
+
+        try:
+            from_dict(doc["recipe"], source="field 'recipe'")
+        except RecipeError as e:
+            return str(e)
+    return None
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 class _Checkpoint:
-    """What the rules look at, read once: configs, index, safetensors headers, provenance."""
+    """What the rules look at, read once: configs, index, safetensors headers, provenance. Files that cannot
+    be read, or hold the wrong kind of value where a reader expects an object, become `read_problems` (and
+    `read_kv_info` raises the first of them)."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
+        from .. import integrity
 
         self.path = path
         self.read_problems: list[Problem] = []
+
+        def problem(where: str, message: str, code: str, severity: str = "error") -> None:
+            self.read_problems.append(Problem("checkpoint", where, message, severity, code))
+
         self.config, err = _read_json(path / "config.json")
         if err or not isinstance(self.config, dict):
-            self.read_problems.append(Problem("checkpoint", "config.json", f"not a readable JSON object ({err})",
-                                              code="checkpoint.config"))
+            problem("config.json", err or "must hold a JSON object", "checkpoint.config")
             self.config = {}
         text = self.config.get("text_config")
+        if text is not None and not isinstance(text, dict):
+            problem("config.json", "text_config must be an object", "checkpoint.config")
         self.text = text if isinstance(text, dict) else self.config
-        self.num_layers = self.text.get("num_hidden_layers", self.config.get("num_hidden_layers"))
+        n = self.text.get("num_hidden_layers", self.config.get("num_hidden_layers"))
+        if n is not None and not (_is_count(n) and n > 0):
+            problem("config.json", f"num_hidden_layers = {n!r} must be a positive integer", "checkpoint.config")
+        self.num_layers = n if _is_count(n) and n > 0 else None
         self.num_heads = self.text.get("num_attention_heads")
         self.num_kv_heads = self.text.get("num_key_value_heads", self.num_heads)
-        self.layer_types = self.text.get("layer_types") or []
+        types = self.text.get("layer_types")
+        self.layer_types = types if isinstance(types, list) else []
         qc = self.config.get("quantization_config")
         if qc is None and isinstance(text, dict):
             qc = text.get("quantization_config")
+        if qc is not None and not isinstance(qc, dict):
+            problem("config.json", f"quantization_config must be an object, not {type(qc).__name__}",
+                    "checkpoint.config")
         self.inline_qc = qc
         self.compression_config = self.config.get("compression_config")
 
@@ -113,30 +174,36 @@ class _Checkpoint:
         if self.index_present:
             data, err = _read_json(path / INDEX_FILE)
             wmap = data.get("weight_map") if isinstance(data, dict) else None
-            if err or not isinstance(wmap, dict):
-                self.index_error = err or "no weight_map object"
+            if err or not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+                self.index_error = err or f"{INDEX_FILE}: no weight_map object of tensor: file names"
             else:
-                self.index = {str(k): str(v) for k, v in wmap.items()}
+                self.index = {str(k): v for k, v in wmap.items()}
 
         self.hf_quant_present = (path / HF_QUANT_CONFIG).is_file()
         self.hf_quant, self.hf_quant_error = _read_json(path / HF_QUANT_CONFIG) if self.hf_quant_present else (None,
                                                                                                              None)
-        prov, _ = _read_json(path / PROVENANCE_FILE) if (path / PROVENANCE_FILE).is_file() else (None, None)
-        self.provenance = prov if isinstance(prov, dict) else None
+        if self.hf_quant_present and self.hf_quant_error is None and not isinstance(self.hf_quant, dict):
+            self.hf_quant_error = f"{HF_QUANT_CONFIG} must hold a JSON object"
+        self.provenance, self.provenance_error = None, None
+        if (path / PROVENANCE_FILE).is_file():
+            prov, err = _read_json(path / PROVENANCE_FILE)
+            why = err or provenance_problem(prov)
+            if why:
+                self.provenance_error = why if why.startswith(PROVENANCE_FILE) else f"{PROVENANCE_FILE}: {why}"
+                problem(PROVENANCE_FILE, f"{self.provenance_error} (ignored)", "checkpoint.provenance", "warning")
+            else:
+                self.provenance = prov
 
         self.files = sorted(p.name for p in path.glob("*.safetensors") if p.is_file())
         self.keys: dict[str, dict[str, _Tensor]] = {}
         for name in self.files:
             try:
-                with safe_open(str(path / name), framework="numpy") as f:
-                    entries = {}
-                    for key in f.keys():
-                        sl = f.get_slice(key)
-                        entries[key] = _Tensor(key, name, str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape()))
-                self.keys[name] = entries
-            except Exception as e:  # a truncated or foreign file: report, keep checking the rest
-                self.read_problems.append(Problem("checkpoint", name, f"not a readable safetensors file "
-                                                  f"({str(e).splitlines()[0][:200]})", code="checkpoint.shard"))
+                integrity.contained(path, name, name)
+                shard = integrity.read_header(path / name, name)
+            except integrity.IntegrityError as e:  # a truncated, foreign or escaping file: report, check the rest
+                problem(name, str(e), "checkpoint.shard")
+                continue
+            self.keys[name] = {k: _Tensor(k, name, t.dtype, t.shape) for k, t in shard.tensors.items()}
         self._values: dict[tuple[str, str], np.ndarray | None] = {}
 
     def scales(self, files: Iterable[str]) -> list[_Scale]:

@@ -20,7 +20,13 @@ _ROUNDING_DTYPES = ("BF16", "F16")
 def _is_modelopt(qc: Any) -> bool:
     """tensorrt_llm/quantization/modelopt_config.py: is_modelopt_quant_config."""
     return isinstance(qc, dict) and (str(qc.get("quant_method", "")).lower().startswith("modelopt")
-                                     or (qc.get("producer") or {}).get("name") == "modelopt")
+                                     or producer_name(qc) == "modelopt")
+
+
+def producer_name(qc: dict[str, Any]) -> Any:
+    """`producer.name` of a config, None when `producer` is not an object."""
+    producer = qc.get("producer")
+    return producer.get("name") if isinstance(producer, dict) else None
 
 
 def _modelopt_flat(qc: dict[str, Any]) -> dict[str, Any]:

@@ -85,11 +85,11 @@ def trt_hf_quant_config(ck: _Checkpoint, t: _TrtView) -> Iterator[Problem]:
     if kv is None:
         yield Problem("trtllm", f"{where}:quantization.kv_cache_quant_algo", "null: TensorRT-LLM keeps the KV cache in "
                       "the model dtype", code="trtllm.no-kv-quant")
-    elif kv not in TRT_KV_ALGOS:
+    elif not isinstance(kv, str) or kv not in TRT_KV_ALGOS:
         yield Problem("trtllm", f"{where}:quantization.kv_cache_quant_algo", f"is {kv!r}; TensorRT-LLM accepts "
                       f"{' | '.join(TRT_KV_ALGOS)} (exact spelling) and fails to load otherwise", code="trtllm.kv-algo")
     algo = t.inner.get("quant_algo")
-    if algo is not None and algo not in _TRT_QUANT_ALGOS:
+    if algo is not None and (not isinstance(algo, str) or algo not in _TRT_QUANT_ALGOS):
         yield Problem("trtllm", f"{where}:quantization.quant_algo", f"is {algo!r}, not a QuantAlgo name kvcalib knows; "
                       "TensorRT-LLM raises ValueError for an unknown one", "warning", "trtllm.quant-algo")
     excl = t.inner.get("exclude_modules")

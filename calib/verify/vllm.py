@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ._checkpoint import HF_QUANT_CONFIG, INDEX_FILE, Problem, _Checkpoint, _Scale
-from ._common import _dtype_problems, _first_bad, _modelopt_inner
+from ._common import _dtype_problems, _first_bad, _modelopt_inner, producer_name
 
 # vllm/transformers_utils/model_arch_config_convertor.py: _normalize_quantization_config
 _VLLM_MODELOPT_ALGOS = {"FP8": "modelopt", "FP8_PER_CHANNEL_PER_TOKEN": "modelopt", "FP8_PB_WO": "modelopt",
@@ -64,7 +64,7 @@ def _vllm_method(qc: dict[str, Any] | None) -> str | None:
         return None
     method = str(qc.get("quant_method", "")).lower().replace("compressed_tensors", "compressed-tensors")
     inner = qc.get("quantization")
-    if (qc.get("producer") or {}).get("name") == "modelopt" and isinstance(inner, dict):
+    if producer_name(qc) == "modelopt" and isinstance(inner, dict):
         algo = inner.get("quant_algo")
         if algo is not None:
             method = _VLLM_MODELOPT_ALGOS.get(str(algo).upper(), method)
@@ -195,12 +195,20 @@ def vllm_quark_kv_config(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
                       code="vllm.quark-kv")
         return
     group = export.get("kv_cache_group") or []
+    if not isinstance(group, list) or not all(isinstance(p, str) for p in group):
+        yield Problem("vllm", _where_qc(v, "export.kv_cache_group"), "must be a list of module name patterns",
+                      code="vllm.quark-kv")
+        return
     if not group:
         if v.scales:
             yield Problem("vllm", _where_qc(v, "export.kv_cache_group"), "empty: the scale tensors load, but vLLM "
                           "turns on FP8 KV only with --kv-cache-dtype fp8", "warning", "vllm.quark-no-kv")
         return
     layer_cfg = v.qc.get("layer_quant_config") or {}
+    if not isinstance(layer_cfg, dict):
+        yield Problem("vllm", _where_qc(v, "layer_quant_config"), "must be an object of pattern: config",
+                      code="vllm.quark-kv")
+        return
     matched = [cfg for name, cfg in layer_cfg.items() if any(fnmatch.fnmatchcase(name, p) for p in group)]
     if not matched:
         yield Problem("vllm", _where_qc(v, "layer_quant_config"), f"no entry matches kv_cache_group {group}",

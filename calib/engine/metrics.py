@@ -1,0 +1,112 @@
+"""The engine's numbers for one arm, from what its runner returned (calib/engine/protocol.py).
+
+Why a lower bound for KL: an engine returns the top-k log-probabilities of each position (plus the actual
+next token's), not the whole distribution. Merging every token whose probability is not known in both
+runs into one "rest" outcome can only lower KL (the log-sum inequality), so
+
+    KL_lb = sum_{t in S} p_t log(p_t / q_t) + p_rest log(p_rest / q_rest),
+    S = tokens known in both runs (the reference's top-k and the actual token, where the arm reports them too)
+
+is a true lower bound of KL(reference || arm), and `kl_unresolved_mass` (the reference's mean p_rest)
+says how much of the distribution it could not resolve: near 0 the bound is tight. Perplexity and top-1
+agreement need nothing beyond what the engine returns, so they are exact.
+
+Positions: the engine scores token j of a sample from tokens < j for j = 1..n-1, exactly the positions the
+emulation scores (`calib/evaluate.py`), so token counts match one for one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+MIN_P = 1e-30
+
+
+def position_kl(ref_top: dict[int, float], arm_top: dict[int, float]) -> tuple[float, float]:
+    """(KL lower bound, reference mass left unresolved) at one position, from {token: logprob} of each run."""
+    known = [t for t in ref_top if t in arm_top]
+    p = [math.exp(ref_top[t]) for t in known]
+    q = [math.exp(arm_top[t]) for t in known]
+    kl = sum(pi * (lp - lq) for pi, lp, lq in zip(p, (ref_top[t] for t in known), (arm_top[t] for t in known)))
+    p_rest, q_rest = max(0.0, 1.0 - sum(p)), max(MIN_P, 1.0 - sum(q))
+    if p_rest > MIN_P:
+        kl += p_rest * math.log(p_rest / q_rest)
+    return max(0.0, kl), p_rest
+
+
+def _known(row: dict[str, Any], j: int, target: int) -> dict[int, float]:
+    d = dict(zip(row["top_ids"][j], row["top_logprobs"][j]))
+    d[target] = row["target"][j]
+    return d
+
+
+def per_sample(ref: dict[str, Any], arm: dict[str, Any] | None, ids: Sequence[int]) -> dict[str, float]:
+    """Sums over one sample's positions: tokens, nll, kl (lower bound), unresolved mass, top-1 agreements.
+    `arm` None: the reference against itself."""
+    n = len(ids) - 1
+    rows = ref, (arm if arm is not None else ref)
+    if any(len(r["target"]) != n for r in rows):
+        raise ValueError(f"engine returned {[len(r['target']) for r in rows]} positions for a {len(ids)}-token sample")
+    out = {"tokens": n, "nll": -sum(rows[1]["target"]), "kl": 0.0, "unresolved": 0.0, "top1": 0}
+    for j in range(n):
+        target = int(ids[j + 1])
+        r, a = _known(ref, j, target), _known(rows[1], j, target)
+        if arm is None:
+            kl, rest = 0.0, max(0.0, 1.0 - sum(math.exp(x) for x in r.values()))
+        else:
+            kl, rest = position_kl(r, a)
+        out["kl"] += kl
+        out["unresolved"] += rest
+        top_r, top_a = ref["top_ids"][j][:1], rows[1]["top_ids"][j][:1]
+        out["top1"] += int(top_r == top_a and bool(top_r))
+    return out
+
+
+def _row(sums: dict[str, float], ref_nll: float, samples: int) -> dict[str, Any]:
+    t = max(sums["tokens"], 1)
+    ppl, ppl_ref = math.exp(sums["nll"] / t), math.exp(ref_nll / t)
+    return {"samples": samples, "tokens": int(sums["tokens"]), "kl": sums["kl"] / t,
+            "kl_unresolved_mass": sums["unresolved"] / t, "top1": sums["top1"] / t, "ppl": ppl, "ppl_ref": ppl_ref,
+            "ppl_delta": ppl - ppl_ref, "ppl_rel": ppl / ppl_ref - 1}
+
+
+def continuation_agreement(ref: Sequence[Sequence[int]], arm: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Greedy continuations against the reference's: mean share of tokens before the first difference, and the
+    share of samples whose whole continuation is identical."""
+    pairs = [(r, a) for r, a in zip(ref, arm) if r]
+    if not pairs:
+        return {"prefix": None, "identical": None, "samples": 0}
+    prefix = []
+    for r, a in pairs:
+        k = next((i for i, (x, y) in enumerate(zip(r, a)) if x != y), min(len(r), len(a)))
+        prefix.append(k / len(r))
+    return {"prefix": sum(prefix) / len(pairs), "identical": sum(list(r) == list(a) for r, a in pairs) / len(pairs),
+            "samples": len(pairs)}
+
+
+def table(ref: dict[str, Any], arm: dict[str, Any] | None, samples: Sequence[Sequence[int]],
+          buckets: Sequence[int], sample_buckets: Sequence[int]) -> dict[str, Any]:
+    """The engine entry's numbers for one arm against the engine's reference run: per bucket and overall
+    (the emulation's keys plus `kl_unresolved_mass`), per-sample NLL (for noise estimates) and greedy agreement."""
+    keys = ("tokens", "nll", "kl", "unresolved", "top1")
+    zero = dict.fromkeys(keys, 0.0)
+    by_b = {b: dict(zero) for b in buckets}
+    ref_b = {b: 0.0 for b in buckets}
+    count = {b: 0 for b in buckets}
+    nll_samples = []
+    for i, ids in enumerate(samples):
+        b = sample_buckets[i]
+        s = per_sample(ref["samples"][i], None if arm is None else arm["samples"][i], ids)
+        r_nll = -sum(ref["samples"][i]["target"])
+        for k in keys:
+            by_b[b][k] += s[k]
+        ref_b[b] += r_nll
+        count[b] += 1
+        nll_samples.append(s["nll"])
+    rows = {str(b): _row(by_b[b], ref_b[b], count[b]) for b in buckets if by_b[b]["tokens"] > 0}
+    total = _row({k: sum(by_b[b][k] for b in buckets) for k in keys}, sum(ref_b.values()), len(samples))
+    total["max_bucket_kl"] = max(r["kl"] for r in rows.values())
+    total["greedy"] = continuation_agreement(ref["continuations"], (arm or ref)["continuations"])
+    return {"buckets": rows, "summary": total, "sample_nll": nll_samples}

@@ -1,0 +1,136 @@
+"""Which numbers decide, and the parts of the verdict that must not overclaim.
+
+Why: an emulation that does not match the engine can ship what the engine degrades or refuse what it serves
+fine (issue: +0.99 % emulated vs +2.72 % measured on one text). So every decision reads the engine's numbers
+when the engine measured the arm, the emulation's otherwise, and the verdict says which. Three further
+rules keep the advice honest:
+- advice names the engine that serves the arm's KV dtype and its setting (INT8 KV: TensorRT-LLM; vLLM has
+  no INT8 cache), never another engine's flag;
+- when calibrated and default scales are within noise, the verdict says so and why (docs/design.md §4:
+  inside e4m3's normal range the relative rounding error does not depend on the scale), and it shows the
+  layers that saturate at scale 1.0;
+- skipping layers is recommended only when the engine measured the skip and confirmed the gain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+ENGINE, EMULATION = "engine", "emulation"
+SKIP_FLAG = "--kv-cache-dtype-skip-layers"
+TRTLLM_INT8 = ("TensorRT-LLM's INT8 KV cache (`kvcalib calibrate --recipe int8-tensor --target trtllm` writes "
+               "`kv_cache_quant_algo: INT8` to hf_quant_config.json, which `trtllm-serve` reads; LLM API: "
+               "`KvCacheConfig(dtype=\"int8\")`); vLLM has no INT8 KV cache")
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
+
+
+def engine_ok(entry: dict[str, Any]) -> bool:
+    return (entry.get("engine") or {}).get("status") == "ok"
+
+
+def decisive(entry: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """(the numbers that decide for this arm: buckets, summary, passkey; their source)."""
+    if engine_ok(entry):
+        return entry["engine"], ENGINE
+    return entry, EMULATION
+
+
+def how_to_serve(entry: dict[str, Any]) -> str:
+    """How to serve an arm, with the engine that serves its KV dtype."""
+    int8 = entry.get("dtype") == "int8"
+    skip = sorted(set(entry.get("serve_skip") or []) | set(entry.get("skip") or []))
+    if int8:
+        if entry["kind"] == "stats":
+            return f"calibrate with `granularity: {entry['granularity']}`, dtype int8, and serve it with {TRTLLM_INT8}"
+        where = f"`{entry['source']}`" if entry.get("source") else "INT8 KV with scale 1.0"
+        return f"serve {where} with {TRTLLM_INT8}"
+    flag = f"--kv-cache-dtype {'fp8_e5m2' if entry.get('dtype') == 'fp8_e5m2' else 'fp8'}"
+    flag += f" {SKIP_FLAG} {' '.join(map(str, skip))}" if skip else ""
+    if entry["kind"] == "default":
+        return f"serve with FP8 KV and no scales (vLLM: `{flag}`); calibration is not needed"
+    if entry["kind"] == "stats":
+        return f"calibrate with `granularity: {entry['granularity']}` on this data and serve the result (vLLM: `{flag}`)"
+    return f"serve `{entry['source']}` (vLLM: `{flag}`)"
+
+
+def _paired(a: Sequence[float], b: Sequence[float], tokens: Sequence[int]) -> tuple[float, float] | None:
+    """(log ppl ratio a/b, its standard error) from per-sample NLL sums; None with fewer than 2 samples."""
+    n, t = len(a), float(sum(tokens))
+    if n < 2 or n != len(b) or n != len(tokens) or t <= 0:
+        return None
+    d = [x - y for x, y in zip(a, b)]
+    mean = sum(d) / t
+    var = sum((di - ti * mean) ** 2 for di, ti in zip(d, tokens)) * n / (n - 1)
+    return mean, math.sqrt(var) / t
+
+
+def scales_within_noise(ref: dict[str, Any], results: dict[str, dict[str, Any]],
+                        sample_tokens: Sequence[int]) -> dict[str, Any] | None:
+    """Calibrated arms whose perplexity is within noise (2 standard errors, paired by sample) of the default
+    scale's, with the reason when no value at scale 1.0 leaves the dtype's range; None without both arms."""
+    default = results.get("default")
+    if not default or default.get("dtype") == "int8":
+        return None
+    same, source = [], None
+    for name, e in results.items():
+        if e["kind"] != "checkpoint" or e.get("skip") or e.get("dtype") != default.get("dtype"):
+            continue
+        nd, sd = decisive(default)
+        na, sa = decisive(e)
+        if sd != sa or not nd.get("sample_nll") or not na.get("sample_nll"):
+            continue
+        r = _paired(na["sample_nll"], nd["sample_nll"], sample_tokens)
+        if r is None:
+            continue
+        ratio, se = r
+        if abs(ratio) <= 2 * se:
+            same.append({"arm": name, "ppl_ratio": math.exp(ratio), "noise": 2 * se})
+            source = sa
+    if not same:
+        return None
+    qmax = FP8_MAX.get(default.get("dtype") or "", 448.0)
+    ranges = ref.get("ranges") or {}
+    k = max((max(r["k_amax"]) for r in ranges.values()), default=math.nan)
+    v = max((max(r["v_amax"]) for r in ranges.values()), default=math.nan)
+    names = ", ".join(f"`{s['arm']}` (ppl x{s['ppl_ratio']:.4f}, noise ±{100 * s['noise']:.2g}%)" for s in same)
+    text = f"Calibrated and default scales are within noise here ({source}): {names}."
+    if max(k, v) <= qmax:
+        text += (f" Why: at scale 1.0 no K or V value leaves the FP8 range (largest |K| {k:.3g}, |V| {v:.3g} <= "
+                 f"{qmax:g}), and inside the normal range the FP8 grid's relative rounding error does not depend on "
+                 "the scale; a scale only matters for saturation, subnormals and FP8 attention (Q).")
+    return {"arms": same, "numbers": source, "k_amax": k, "v_amax": v, "text": text}
+
+
+def saturated_layers(entry: dict[str, Any], top: int = 5) -> dict[str, dict[str, float]]:
+    """{layer: {k, v}} shares of values beyond the dtype's range under this arm (emulated), worst first."""
+    rows = {i: {"k": r["k_saturated"], "v": r["v_saturated"]} for i, r in (entry.get("layers") or {}).items()
+            if r.get("k_saturated", 0) > 0 or r.get("v_saturated", 0) > 0}
+    worst = sorted(rows, key=lambda i: -max(rows[i].values()))[:top]
+    return {i: rows[i] for i in worst}
+
+
+def saturation_text(name: str, entry: dict[str, Any], ref: dict[str, Any]) -> str | None:
+    sat = saturated_layers(entry)
+    if not sat:
+        return None
+    ranges = ref.get("ranges") or {}
+
+    def amax(i: str, kind: str) -> str:
+        r = ranges.get(i)
+        return f", max |{kind.upper()}| {max(r[f'{kind}_amax']):.3g}" if r else ""
+    parts = [f"layer {i} (K {100 * s['k']:.3g}%{amax(i, 'k')}, V {100 * s['v']:.3g}%{amax(i, 'v')})"
+             for i, s in sat.items()]
+    return f"`{name}` saturates: " + "; ".join(parts) + "."
+
+
+def skip_confirmed(trial: dict[str, Any], base: dict[str, Any]) -> tuple[bool, str]:
+    """Whether the engine confirms that the skip trial beats its base arm (lower ppl), and why not."""
+    if not engine_ok(trial):
+        why = (trial.get("engine") or {}).get("reason") or "no engine was run (`kvcalib eval --engine vllm`)"
+        return False, f"unconfirmed: the engine did not measure it ({why})"
+    if engine_ok(base) and trial["engine"]["summary"]["ppl"] >= base["engine"]["summary"]["ppl"]:
+        return False, (f"the engine does not confirm the gain (ppl {trial['engine']['summary']['ppl']:.4g} with the "
+                       f"skip vs {base['engine']['summary']['ppl']:.4g} without)")
+    return True, "confirmed by the engine"

@@ -1,0 +1,92 @@
+"""Run options checked before anything expensive happens: one line naming the option and the fix.
+
+Why a module of its own: a bad `--device` or batch budget used to surface minutes later, after the model had
+loaded (or as a torch traceback). Recipe fields are validated by `recipe`; these are the options that are not
+part of a recipe (where the model runs, how batches are cut, evaluation settings). The CLI calls them before
+it builds or loads any model, and the library entry points (`pipeline.calibrate`, `evaluate.run_eval`) call
+them again as their first step, so library users get the same errors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+class OptionError(ValueError):
+    """An option's value cannot work; the message names the option and what to give instead."""
+
+
+def whole(option: str, value: Any, minimum: int = 1) -> None:
+    """`value` (None: not given) must be an int >= minimum."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OptionError(f"{option} {value!r}: give a whole number >= {minimum}")
+    if value < minimum:
+        raise OptionError(f"{option} {value}: give a whole number >= {minimum}")
+
+
+def number(option: str, value: Any, minimum: float = 0.0) -> None:
+    """`value` (None: not given) must be a finite number >= minimum."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
+        raise OptionError(f"{option} {value!r}: give a finite number >= {minimum:g}")
+
+
+def device(value: str | None, option: str = "--device") -> None:
+    """A device torch can run the model on here. Checked without allocating anything on it."""
+    if value is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError, TypeError):
+        raise OptionError(f"{option} {value!r} is not a device name; use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OptionError(f"{option} {value}: torch sees no CUDA GPU on this machine (torch {torch.__version__}); "
+                              "use --device cpu, or install a CUDA build of torch")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise OptionError(f"{option} {value}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
+        return
+    if dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise OptionError(f"{option} {value}: MPS is not available on this machine; use --device cpu")
+        return
+    raise OptionError(f"{option} {value}: kvcalib runs models on cpu, cuda or mps, not {dev.type}")
+
+
+def calibrate(*, device_name: str | None = None, max_batch_tokens: int | None = None, seq_len: int | None = None,
+              checkpoint_every: int | None = None) -> None:
+    """The calibration run's own options (the recipe checks its fields itself)."""
+    device(device_name)
+    whole("--max-batch-tokens", max_batch_tokens)
+    if max_batch_tokens is not None and seq_len is not None and max_batch_tokens < seq_len:
+        raise OptionError(f"--max-batch-tokens {max_batch_tokens} is below --seq-len {seq_len}: a full-length "
+                          f"sequence would not fit in a batch; give at least {seq_len}")
+    whole("--checkpoint-every", checkpoint_every)
+
+
+def evaluation(cfg: Any) -> None:
+    """Every numeric option of `kvcalib eval` (an `evaluate.EvalConfig`)."""
+    device(cfg.device)
+    for option, value, minimum in (("--samples", cfg.samples, 1), ("--batch-size", cfg.batch_size, 1),
+                                   ("--min-tokens", cfg.min_tokens, 1), ("--passkey-trials", cfg.passkey_trials, 0),
+                                   ("--failures", cfg.failures, 0), ("--passkey-drop", cfg.thresholds.passkey_drop, 0),
+                                   ("--max-skip", cfg.thresholds.max_skip, 0)):
+        whole(option, value, minimum)
+    number("--max-kl", cfg.thresholds.max_kl)
+    number("--max-ppl-increase", cfg.thresholds.max_ppl_increase)
+    if not cfg.buckets:
+        raise OptionError("--buckets: give at least one context length, e.g. 512,2048")
+    for b in cfg.buckets:
+        whole("--buckets", b, 2)
+    if cfg.min_tokens > max(cfg.buckets):
+        raise OptionError(f"--min-tokens {cfg.min_tokens} exceeds the largest bucket ({max(cfg.buckets)} tokens): "
+                          "every sample would be skipped; lower --min-tokens or add a larger bucket")

@@ -1,0 +1,92 @@
+"""`kvcalib eval --engine vllm` end to end with the real vLLM runner on the default model.
+
+Runs inside the vLLM venv (like the other engine tests) and calls kvcalib's own CLI (`--kvcalib`, its venv)
+with `--vllm-venv` pointing back at this interpreter's venv. What it checks is what a user relies on:
+the engine's BF16-KV perplexity agrees with the emulation's on the same token ids; an FP8 arm either runs
+(its numbers come back) or, on CPUs vLLM refuses (AVX2 only), comes back "not run" with vLLM's own reason
+— never a crash, never numbers from elsewhere; the engine reports its KV-cache capacity; the verdict says
+which numbers it used.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+
+def _fp8_cache_runs_on_this_cpu() -> bool:
+    """vLLM's CPU build needs AVX-512 or AMX for an FP8 cache (docs/design.md §8); a GPU build always can."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+@pytest.fixture(scope="module")
+def report(request, tmp_path_factory) -> dict:
+    kvcalib = request.config.getoption("--kvcalib")
+    if not kvcalib:
+        pytest.skip("needs --kvcalib <kvcalib executable of the project's venv>")
+    model = request.config.getoption("--eval-model")
+    out = tmp_path_factory.mktemp("eval") / "report"
+    args = [kvcalib, "eval", "--engine", "vllm", "--vllm-venv", sys.prefix, "--samples", "4", "--buckets", "256",
+            "--passkey-trials", "1", "--engine-top-k", "20", "--out", str(out)]
+    args += ["--model", model] if model else []
+    ckpt = request.config.getoption("--ckpt")
+    args += ["--scales", ckpt] if ckpt else []
+    r = subprocess.run(args, capture_output=True, text=True, timeout=3000)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "eval vllm `" in r.stderr                      # progress lines for the engine arms
+    doc = json.loads((out / "report.json").read_text())
+    doc["_md"] = (out / "report.md").read_text()
+    return doc
+
+
+def test_engine_reference_agrees_with_the_emulation(report):
+    ref = report["arms"][report["reference"]]
+    emu, eng = ref["summary"], ref["engine"]
+    assert eng["status"] == "ok", eng
+    assert eng["summary"]["tokens"] == emu["tokens"]
+    # same weights, same token ids, same dtype: what vLLM computes and what transformers computes agree
+    assert eng["summary"]["ppl"] == pytest.approx(emu["ppl"], rel=0.01)
+    assert eng["kv_capacity_tokens"] > 0 and eng["tokens_per_gib"] == eng["kv_capacity_tokens"] / eng["kv_gib"]
+    assert 0 <= eng["summary"]["kl_unresolved_mass"] < 1
+    assert eng["passkey"] and ref["passkey"]
+    assert report["engine"]["name"] == "vllm" and report["engine"]["version"]
+
+
+def test_fp8_arms_run_or_say_why_not(report):
+    ref_cap = report["arms"][report["reference"]]["engine"]["kv_capacity_tokens"]
+    quantised = {n: e for n, e in report["arms"].items() if n != report["reference"] and e.get("dtype") == "fp8_e4m3"}
+    assert "default" in quantised
+    runs = _fp8_cache_runs_on_this_cpu()
+    for name, e in quantised.items():
+        eng = e["engine"]
+        if name.endswith("@tensor"):
+            assert eng["status"] == "not_run" and "serves the checkpoint" in eng["reason"]
+        elif runs:
+            assert eng["status"] == "ok", eng
+            assert eng["summary"]["tokens"] == e["summary"]["tokens"]
+            assert eng["kv_capacity_tokens"] == pytest.approx(2 * ref_cap, rel=0.05)   # one byte instead of two
+        else:
+            assert eng == {"engine": "vllm", "version": report["engine"]["version"], "status": "not_run",
+                           "reason": "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."}
+            assert f"- `{name}`: not run: NotImplementedError: FP8 KV cache on CPU" in report["_md"]
+        assert e["summary"]["tokens"] > 0                # the emulation measured it either way
+
+
+def test_verdict_says_which_numbers_it_used(report):
+    v = report["verdict"]
+    assert "## Emulation vs engine" in report["_md"]
+    if _fp8_cache_runs_on_this_cpu():
+        assert v["numbers"]["default"] == "engine"
+    else:
+        assert set(v["numbers"].values()) == {"emulation"}
+        assert "Decided on emulated numbers: the engine ran no quantised arm" in v["text"]

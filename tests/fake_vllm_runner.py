@@ -1,0 +1,93 @@
+"""A stand-in engine runner for fast tests: speaks calib/engine/protocol.py, computes with transformers.
+
+It is not vLLM: the model-dtype arm runs the model's own forward (a second code path next to the emulation's
+chunked head), FP8 arms either are refused with vLLM's message on AVX2 CPUs (FAKE_ENGINE=refuse, the
+default), run through kvcalib's default emulation (FAKE_ENGINE=fp8), or both: only the `default` arm is
+refused (FAKE_ENGINE=refuse-default). FAKE_ENGINE=crash / hang make FP8
+arms exit without an answer / never finish, to test the driver. KV capacity is the pool divided by the
+cache's bytes per token (layers x 2 x kv heads x head dim x element size), as a paged cache would hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from calib.engine import protocol  # noqa: E402
+
+REFUSAL = "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+
+
+def measure(req: dict) -> dict:
+    arm = req["arm"]
+    mode = os.environ.get("FAKE_ENGINE", "refuse")
+    fp8 = arm["kv_cache_dtype"] != "auto"
+    if fp8 and (mode == "refuse" or mode == "refuse-default" and arm["name"] == "default"):
+        return protocol.not_run(REFUSAL, "vllm", "0.0-fake", req["kv_gib"])
+    if fp8 and mode == "crash":
+        print("RuntimeError: fake engine crashed", file=sys.stderr)
+        sys.exit(3)
+    if fp8 and mode == "hang":
+        time.sleep(3600)
+    import torch
+
+    from calib import emulate, passkey
+    from calib.evaluate import load_causal_lm
+    from calib.fakequant import Geometry, checkpoint_arms, default_arm, fake_quant_kv
+    from calib.quant import by_name
+
+    t0 = time.perf_counter()
+    loaded = load_causal_lm(arm["model"], "cpu")
+    lm, config = loaded.model, loaded.config
+    geo = Geometry.of(config, loaded.attention_layers)
+    q = None
+    if fp8:
+        dtype = by_name("fp8_e5m2" if arm["kv_cache_dtype"] == "fp8_e5m2" else "fp8_e4m3")
+        kv_info = Path(arm["model"], "kvcalib.json")
+        q = checkpoint_arms(arm["model"], geo)[0] if kv_info.is_file() else default_arm(geo, dtype)
+        q = q.skipping(arm["skip_layers"]) if arm["skip_layers"] else q
+    k, cont = req["top_k"], req["continuation_tokens"]
+    samples, continuations, answers, tokens = [], [], [], 0
+    with fake_quant_kv(lm, emulate.by_name(emulate.DEFAULT)) as hook, torch.inference_mode():
+        hook.arm = q
+        for ids in req["samples"]:
+            lp = torch.log_softmax(lm(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float(), -1)[:-1]
+            top = lp.topk(k, dim=-1)
+            samples.append({"target": lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist(),
+                            "top_ids": top.indices.tolist(), "top_logprobs": top.values.tolist()})
+            continuations.append(passkey.greedy(lm, ids, max_new_tokens=cont) if cont else [])
+            tokens += len(ids) + cont
+            print(protocol.progress_line(tokens, len(samples), 0), flush=True)
+        stop = req["stop_token_ids"][0] if req["stop_token_ids"] else None
+        for ids in req["passkey"]:
+            answers.append(passkey.greedy(lm, ids, max_new_tokens=req["passkey_tokens"], eos_id=stop))
+            tokens += len(ids) + req["passkey_tokens"]
+            print(protocol.progress_line(tokens, len(samples), len(answers)), flush=True)
+    elem = 1 if fp8 else torch.finfo(loaded.dtype).bits // 8
+    per_token = len(geo.layers) * 2 * geo.kv_heads * geo.head_dim * elem
+    capacity = req["kv_gib"] * 2 ** 30 // per_token // 16 * 16
+    return {"protocol": protocol.PROTOCOL, "status": protocol.OK, "reason": None, "engine": "vllm",
+            "version": "0.0-fake", "kv_cache_dtype": arm["kv_cache_dtype"], "kv_capacity_tokens": capacity,
+            "kv_gib": req["kv_gib"], "seconds": {"all": time.perf_counter() - t0}, "samples": samples,
+            "continuations": continuations, "passkey": answers}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--probe"]:
+        if os.environ.get("FAKE_ENGINE") == "missing":
+            print("ModuleNotFoundError: No module named 'vllm'", file=sys.stderr)
+            return 1
+        print(json.dumps({"engine": "vllm", "version": "0.0-fake"}))
+        return 0
+    req = protocol.read(Path(argv[0]), protocol.REQUEST_FIELDS, "request")
+    protocol.write(Path(argv[1]), measure(req))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
