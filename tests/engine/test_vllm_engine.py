@@ -14,6 +14,11 @@ plain per-tensor scales; `--granularity head --q-scale` (vLLM strategy `attn_hea
 q_scale); `--skip-layers 1` (the probe passes kvcalib.json's `skipped_layers` to vLLM as
 `kv_cache_dtype_skip_layers`, as `kvcalib calibrate` tells users to).
 
+Hosts whose vLLM cannot hold an FP8 cache (the CPU build needs AVX-512 or AMX) still check every loaded
+scale: the probe then serves the model-dtype cache, which loads the scales the same way (see vllm_probe.py),
+and the tests that need an FP8 cache skip with vLLM's reason; `--require fp8-kv` turns that skip into a
+failure, and `--min-passed N` fails a run in which fewer than N tests passed (conftest.py).
+
 Runs in the vLLM venv (`make engine-test`), never imports `calib`: the engine is started by
 `vllm_probe.py` in a subprocess of this same interpreter. Options: `--ckpt DIR`, and `--require per-head,...`
 to fail instead of skip when the checkpoint lacks a feature (see conftest.py).
@@ -53,9 +58,9 @@ class Stored(NamedTuple):
     shape: tuple[int, ...]  # as stored
 
 
-def run_probe(ckpt: Path, out: Path, *extra: str) -> dict:
+def run_probe(ckpt: Path, out: Path, cache_dtype: str, *extra: str) -> dict:
     """Start vLLM on `ckpt` in a subprocess and return the probe's json report."""
-    cmd = [sys.executable, str(PROBE), str(ckpt), str(out), *extra]
+    cmd = [sys.executable, str(PROBE), str(ckpt), str(out), "--kv-cache-dtype", cache_dtype, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=dict(os.environ))
     if proc.returncode != 0 or not out.is_file():
         tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-60:])
@@ -123,6 +128,11 @@ def skip_reason(required: set[str], feature: str, reason: str) -> str:
     return reason
 
 
+def fp8_fallback_reason(report: dict) -> str | None:
+    """Why the engine ran with a model-dtype cache instead of FP8 (None when the cache is FP8)."""
+    return report.get("fp8_kv_unsupported")
+
+
 def loaded_scales(report: dict) -> dict[int, tuple[float, float]]:
     return {int(i): (float(k), float(v)) for i, (k, v) in report["scales"].items()}
 
@@ -175,8 +185,8 @@ def fp8_layers(ckpt, skipped) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def report(ckpt, tmp_path_factory):
-    return run_probe(ckpt, tmp_path_factory.mktemp("probe") / "report.json")
+def report(ckpt, cache_dtype, tmp_path_factory):
+    return run_probe(ckpt, tmp_path_factory.mktemp("probe") / "report.json", cache_dtype)
 
 
 def test_checkpoint_has_a_scale_pair_per_layer(exported, fp8_layers):
@@ -215,7 +225,10 @@ def test_no_scale_silently_left_at_default(report, exported, fp8_layers):
     assert not defaulted, f"scales left at vLLM's default 1.0: {defaulted}"
 
 
-def test_kv_cache_is_fp8(report, fp8_layers):
+def test_kv_cache_is_fp8(report, fp8_layers, required):
+    reason = fp8_fallback_reason(report)
+    if reason:
+        pytest.skip(skip_reason(required, "fp8-kv", f"vLLM ran a model-dtype cache: {reason}"))
     assert report["kv_cache_dtype"].startswith("fp8"), report["kv_cache_dtype"]
     per_layer = {layer: report["layers"][str(layer)]["kv_cache_dtype"] for layer in fp8_layers}
     assert all(dtype.startswith("fp8") for dtype in per_layer.values()), per_layer
@@ -317,11 +330,14 @@ def test_skipped_layers_keep_the_model_dtype(report, skipped, exported, fp8_laye
     assert set(report["kv_cache_dtype_skip_layers"]["engine"]) == {str(i) for i in skipped}, report[
         "kv_cache_dtype_skip_layers"]
     model_dtype = report["model_dtype"]
+    fallback = fp8_fallback_reason(report)  # then every layer has the model-dtype cache, not just the skipped
     per_layer = {int(i): (d["kv_cache_dtype"], d["impl_kv_cache_dtype"], d["kv_cache_tensor_dtype"])
                  for i, d in report["layers"].items()}
     for layer, (dtype, impl_dtype, tensor_dtype) in sorted(per_layer.items()):
         if layer in skipped:
             assert (dtype, impl_dtype, tensor_dtype) == ("auto", "auto", model_dtype), (layer, per_layer)
+        elif fallback:  # the probe asked for the model dtype by name
+            assert (dtype, impl_dtype, tensor_dtype) == (model_dtype, model_dtype, model_dtype), (layer, per_layer)
         else:
             assert dtype.startswith("fp8") and impl_dtype == dtype, (layer, per_layer)
             assert tensor_dtype in _FP8_CACHE_TENSOR_DTYPES, (layer, per_layer)
@@ -333,7 +349,7 @@ def test_generates_tokens(report):
     assert len(report["generated_token_ids"]) >= 1
 
 
-def test_control_loaded_value_follows_the_file(ckpt, exported, fp8_layers, tmp_path):
+def test_control_loaded_value_follows_the_file(ckpt, exported, fp8_layers, cache_dtype, tmp_path):
     """Negative control: edit one k_scale in a copy of the checkpoint and see vLLM pick up the edit.
 
     Proves the comparison above reads what vLLM loaded and not the file. Costs one more engine start
@@ -358,7 +374,7 @@ def test_control_loaded_value_follows_the_file(ckpt, exported, fp8_layers, tmp_p
     save_file(tensors, str(copy / shard.name), metadata=metadata)
     want = kernel_value(scale_tensors(copy)[(layer, "k")].values)  # after the dtype round trip
 
-    loaded = loaded_scales(run_probe(copy, tmp_path / "report.json", "--max-tokens", "0"))
+    loaded = loaded_scales(run_probe(copy, tmp_path / "report.json", cache_dtype, "--max-tokens", "0"))
     assert loaded[layer][0] == pytest.approx(want, rel=1e-6)
     assert loaded[layer][0] != pytest.approx(kernel_value(values), rel=1e-6)
     for other in fp8_layers:

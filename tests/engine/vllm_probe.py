@@ -2,12 +2,13 @@
 
 Runs in the vLLM venv only, never in kvcalib's own environment: it imports nothing from `calib`.
 
-    python tests/engine/vllm_probe.py CKPT OUT.json [--max-tokens N]
+    python tests/engine/vllm_probe.py CKPT OUT.json [--max-tokens N] [--kv-cache-dtype fp8|bfloat16|fp8-or-bfloat16]
 
 OUT.json receives
     {"scales": {"<layer>": [k_scale, v_scale]},          # the floats the attention kernels are given
      "layers": {"<layer>": {...}},                         # scale buffers, q scale and cache dtype per layer
      "kv_cache_dtype": "fp8",                              # the engine-wide cache dtype
+     "fp8_kv_unsupported": null,                           # or why this host cannot hold an FP8 cache
      "model_dtype": "bfloat16",
      "kv_cache_dtype_skip_layers": {"passed": [...], "engine": [...]},
      "generated_token_ids": [...], "prompt": ...}
@@ -18,6 +19,14 @@ Layers named in the checkpoint's kvcalib.json `skipped_layers` are passed to vLL
 vLLM runs the model in a separate engine process, so the functions handed to `LLM.apply_model` must
 be importable there by module name: that is why they live at the top level of this module and why
 `main` puts this directory on PYTHONPATH before vLLM starts.
+
+Why a BF16 fallback: vLLM's CPU build refuses an FP8 cache on x86 hosts without AVX-512 or AMX (its
+attention backend raises NotImplementedError while allocating the cache). The scale-loading path does not
+depend on the cache dtype: the compressed-tensors KV-cache method reads the checkpoint's k/v/q scales into
+the attention layers and sets the floats the kernels would use either way. So on such a host
+(`--kv-cache-dtype fp8-or-bfloat16`, the default) the probe asks vLLM itself whether FP8 is possible, and
+if not it starts the engine with the model-dtype cache and reports vLLM's reason in `fp8_kv_unsupported`;
+the tests that need an FP8 cache then skip with that reason (or fail under `--require fp8-kv`).
 """
 
 from __future__ import annotations
@@ -102,6 +111,33 @@ def skipped_layers(ckpt: Path) -> list[int]:
     return sorted(int(i) for i in json.loads(provenance.read_text()).get("skipped_layers") or [])
 
 
+def head_size(ckpt: Path) -> int:
+    """Attention head size from config.json (head_dim, else hidden_size / num_attention_heads)."""
+    config = json.loads((ckpt / "config.json").read_text())
+    config = config.get("text_config", config) if "num_attention_heads" not in config else config
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def fp8_kv_unsupported_reason(head: int) -> str | None:
+    """vLLM's own reason this host cannot hold an FP8 KV cache, or None when it can.
+
+    Asks the CPU attention backend the question it asks when it allocates the cache (block size 128, the
+    CPU default), so the answer is the engine's, not a copy of its CPU-feature rules. GPU hosts: None.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        _get_attn_isa(torch.bfloat16, 128, head, "fp8")
+    except NotImplementedError as exc:
+        return f"NotImplementedError: {exc}"
+    return None
+
+
 def _has_tokenizer(ckpt: Path) -> bool:
     return any((ckpt / name).is_file() for name in _TOKENIZER_FILES)
 
@@ -111,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("ckpt", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--max-tokens", type=int, default=16, help="greedy tokens to generate; 0 skips generation")
+    parser.add_argument("--kv-cache-dtype", choices=("fp8", "bfloat16", "fp8-or-bfloat16"), default="fp8-or-bfloat16",
+                        help="cache dtype; the default falls back to the model dtype where vLLM refuses FP8")
     args = parser.parse_args(argv)
 
     # Must be set before vLLM is imported; the engine process inherits them.
@@ -131,9 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     use_tokenizer = _has_tokenizer(ckpt)
     # What `kvcalib calibrate` prints for serving: --kv-cache-dtype-skip-layers <skipped_layers>.
     skip = [str(i) for i in skipped_layers(ckpt)]
+    unsupported = None
+    if args.kv_cache_dtype == "bfloat16":
+        unsupported = "--kv-cache-dtype bfloat16 asked for the model-dtype cache"
+    elif args.kv_cache_dtype == "fp8-or-bfloat16":
+        unsupported = fp8_kv_unsupported_reason(head_size(ckpt))
     llm = LLM(
         model=str(ckpt),
-        kv_cache_dtype="fp8",
+        # Not "auto": with a kv_cache_scheme in config.json vLLM turns "auto" into fp8; an explicit dtype wins.
+        kv_cache_dtype="bfloat16" if unsupported else "fp8",
         dtype="bfloat16",
         enforce_eager=True,
         max_model_len=512,
@@ -166,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "scales": {str(i): [k, v] for i, (k, v) in sorted(scales.items())},
         "layers": {str(i): d for i, d in sorted(details.items())},
         "kv_cache_dtype": kv_cache_dtype,
+        "fp8_kv_unsupported": unsupported,
         "model_dtype": str(model_config.dtype).removeprefix("torch."),
         "kv_cache_dtype_skip_layers": {"passed": skip, "engine": engine_skip},
         "generated_token_ids": generated,
