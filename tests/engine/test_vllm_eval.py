@@ -112,6 +112,8 @@ def test_verdict_says_which_numbers_it_used(report):
 @pytest.mark.parametrize("text", sorted(TEXTS))
 def test_emulated_rise_matches_the_engine(text, request, required):
     """Issue: the product sells the engine's numbers, so the emulation must predict them, per FP8 arm."""
+    if text != "prose" and not _fp8_cache_runs_on_this_cpu() and "fp8-kv" not in required:
+        pytest.skip("no FP8 cache on this CPU: the second text's eval would only re-run the BF16 arm")
     doc = request.getfixturevalue("chat_report" if text == "chat" else "report")
     ran = {n: e for n, e in doc["arms"].items()
            if n != doc["reference"] and e.get("dtype") == "fp8_e4m3" and e["engine"]["status"] == "ok"}
