@@ -282,7 +282,7 @@ def inspect(ckpt: Path) -> None:
 
 
 def _inspect_one(ckpt: Path) -> None:
-    from .checkpoint import read_kv_info
+    from .ckpt.kvinfo import read_kv_info
 
     try:
         info = read_kv_info(ckpt)

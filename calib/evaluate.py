@@ -28,7 +28,7 @@ from . import emulate
 from . import model as model_mod
 from . import observe, options, outputs, passkey, report
 from .progress import SILENT, Progress, Stage
-from .checkpoint import read_kv_info
+from .ckpt.kvinfo import read_kv_info
 from .fakequant import (  # noqa: F401  (re-exported: part of this module's API)
     TOKEN, Arm, EvalError, FakeQuantKV, Geometry, Meter, arms_for, cache_codes, checkpoint_arms, default_arm, fake_quant_kv,
     fake_quant_terms, read_stats, reference_arm, stats_arms)
@@ -167,7 +167,7 @@ def select_samples(cfg: EvalConfig, tokenizer: Any, vocab: int | None, buckets: 
     if cfg.pack:
         seqs = _pack(seqs, buckets)
     used, out = data_mod.DataReport(), []
-    with model_mod._quiet_transformers():      # packing tokenizes whole records, beyond the model's length on purpose
+    with model_mod.quiet_transformers():      # packing tokenizes whole records, beyond the model's length on purpose
         for ids in itertools.islice(seqs, cfg.samples):
             used.add(ids)
             out.append(Sample(len(out), tuple(ids), next(b for b in sorted(buckets) if b >= len(ids))))
@@ -436,7 +436,7 @@ def _run_eval(cfg: EvalConfig, log: Log, progress: Progress, t_start: float) -> 
     if tok is None:
         notes.append("passkey retrieval skipped: the model has no tokenizer")
     elif cfg.passkey_trials > 0:
-        with model_mod._quiet_transformers():   # sizing tries prompts past the model's length on purpose
+        with model_mod.quiet_transformers():   # sizing tries prompts past the model's length on purpose
             prompts, pk_notes = passkey.prompts(tok, buckets, cfg.passkey_trials, cfg.seed)
         notes += pk_notes
     else:

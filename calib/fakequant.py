@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from . import emulate, fp8, observe
-from .checkpoint import read_kv_info
+from .ckpt.kvinfo import KVInfo, read_kv_info
+from .ckpt.names import STATS_FILE
 from .quant import FP8_E4M3, INT8, KVDtype, by_name, quantize
 from .scales import MIN_SCALE, amax_to_scale
 
@@ -119,21 +120,10 @@ def default_arm(geo: Geometry, dtype: KVDtype) -> Arm:
                notes=("scale 1.0: what vLLM and TensorRT-LLM use when a checkpoint carries no KV scales",))
 
 
-def _checkpoint_dtype(path: Path, info: Any) -> KVDtype:
+def _checkpoint_dtype(info: KVInfo) -> KVDtype:
     scheme = info.kv_scheme or {}
-    if scheme.get("type") == "int":
+    if scheme.get("type") == "int" or info.kv_cache_quant_algo == "INT8":
         return INT8
-    hq = path / "hf_quant_config.json"
-    if hq.is_file():
-        from . import integrity
-
-        try:
-            doc = integrity.read_json(hq)
-        except integrity.IntegrityError as e:
-            raise EvalError(f"--scales {path}: {e}") from None
-        inner = doc.get("quantization", doc)
-        if isinstance(inner, dict) and inner.get("kv_cache_quant_algo") == "INT8":
-            return INT8
     return FP8_E4M3
 
 
@@ -149,7 +139,7 @@ def checkpoint_arms(path: str, geo: Geometry) -> list[Arm]:
     if info.num_layers is not None and info.num_layers != len(geo.layers):
         raise EvalError(f"--scales {path} is for a model with {info.num_layers} layers; this model has "
                         f"{len(geo.layers)}")
-    dtype = _checkpoint_dtype(Path(path), info)
+    dtype = _checkpoint_dtype(info)
     k, v, notes = {}, {}, []
     serve_skip = tuple(sorted(int(i) for i in (info.provenance or {}).get("skipped_layers") or []))
     if serve_skip:
@@ -193,7 +183,7 @@ def read_stats(path: str) -> tuple[observe.Stats, dict[str, Any] | None]:
     from . import statsfile
 
     p = Path(path)
-    file = p / "stats.safetensors" if p.is_dir() else p
+    file = p / STATS_FILE if p.is_dir() else p
     if not file.is_file():
         raise EvalError(f"--stats {path}: no stats.safetensors (write one with a statistics-only recipe, targets: [])")
     try:

@@ -28,14 +28,14 @@ def convert_gguf(gguf_file: Path, out: Path, *, dtype: torch.dtype = torch.bfloa
     its config. The caller owns `out` (a temporary directory renamed into place when complete)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from .model import _quiet_transformers
+    from .model import quiet_transformers
 
     gguf_file, out = Path(gguf_file), Path(out)
     folder, name = gguf_file.parent, gguf_file.name
     # Each call below parses the file's metadata (the vocabulary dominates): parse the config once.
     gguf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, config=gguf_config)
-    with _quiet_transformers():
+    with quiet_transformers():
         source = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=gguf_config,
                                                       dtype=torch.float32)
     fields = {k: v for k, v in source.config.to_dict().items() if k not in _DROP}

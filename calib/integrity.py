@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-INDEX_FILE = "model.safetensors.index.json"
+from .ckpt.names import INDEX_FILE
+
 MAX_JSON_BYTES = 64 << 20          # config/index/provenance files are kilobytes; 64 MiB is a broken file
 MAX_HEADER_BYTES = 100_000_000     # the safetensors library's own limit
 # safetensors dtype -> bits per element (sub-byte types pack several elements per byte)

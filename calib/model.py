@@ -22,6 +22,7 @@ import torch
 
 from . import geometry, integrity
 from ._text import first_line
+from .ckpt.names import is_kv_scale
 
 KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # model_type values whose cache is not (only) plain K/V: hybrid recurrent / state-space models.
@@ -195,7 +196,7 @@ def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: 
     auto = AutoModelForCausalLM if lm_head else AutoModel
     _check_size(auto, config, src, pickled, trust_remote_code)
     try:
-        with _quiet_transformers():  # we check its load report ourselves (check_load_report)
+        with quiet_transformers():  # we check its load report ourselves (check_load_report)
             model, info = auto.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code,
                                                use_safetensors=not pickled, output_loading_info=True,
                                                ignore_mismatched_sizes=True, **kwargs)
@@ -245,7 +246,7 @@ def check_load_report(info: dict[str, Any], src: Path, lm_head: bool) -> None:
         raise ModelError(f"MODEL {src}: {len(mismatched)} tensor(s) have another shape than config.json implies "
                          f"({names(mismatched)}{detail}); the config and the weights are not one model")
     unexpected = [k for k in info.get("unexpected_keys") or []
-                  if not (not lm_head and k.startswith("lm_head.")) and not _is_kv_scale(k)]
+                  if not (not lm_head and k.startswith("lm_head.")) and not is_kv_scale(k)]
     if unexpected:
         raise ModelError(f"MODEL {src}: the weight files hold {len(unexpected)} tensor(s) the model defined by "
                          f"config.json does not have ({names(unexpected)}); the config and the weights are not "
@@ -253,12 +254,6 @@ def check_load_report(info: dict[str, Any], src: Path, lm_head: bool) -> None:
     errors = [e for e in info.get("error_msgs") or [] if e]
     if errors:
         raise ModelError(f"MODEL {src}: loading the weights failed ({str(errors[0]).splitlines()[0][:200]})")
-
-
-def _is_kv_scale(name: str) -> bool:
-    """KV-cache scale tensors of a checkpoint calibrated before (any producer's names): not model weights."""
-    return ".self_attn." in name and name.rsplit(".", 1)[-1] in ("k_scale", "v_scale", "q_scale", "output_scale",
-                                                                  "k_zero_point", "v_zero_point", "q_zero_point")
 
 
 def _check_size(auto: Any, config: Any, src: Path, pickled: bool, trust_remote_code: bool) -> None:
@@ -269,7 +264,7 @@ def _check_size(auto: Any, config: Any, src: Path, pickled: bool, trust_remote_c
     try:
         from accelerate import init_empty_weights
 
-        with init_empty_weights(), _quiet_transformers():
+        with init_empty_weights(), quiet_transformers():
             meta = auto.from_config(config, trust_remote_code=trust_remote_code)
     except Exception:  # a model class that cannot be built empty: the load report still checks every tensor
         return
@@ -297,7 +292,7 @@ def _max_memory(spec: dict[str, str] | None) -> dict[int | str, str] | None:
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -315,7 +310,7 @@ def _load_tokenizer(src: Path, trust_remote_code: bool) -> Any | None:
     from transformers import AutoTokenizer
 
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             return AutoTokenizer.from_pretrained(src, trust_remote_code=trust_remote_code)
     except Exception as e:  # tokenizer backends raise anything on damaged files
         present = ", ".join(n for n in (*names, "merges.txt", "special_tokens_map.json") if (src / n).is_file())

@@ -23,6 +23,7 @@ import torch
 from . import data as data_mod
 from . import export, model as model_mod, observe, options as opts, outputs, scales as scales_mod, statsfile
 from .batching import PaddingStats, batches, prefetch
+from .ckpt.names import PROVENANCE_FILE, STATS_FILE
 from .distributed import Dist, barrier, merge_all, shard
 from .recipe import Recipe
 
@@ -194,12 +195,6 @@ def provenance(recipe: Recipe, model_src: str, data_src: str, report: data_mod.D
     }
 
 
-def _exporters() -> dict[str, Any]:
-    from . import trtllm
-
-    return {"vllm": export.export_vllm, "trtllm": trtllm.export_trtllm}
-
-
 def stats_header(prov: dict[str, Any], source: Path) -> dict[str, Any]:
     """What a statistics file records besides the tensors (enough to merge and re-export it)."""
     return {"producer": "kvcalib", "model": prov["model"], "model_config_sha256": statsfile.config_sha256(source),
@@ -214,17 +209,14 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCa
     targets = list(recipe.targets)
     if not targets:
         with outputs.atomic_dir(out, force, kind="statistics") as tmp:
-            statsfile.save(tmp / "stats.safetensors", capture, stats_header(prov, source))
-            (tmp / export.PROVENANCE_FILE).write_text(json.dumps({**prov, "target": None}, indent=2) + "\n")
+            statsfile.save(tmp / STATS_FILE, capture, stats_header(prov, source))
+            (tmp / PROVENANCE_FILE).write_text(json.dumps({**prov, "target": None}, indent=2) + "\n")
         return out
 
     def one(target: str, path: Path, force_one: bool) -> Path:
-        if target == "vllm":
-            strategy = "attn_head" if recipe.granularity == "head" else "tensor"
-            return export.export_vllm(source, path, scales, prov, strategy=strategy, force=force_one,
-                                      overwrite_kv=overwrite_kv)
-        return _exporters()[target](source, path, scales, prov, kv_algo=recipe.dtype.split("_")[0].upper(),
-                                    force=force_one)
+        how = export.WriteOptions(dtype=recipe.dtype, granularity=recipe.granularity, force=force_one,
+                                  overwrite_kv=overwrite_kv)
+        return export.target(target).write(source, path, scales, prov, how)
 
     if len(targets) == 1:
         return one(targets[0], out, force)

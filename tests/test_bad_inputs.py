@@ -285,7 +285,8 @@ def _doubled_range(header: dict, meta: dict) -> None:
 
 def _exported(tmp: Path, target: str = "vllm", edit: Callable[[Path], None] | None = None) -> Path:
     """The tiny model exported with made-up scales (no calibration), then `edit`ed."""
-    from calib import export, trtllm
+    from calib import export
+    from calib.export import trtllm
     from calib.scales import LayerScales
 
     scales = {i: LayerScales(torch.tensor(0.1), torch.tensor(0.1), torch.ones(2), torch.ones(2)) for i in range(3)}

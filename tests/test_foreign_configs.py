@@ -21,8 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from calib import export, trtllm
-from calib.checkpoint import read_kv_info
+from calib import export
+from calib.export import trtllm
+from calib.ckpt.kvinfo import read_kv_info
 from calib.cli import main
 from calib.fakequant import EvalError, Geometry, checkpoint_arms
 from calib.scales import LayerScales

@@ -338,7 +338,7 @@ def test_disk_full_mid_write_is_one_line_and_leaves_nothing(tiny_llama_dir, toke
 def test_sigkill_mid_calibration_then_the_next_run_succeeds(tiny_llama_dir, token_data, tmp_path):
     slow = textwrap.dedent("""
         import sys, time
-        import calib.export as ex
+        import calib.export.write as ex
         orig = ex.link_or_copy
         def slow(*a, **k):
             print("STAGE-REACHED", flush=True); time.sleep(60); return orig(*a, **k)

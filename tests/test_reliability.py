@@ -30,7 +30,7 @@ main()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("module, owner, attr", [("export", "", "link_or_copy"),
+@pytest.mark.parametrize("module, owner, attr", [("export.write", "", "link_or_copy"),
                                                  ("observe", ".AbsMaxObserver", "update")],
                          ids=["mid-export", "mid-calibration"])
 def test_signal_leaves_no_output_and_no_temp_dir(tiny_llama_dir, token_data, tmp_path, sig, module, owner, attr):
@@ -45,7 +45,7 @@ def test_signal_leaves_no_output_and_no_temp_dir(tiny_llama_dir, token_data, tmp
         if "STAGE-REACHED" in line:
             break
     assert "STAGE-REACHED" in "".join(seen), "".join(seen)  # the signal really lands inside the stage
-    if module == "export":  # mid-export the temporary directory exists and holds files
+    if module == "export.write":  # mid-export the temporary directory exists and holds files
         assert list((tmp_path / "outdir").glob(".ckpt.kvcalib-tmp-*"))
     proc.send_signal(sig)
     proc.wait(timeout=60)

@@ -1,5 +1,5 @@
 """TensorRT-LLM export: weights untouched, hf_quant_config.json + k_proj/v_proj scalars, refusals that TRT-LLM's
-loader would otherwise turn into silent misbehaviour (see calib/trtllm.py for the engine source each rule
+loader would otherwise turn into silent misbehaviour (see calib/export/trtllm.py for the engine source each rule
 comes from)."""
 
 import hashlib
@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from calib import __version__, export, trtllm
+from calib import __version__, export
+from calib.export import trtllm
 from calib.scales import LayerScales
 from calib.verify import verify
 

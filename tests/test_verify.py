@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from calib import export, trtllm
+from calib import export
+from calib.export import trtllm
 from calib.scales import LayerScales
 from calib.verify import Problem, verify
 

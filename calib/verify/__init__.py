@@ -12,7 +12,7 @@ Reads JSON and safetensors headers/values only (`safetensors.safe_open(..., fram
 values, which numpy cannot represent, are decoded from the file's raw bytes). Never unpickles, never
 imports torch, so it is fast enough for a pre-deploy check.
 
-Layout: `_checkpoint` reads the checkpoint once (and defines `Problem`), `_common` holds helpers both
+Layout: calib.ckpt.reader reads the checkpoint once (and defines `Problem`), `common` holds checks both
 engines' rules share, `vllm` and `trtllm` hold each engine's view and rules; this module picks the
 engines and runs their rules.
 """
@@ -21,25 +21,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ._checkpoint import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, Problem, _Checkpoint
+from ..ckpt.names import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE
+from ..ckpt.reader import CheckpointFiles, Problem
 from .trtllm import (TRT_KV_ALGOS, TRT_RULES, trt_config_json_quantization, trt_hf_quant_config,
                      trt_int8_needs_unquantized_weights, trt_no_skipped_layers, trt_scale_names,
-                     trt_scale_shapes_dtypes_values, trt_scales_present, _trt_view)
+                     trt_scale_shapes_dtypes_values, trt_scales_present, trt_view)
 from .vllm import (VLLM_RULES, vllm_ct_config_groups, vllm_ct_kv_cache_scheme, vllm_declared_without_scales,
                    vllm_index_consistent, vllm_one_scale_per_layer, vllm_quark_kv_config, vllm_reads_a_quant_config,
-                   vllm_scale_dtypes, vllm_scale_names, vllm_scale_shapes, vllm_scale_values, _vllm_config,
-                   _vllm_method, _vllm_view)
+                   vllm_scale_dtypes, vllm_scale_names, vllm_scale_shapes, vllm_scale_values, vllm_config,
+                   vllm_method, vllm_view)
 
 # The rule functions and file-name constants stay importable from `calib.verify`, as before the split.
 
 ENGINES = ("vllm", "trtllm")
 
 
-def _targets(ck: _Checkpoint) -> list[str]:
+def _targets(ck: CheckpointFiles) -> list[str]:
     """Engines the checkpoint is made for: what its configs declare, else what kvcalib.json says, else both."""
     found = []
-    source, qc = _vllm_config(ck)
-    if source == "config.json" or _vllm_method(qc) is not None:
+    source, qc = vllm_config(ck)
+    if source == "config.json" or vllm_method(qc) is not None:
         found.append("vllm")
     if ck.hf_quant_present:
         found.append("trtllm")
@@ -60,15 +61,15 @@ def verify(ckpt: str | Path, engine: str = "all") -> list[Problem]:
     path = Path(ckpt)
     if not (path / "config.json").is_file():
         return [Problem("checkpoint", str(path), "no config.json: not a checkpoint directory", code="checkpoint.config")]
-    ck = _Checkpoint(path)
+    ck = CheckpointFiles(path)
     problems = list(ck.read_problems)
     engines = _targets(ck) if engine == "all" else [engine]
     if "vllm" in engines:
-        view = _vllm_view(ck)
+        view = vllm_view(ck)
         for rule in VLLM_RULES:
             problems.extend(rule(ck, view))
     if "trtllm" in engines:
-        tview = _trt_view(ck)
+        tview = trt_view(ck)
         for rule in TRT_RULES:
             problems.extend(rule(ck, tview))
     return list(dict.fromkeys(problems))

@@ -13,8 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from ._checkpoint import HF_QUANT_CONFIG, PROVENANCE_FILE, Problem, _Checkpoint, _Scale
-from ._common import _ct, _dtype_problems, _first_bad, _is_modelopt, _modelopt_inner
+from ..ckpt.formats import is_compressed_tensors, is_modelopt, modelopt_quantization
+from ..ckpt.names import HF_QUANT_CONFIG, PROVENANCE_FILE
+from ..ckpt.reader import CheckpointFiles, Problem, ScaleTensor
+from .common import dtype_problems, first_bad
 
 # tensorrt_llm/quantization/mode.py: KV_CACHE_QUANT_ALGO_LIST
 TRT_KV_ALGOS = ("FP8", "INT8", "NVFP4")
@@ -27,15 +29,15 @@ _TRT_QUANT_ALGOS = frozenset(
 
 
 @dataclass
-class _TrtView:
+class TrtView:
     inner: dict[str, Any] | None    # hf_quant_config.json's normalised `quantization` dict
     kv_algo: str | None             # what TRT-LLM ends up with
     files: list[str]
     skipped_files: list[str]
-    scales: list[_Scale]
+    scales: list[ScaleTensor]
 
 
-def _trt_files(ck: _Checkpoint) -> tuple[list[str], list[str]]:
+def _trt_files(ck: CheckpointFiles) -> tuple[list[str], list[str]]:
     """tensorrt_llm/_torch/models/checkpoints/hf/weight_loader.py: HfWeightLoader.load_weights.
 
     Every `*.safetensors` file, index ignored; files named "*consolidated*" are skipped when others exist.
@@ -46,20 +48,20 @@ def _trt_files(ck: _Checkpoint) -> tuple[list[str], list[str]]:
     return list(ck.files), []
 
 
-def _trt_view(ck: _Checkpoint) -> _TrtView:
-    inner = _modelopt_inner(ck.hf_quant) if isinstance(ck.hf_quant, dict) else None
+def trt_view(ck: CheckpointFiles) -> TrtView:
+    inner = modelopt_quantization(ck.hf_quant) if isinstance(ck.hf_quant, dict) else None
     kv = inner.get("kv_cache_quant_algo") if inner else None
     qc = ck.inline_qc
-    if (inner is None or inner.get("quant_algo") is None) and isinstance(qc, dict) and _ct(qc):
+    if (inner is None or inner.get("quant_algo") is None) and isinstance(qc, dict) and is_compressed_tensors(qc):
         scheme = qc.get("kv_cache_scheme")
         if isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type") == "float" \
                 and qc.get("config_groups"):
             kv = "FP8"   # update_quant_config_from_compressed_tensors
     files, skipped = _trt_files(ck)
-    return _TrtView(inner, str(kv) if kv is not None else None, files, skipped, ck.scales(files))
+    return TrtView(inner, str(kv) if kv is not None else None, files, skipped, ck.scales(files))
 
 
-def trt_hf_quant_config(ck: _Checkpoint, t: _TrtView) -> Iterator[Problem]:
+def trt_hf_quant_config(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
     """`hf_quant_config.json` = {"producer": ..., "quantization": {"quant_algo", "kv_cache_quant_algo",
     "exclude_modules"}} (or ModelOpt's flat shape); kv_cache_quant_algo one of FP8, INT8, NVFP4.
 
@@ -98,7 +100,7 @@ def trt_hf_quant_config(ck: _Checkpoint, t: _TrtView) -> Iterator[Problem]:
                       code="trtllm.hf-quant-config")
 
 
-def trt_int8_needs_unquantized_weights(ck: _Checkpoint, t: _TrtView) -> Iterator[Problem]:
+def trt_int8_needs_unquantized_weights(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
     """INT8 KV only with unquantized FP16/BF16 projections (weight quant_algo null).
 
     NVIDIA/TensorRT-LLM pull request 18953 (calibrated INT8 KV cache, PyTorch backend): create_attention
@@ -109,7 +111,7 @@ def trt_int8_needs_unquantized_weights(ck: _Checkpoint, t: _TrtView) -> Iterator
                       "INT8 KV cache needs unquantized FP16/BF16 projections", code="trtllm.int8-weights")
 
 
-def trt_config_json_quantization(ck: _Checkpoint, t: _TrtView) -> Iterator[Problem]:
+def trt_config_json_quantization(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
     """config.json's quantization_config must not take over from hf_quant_config.json.
 
     tensorrt_llm/_torch/model_config.py: ModelConfig.from_pretrained (with no weight quant_algo in
@@ -119,12 +121,12 @@ def trt_config_json_quantization(ck: _Checkpoint, t: _TrtView) -> Iterator[Probl
     ValueError for missing or empty config_groups.
     """
     qc = ck.inline_qc
-    if not isinstance(qc, dict) or _is_modelopt(qc):
+    if not isinstance(qc, dict) or is_modelopt(qc):
         return
     if t.inner is not None and t.inner.get("quant_algo") is not None:
         return  # hf_quant_config.json decides; config.json's block is not consulted
     where = "config.json:quantization_config"
-    if _ct(qc):
+    if is_compressed_tensors(qc):
         if not qc.get("config_groups"):
             yield Problem("trtllm", where, "a compressed-tensors block without weight config_groups: TensorRT-LLM "
                           "raises ValueError (config_groups is empty) and does not load; keep it out of the "
@@ -139,7 +141,7 @@ def trt_config_json_quantization(ck: _Checkpoint, t: _TrtView) -> Iterator[Probl
                       code="trtllm.config-overrides")
 
 
-def trt_no_skipped_layers(ck: _Checkpoint, t: _TrtView) -> Iterator[Problem]:
+def trt_no_skipped_layers(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
     """TRT-LLM cannot keep layers out of a quantized KV cache.
 
     tensorrt_llm/_torch/models/modeling_utils.py: DecoderModelForCausalLM.apply_quant_config_exclude_modules
@@ -151,7 +153,7 @@ def trt_no_skipped_layers(ck: _Checkpoint, t: _TrtView) -> Iterator[Problem]:
                       code="trtllm.skip-layers")
 
 
-def trt_scale_names(ck: _Checkpoint, t: _TrtView) -> Iterator[Problem]:
+def trt_scale_names(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
     """TRT-LLM reads `...self_attn.k_proj.k_scale` and `...self_attn.v_proj.v_scale` of existing layers only.
 
     tensorrt_llm/_torch/models/modeling_utils.py: _load_weights_impl (fused `qkv_proj` gets one dict per
@@ -177,11 +179,11 @@ def trt_scale_names(ck: _Checkpoint, t: _TrtView) -> Iterator[Problem]:
                           "shards exist, so it never reads it", code="trtllm.skipped-file")
 
 
-def _trt_usable(t: _TrtView) -> list[_Scale]:
+def _trt_usable(t: TrtView) -> list[ScaleTensor]:
     return [s for s in t.scales if s.form == "proj" and s.kind in "kv" and s.proj == s.kind]
 
 
-def trt_scales_present(ck: _Checkpoint, t: _TrtView) -> Iterator[Problem]:
+def trt_scales_present(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
     """Where KV quantization is declared: both scales for every layer.
 
     INT8: NVIDIA/TensorRT-LLM pull request 18953 (fused QKV loader raises "both scales must be loaded
@@ -215,7 +217,7 @@ def trt_scales_present(ck: _Checkpoint, t: _TrtView) -> Iterator[Problem]:
                               "loads last", code="trtllm.duplicate-scale")
 
 
-def trt_scale_shapes_dtypes_values(ck: _Checkpoint, t: _TrtView) -> Iterator[Problem]:
+def trt_scale_shapes_dtypes_values(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
     """Scalar (one element), float32, finite and > 0.
 
     NVIDIA/TensorRT-LLM pull request 18953: the INT8 loader rejects non-scalar, zero, negative, NaN and
@@ -227,20 +229,20 @@ def trt_scale_shapes_dtypes_values(ck: _Checkpoint, t: _TrtView) -> Iterator[Pro
         if s.tensor.numel != 1:
             yield Problem("trtllm", s.tensor.name, f"shape {list(s.tensor.shape)}; TensorRT-LLM reads one scalar per "
                           "layer (fold per-head scales by max)", code="trtllm.shape")
-    yield from _dtype_problems("trtllm", usable)
+    yield from dtype_problems("trtllm", usable)
     for s in usable:
         vals = ck.values(s.tensor)
         if vals is None or vals.size == 0:
             continue
         if not np.isfinite(vals).all():
-            yield Problem("trtllm", s.tensor.name, f"holds a non-finite value ({_first_bad(vals)}); scales must be "
+            yield Problem("trtllm", s.tensor.name, f"holds a non-finite value ({first_bad(vals)}); scales must be "
                           "finite and > 0", code="trtllm.value")
         elif (vals <= 0).any():
             yield Problem("trtllm", s.tensor.name, f"holds {float(vals[vals <= 0][0])!r}; scales must be finite and "
                           "> 0", code="trtllm.value")
 
 
-TRT_RULES: tuple[Callable[[_Checkpoint, _TrtView], Iterable[Problem]], ...] = (
+TRT_RULES: tuple[Callable[[CheckpointFiles, TrtView], Iterable[Problem]], ...] = (
     trt_hf_quant_config, trt_int8_needs_unquantized_weights, trt_config_json_quantization, trt_no_skipped_layers,
     trt_scale_names, trt_scales_present, trt_scale_shapes_dtypes_values,
 )

@@ -13,8 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from ._checkpoint import HF_QUANT_CONFIG, INDEX_FILE, Problem, _Checkpoint, _Scale
-from ._common import _dtype_problems, _first_bad, _modelopt_inner, producer_name
+from ..ckpt.formats import modelopt_quantization, producer_name
+from ..ckpt.names import HF_QUANT_CONFIG, INDEX_FILE
+from ..ckpt.reader import CheckpointFiles, Problem, ScaleTensor
+from .common import dtype_problems, first_bad
 
 # vllm/transformers_utils/model_arch_config_convertor.py: _normalize_quantization_config
 _VLLM_MODELOPT_ALGOS = {"FP8": "modelopt", "FP8_PER_CHANNEL_PER_TOKEN": "modelopt", "FP8_PB_WO": "modelopt",
@@ -22,14 +24,14 @@ _VLLM_MODELOPT_ALGOS = {"FP8": "modelopt", "FP8_PER_CHANNEL_PER_TOKEN": "modelop
 
 
 @dataclass
-class _VllmView:
+class VllmView:
     source: str | None          # file the quantization config came from
     qc: dict[str, Any] | None
     method: str | None          # normalised quant_method; None: vLLM runs the model unquantized
     kv_declared: bool
     strategy: str | None        # compressed-tensors kv_cache_scheme strategy
     files: list[str]
-    scales: list[_Scale]
+    scales: list[ScaleTensor]
 
     @property
     def accepted_forms(self) -> set[str]:
@@ -38,7 +40,7 @@ class _VllmView:
         return {"attn", "proj"} if self.method else set()
 
 
-def _vllm_config(ck: _Checkpoint) -> tuple[str | None, dict[str, Any] | None]:
+def vllm_config(ck: CheckpointFiles) -> tuple[str | None, dict[str, Any] | None]:
     """Where vLLM finds the quantization config.
 
     vllm/transformers_utils/config.py: get_config (config.json `quantization_config`, else
@@ -54,7 +56,7 @@ def _vllm_config(ck: _Checkpoint) -> tuple[str | None, dict[str, Any] | None]:
     return None, None
 
 
-def _vllm_method(qc: dict[str, Any] | None) -> str | None:
+def vllm_method(qc: dict[str, Any] | None) -> str | None:
     """vllm/transformers_utils/model_arch_config_convertor.py: _normalize_quantization_config.
 
     ModelOpt (producer.name "modelopt") becomes "modelopt"/"modelopt_fp4" only for a non-null FP8/NVFP4
@@ -71,7 +73,7 @@ def _vllm_method(qc: dict[str, Any] | None) -> str | None:
     return method or None
 
 
-def _vllm_files(ck: _Checkpoint) -> list[str]:
+def _vllm_files(ck: CheckpointFiles) -> list[str]:
     """vllm/model_executor/model_loader/weight_utils.py: filter_duplicate_safetensors_files.
 
     With an index, vLLM reads only the shards the index names (every tensor in them); without, all shards.
@@ -82,9 +84,9 @@ def _vllm_files(ck: _Checkpoint) -> list[str]:
     return [f for f in ck.files if f in named]
 
 
-def _vllm_view(ck: _Checkpoint) -> _VllmView:
-    source, qc = _vllm_config(ck)
-    method = _vllm_method(qc)
+def vllm_view(ck: CheckpointFiles) -> VllmView:
+    source, qc = vllm_config(ck)
+    method = vllm_method(qc)
     kv_declared, strategy = False, None
     if method == "compressed-tensors":
         scheme = qc.get("kv_cache_scheme")
@@ -94,18 +96,18 @@ def _vllm_view(ck: _Checkpoint) -> _VllmView:
         export = qc.get("export")
         kv_declared = bool(isinstance(export, dict) and export.get("kv_cache_group"))
     elif method and method.startswith("modelopt"):
-        inner = _modelopt_inner(qc) or {}
+        inner = modelopt_quantization(qc) or {}
         kv_declared = inner.get("kv_cache_quant_algo") is not None
     files = _vllm_files(ck)
-    return _VllmView(source, qc, method, kv_declared, strategy, files, ck.scales(files))
+    return VllmView(source, qc, method, kv_declared, strategy, files, ck.scales(files))
 
 
-def _where_qc(view: _VllmView, key: str = "") -> str:
+def _where_qc(view: VllmView, key: str = "") -> str:
     base = f"{view.source}:quantization_config" if view.source == "config.json" else str(view.source)
     return f"{base}.{key}" if key else base
 
 
-def vllm_reads_a_quant_config(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
+def vllm_reads_a_quant_config(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     """Scale tensors need a quantization config; without one nothing turns the KV cache to FP8.
 
     vllm/model_executor/models/utils.py: AutoWeightsLoader.load_weights adds the KV-scale name mapper only
@@ -133,7 +135,7 @@ def vllm_reads_a_quant_config(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem
                       code="vllm.no-kv-quant")
 
 
-def vllm_ct_kv_cache_scheme(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
+def vllm_ct_kv_cache_scheme(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     """compressed-tensors `kv_cache_scheme`: num_bits 8, type float, strategy tensor|attn_head, symmetric.
 
     vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py:
@@ -168,7 +170,7 @@ def vllm_ct_kv_cache_scheme(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
                       code="vllm.kv-scheme")
 
 
-def vllm_ct_config_groups(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
+def vllm_ct_config_groups(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     """The compressed-tensors block needs a `config_groups` key ({} is fine for KV-only).
 
     vllm/model_executor/model_loader/weight_utils.py: get_quant_config passes total_num_heads /
@@ -180,7 +182,7 @@ def vllm_ct_config_groups(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
                       "checkpoint", code="vllm.config-groups")
 
 
-def vllm_quark_kv_config(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
+def vllm_quark_kv_config(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     """Quark: `export.kv_cache_group` patterns must match `layer_quant_config` entries whose identical
     `output_tensors` say dtype fp8_e4m3, qscheme per_tensor.
 
@@ -225,7 +227,7 @@ def vllm_quark_kv_config(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
                           f"is {first.get(key)!r}; vLLM supports {want!r} only", code="vllm.quark-kv")
 
 
-def vllm_declared_without_scales(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
+def vllm_declared_without_scales(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     """A declared KV scheme with no scale tensors runs FP8 KV with scale 1.0 and says nothing.
 
     vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py:
@@ -237,7 +239,7 @@ def vllm_declared_without_scales(ck: _Checkpoint, v: _VllmView) -> Iterator[Prob
                       "files it reads: vLLM would silently use 1.0 for every layer", code="vllm.silent-default")
 
 
-def vllm_scale_names(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
+def vllm_scale_names(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     """Each scale must name an existing layer and a form the quant method maps onto the attention layer.
 
     vllm/model_executor/layers/quantization/base_config.py: QuantizationConfig.get_cache_scale_mapper
@@ -257,7 +259,7 @@ def vllm_scale_names(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
                           "it", code="vllm.unknown-name")
 
 
-def vllm_one_scale_per_layer(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
+def vllm_one_scale_per_layer(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     """One k and one v scale per attention layer (layers kvcalib.json lists as skipped excepted).
 
     compressed_tensors.py: CompressedTensorsKVCacheMethod.create_weights (a missing scale stays 1.0);
@@ -284,7 +286,7 @@ def vllm_one_scale_per_layer(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]
                               code="vllm.duplicate-scale")
 
 
-def vllm_scale_shapes(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
+def vllm_scale_shapes(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     """Per-tensor: one element; compressed-tensors `attn_head`: [kv_heads, 1, 1] or [kv_heads] (q: heads).
 
     vllm/model_executor/model_loader/weight_utils.py: default_weight_loader; kv_cache.py:
@@ -307,13 +309,13 @@ def vllm_scale_shapes(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
                           code="vllm.shape")
 
 
-def vllm_scale_dtypes(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
+def vllm_scale_dtypes(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     """float32 (bf16/fp16 load, rounded). kv_cache.py / compressed_tensors.py: the placeholders are float32
     and `param.data.copy_` converts whatever is stored."""
-    yield from _dtype_problems("vllm", [s for s in v.scales if s.form in v.accepted_forms])
+    yield from dtype_problems("vllm", [s for s in v.scales if s.form in v.accepted_forms])
 
 
-def vllm_scale_values(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
+def vllm_scale_values(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     """Finite and > 0.
 
     compressed_tensors.py: CompressedTensorsKVCacheMethod.process_weights_after_loading uses the value as
@@ -327,7 +329,7 @@ def vllm_scale_values(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
         if vals is None or vals.size == 0:
             continue
         if not np.isfinite(vals).all():
-            yield Problem("vllm", s.tensor.name, f"holds a non-finite value ({_first_bad(vals)}); the FP8 cache "
+            yield Problem("vllm", s.tensor.name, f"holds a non-finite value ({first_bad(vals)}); the FP8 cache "
                           "would be NaN/inf or the load fails", code="vllm.value")
         elif (vals <= 0).any():
             effect = ("the cache write divides by it" if v.method == "compressed-tensors"
@@ -336,7 +338,7 @@ def vllm_scale_values(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
                           f"({effect})", code="vllm.value")
 
 
-def vllm_index_consistent(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
+def vllm_index_consistent(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     """The index and the shards agree, and every scale sits in a shard the index names.
 
     vllm/model_executor/model_loader/weight_utils.py: filter_duplicate_safetensors_files (raises
@@ -367,7 +369,7 @@ def vllm_index_consistent(ck: _Checkpoint, v: _VllmView) -> Iterator[Problem]:
                           "shards), tools that look tensors up by index do not", "warning", "vllm.unindexed-tensor")
 
 
-VLLM_RULES: tuple[Callable[[_Checkpoint, _VllmView], Iterable[Problem]], ...] = (
+VLLM_RULES: tuple[Callable[[CheckpointFiles, VllmView], Iterable[Problem]], ...] = (
     vllm_reads_a_quant_config, vllm_ct_kv_cache_scheme, vllm_ct_config_groups, vllm_quark_kv_config,
     vllm_declared_without_scales, vllm_scale_names, vllm_one_scale_per_layer, vllm_scale_shapes,
     vllm_scale_dtypes, vllm_scale_values, vllm_index_consistent,

@@ -36,34 +36,29 @@ What the engine does with the scales (read 2026-12):
   `QuantConfig(kv_cache_quant_algo=...)` ("kv_cache_quant_algo takes precedence over exclude_modules"),
   and the cache pool has one dtype. So a layer missing from `scales` is an `ExportError` here.
 
-Atomic like the vLLM export: built in a temporary sibling directory, renamed into place when complete.
+Written by the one `write_variant` (calib/export/write.py), like the vLLM variant: atomic, weights linked.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import __version__, integrity
-from .export import (INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, ExportError, PreparedSource, atomic_dir,
-                     carry_files, check_room, read_source_config, scan_source)
-from .scales import FP8_E4M3_MAX, Scales
-from .verify._checkpoint import HF_QUANT_CONFIG
-from .verify._common import _ct, _is_modelopt, _modelopt_flat
+from .. import __version__
+from ..ckpt import formats
+from ..ckpt.names import (CONFIG_FILE, HF_QUANT_CONFIG, TRTLLM_CARRIED_SUFFIXES, trtllm_scale_names)
+from ..ckpt.source import ExportError, check_out_is_not_source, read_json, read_source_config, scan_weights
+from ..scales import FP8_E4M3_MAX, Scales
+from .target import Target, WriteOptions
+from .write import write_variant
 
 KV_ALGOS = ("FP8", "INT8")
-_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".k_proj.output_scale", ".v_proj.output_scale",
-                      ".kv_cache_scaling_factor")
-
-
-def trtllm_scale_names(layer: int) -> tuple[str, str]:
-    """The names TRT-LLM's fused-QKV loader finds a layer's K and V scale under."""
-    return f"model.layers.{layer}.self_attn.k_proj.k_scale", f"model.layers.{layer}.self_attn.v_proj.v_scale"
+# calib.quant KV dtype name -> TensorRT-LLM's kv_cache_quant_algo
+ALGO_OF_DTYPE = {"fp8_e4m3": "FP8", "int8": "INT8"}
 
 
 def saturation_report(scales: Scales, fractions: Mapping[int, tuple[float, float]] | None = None) -> list[str]:
@@ -98,21 +93,14 @@ def _num_layers(config: dict[str, Any], source: Path) -> int:
     return n
 
 
-def _modelopt_inner(qc: dict[str, Any], where: str) -> dict[str, Any]:
-    """The legacy `quantization` dict of a ModelOpt config, from either of its two shapes (a copy).
-
-    Reads a flat `kv_cache_scheme` only as float/8 -> FP8, more narrowly than calib.verify does.
-    """
-    if "quantization" in qc:
-        inner = qc["quantization"]
-        if not isinstance(inner, dict):
-            raise ExportError(f"{where}: 'quantization' must be an object")
-        return dict(inner)
-    flat = _modelopt_flat(qc)
-    scheme = qc.get("kv_cache_scheme")
-    if isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8:
-        flat["kv_cache_quant_algo"] = "FP8"
-    return flat
+def _modelopt_quantization(qc: dict[str, Any], where: str) -> dict[str, Any]:
+    q = formats.modelopt_quantization(qc)
+    if q is None and "quantization" in qc:
+        raise ExportError(f"{where}: 'quantization' must be an object")
+    if q is None:
+        raise ExportError(f"{where}: has neither a 'quantization' object nor a ModelOpt marker (producer.name "
+                          "'modelopt' or quant_method 'modelopt'); TensorRT-LLM cannot read it")
+    return q
 
 
 def _source_quantization(source: Path, config: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +109,7 @@ def _source_quantization(source: Path, config: dict[str, Any]) -> dict[str, Any]
     inline = config.get("quantization_config") or text.get("quantization_config")
     if inline is not None and not isinstance(inline, dict):
         raise ExportError(f"{source}/config.json: quantization_config must be an object, not {type(inline).__name__}")
-    if isinstance(inline, dict) and _ct(inline):
+    if isinstance(inline, dict) and formats.is_compressed_tensors(inline):
         raise ExportError(
             f"{source}/config.json has a compressed-tensors quantization_config. TensorRT-LLM reads it when "
             "hf_quant_config.json sets no weight quant_algo and rejects one without weight config_groups "
@@ -130,16 +118,12 @@ def _source_quantization(source: Path, config: dict[str, Any]) -> dict[str, Any]
             "checkpoint), not from a compressed-tensors one")
     hq_file = source / HF_QUANT_CONFIG
     if hq_file.is_file():
-        try:
-            hq = integrity.read_json(hq_file)
-        except integrity.IntegrityError as e:
-            raise ExportError(str(e)) from None
-        inner = _modelopt_inner(hq, str(hq_file))
-    elif _is_modelopt(inline):
-        inner = _modelopt_inner(inline, f"{source}/config.json")
+        inner = _modelopt_quantization(read_json(hq_file), str(hq_file))
+    elif formats.is_modelopt(inline):
+        inner = _modelopt_quantization(inline, f"{source}/config.json")
     else:
         inner = {}
-    if inner.get("quant_algo") is None and isinstance(inline, dict) and not _is_modelopt(inline):
+    if inner.get("quant_algo") is None and isinstance(inline, dict) and not formats.is_modelopt(inline):
         raise ExportError(
             f"{source}/config.json has a quantization_config (quant_method "
             f"{inline.get('quant_method')!r}) that hf_quant_config.json cannot express. With no weight "
@@ -172,10 +156,8 @@ def export_trtllm(source: Path, out: Path, scales: Scales, provenance: dict[str,
     kv_algo = str(kv_algo).upper()
     if kv_algo not in KV_ALGOS:
         raise ExportError(f"kv_algo {kv_algo!r} is not one kvcalib writes for TensorRT-LLM; use one of {KV_ALGOS}")
-    if out.resolve() == source.resolve():
-        raise ExportError(f"--out {out} is the source model directory; choose a new directory")
-    config_file = source / "config.json"
-    if not config_file.is_file():
+    check_out_is_not_source(source, out)
+    if not (source / CONFIG_FILE).is_file():
         raise ExportError(f"{source} has no config.json; point at a checkpoint directory")
     config = read_source_config(source)
     n_layers = _num_layers(config, source)
@@ -200,16 +182,11 @@ def export_trtllm(source: Path, out: Path, scales: Scales, provenance: dict[str,
         k_name, v_name = trtllm_scale_names(layer)
         tensors[k_name] = _scalar(s.k_scale, f"layer {layer} k_scale")
         tensors[v_name] = _scalar(s.v_scale, f"layer {layer} v_scale")
-    ckpt = scan_source(source)
-    wmap, total = ckpt.weight_map, ckpt.total_size
-    carried = sorted(n for n in wmap if n.endswith(_KV_SCALE_SUFFIXES))
-    if carried:
-        raise ExportError(f"{source} already carries KV scale tensors ({carried[0]}, ...); "
-                          "start from a checkpoint without them")
+    prepared = scan_weights(source, config, lambda name: name.endswith(TRTLLM_CARRIED_SUFFIXES))
 
     quantization = {**quantization, "quant_algo": weight_algo, "kv_cache_quant_algo": kv_algo,
                     "exclude_modules": list(quantization.get("exclude_modules") or [])}
-    hf_quant = {"producer": {"name": "kvcalib", "version": __version__}, "quantization": quantization}
+    hf_quant = formats.hf_quant_config(quantization, __version__)
     prov: dict[str, Any] = {**provenance, "target": "trtllm", "kv_cache_quant_algo": kv_algo}
     if kv_algo == "FP8":
         prov["trtllm_fp8_saturation"] = saturation_report(scales)
@@ -217,23 +194,24 @@ def export_trtllm(source: Path, out: Path, scales: Scales, provenance: dict[str,
         prov["trtllm_int8_layer_scale"] = {
             str(i): max(float(tensors[trtllm_scale_names(i)[0]]), float(tensors[trtllm_scale_names(i)[1]]))
             for i in sorted(scales)}
-    skip_names = {"config.json", INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, HF_QUANT_CONFIG}
-    prepared = PreparedSource(source, config, dict(wmap), total, shards=tuple(ckpt.shards))
+    return write_variant(prepared, out, tensors, None, prov, force=force,
+                         extra_files={HF_QUANT_CONFIG: json.dumps(hf_quant, indent=2) + "\n"})
 
-    from safetensors.torch import save_file
 
-    check_room(Path(out), [source / f for f in prepared.shards])
-    with atomic_dir(out, force, inputs=[("the model folder", source)]) as tmp:
-        how = carry_files(prepared, tmp, skip_names)
-        shutil.copy2(config_file, tmp / "config.json")
-        save_file(tensors, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "kvcalib"})
-        new_map = {**wmap, **{name: SCALES_FILE for name in tensors}}
-        index = {"metadata": {"total_size": total + 4 * len(tensors)}, "weight_map": dict(sorted(new_map.items()))}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=2) + "\n")
-        prov["weights"] = sorted(how)
-        (tmp / PROVENANCE_FILE).write_text(json.dumps(prov, indent=2) + "\n")
-    return out
+class TrtllmTarget(Target):
+    name = "trtllm"
+    dtypes = tuple(ALGO_OF_DTYPE)
+
+    def write(self, source: Path, out: Path, scales: Scales, provenance: dict[str, Any],
+              options: WriteOptions = WriteOptions()) -> Path:
+        if options.dtype not in ALGO_OF_DTYPE:
+            raise ExportError(f"KV dtype {options.dtype!r} has no TensorRT-LLM kv_cache_quant_algo; use one of "
+                              f"{sorted(ALGO_OF_DTYPE)}")
+        return export_trtllm(source, out, scales, provenance, kv_algo=ALGO_OF_DTYPE[options.dtype],
+                             force=options.force)
+
+
+TARGET = TrtllmTarget()
 
 
 __all__ = ["HF_QUANT_CONFIG", "KV_ALGOS", "export_trtllm", "saturation_report", "trtllm_scale_names"]

@@ -1,6 +1,7 @@
-"""Reading a checkpoint once for every rule: configs, index, safetensors headers, provenance, scale values.
+"""Reading a checkpoint once: configs, index, safetensors headers, provenance, KV scale tensors and values.
 
-Kept apart from the engine rules so both engines' views share one read. Reads JSON and safetensors
+One reader for everything that looks at a written checkpoint (verify's rules for both engines, `inspect`,
+`eval --scales`), so they all see the same layout (calib.ckpt.names) the exporters write. Reads JSON and safetensors
 headers/values only (`safetensors.safe_open(..., framework="numpy")`; bf16 values, which numpy cannot
 represent, are decoded from the file's raw bytes); never unpickles, never imports torch.
 """
@@ -8,7 +9,6 @@ represent, are decoded from the file's raw bytes); never unpickles, never import
 from __future__ import annotations
 
 import json
-import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,16 +18,8 @@ from typing import Any
 
 import numpy as np
 
-INDEX_FILE = "model.safetensors.index.json"      # same names as calib.export (not imported: it needs torch)
-PROVENANCE_FILE = "kvcalib.json"
-HF_QUANT_CONFIG = "hf_quant_config.json"
-
-# Text-model KV scale names. form "attn": `self_attn.k_scale` (compressed-tensors / vLLM), "proj":
-# `self_attn.k_proj.k_scale` (ModelOpt / TRT-LLM), "quark": `self_attn.k_proj.output_scale` (AMD Quark).
-_SCALE_RE = re.compile(
-    r"^(?:model\.|model\.language_model\.|language_model\.model\.|language_model\.)?layers\.(?P<layer>\d+)\."
-    r"self_attn\.(?:(?P<akind>[qkv])_scale|(?P<proj>[qkv])_proj\.(?P<pkind>[qkv])_scale"
-    r"|(?P<qproj>[qkv])_proj\.output_scale)$")
+from .. import integrity
+from .names import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, parse_scale_name
 
 
 @dataclass(frozen=True)
@@ -44,7 +36,7 @@ class Problem:
 
 
 @dataclass(frozen=True)
-class _Tensor:
+class TensorEntry:
     name: str
     file: str
     dtype: str
@@ -56,29 +48,22 @@ class _Tensor:
 
 
 @dataclass(frozen=True)
-class _Scale:
+class ScaleTensor:
     layer: int
     kind: str                # q | k | v
     form: str                # attn | proj | quark
     proj: str | None
-    tensor: _Tensor
+    tensor: TensorEntry
 
 
-def _parse_scale(t: _Tensor) -> _Scale | None:
-    m = _SCALE_RE.match(t.name)
-    if not m:
-        return None
-    if m["akind"]:
-        return _Scale(int(m["layer"]), m["akind"], "attn", None, t)
-    if m["pkind"]:
-        return _Scale(int(m["layer"]), m["pkind"], "proj", m["proj"], t)
-    return _Scale(int(m["layer"]), m["qproj"], "quark", m["qproj"], t)
+def parse_scale(t: TensorEntry) -> ScaleTensor | None:
+    """The KV scale a tensor of the checkpoint holds (calib.ckpt.names' layouts); None for other tensors."""
+    n = parse_scale_name(t.name)
+    return None if n is None else ScaleTensor(n.layer, n.kind, n.form, n.proj, t)
 
 
-def _read_json(path: Path) -> tuple[Any, str | None]:
+def read_json_soft(path: Path) -> tuple[Any, str | None]:
     """Strict JSON (calib.integrity: no duplicate keys, no NaN, size-capped); (value, None) or (None, why)."""
-    from .. import integrity
-
     try:
         return integrity.read_json(path, path.name, kind=None), None
     except integrity.IntegrityError as e:
@@ -129,21 +114,19 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-class _Checkpoint:
+class CheckpointFiles:
     """What the rules look at, read once: configs, index, safetensors headers, provenance. Files that cannot
     be read, or hold the wrong kind of value where a reader expects an object, become `read_problems` (and
     `read_kv_info` raises the first of them)."""
 
     def __init__(self, path: Path):
-        from .. import integrity
-
         self.path = path
         self.read_problems: list[Problem] = []
 
         def problem(where: str, message: str, code: str, severity: str = "error") -> None:
             self.read_problems.append(Problem("checkpoint", where, message, severity, code))
 
-        self.config, err = _read_json(path / "config.json")
+        self.config, err = read_json_soft(path / "config.json")
         if err or not isinstance(self.config, dict):
             problem("config.json", err or "must hold a JSON object", "checkpoint.config")
             self.config = {}
@@ -172,7 +155,7 @@ class _Checkpoint:
         self.index: dict[str, str] | None = None
         self.index_error: str | None = None
         if self.index_present:
-            data, err = _read_json(path / INDEX_FILE)
+            data, err = read_json_soft(path / INDEX_FILE)
             wmap = data.get("weight_map") if isinstance(data, dict) else None
             if err or not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
                 self.index_error = err or f"{INDEX_FILE}: no weight_map object of tensor: file names"
@@ -180,13 +163,13 @@ class _Checkpoint:
                 self.index = {str(k): v for k, v in wmap.items()}
 
         self.hf_quant_present = (path / HF_QUANT_CONFIG).is_file()
-        self.hf_quant, self.hf_quant_error = _read_json(path / HF_QUANT_CONFIG) if self.hf_quant_present else (None,
+        self.hf_quant, self.hf_quant_error = read_json_soft(path / HF_QUANT_CONFIG) if self.hf_quant_present else (None,
                                                                                                              None)
         if self.hf_quant_present and self.hf_quant_error is None and not isinstance(self.hf_quant, dict):
             self.hf_quant_error = f"{HF_QUANT_CONFIG} must hold a JSON object"
         self.provenance, self.provenance_error = None, None
         if (path / PROVENANCE_FILE).is_file():
-            prov, err = _read_json(path / PROVENANCE_FILE)
+            prov, err = read_json_soft(path / PROVENANCE_FILE)
             why = err or provenance_problem(prov)
             if why:
                 self.provenance_error = why if why.startswith(PROVENANCE_FILE) else f"{PROVENANCE_FILE}: {why}"
@@ -195,7 +178,7 @@ class _Checkpoint:
                 self.provenance = prov
 
         self.files = sorted(p.name for p in path.glob("*.safetensors") if p.is_file())
-        self.keys: dict[str, dict[str, _Tensor]] = {}
+        self.keys: dict[str, dict[str, TensorEntry]] = {}
         for name in self.files:
             try:
                 integrity.contained(path, name, name)
@@ -203,26 +186,26 @@ class _Checkpoint:
             except integrity.IntegrityError as e:  # a truncated, foreign or escaping file: report, check the rest
                 problem(name, str(e), "checkpoint.shard")
                 continue
-            self.keys[name] = {k: _Tensor(k, name, t.dtype, t.shape) for k, t in shard.tensors.items()}
+            self.keys[name] = {k: TensorEntry(k, name, t.dtype, t.shape) for k, t in shard.tensors.items()}
         self._values: dict[tuple[str, str], np.ndarray | None] = {}
 
-    def scales(self, files: Iterable[str]) -> list[_Scale]:
+    def scales(self, files: Iterable[str]) -> list[ScaleTensor]:
         out = []
         for name in files:
             for t in self.keys.get(name, {}).values():
-                s = _parse_scale(t)
+                s = parse_scale(t)
                 if s is not None:
                     out.append(s)
         return out
 
-    def values(self, t: _Tensor) -> np.ndarray | None:
+    def values(self, t: TensorEntry) -> np.ndarray | None:
         """float64 values of a (small) tensor; None for dtypes numpy cannot hold (e.g. FP8)."""
         key = (t.file, t.name)
         if key not in self._values:
             self._values[key] = self._read_values(t)
         return self._values[key]
 
-    def _read_values(self, t: _Tensor) -> np.ndarray | None:
+    def _read_values(self, t: TensorEntry) -> np.ndarray | None:
         return tensor_values(self.path / t.file, t.name)
 
     @cached_property

@@ -1,4 +1,4 @@
-"""Read what a checkpoint says about its KV cache, without torch (so `kvcalib inspect` is instant).
+"""What a checkpoint says about its KV cache (`kvcalib inspect`, `eval --scales`), without torch.
 
 Recognises the vLLM compressed-tensors layout (`quantization_config.kv_cache_scheme` and
 `*.self_attn.k_scale` / `v_scale` tensors), the TensorRT-LLM/ModelOpt layout (`hf_quant_config.json` and
@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .reader import CheckpointFiles
+
 
 @dataclass
 class KVInfo:
@@ -21,17 +23,16 @@ class KVInfo:
     scales: dict[int, dict[str, list[float]]] = field(default_factory=dict)   # layer -> {"k": [...], "v": [...]}
     provenance: dict[str, Any] | None = None
     num_layers: int | None = None
+    kv_cache_quant_algo: str | None = None       # hf_quant_config.json's (TensorRT-LLM), when it declares one
 
 
 def read_kv_info(path: str | Path) -> KVInfo:
-    """What `inspect` shows, read through the same checkpoint reader `verify` uses (any producer's layout:
+    """What `inspect` shows, read through calib.ckpt.reader, as `verify` reads it (any producer's layout:
     compressed-tensors, ModelOpt, Quark; bf16 scales included)."""
-    from .verify._checkpoint import _Checkpoint
-
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json; point at a checkpoint directory")
-    ck = _Checkpoint(path)
+    ck = CheckpointFiles(path)
     first = next((p for p in ck.read_problems if p.severity == "error"), None)
     for why in (first and f"{first.where}: {first.message}", ck.index_error, ck.hf_quant_error,
                 ck.provenance_error):
@@ -44,7 +45,8 @@ def read_kv_info(path: str | Path) -> KVInfo:
                          f"not {type(scheme).__name__}")
     targets = ["vllm"] if scheme else []
     hq = ck.hf_quant.get("quantization", ck.hf_quant) if isinstance(ck.hf_quant, dict) else {}
-    if isinstance(hq, dict) and hq.get("kv_cache_quant_algo"):
+    kv_algo = hq.get("kv_cache_quant_algo") if isinstance(hq, dict) else None
+    if kv_algo:
         targets.append("trtllm")
     files = sorted(set(ck.index.values()) & set(ck.files)) if ck.index is not None else ck.files
     scales: dict[int, dict[str, list[float]]] = {}
@@ -53,4 +55,5 @@ def read_kv_info(path: str | Path) -> KVInfo:
         if values is not None:
             scales.setdefault(sc.layer, {})[sc.kind] = [float(x) for x in values]
     return KVInfo(path=path, targets=targets, kv_scheme=scheme, scales=dict(sorted(scales.items())),
-                  provenance=ck.provenance, num_layers=ck.num_layers)
+                  provenance=ck.provenance, num_layers=ck.num_layers,
+                  kv_cache_quant_algo=kv_algo if isinstance(kv_algo, str) else None)

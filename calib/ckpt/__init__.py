@@ -1,0 +1,11 @@
+"""The checkpoint layout, torch-free: what kvcalib writes and reads in a model folder.
+
+- `names`: file names and KV scale tensor names (built and parsed);
+- `formats`: the quantization configs (compressed-tensors, ModelOpt) read and written;
+- `reader`: a written checkpoint read once (configs, index, shard headers, provenance, scale values),
+  shared by verify, inspect and eval;
+- `kvinfo`: what a checkpoint says about its KV cache (inspect, eval --scales);
+- `source`: a source model folder checked for export (weight map, carried scales) before anything is written.
+
+The engines' writers (calib.export) and rules (calib.verify) build on these; none of them imports torch.
+"""

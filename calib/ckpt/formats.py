@@ -1,0 +1,99 @@
+"""The quantization configs kvcalib reads and writes: compressed-tensors (vLLM, llm-compressor) and ModelOpt
+(TensorRT-LLM's `hf_quant_config.json`). (Quark's `export` block is read by verify's vLLM rules only.)
+
+Readers take parsed JSON and never raise on odd shapes (they answer None or False, and the caller decides
+whether that is an error); writers build the exact blocks the exporters put into a checkpoint. Imports
+nothing from torch: verify and inspect read these without loading a tensor library.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# ---------------------------------------------------------------- compressed-tensors (vLLM)
+
+
+def is_compressed_tensors(qc: Any) -> bool:
+    """`quant_method` compressed-tensors (either spelling)."""
+    return isinstance(qc, dict) and \
+        str(qc.get("quant_method", "")).lower().replace("_", "-") == "compressed-tensors"
+
+
+def ct_kv_cache_scheme(strategy: str = "tensor") -> dict[str, Any]:
+    """compressed-tensors' `kv_cache_scheme` for static, symmetric FP8 scales; `strategy` is `tensor` (one
+    scale per layer) or `attn_head` (one per KV head)."""
+    return {"num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False, "symmetric": True}
+
+
+def ct_quantization_config(strategy: str = "tensor") -> dict[str, Any]:
+    """The compressed-tensors block for KV-only FP8: what `compressed_tensors.QuantizationConfig` serialises
+    (its None fields dropped; tests check the two agree). `config_groups` stays (empty): vLLM injects head
+    counts for `attn_head` only when the key exists."""
+    return {"config_groups": {}, "format": "dense", "ignore": [], "kv_cache_scheme": ct_kv_cache_scheme(strategy),
+            "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+
+
+def ct_with_kv_scheme(qc: dict[str, Any], strategy: str = "tensor") -> dict[str, Any]:
+    """A weight-quantized compressed-tensors block (W8A8, FP8, W4A16, ...) with our `kv_cache_scheme` added;
+    every other field kept."""
+    out = {**qc, "kv_cache_scheme": ct_kv_cache_scheme(strategy)}
+    out.setdefault("config_groups", {})
+    return out
+
+
+# ---------------------------------------------------------------- ModelOpt (TensorRT-LLM)
+
+# ModelOpt's flat shape names its KV scheme as (type, num_bits); the legacy shape spells the algorithm.
+_KV_SCHEME_ALGOS = {("float", 8): "FP8", ("float", 4): "NVFP4", ("int", 8): "INT8"}
+
+
+def producer_name(qc: dict[str, Any]) -> Any:
+    """`producer.name` of a config, None when `producer` is not an object."""
+    producer = qc.get("producer")
+    return producer.get("name") if isinstance(producer, dict) else None
+
+
+def is_modelopt(qc: Any) -> bool:
+    """tensorrt_llm/quantization/modelopt_config.py: is_modelopt_quant_config."""
+    return isinstance(qc, dict) and (str(qc.get("quant_method", "")).lower().startswith("modelopt")
+                                     or producer_name(qc) == "modelopt")
+
+
+def modelopt_flat(qc: dict[str, Any]) -> dict[str, Any]:
+    """ModelOpt's flat shape as a legacy `quantization` dict, less `kv_cache_quant_algo` (see
+    `modelopt_kv_algo`): `ignore` becomes `exclude_modules`, the marker keys go."""
+    inner = {k: v for k, v in qc.items() if k not in ("producer", "quant_method", "ignore", "kv_cache_scheme",
+                                                     "config_groups")}
+    if "ignore" in qc:
+        inner["exclude_modules"] = qc["ignore"]
+    return inner
+
+
+def modelopt_kv_algo(scheme: Any) -> str | None:
+    """The KV algorithm a flat ModelOpt `kv_cache_scheme` names (a string, or a {type, num_bits} object)."""
+    if isinstance(scheme, str):
+        return scheme.upper()
+    if isinstance(scheme, dict):
+        return _KV_SCHEME_ALGOS.get((scheme.get("type"), scheme.get("num_bits")))
+    return None
+
+
+def modelopt_quantization(qc: dict[str, Any]) -> dict[str, Any] | None:
+    """The legacy `quantization` dict (a copy) from either ModelOpt shape; None when neither shape fits.
+
+    tensorrt_llm/quantization/modelopt_config.py: read_modelopt_quant_config (legacy wrapper
+    `quantization`, or the flat shape with `ignore` and a `kv_cache_scheme`).
+    """
+    if "quantization" in qc:
+        return dict(qc["quantization"]) if isinstance(qc["quantization"], dict) else None
+    if not is_modelopt(qc):
+        return None
+    inner = modelopt_flat(qc)
+    if isinstance(qc.get("kv_cache_scheme"), (str, dict)):
+        inner["kv_cache_quant_algo"] = modelopt_kv_algo(qc["kv_cache_scheme"])
+    return inner
+
+
+def hf_quant_config(quantization: dict[str, Any], version: str) -> dict[str, Any]:
+    """`hf_quant_config.json` in ModelOpt's legacy shape, produced by kvcalib `version`."""
+    return {"producer": {"name": "kvcalib", "version": version}, "quantization": quantization}

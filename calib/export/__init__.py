@@ -1,0 +1,47 @@
+"""Write a checkpoint that an engine loads with our KV scales; the source weights are never rewritten.
+
+One module per engine target (`vllm`, `trtllm`), each a small `Target` over the one `write_variant`
+(`write`); the layout they write — file and tensor names, config blocks, the source's weight map — is
+calib.ckpt's. A module of this package that defines `TARGET` is an engine target: adding an engine is one
+new file here (and its name in calib.recipe.TARGETS, which must stay torch-free).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from ..ckpt.names import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, trtllm_scale_names, vllm_scale_name
+from ..ckpt.source import ExportError, PreparedSource, read_source_config, scan_source
+from ..outputs import atomic_dir, check_room
+from .target import Target, WriteOptions
+from .trtllm import export_trtllm, saturation_report
+from .vllm import export_vllm, prepare_source, vllm_quantization_config
+from .write import carry_files, link_or_copy, write_variant
+
+
+def _discover() -> dict[str, Target]:
+    found: dict[str, Target] = {}
+    for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        target = getattr(importlib.import_module(f"{__name__}.{m.name}"), "TARGET", None)
+        if isinstance(target, Target):
+            found[target.name] = target
+    return found
+
+
+TARGETS: dict[str, Target] = _discover()
+
+
+def target(name: str) -> Target:
+    """The engine target called `name`; ExportError naming the known ones otherwise."""
+    try:
+        return TARGETS[name]
+    except KeyError:
+        raise ExportError(f"unknown target {name!r}; kvcalib writes {sorted(TARGETS)}") from None
+
+
+__all__ = ["ExportError", "HF_QUANT_CONFIG", "INDEX_FILE", "PROVENANCE_FILE", "PreparedSource", "SCALES_FILE",
+           "TARGETS", "Target", "WriteOptions", "atomic_dir", "carry_files", "check_room", "export_trtllm",
+           "export_vllm", "link_or_copy", "prepare_source", "read_source_config", "saturation_report",
+           "scan_source", "target", "trtllm_scale_names", "vllm_quantization_config", "vllm_scale_name",
+           "write_variant"]

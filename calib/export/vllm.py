@@ -1,0 +1,93 @@
+"""vLLM target (compressed-tensors format): the checkpoint variant vLLM loads with our KV scales.
+
+`config.json` gains a `quantization_config` with an empty `config_groups` and a `kv_cache_scheme`;
+tensors `model.layers.{i}.self_attn.k_scale` / `.v_scale` (and `q_scale`). Without the config vLLM refuses
+the scale tensors; with the config but without tensors it silently uses 1.0 — so both are written
+together, always.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..ckpt import formats
+from ..ckpt.names import is_kv_scale, vllm_scale_name
+from ..ckpt.source import (ExportError, PreparedSource, check_out_is_not_source, read_source_config,
+                           scan_weights)
+from ..scales import Scales
+from .target import Target, WriteOptions
+from .write import write_variant
+
+
+def vllm_quantization_config(strategy: str = "tensor") -> dict[str, Any]:
+    """The compressed-tensors block for KV-only FP8 (calib.ckpt.formats)."""
+    return formats.ct_quantization_config(strategy)
+
+
+def prepare_source(source: Path, out: Path, *, quantized_ok: bool = False, overwrite_kv: bool = False) -> PreparedSource:
+    """Validate a source checkpoint for export (before anything is written). A weight-quantized source is
+    accepted when `quantized_ok` and its config is compressed-tensors (the only weight format whose config
+    we merge into for vLLM); other formats get an error that says so."""
+    source, out = Path(source), Path(out)
+    check_out_is_not_source(source, out)
+    config = read_source_config(source)
+    qc = config.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ExportError(f"{source}/config.json: quantization_config must be an object, not {type(qc).__name__}")
+    if qc is not None and not quantized_ok:
+        raise ExportError(f"{source}/config.json already has a quantization_config; to add KV scales to a "
+                          "weight-quantized checkpoint, pass it as --into")
+    if qc is not None and qc.get("quant_method") != "compressed-tensors":
+        raise ExportError(f"{source}: weight quantization {qc.get('quant_method')!r} — the vllm target merges KV "
+                          "scales only into compressed-tensors configs; use the trtllm target for ModelOpt checkpoints")
+    if qc is not None and qc.get("kv_cache_scheme") and not overwrite_kv:
+        raise ExportError(f"{source} already declares a kv_cache_scheme; pass --overwrite-kv-scales to replace its "
+                          "KV scales, or start from the checkpoint without them")
+    return scan_weights(source, config, is_kv_scale, overwrite_kv=overwrite_kv,
+                        hint="pass --overwrite-kv-scales to replace them, or ")
+
+
+def _vllm_tensor(scale: torch.Tensor, strategy: str) -> torch.Tensor:
+    """Per tensor: one element, shape []. `attn_head`: [heads, 1, 1], the layout vLLM's loader flattens."""
+    t = scale.to(torch.float32).contiguous()
+    return t.reshape(()) if strategy == "tensor" else t.reshape(-1, 1, 1)
+
+
+def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, Any], *, strategy: str = "tensor",
+                force: bool = False, overwrite_kv: bool = False) -> Path:
+    """Write the vLLM (compressed-tensors) variant of `source` with `scales` to `out`; returns `out`.
+    `strategy` is `tensor` (scales of shape []) or `attn_head` (scales of shape [kv_heads]).
+
+    A `source` that already carries a compressed-tensors weight config (W8A8, FP8, W4A16 ... made by
+    llm-compressor) keeps it — `config_groups`, `ignore`, `format` and the rest — and gains only a
+    `kv_cache_scheme`; its weight files are carried over byte for byte like any other source's."""
+    prepared = prepare_source(source, out, quantized_ok=True, overwrite_kv=overwrite_kv)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer, s in scales.items():
+        for kind, value in (("k", s.k_scale), ("v", s.v_scale), ("q", s.q_scale)):
+            if value is not None:
+                if strategy == "tensor" and value.numel() != 1:
+                    raise ExportError(f"layer {layer}: {kind}_scale has {value.numel()} values but strategy is tensor")
+                tensors[vllm_scale_name(layer, kind)] = _vllm_tensor(value, strategy)
+    qc = prepared.config.get("quantization_config")
+    qc = formats.ct_quantization_config(strategy) if qc is None else formats.ct_with_kv_scheme(qc, strategy)
+    config = dict(prepared.config, quantization_config=qc)
+    return write_variant(prepared, out, tensors, config, {**provenance, "target": "vllm"}, force=force)
+
+
+class VllmTarget(Target):
+    name = "vllm"
+    dtypes = ("fp8_e4m3",)
+    # calib.granularity name -> compressed-tensors kv_cache_scheme strategy
+    strategies = {"tensor": "tensor", "head": "attn_head"}
+
+    def write(self, source: Path, out: Path, scales: Scales, provenance: dict[str, Any],
+              options: WriteOptions = WriteOptions()) -> Path:
+        return export_vllm(source, out, scales, provenance, strategy=self.strategies.get(options.granularity, "tensor"),
+                           force=options.force, overwrite_kv=options.overwrite_kv)
+
+
+TARGET = VllmTarget()

@@ -1,0 +1,98 @@
+"""The one writer every engine target uses: carry the source's files, add one scale shard, index it.
+
+Why not `save_pretrained`: re-serializing a 16 GB model costs minutes and risks changing bytes (dtype
+casts, tied weights, shard layout). Weight files are hard-linked (or copied where links are impossible)
+byte for byte; the scales go into one extra shard named in `model.safetensors.index.json`, and only the
+small JSON files are rewritten.
+
+Atomicity: everything is written to a hidden temporary sibling directory and renamed into place only
+when complete; on any error the temporary directory is removed and nothing appears at OUT (`outputs`
+decides what may be written or replaced, and locks OUT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import integrity
+from ..ckpt.names import CONFIG_FILE, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE
+from ..ckpt.source import ExportError, PreparedSource
+from ..outputs import atomic_dir, check_room
+
+
+def _without(src: Path, dst: Path, drop: frozenset[str]) -> str:
+    """Re-save a shard without the named tensors; every other tensor keeps its exact bytes and dtype."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        meta = f.metadata()
+        kept = {k: f.get_tensor(k) for k in f.keys() if k not in drop}
+    save_file(kept, str(dst), metadata=meta)
+    return "rewritten without old KV scales"
+
+
+def link_or_copy(src: Path, dst: Path) -> str:
+    """Hard link when the filesystem allows (free, byte-identical), else copy the bytes."""
+    try:
+        os.link(src, dst)
+        return "link"
+    except OSError:
+        shutil.copyfile(src, dst)
+        return "copy"
+
+
+def carry_files(src: PreparedSource, tmp: Path, skip: set[str]) -> set[str]:
+    """Put the source's files into `tmp`: weight shards hard-linked (or copied; re-saved without old KV scales
+    where asked), other files (tokenizer, generation config, ...) copied; names in `skip` are written by the
+    caller. Only files inside the source folder are carried. Returns how the weights travelled."""
+    how = set()
+    rewrite = {src.weight_map[k] for k in src.drop}
+    for name in sorted(src.shards):
+        dst = tmp / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shard = src.path / name
+        how.add(_without(shard, dst, src.drop) if name in rewrite else link_or_copy(shard, dst))
+    for f in sorted(src.path.iterdir()):
+        if f.name in skip or f.name in src.shards or f.suffix == ".safetensors" or not f.is_file():
+            continue
+        try:
+            integrity.contained(src.path, f.name, str(src.path))
+        except integrity.IntegrityError as e:
+            raise ExportError(str(e)) from None
+        shutil.copy2(f, tmp / f.name)
+    return how
+
+
+def write_variant(src: PreparedSource, out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any] | None,
+                  provenance: dict[str, Any], *, force: bool = False, extra_files: dict[str, str] | None = None) -> Path:
+    """Link the weights, add the scale shard to the index, write config/provenance (+ extra JSON files).
+    `config` None keeps the source's config.json byte for byte."""
+    from safetensors.torch import save_file
+
+    source, total = src.path, src.total_size
+    wmap = {k: v for k, v in src.weight_map.items() if k not in src.drop}
+    check_room(Path(out), [source / f for f in src.shards])
+    with atomic_dir(out, force, inputs=[("the model folder", source)]) as tmp:
+        how = carry_files(src, tmp, {CONFIG_FILE, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, *(extra_files or {})})
+        save_file(tensors, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "kvcalib"})
+        new_map = {**wmap, **{name: SCALES_FILE for name in tensors}}
+        index = {"metadata": {"total_size": total + sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": dict(sorted(new_map.items()))}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        if config is None:
+            shutil.copy2(source / CONFIG_FILE, tmp / CONFIG_FILE)
+        else:
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        (tmp / SCALES_FILE).chmod(0o644)
+        prov = {**provenance, "weights": sorted(how)}
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(prov, indent=2) + "\n")
+    return out
