@@ -30,7 +30,6 @@ import torch
 
 from . import emulate, fp8, observe
 from .ckpt.kvinfo import KVInfo, read_kv_info
-from .ckpt.names import STATS_FILE
 from .quant import FP8_E4M3, INT8, KVDtype, by_name, quantize
 from .scales import MIN_SCALE, amax_to_scale
 
@@ -179,15 +178,11 @@ def checkpoint_arms(path: str, geo: Geometry) -> list[Arm]:
 
 def read_stats(path: str) -> tuple[observe.Stats, dict[str, Any] | None]:
     """The per-layer ranges of a kvcalib statistics file (a statistics-only output directory or its
-    stats.safetensors) and its header (recipe, data), through the checked reader of calib.statsfile."""
+    stats.safetensors) and its header (recipe, data), through calib.statsfile's one reader."""
     from . import statsfile
 
-    p = Path(path)
-    file = p / STATS_FILE if p.is_dir() else p
-    if not file.is_file():
-        raise EvalError(f"--stats {path}: no stats.safetensors (write one with a statistics-only recipe, targets: [])")
     try:
-        sf = statsfile.load(file, "--stats")
+        sf = statsfile.load_output(Path(path), "--stats")
         return sf.stats(), sf.header
     except statsfile.StatsError as e:
         raise EvalError(str(e)) from None

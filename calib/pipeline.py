@@ -14,7 +14,6 @@ import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from .batching import PaddingStats, batches, prefetch
 from .ckpt.names import PROVENANCE_FILE, STATS_FILE
 from .distributed import Dist, barrier, merge_all, shard
 from .recipe import Recipe
+from .spec import TOKEN_QUANTILES, capture_spec  # noqa: F401  (re-exported: pipeline.capture_spec)
 
 
 @dataclass
@@ -83,7 +83,7 @@ def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_s
     ckpt = options.checkpoint
     t0 = time.perf_counter()
     with observe.capture_kv(model, loaded.attention_layers, spec) as cap, torch.inference_mode():
-        done = _resume(cap, ckpt) if ckpt is not None and ckpt.resume else 0
+        done = statsfile.resume_into(cap, ckpt.path, ckpt.header) if ckpt is not None and ckpt.resume else 0
         for i, (ids, mask) in enumerate(feed):
             n = int(mask.sum())
             if i < done:  # observed before the interruption
@@ -107,49 +107,6 @@ def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_s
         if keep is not None:
             keep.append(cap)
     return stats, spent
-
-
-def _resume(cap: observe.KVCapture, ckpt: Checkpointing) -> int:
-    """Load the saved observer state into `cap` (checked like any statistics file); returns how many batches
-    it covers."""
-    if not ckpt.path.is_file():
-        raise statsfile.StatsError(f"--resume: no saved state at {ckpt.path}; run without --resume")
-    raw = statsfile.read(ckpt.path, "--resume: the saved state")
-    for key in ("recipe", "model_config_sha256", "data_source"):
-        if raw.header.get(key) != ckpt.header.get(key):
-            raise statsfile.StatsError(f"--resume: the saved state at {ckpt.path} is from another run ({key} "
-                                       "differs); remove it or run without --resume")
-    if raw.header["layers"] != cap.layers or raw.header.get("batches_done") is None:
-        raise statsfile.StatsError(f"--resume: the saved state at {ckpt.path} does not cover this model's "
-                                   "attention layers or has no batch count; remove it or run without --resume")
-    statsfile.build_capture(raw)          # every consistency check, on a scratch capture
-    cap.load_state_dict(raw.state)
-    return raw.header["batches_done"]
-
-
-TOKEN_QUANTILES = (50.0, 90.0, 99.0, 100.0)
-
-
-def capture_spec(recipe: Recipe, config: Any = None, *, rotary_dim: int | None = None) -> observe.CaptureSpec:
-    """Observers the recipe asks for. `rope_bound` applies to K only (V is not rotated): V then uses absmax.
-    The rotary layout comes from the model `config` (or `rotary_dim` when rebuilding from a statistics file)."""
-    from .observers import RotaryLayout, make_observer
-    from .quant import by_name
-
-    dtype = by_name(recipe.dtype)
-    params = dict(recipe.observer_params)
-    k_obs = v_obs = None
-    if recipe.observer != "absmax":
-        rot = rotary_dim if rotary_dim is not None else model_mod.rotary_dim(config)
-        rotary = RotaryLayout(rot) if recipe.observer == "rope_bound" else None
-        k_obs = partial(make_observer, recipe.observer, params, dtype, rotary)
-        if recipe.observer != "rope_bound":
-            v_obs = partial(make_observer, recipe.observer, params, dtype, None)
-    token = recipe.granularity == "token"
-    return observe.CaptureSpec(
-        k_observer=k_obs, v_observer=v_obs, q=recipe.q_scale, channels=recipe.granularity == "channel",
-        token_quantiles=TOKEN_QUANTILES if token else (),
-        token_observer=(lambda p: make_observer("percentile", {"p": p}, dtype, None)) if token else None)
 
 
 def _versions() -> dict[str, str]:

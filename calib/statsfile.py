@@ -29,7 +29,9 @@ from typing import Any
 import torch
 
 from . import observe, outputs
+from .ckpt.names import STATS_FILE
 from .recipe import Recipe, RecipeError, from_dict
+from .spec import capture_spec
 
 # Recipe fields that decide what the observers recorded; runs must agree on them to be merged.
 OBSERVED = ("dtype", "granularity", "observer", "observer_params", "q_scale")
@@ -180,8 +182,6 @@ def _check_header(header: Any, where: str) -> Recipe:
 def build_capture(raw: RawFile) -> observe.KVCapture:
     """Observers of `raw.recipe` holding the file's state, checked: every state tensor is one these observers
     keep, every layer has data, and the readable ranges stored beside the states are what the states give."""
-    from .pipeline import capture_spec
-
     where = f"{raw.path}"
     capture = observe.KVCapture(raw.header["layers"], capture_spec(raw.recipe, rotary_dim=raw.header.get("rotary_dim")))
     try:
@@ -225,6 +225,33 @@ def load(path: Path, what: str = "statistics file") -> StatsFile:
         raise StatsError(f"{what} {path} holds no observer states (an older kvcalib wrote it); it can be read by "
                          "eval --stats only — recalibrate with --stats-out to merge or export it")
     return StatsFile(raw.header, build_capture(raw))
+
+
+def load_output(path: Path, what: str = "--stats") -> StatsFile:
+    """A statistics file, or a statistics-only output folder (its stats.safetensors), through `load`."""
+    p = Path(path)
+    file = p / STATS_FILE if p.is_dir() else p
+    if not file.is_file():
+        raise StatsError(f"{what} {path}: no {STATS_FILE} (write one with a statistics-only recipe, targets: [])")
+    return load(file, what)
+
+
+def resume_into(capture: observe.KVCapture, path: Path, run: dict[str, Any]) -> int:
+    """Load the resume file at `path` into `capture` (checked like any statistics file, and against `run`, the
+    header of the run resuming); returns how many batches it covers."""
+    if not Path(path).is_file():
+        raise StatsError(f"--resume: no saved state at {path}; run without --resume")
+    raw = read(path, "--resume: the saved state")
+    for key in ("recipe", "model_config_sha256", "data_source"):
+        if raw.header.get(key) != run.get(key):
+            raise StatsError(f"--resume: the saved state at {path} is from another run ({key} "
+                             "differs); remove it or run without --resume")
+    if raw.header["layers"] != capture.layers or raw.header.get("batches_done") is None:
+        raise StatsError(f"--resume: the saved state at {path} does not cover this model's "
+                         "attention layers or has no batch count; remove it or run without --resume")
+    build_capture(raw)          # every consistency check, on a scratch capture
+    capture.load_state_dict(raw.state)
+    return raw.header["batches_done"]
 
 
 def merge(paths: list[Path], out: Path, *, force: bool = False) -> Path:

@@ -1,5 +1,6 @@
 """The package's seams, read from the source with `ast`: no module reaches into another module's private
-names, and the checkpoint layout (calib.ckpt) and the checkers built on it import no torch."""
+names, no two modules import each other (directly or round a loop), and the checkpoint layout (calib.ckpt)
+and the checkers built on it import no torch."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import calib
 
@@ -81,3 +84,78 @@ def test_checkpoint_layout_readers_import_no_torch():
             "calib.ckpt.source, calib.verify; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the calib modules it imports, at module level or inside a function (a lazy import hides a
+    cycle from the interpreter's start-up, not from the design)."""
+    graph: dict[str, set[str]] = {}
+    for mod, path in MODULES.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                source = _resolve(mod, path, node)
+                if source.startswith("calib"):
+                    deps |= {f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("calib")}
+        graph[mod] = {d for d in deps if d in MODULES and d != mod and not mod.startswith(d + ".")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert "calib.spec" in graph["calib.statsfile"]          # the graph sees imports (lazy ones too)
+    assert cycles(graph) == []
+
+
+@pytest.mark.slow
+def test_every_module_imports_first_in_a_fresh_interpreter():
+    """Each module imported as the first calib module of a fresh interpreter (a cycle or a missing name
+    shows up as ImportError whichever module a caller happens to load first). Slow: one interpreter each."""
+    mods = sorted(MODULES)
+    code = ("import importlib, subprocess, sys\n"
+            "bad = []\n"
+            "for m in sys.argv[1:]:\n"
+            "    r = subprocess.run([sys.executable, '-c', f'import {m}'], capture_output=True, text=True)\n"
+            "    if r.returncode: bad.append(f'{m}: {r.stderr.strip().splitlines()[-1]}')\n"
+            "print(bad)\n")
+    out = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -248,7 +248,7 @@ def _real_stats(tmp: Path, name: str = "real.safetensors", edit: Callable[[dict,
     import struct
 
     from calib import observe, statsfile
-    from calib.pipeline import capture_spec
+    from calib.spec import capture_spec
     from calib.recipe import Recipe
 
     cap = observe.KVCapture([0, 1], capture_spec(Recipe(), rotary_dim=16))

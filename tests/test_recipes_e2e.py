@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from calib import pipeline, recipe as recipe_mod
+from calib import pipeline, recipe as recipe_mod, spec
 from tiny import tiny_causal_lm
 from test_observe import _reference_amax
 from test_pipeline import _used_sequences
@@ -119,7 +119,7 @@ def test_token_statistics_are_ordered_quantiles_below_the_max(tiny_llama_dir, to
     r, res = _run(tiny_llama_dir, token_data, tmp_path / "out", "stats-token")
     stats = load_file(res.out / "stats.safetensors")
     tok, amax = stats["stats.layers.0.k_token"], stats["stats.layers.0.k_amax"]
-    assert tok.shape == (len(pipeline.TOKEN_QUANTILES), 2)
+    assert tok.shape == (len(spec.TOKEN_QUANTILES), 2)
     assert (tok[1:] >= tok[:-1]).all()
     assert (tok[-1] <= amax * 1.001).all() and (tok[-1] >= amax * 0.99).all()
 

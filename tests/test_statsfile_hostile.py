@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from calib import observe, statsfile
-from calib.pipeline import capture_spec
+from calib.spec import capture_spec
 from calib.recipe import from_dict
 
 RECIPES = {"absmax": {}, "percentile": {"observer": "percentile", "observer_params": {"p": 99.0}},

@@ -1,0 +1,37 @@
+"""Which observers a recipe asks for: the one place a Recipe becomes an `observe.CaptureSpec`.
+
+Why a module of its own: the calibration loop (calib.pipeline) and the statistics-file reader
+(calib.statsfile, which rebuilds a run's observers to load their saved state) both need it; living in
+either made the two import each other.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from . import model as model_mod, observe
+from .observers import RotaryLayout, make_observer
+from .quant import by_name
+from .recipe import Recipe
+
+TOKEN_QUANTILES = (50.0, 90.0, 99.0, 100.0)
+
+
+def capture_spec(recipe: Recipe, config: Any = None, *, rotary_dim: int | None = None) -> observe.CaptureSpec:
+    """Observers the recipe asks for. `rope_bound` applies to K only (V is not rotated): V then uses absmax.
+    The rotary layout comes from the model `config` (or `rotary_dim` when rebuilding from a statistics file)."""
+    dtype = by_name(recipe.dtype)
+    params = dict(recipe.observer_params)
+    k_obs = v_obs = None
+    if recipe.observer != "absmax":
+        rot = rotary_dim if rotary_dim is not None else model_mod.rotary_dim(config)
+        rotary = RotaryLayout(rot) if recipe.observer == "rope_bound" else None
+        k_obs = partial(make_observer, recipe.observer, params, dtype, rotary)
+        if recipe.observer != "rope_bound":
+            v_obs = partial(make_observer, recipe.observer, params, dtype, None)
+    token = recipe.granularity == "token"
+    return observe.CaptureSpec(
+        k_observer=k_obs, v_observer=v_obs, q=recipe.q_scale, channels=recipe.granularity == "channel",
+        token_quantiles=TOKEN_QUANTILES if token else (),
+        token_observer=(lambda p: make_observer("percentile", {"p": p}, dtype, None)) if token else None)
