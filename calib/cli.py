@@ -21,6 +21,7 @@ from . import emulate as emulate_mod
 from . import recipe as recipe_mod
 
 from . import resources
+from .vocab import FP8_E4M3
 
 DEFAULT_DATA = resources.default_data()
 BUILD_DIR = resources.build_dir()
@@ -238,7 +239,7 @@ def _report(result, recipe: recipe_mod.Recipe) -> None:
     if over:
         click.echo(f"layers {sorted(over)} reach |x| > 448: with the default scale 1.0 their FP8 cache saturates "
                    "(share of K / V values: " + ", ".join(f"{i}: {k:.3%} / {v:.3%}" for i, (k, v) in over.items()) + ")")
-        if "trtllm" in recipe.targets and recipe.dtype == "fp8_e4m3":
+        if "trtllm" in recipe.targets and recipe.kv_dtype is FP8_E4M3:
             click.secho("WARNING: TensorRT-LLM's FP8 KV cache runs with scale 1.0 whatever the checkpoint says; "
                         "these values WILL saturate there. Consider INT8 KV or vLLM for this model.", err=True,
                         fg="red", bold=True)

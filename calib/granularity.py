@@ -1,7 +1,8 @@
 """Granularities: how many scales a layer's K (or V) gets, as small frozen values.
 
 Why values and not strings: each granularity knows the shape it produces and whether an engine can read
-it, so the recipe validates a combination once instead of every stage re-checking strings.
+it, so the recipe validates a combination once instead of every stage re-checking strings. Torch-free (the
+recipe imports it); `fold` works on whatever tensor it is given.
 
 Shapes below are for a layer with `kv_heads = 8`, `head_dim = 128`, a batch of 4 sequences of 512 tokens;
 the cached K/V has shape [4, 8, 512, 128].
@@ -10,8 +11,10 @@ the cached K/V has shape [4, 8, 512, 128].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -55,3 +58,11 @@ class PerToken:
 
 Granularity = PerTensor | PerHead | PerChannel | PerToken
 GRANULARITIES: dict[str, Granularity] = {g.name: g for g in (PerTensor(), PerHead(), PerChannel(), PerToken())}
+
+
+def by_name(name: str) -> Granularity:
+    """The granularity called `name`; ValueError naming the accepted ones otherwise."""
+    try:
+        return GRANULARITIES[name]
+    except KeyError:
+        raise ValueError(f"unknown granularity {name!r}; accepted: {list(GRANULARITIES)}") from None

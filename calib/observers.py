@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from .quant import KVDtype, fake_quant
+from .vocab import HISTOGRAM_BINS, observer as observer_spec
 
 Tensor = torch.Tensor
 
@@ -211,7 +212,7 @@ class _HistogramObserver:
     bin), 'amax': [h] float32 (exact max |x|)} — 16 bytes per bin, 32 KiB per head with 2048 bins.
     """
 
-    def __init__(self, bins: int = 2048) -> None:
+    def __init__(self, bins: int = HISTOGRAM_BINS) -> None:
         if not 2 << SUB_BITS <= bins <= 2**15 or bins & (bins - 1):      # 2^15 bins: all float32 octaves
             raise ValueError(f"bins must be a power of two in [{2 << SUB_BITS}, {2**15}], got {bins}")
         self.bins = bins
@@ -301,7 +302,7 @@ class PercentileObserver(_HistogramObserver):
     relative 0.8% for anything above the underflow bin, whatever outliers set the range.
     """
 
-    def __init__(self, p: float = 99.99, bins: int = 2048) -> None:
+    def __init__(self, p: float = 99.99, bins: int = HISTOGRAM_BINS) -> None:
         if not 0 < p <= 100:
             raise ValueError(f"percentile p must be in (0, 100], got {p}")
         super().__init__(bins)
@@ -335,7 +336,7 @@ class MSEObserver(_HistogramObserver):
     INT8 (uniform steps) a large bulk below a few outliers pulls it down.
     """
 
-    def __init__(self, dtype: KVDtype, grid: int = 100, min_ratio: float = 0.3, bins: int = 2048) -> None:
+    def __init__(self, dtype: KVDtype, grid: int = 100, min_ratio: float = 0.3, bins: int = HISTOGRAM_BINS) -> None:
         if grid < 2:
             raise ValueError(f"mse grid must be >= 2, got {grid}")
         if not 0 < min_ratio <= 1:
@@ -359,14 +360,6 @@ class MSEObserver(_HistogramObserver):
         return (err * counts[None, :]).sum(-1).argmin()
 
 
-_PARAMS: dict[str, dict[str, type]] = {
-    "absmax": {},
-    "percentile": {"p": float, "bins": int},
-    "mse": {"grid": int, "min_ratio": float, "bins": int},
-    "rope_bound": {},
-}
-
-
 def _coerce(observer: str, key: str, value: object, kind: type) -> int | float:
     ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
     if not ok or isinstance(value, bool):
@@ -375,15 +368,18 @@ def _coerce(observer: str, key: str, value: object, kind: type) -> int | float:
 
 
 def make_observer(name: str, params: dict, dtype: KVDtype, rotary: RotaryLayout | None) -> Observer:
-    """A fresh observer by recipe name. `dtype` matters for `mse`; `rotary` is required by `rope_bound`."""
-    if name not in _PARAMS:
-        raise ValueError(f"unknown observer {name!r}; accepted: {sorted(_PARAMS)}")
-    accepted = _PARAMS[name]
-    unknown = sorted(set(params) - set(accepted))
+    """A fresh observer by recipe name. `dtype` matters for `mse`; `rotary` is required by `rope_bound`.
+    Names, parameters and their bounds are calib.vocab.OBSERVERS', the table the recipe validates against
+    (`bins` is accepted here but not in a recipe: see calib.vocab)."""
+    spec = observer_spec(name)
+    unknown = sorted(set(params) - set(spec.params))
     if unknown:
-        raise ValueError(f"observer {name!r} has no parameter(s) {unknown}; accepted: {sorted(accepted)}")
-    kw = {k: _coerce(name, k, v, accepted[k]) for k, v in params.items()}
-    if name == "absmax":
+        raise ValueError(f"observer {name!r} has no parameter(s) {unknown}; accepted: {sorted(spec.params)}")
+    kw = {k: _coerce(name, k, v, spec.params[k].kind) for k, v in params.items()}
+    for key, value in kw.items():
+        if not spec.params[key].check(value):
+            raise ValueError(f"{name} {key} = {value!r}: must be {spec.params[key].want}")
+    if spec.exact:
         return AbsMaxObserver()
     if name == "percentile":
         return PercentileObserver(**kw)

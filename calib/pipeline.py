@@ -171,7 +171,7 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCa
         return out
 
     def one(target: str, path: Path, force_one: bool) -> Path:
-        how = export.WriteOptions(dtype=recipe.dtype, granularity=recipe.granularity, force=force_one,
+        how = export.WriteOptions(dtype=recipe.kv_dtype, granularity=recipe.scale_granularity, force=force_one,
                                   overwrite_kv=overwrite_kv)
         return export.target(target).write(source, path, scales, prov, how)
 
@@ -210,7 +210,8 @@ def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, source: Path, 
     stats = statsfile.stats_for_recipe(sf, recipe, str(stats_path))
     config = model_mod.preflight(source)[0].get_text_config()
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, config, sf.capture.layers)
-    scales = scales_mod.compute(stats, dtype=recipe.dtype, granularity=recipe.granularity, headroom=recipe.headroom)
+    scales = scales_mod.compute(stats, dtype=recipe.kv_dtype, granularity=recipe.scale_granularity,
+                                headroom=recipe.headroom)
     report = data_mod.DataReport()
     prov = provenance(recipe, str(model_src), "", report, stats, scales, skipped, "from statistics file")
     prov["data"] = {**sf.header.get("data", {}), "statistics_file": str(stats_path)}
@@ -324,7 +325,8 @@ def _calibrate(checked: _Checked, model_src: str | Path, data_src: str | Path, r
     padding, kept = PaddingStats(), []
     stats, fwd = observe_kv(loaded, seqs, recipe.batch_size, progress, capture_spec(recipe, loaded.config),
                             options, padding, kept)
-    scales = (scales_mod.compute(stats, dtype=recipe.dtype, granularity=recipe.granularity, headroom=recipe.headroom)
+    scales = (scales_mod.compute(stats, dtype=recipe.kv_dtype, granularity=recipe.scale_granularity,
+                                headroom=recipe.headroom)
               if recipe.targets else {})
     dtype = str(loaded.dtype).removeprefix("torch.")
     prov = provenance(recipe, str(model_src), str(data_src), report, stats, scales, skipped, dtype)

@@ -13,29 +13,14 @@ The engine stores `q = saturate(x / scale)` rounded to the cache dtype and reads
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class KVDtype:
-    """A KV-cache storage type: its name and the largest magnitude it represents."""
-    name: str
-    qmax: float
+from .vocab import FP8_E4M3, INT8, KV_DTYPES, KVDtype, kv_dtype  # noqa: F401
 
 
-FP8_E4M3 = KVDtype("fp8_e4m3", 448.0)
-INT8 = KVDtype("int8", 127.0)
-_DTYPES = {d.name: d for d in (FP8_E4M3, INT8)}
-
-
-def by_name(name: str) -> KVDtype:
-    """The KV dtype called `name`; ValueError naming the accepted ones otherwise."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown KV dtype {name!r}; accepted: {sorted(_DTYPES)}") from None
+# The dtype registry lives in calib.vocab (torch-free, so recipes validate against it); re-exported here.
+by_name = kv_dtype
 
 
 def _round_fp8(q: torch.Tensor) -> torch.Tensor:

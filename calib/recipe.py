@@ -15,23 +15,21 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from . import safeyaml
+from . import granularity as granularity_mod, safeyaml, vocab
+from .vocab import MSE_GRID_MAX  # noqa: F401  (re-exported)
 
-DTYPES = ("fp8_e4m3", "int8")
-GRANULARITIES = ("tensor", "head", "channel", "token")
-EXPORTABLE = ("tensor", "head")
-TARGETS = ("vllm", "trtllm")
+# The choices come from the typed registries (calib.vocab, calib.granularity); the recipe keeps their names
+# (what YAML, the CLI and kvcalib.json spell) and hands out the values (`kv_dtype`, `scale_granularity`,
+# `observer_spec`).
+DTYPES = tuple(vocab.KV_DTYPES)
+GRANULARITIES = tuple(granularity_mod.GRANULARITIES)
+EXPORTABLE = tuple(name for name, g in granularity_mod.GRANULARITIES.items() if g.exportable)
+TARGETS = ("vllm", "trtllm")   # calib.export's targets (torch-free here; tests/test_ckpt.py checks they agree)
 SKIP_KEYWORDS = ("sliding_window",)
-MSE_GRID_MAX = 4096          # candidate clips per head: the search holds [grid, bins] values at once
-# observer -> {parameter: (check, description)}; validated here (before any observer allocates) so the recipe
-# never needs torch.
+# observer -> {parameter a recipe may set: (check, description)}; validated here (before any observer allocates)
+# so the recipe never needs torch.
 OBSERVERS: dict[str, dict[str, tuple[Any, str]]] = {
-    "absmax": {},
-    "percentile": {"p": (lambda v: _is_num(v) and 0 < v <= 100, "a number in (0, 100]")},
-    "mse": {"grid": (lambda v: _is_int(v) and 2 <= v <= MSE_GRID_MAX, f"an integer in [2, {MSE_GRID_MAX}]"),
-            "min_ratio": (lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]")},
-    "rope_bound": {},
-}
+    name: {k: (p.check, p.want) for k, p in spec.recipe_params().items()} for name, spec in vocab.OBSERVERS.items()}
 # Upper bounds: a value past these is a typo (an extra zero), not a calibration anyone runs; it would
 # otherwise surface as an allocation failure deep inside the forward pass.
 LIMITS = {"samples": 10_000_000, "seq_len": 1 << 22, "min_tokens": 1 << 22, "batch_size": 65_536,
@@ -40,10 +38,6 @@ LIMITS = {"samples": 10_000_000, "seq_len": 1 << 22, "min_tokens": 1 << 22, "bat
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
 
 
 class RecipeError(ValueError):
@@ -108,8 +102,23 @@ class Recipe:
                 f"recipe field 'min_tokens' = {self.min_tokens} exceeds 'seq_len' = {self.seq_len}: "
                 "every sample would be skipped; lower min_tokens or raise seq_len")
 
+    @property
+    def kv_dtype(self) -> vocab.KVDtype:
+        """The KV dtype value (calib.vocab) `dtype` names."""
+        return vocab.KV_DTYPES[self.dtype]
+
+    @property
+    def scale_granularity(self) -> granularity_mod.Granularity:
+        """The granularity value (calib.granularity) `granularity` names."""
+        return granularity_mod.GRANULARITIES[self.granularity]
+
+    @property
+    def observer_spec(self) -> vocab.ObserverSpec:
+        """The observer (calib.vocab) `observer` names."""
+        return vocab.OBSERVERS[self.observer]
+
     def _check_combination(self) -> None:
-        if self.targets and self.granularity not in EXPORTABLE:
+        if self.targets and not self.scale_granularity.exportable:
             raise RecipeError(f"recipe field 'granularity' = {self.granularity!r} cannot be exported: no engine reads "
                               f"it; use {' or '.join(EXPORTABLE)}, or set targets: [] to keep statistics only")
         if self.dtype == "int8" and "vllm" in self.targets:
@@ -167,15 +176,18 @@ def _check_type(name: str, value: Any, type_name: Any) -> None:
 
 
 def _check_observer_params(observer: str, params: dict) -> None:
-    accepted = OBSERVERS[observer]
+    spec = vocab.OBSERVERS[observer]
+    accepted = spec.recipe_params()
+    names = ", ".join(accepted) or "none"
     for key, value in params.items():
+        if key in spec.params and key not in accepted:
+            raise RecipeError(f"recipe field 'observer_params' has {key!r}, which a recipe does not set "
+                              f"({spec.params[key].why_fixed}); accepted: {names}")
         if key not in accepted:
-            names = ", ".join(accepted) or "none"
             raise RecipeError(f"recipe field 'observer_params' has {key!r}, which observer {observer!r} does not "
                               f"take; accepted: {names}")
-        check, want = accepted[key]
-        if not check(value):
-            raise RecipeError(f"recipe field 'observer_params.{key}' = {value!r}: must be {want}")
+        if not accepted[key].check(value):
+            raise RecipeError(f"recipe field 'observer_params.{key}' = {value!r}: must be {accepted[key].want}")
 
 
 def _check_choice(name: str, value: str, accepted: tuple[str, ...]) -> None:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from .observe import Stats
-from .quant import FP8_E4M3, by_name
+from .granularity import Granularity, by_name as granularity_by_name
+from .quant import FP8_E4M3, KVDtype, by_name
 
 FP8_E4M3_MAX = FP8_E4M3.qmax
 MIN_SCALE = float(torch.finfo(torch.float32).tiny)
@@ -54,14 +55,13 @@ def per_tensor_fp8(stats: Stats, headroom: float = 1.0) -> Scales:
     return compute(stats, dtype="fp8_e4m3", granularity="tensor", headroom=headroom)
 
 
-def compute(stats: Stats, *, dtype: str, granularity: str, headroom: float = 1.0) -> Scales:
-    """Scales of every layer at `granularity` (`tensor`: max over heads; `head`: one per KV head) for `dtype`.
-    K and V use the recipe observer's range; Q (when observed) its exact max."""
-    from .granularity import GRANULARITIES
-
-    gran, qmax = GRANULARITIES[granularity], by_name(dtype).qmax
+def compute(stats: Stats, *, dtype: str | KVDtype, granularity: str | Granularity, headroom: float = 1.0) -> Scales:
+    """Scales of every layer at `granularity` (`tensor`: max over heads; `head`: one per KV head) for `dtype`
+    (registry values, or their names). K and V use the recipe observer's range; Q (when observed) its exact max."""
+    gran = granularity_by_name(granularity) if isinstance(granularity, str) else granularity
+    qmax = (by_name(dtype) if isinstance(dtype, str) else dtype).qmax
     if not gran.exportable:
-        raise ValueError(f"granularity {granularity!r} is statistics only; no engine reads its scales")
+        raise ValueError(f"granularity {gran.name!r} is statistics only; no engine reads its scales")
     return {
         layer: LayerScales(
             k_scale=amax_to_scale(gran.fold(s.clip("k")), headroom, qmax),

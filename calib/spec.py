@@ -12,7 +12,7 @@ from typing import Any
 
 from . import model as model_mod, observe
 from .observers import RotaryLayout, make_observer
-from .quant import by_name
+from .granularity import PerChannel, PerToken
 from .recipe import Recipe
 
 TOKEN_QUANTILES = (50.0, 90.0, 99.0, 100.0)
@@ -21,17 +21,17 @@ TOKEN_QUANTILES = (50.0, 90.0, 99.0, 100.0)
 def capture_spec(recipe: Recipe, config: Any = None, *, rotary_dim: int | None = None) -> observe.CaptureSpec:
     """Observers the recipe asks for. `rope_bound` applies to K only (V is not rotated): V then uses absmax.
     The rotary layout comes from the model `config` (or `rotary_dim` when rebuilding from a statistics file)."""
-    dtype = by_name(recipe.dtype)
+    dtype, obs, gran = recipe.kv_dtype, recipe.observer_spec, recipe.scale_granularity
     params = dict(recipe.observer_params)
     k_obs = v_obs = None
-    if recipe.observer != "absmax":
+    if not obs.exact:       # the exact max is recorded by every capture
         rot = rotary_dim if rotary_dim is not None else model_mod.rotary_dim(config)
-        rotary = RotaryLayout(rot) if recipe.observer == "rope_bound" else None
-        k_obs = partial(make_observer, recipe.observer, params, dtype, rotary)
-        if recipe.observer != "rope_bound":
-            v_obs = partial(make_observer, recipe.observer, params, dtype, None)
-    token = recipe.granularity == "token"
+        rotary = RotaryLayout(rot) if obs.k_only else None
+        k_obs = partial(make_observer, obs.name, params, dtype, rotary)
+        if not obs.k_only:
+            v_obs = partial(make_observer, obs.name, params, dtype, None)
+    token = isinstance(gran, PerToken)
     return observe.CaptureSpec(
-        k_observer=k_obs, v_observer=v_obs, q=recipe.q_scale, channels=recipe.granularity == "channel",
+        k_observer=k_obs, v_observer=v_obs, q=recipe.q_scale, channels=isinstance(gran, PerChannel),
         token_quantiles=TOKEN_QUANTILES if token else (),
         token_observer=(lambda p: make_observer("percentile", {"p": p}, dtype, None)) if token else None)

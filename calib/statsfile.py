@@ -174,8 +174,8 @@ def _check_header(header: Any, where: str) -> Recipe:
     except RecipeError as e:
         msg = str(e)
         raise StatsError(msg if msg.startswith(where) else f"{where}: kvcalib header {msg}") from None
-    if recipe.observer == "rope_bound" and not rot:
-        raise fail("has observer rope_bound but no rotary_dim")
+    if recipe.observer_spec.k_only and not rot:
+        raise fail(f"has observer {recipe.observer} but no rotary_dim")
     return recipe
 
 
@@ -290,14 +290,14 @@ def _merge(paths: list[Path], out: Path) -> Path:
 def stats_for_recipe(sf: StatsFile, recipe: Recipe, where: str) -> observe.Stats:
     """The statistics `recipe` needs from this file; errors say what the file lacks."""
     have = sf.recipe
-    if recipe.observer not in ("absmax", have.observer) or (
+    if not (recipe.observer_spec.exact or recipe.observer == have.observer) or (
             recipe.observer == have.observer and recipe.observer_params != have.observer_params):
         raise StatsError(f"{where} was recorded with observer {have.observer} {have.observer_params or ''}; "
                          f"it cannot give {recipe.observer} ranges (absmax is always available)")
     if recipe.q_scale and not have.q_scale:
         raise StatsError(f"{where} has no Q statistics; calibrate with q_scale to export q_scale")
     stats = sf.stats()
-    if recipe.observer == "absmax" and have.observer != "absmax":  # fall back to the exact maxima
+    if recipe.observer_spec.exact and not have.observer_spec.exact:  # fall back to the exact maxima
         stats = {i: observe.LayerStats(k_amax=s.k_amax, v_amax=s.v_amax, q_amax=s.q_amax, k_over=s.k_over,
                                        v_over=s.v_over) for i, s in stats.items()}
     return stats

@@ -10,14 +10,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ..granularity import Granularity, PerTensor
 from ..scales import Scales
+from ..vocab import FP8_E4M3, KVDtype
 
 
 @dataclass(frozen=True)
 class WriteOptions:
     """What a target needs from the recipe and the command line to write its variant."""
-    dtype: str = "fp8_e4m3"          # the recipe's KV dtype (calib.quant registry name)
-    granularity: str = "tensor"      # the recipe's granularity (calib.granularity registry name)
+    dtype: KVDtype = FP8_E4M3              # the recipe's KV dtype (calib.vocab)
+    granularity: Granularity = PerTensor()  # the recipe's granularity (calib.granularity)
     force: bool = False              # replace an earlier kvcalib output at OUT
     overwrite_kv: bool = False       # the source carries KV scales already: replace them
 
@@ -25,7 +27,7 @@ class WriteOptions:
 class Target:
     """One engine's checkpoint variant. Subclasses set `name` and `dtypes` and implement `write`."""
     name: ClassVar[str]
-    dtypes: ClassVar[tuple[str, ...]]     # calib.quant names of the KV dtypes the engine reads scales for
+    dtypes: ClassVar[tuple[KVDtype, ...]]     # the KV dtypes the engine reads scales for
 
     def write(self, source: Path, out: Path, scales: Scales, provenance: dict[str, Any],
               options: WriteOptions = WriteOptions()) -> Path:

@@ -53,12 +53,13 @@ from ..ckpt import formats
 from ..ckpt.names import (CONFIG_FILE, HF_QUANT_CONFIG, TRTLLM_CARRIED_SUFFIXES, trtllm_scale_names)
 from ..ckpt.source import ExportError, check_out_is_not_source, read_json, read_source_config, scan_weights
 from ..scales import FP8_E4M3_MAX, Scales
+from ..vocab import FP8_E4M3, INT8
 from .target import Target, WriteOptions
 from .write import write_variant
 
 KV_ALGOS = ("FP8", "INT8")
-# calib.quant KV dtype name -> TensorRT-LLM's kv_cache_quant_algo
-ALGO_OF_DTYPE = {"fp8_e4m3": "FP8", "int8": "INT8"}
+# KV dtype (calib.vocab) -> TensorRT-LLM's kv_cache_quant_algo
+ALGO_OF_DTYPE = {FP8_E4M3: "FP8", INT8: "INT8"}
 
 
 def saturation_report(scales: Scales, fractions: Mapping[int, tuple[float, float]] | None = None) -> list[str]:
@@ -205,8 +206,8 @@ class TrtllmTarget(Target):
     def write(self, source: Path, out: Path, scales: Scales, provenance: dict[str, Any],
               options: WriteOptions = WriteOptions()) -> Path:
         if options.dtype not in ALGO_OF_DTYPE:
-            raise ExportError(f"KV dtype {options.dtype!r} has no TensorRT-LLM kv_cache_quant_algo; use one of "
-                              f"{sorted(ALGO_OF_DTYPE)}")
+            raise ExportError(f"KV dtype {options.dtype.name!r} has no TensorRT-LLM kv_cache_quant_algo; use one "
+                              f"of {sorted(d.name for d in ALGO_OF_DTYPE)}")
         return export_trtllm(source, out, scales, provenance, kv_algo=ALGO_OF_DTYPE[options.dtype],
                              force=options.force)
 

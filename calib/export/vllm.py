@@ -18,6 +18,7 @@ from ..ckpt.names import is_kv_scale, vllm_scale_name
 from ..ckpt.source import (ExportError, PreparedSource, check_out_is_not_source, read_source_config,
                            scan_weights)
 from ..scales import Scales
+from ..vocab import FP8_E4M3
 from .target import Target, WriteOptions
 from .write import write_variant
 
@@ -80,13 +81,13 @@ def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, A
 
 class VllmTarget(Target):
     name = "vllm"
-    dtypes = ("fp8_e4m3",)
+    dtypes = (FP8_E4M3,)
     # calib.granularity name -> compressed-tensors kv_cache_scheme strategy
     strategies = {"tensor": "tensor", "head": "attn_head"}
 
     def write(self, source: Path, out: Path, scales: Scales, provenance: dict[str, Any],
               options: WriteOptions = WriteOptions()) -> Path:
-        return export_vllm(source, out, scales, provenance, strategy=self.strategies.get(options.granularity, "tensor"),
+        return export_vllm(source, out, scales, provenance, strategy=self.strategies[options.granularity.name],
                            force=options.force, overwrite_kv=options.overwrite_kv)
 
 
