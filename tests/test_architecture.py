@@ -160,3 +160,15 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
             "print(bad)\n")
     out = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in helpers.py (and tiny.py, conftest.py), never in a test module."""
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.relative_to(tests)} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert found == []

@@ -6,9 +6,7 @@ build here and call a second time, and a sha256 computed from the ids with `stru
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import json
 import re
 import struct
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from calib import data as D
+from helpers import read_samples, write_csv, write_json, write_jsonl, write_parquet
 
 # 30 texts with the awkward bits every format must survive: commas, quotes, non-ASCII, inner newlines.
 TEXTS = [
@@ -26,34 +25,6 @@ TEXTS = [
 
 
 # ---------------------------------------------------------------- writers (one per local format)
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def write_json(path: Path, rows: list[dict]) -> Path:
-    path.write_text(json.dumps(rows, ensure_ascii=False, indent=1), encoding="utf-8")
-    return path
-
-
-def write_parquet(path: Path, rows: list[dict]) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-def write_csv(path: Path, rows: list[dict]) -> Path:
-    cols = list(rows[0])
-    with path.open("w", encoding="utf-8", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()})
-    return path
-
 
 def write_txt(path: Path, rows: list[dict]) -> Path:
     path.write_text("\n\n".join(r["text"] for r in rows) + "\n", encoding="utf-8")
@@ -67,17 +38,9 @@ def text_rows(texts: list[str]) -> list[dict]:
     return [{"text": t} for t in texts]
 
 
-def run(source, tokenizer=None, *, seq_len=64, max_samples=10**6, min_tokens=1, pack=False, seed=0,
-        vocab_size=None):
-    report = D.DataReport()
-    seqs = list(D.samples(source, tokenizer, seq_len=seq_len, max_samples=max_samples, min_tokens=min_tokens,
-                          pack=pack, seed=seed, vocab_size=vocab_size, report=report))
-    return seqs, report
-
-
 def data_error(source, tokenizer=None, **kw) -> str:
     with pytest.raises(D.DataError) as ei:
-        run(source, tokenizer, **kw)
+        read_samples(source, tokenizer, **kw)
     msg = str(ei.value)
     assert "\n" not in msg, f"DataError should be one line: {msg!r}"
     return msg
@@ -100,25 +63,6 @@ def id_rows(lengths: list[int], start: int = 10) -> list[dict]:
 
 
 # ---------------------------------------------------------------- a tiny real tokenizer
-
-@pytest.fixture(scope="module")
-def tok():
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"])
-    core.train_from_iterator(["the cat sat on the mat", "a dog ran far away from the cat",
-                              "hello world this is calibration text"], trainer=trainer)
-    bos = core.token_to_id("<s>")
-    core.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                        special_tokens=[("<s>", bos)])
-    t = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    t.chat_template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
-                       "{% endfor %}")
-    return t
-
 
 def word_ids(tok, text: str) -> list[int]:
     """Our own tokenization reference for the word-level tokenizer: one id per whitespace word."""
@@ -161,7 +105,7 @@ def test_txt_paragraph_origins_name_the_first_line(tmp_path):
 def test_input_ids_used_as_given_and_truncated_without_tokenizer(tmp_path, suffix):
     rows = id_rows([3, 7, 12, 5, 9])
     path = WRITERS[suffix](tmp_path / f"ids{suffix}", rows)
-    seqs, report = run(path, None, seq_len=8)
+    seqs, report = read_samples(path, None, seq_len=8)
     expected = [r["input_ids"][:8] for r in rows]  # no BOS prepended, cut at seq_len
     assert sorted(seqs) == sorted(expected)
     assert report.column == "input_ids"
@@ -174,7 +118,7 @@ def test_input_ids_out_of_vocab_names_the_record(tmp_path):
     msg = data_error(path, vocab_size=50)
     assert f"{path}:2" in msg and "out of range" in msg and "50" in msg
     # one more id in the vocabulary and the same data is accepted, unchanged
-    seqs, _ = run(path, vocab_size=51)
+    seqs, _ = read_samples(path, vocab_size=51)
     assert sorted(seqs) == [[1, 2, 3], [4, 50, 5], [6, 7]]
 
 
@@ -194,7 +138,7 @@ def test_input_ids_must_be_integers(tmp_path):
 def test_text_is_tokenized_with_bos_like_the_tokenizer(tmp_path, tok):
     texts = ["the cat sat on the mat", "hello world", "a dog ran far away from the cat"]
     path = write_jsonl(tmp_path / "t.jsonl", text_rows(texts))
-    seqs, report = run(path, tok, seq_len=64)
+    seqs, report = read_samples(path, tok, seq_len=64)
     expected = [tok(t)["input_ids"] for t in texts]
     assert sorted(seqs) == sorted(expected)
     # the tokenizer's own encoding is BOS + one id per word; check against that too
@@ -205,14 +149,14 @@ def test_text_is_tokenized_with_bos_like_the_tokenizer(tmp_path, tok):
 def test_text_is_truncated_to_seq_len(tmp_path, tok):
     text = "the cat sat on the mat"
     path = write_jsonl(tmp_path / "t.jsonl", text_rows([text]))
-    seqs, _ = run(path, tok, seq_len=4)
+    seqs, _ = read_samples(path, tok, seq_len=4)
     assert seqs == [[tok.bos_token_id] + word_ids(tok, "the cat sat")]
 
 
 def test_messages_are_rendered_with_the_chat_template(tmp_path, tok):
     chat = [{"role": "user", "content": "the cat sat"}, {"role": "assistant", "content": "a dog ran"}]
     path = write_jsonl(tmp_path / "m.jsonl", [{"messages": chat}])
-    seqs, report = run(path, tok, seq_len=64)
+    seqs, report = read_samples(path, tok, seq_len=64)
     rendered = tok.apply_chat_template(chat, tokenize=False)
     assert rendered == "<s><|user|> the cat sat <|assistant|> a dog ran "
     assert seqs == [tok(rendered, add_special_tokens=False)["input_ids"]]
@@ -234,9 +178,9 @@ def test_text_without_tokenizer_asks_for_input_ids(tmp_path):
 def test_same_seed_same_samples_and_fingerprint(tmp_path):
     rows = id_rows([4 + i % 9 for i in range(200)])
     path = write_jsonl(tmp_path / "ids.jsonl", rows)
-    a, ra = run(path, seed=3, seq_len=16)
-    b, rb = run(path, seed=3, seq_len=16)
-    c, rc = run(path, seed=4, seq_len=16)
+    a, ra = read_samples(path, seed=3, seq_len=16)
+    b, rb = read_samples(path, seed=3, seq_len=16)
+    c, rc = read_samples(path, seed=4, seq_len=16)
     assert a == b and ra.fingerprint == rb.fingerprint
     assert a != c and ra.fingerprint != rc.fingerprint
     assert sorted(a) == sorted(c) == sorted(r["input_ids"] for r in rows)
@@ -249,7 +193,7 @@ def test_fingerprint_changes_with_one_token(tmp_path):
     p1 = write_jsonl(tmp_path / "a.jsonl", rows)
     rows[7]["input_ids"][2] += 1000
     p2 = write_jsonl(tmp_path / "b.jsonl", rows)
-    (a, ra), (b, rb) = run(p1), run(p2)
+    (a, ra), (b, rb) = read_samples(p1), read_samples(p2)
     assert ra.fingerprint != rb.fingerprint
     assert sum(x != y for s, t in zip(a, b) for x, y in zip(s, t)) == 1
 
@@ -257,7 +201,7 @@ def test_fingerprint_changes_with_one_token(tmp_path):
 def test_fingerprint_covers_only_used_samples(tmp_path):
     rows = id_rows([6, 2, 7, 1, 8])
     with_short = write_jsonl(tmp_path / "a.jsonl", rows)
-    a, ra = run(with_short, min_tokens=3)
+    a, ra = read_samples(with_short, min_tokens=3)
     assert ra.skipped_short == 2
     assert ra.fingerprint == sha256_of(a)
 
@@ -288,7 +232,7 @@ def test_shuffled_is_a_permutation_with_bounded_lookahead():
 def test_short_samples_are_skipped_and_counted(tmp_path):
     lengths = list(range(1, 11))
     path = write_jsonl(tmp_path / "ids.jsonl", id_rows(lengths))
-    seqs, report = run(path, min_tokens=5, seq_len=8)
+    seqs, report = read_samples(path, min_tokens=5, seq_len=8)
     assert sorted(map(len, seqs)) == [5, 6, 7, 8, 8, 8]
     assert report.skipped_short == 4
     assert report.used == 6 and report.tokens == 5 + 6 + 7 + 8 + 8 + 8
@@ -297,7 +241,7 @@ def test_short_samples_are_skipped_and_counted(tmp_path):
 def test_max_samples_bounds_the_count(tmp_path):
     rows = id_rows([3 + i % 5 for i in range(30)])
     path = write_jsonl(tmp_path / "ids.jsonl", rows)
-    seqs, report = run(path, max_samples=7)
+    seqs, report = read_samples(path, max_samples=7)
     assert len(seqs) == 7 and report.used == 7
     assert report.tokens == sum(map(len, seqs))
     all_ids = [r["input_ids"] for r in rows]
@@ -342,7 +286,7 @@ def split_into_records(stream: list[int], rows: list[dict]) -> list[int]:
 def test_packing_cuts_the_concatenation_into_full_chunks(tmp_path, lengths, tail):
     rows = id_rows(lengths)
     path = write_jsonl(tmp_path / "ids.jsonl", rows)
-    seqs, report = run(path, pack=True, seq_len=8, min_tokens=3, seed=5)
+    seqs, report = read_samples(path, pack=True, seq_len=8, min_tokens=3, seed=5)
     total = sum(lengths)
     full = total // 8
     assert [len(s) for s in seqs] == [8] * full + ([tail] if tail >= 3 else [])
@@ -353,13 +297,13 @@ def test_packing_cuts_the_concatenation_into_full_chunks(tmp_path, lengths, tail
     assert len(stream) == total - (tail if tail < 3 else 0)
     assert report.used == len(seqs) and report.tokens == len(stream) and report.skipped_short == 0
     # same order as the unpacked stream for the same seed
-    unpacked, _ = run(path, pack=False, seq_len=64, seed=5)
+    unpacked, _ = read_samples(path, pack=False, seq_len=64, seed=5)
     assert stream == [t for s in unpacked for t in s][:len(stream)]
 
 
 def test_packing_respects_max_samples(tmp_path):
     path = write_jsonl(tmp_path / "ids.jsonl", id_rows([7] * 10))
-    seqs, report = run(path, pack=True, seq_len=8, max_samples=2)
+    seqs, report = read_samples(path, pack=True, seq_len=8, max_samples=2)
     assert [len(s) for s in seqs] == [8, 8] and report.used == 2 and report.tokens == 16
 
 
@@ -437,7 +381,7 @@ def test_no_usable_column_lists_what_was_found(tmp_path):
 def test_report_to_dict_matches_the_samples(tmp_path):
     lengths = [2, 9, 4, 12, 6, 1, 7]
     path = write_jsonl(tmp_path / "ids.jsonl", id_rows(lengths))
-    seqs, report = run(path, seq_len=10, min_tokens=3)
+    seqs, report = read_samples(path, seq_len=10, min_tokens=3)
     d = report.to_dict()
     kept = [min(n, 10) for n in lengths if min(n, 10) >= 3]
     assert d == {"samples": len(kept), "tokens": sum(kept), "skipped_short": 2, "column": "input_ids",

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from calib import chat
 from calib import data as D
-from test_data import run, tok, write_jsonl, write_parquet  # noqa: F401  (tok: the word-level tokenizer fixture)
+from helpers import read_samples, write_jsonl, write_parquet
 
 USER_PARTS = [{"type": "text", "text": "the cat"}, {"type": "image_url", "image_url": {"url": "data:x"}},
               {"type": "text", "text": "sat on the mat"}]
@@ -115,8 +115,8 @@ def test_any_json_is_strings_or_one_line_error(value):
 def _same_as_strings(tmp_path, tok, rows, write=write_jsonl, suffix=".jsonl"):  # noqa: F811
     plain = [{"messages": [{"role": m["role"], "content": _expected(m["content"])} for m in r["messages"]]}
              for r in rows]
-    got, _ = run(write(tmp_path / f"parts{suffix}", rows), tok)
-    want, _ = run(write_jsonl(tmp_path / "plain.jsonl", plain), tok)
+    got, _ = read_samples(write(tmp_path / f"parts{suffix}", rows), tok)
+    want, _ = read_samples(write_jsonl(tmp_path / "plain.jsonl", plain), tok)
     assert got == want and all(len(s) > 3 for s in got)
     return got
 
@@ -146,7 +146,7 @@ def test_data_errors_name_file_and_line(tmp_path, tok, line, words):  # noqa: F8
     first = {"messages": [{"role": "user", "content": "the cat"}]} if "messages" in line else {"text": "the cat"}
     path = write_jsonl(tmp_path / "m.jsonl", [first, line])
     with pytest.raises(D.DataError) as ei:
-        run(path, tok, seed=0)
+        read_samples(path, tok, seed=0)
     assert words in str(ei.value)
 
 
@@ -155,7 +155,7 @@ def test_a_template_that_refuses_is_a_data_error(tmp_path, tok):  # noqa: F811
     strict.chat_template = "{% for m in messages %}{{ raise_exception('roles must alternate') }}{% endfor %}"
     path = write_jsonl(tmp_path / "m.jsonl", [{"messages": [{"role": "user", "content": "the cat"}]}])
     with pytest.raises(D.DataError, match=r"m.jsonl:1: the model's chat template refused this conversation"):
-        run(path, strict)
+        read_samples(path, strict)
 
 
 # ---------------------------------------------------------------- streams
@@ -181,9 +181,9 @@ def test_fifo_streams_like_the_file(tmp_path, name, payload):
     fifo = tmp_path / name
     os.mkfifo(fifo)
     writer = _feed(fifo, payload.encode())
-    got, report = run(fifo, seq_len=64)
+    got, report = read_samples(fifo, seq_len=64)
     writer.join(5)
-    want, want_report = run(regular, seq_len=64)
+    want, want_report = read_samples(regular, seq_len=64)
     assert got == want and report.fingerprint == want_report.fingerprint
 
 
@@ -191,7 +191,7 @@ def test_fifo_of_text_paragraphs(tmp_path, tok):  # noqa: F811
     fifo = tmp_path / "p"
     os.mkfifo(fifo)
     writer = _feed(fifo, b"the cat sat\n\non the mat\n")
-    got, _ = run(fifo, tok, seed=0)
+    got, _ = read_samples(fifo, tok, seed=0)
     writer.join(5)
     assert sorted(got) == sorted([[tok.bos_token_id, *tok.convert_tokens_to_ids(t.split())]
                                   for t in ("the cat sat", "on the mat")])
@@ -213,7 +213,7 @@ def test_process_substitution_of_a_gzip_file(tmp_path):
     out = subprocess.run(["bash", "-c", f'"{sys.executable}" -c "{code}" <(gzip -dc "{gz}")'],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    _, want = run(write_jsonl(tmp_path / "d.jsonl", ROWS), seq_len=64)
+    _, want = read_samples(write_jsonl(tmp_path / "d.jsonl", ROWS), seq_len=64)
     assert out.stdout.split() == [str(len(ROWS)), want.fingerprint]
 
 

@@ -19,8 +19,8 @@ from calib.cli import main
 from calib.engine import driver, metrics, protocol
 from calib.engine import verdict as honest
 from calib.engine.driver import EngineSpec
-from test_evaluate import _calibrate, _config, _setup, k_beyond_fp8_model
 from tiny import tiny_causal_lm
+from helpers import calibrate_small, eval_config, k_beyond_fp8_model, save_model_and_data
 
 FAKE = Path(__file__).resolve().parent / "fake_vllm_runner.py"
 VENV = Path(sys.executable).parent.parent
@@ -76,12 +76,12 @@ def measured(tmp_path_factory):
     """|K| beyond FP8's range. The fake engine refuses the default arm with vLLM's AVX2 message (as real vLLM
     does on this CPU) and runs the calibrated checkpoint through kvcalib's fake quantisation."""
     tmp = tmp_path_factory.mktemp("measured")
-    src, data = _setup(tmp, k_beyond_fp8_model(), "model")
-    ckpt = _calibrate(src, data, tmp / "ckpt")
+    src, data = save_model_and_data(tmp, k_beyond_fp8_model(), "model")
+    ckpt = calibrate_small(src, data, tmp / "ckpt")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(driver.RUNNER_ENV, str(FAKE))
         mp.setenv("FAKE_ENGINE", "refuse-default")
-        res = ev.run_eval(_config(src, data, tmp / "report", samples=8, scales=(str(ckpt),), engine=_spec(top_k=20)))
+        res = ev.run_eval(eval_config(src, data, tmp / "report", samples=8, scales=(str(ckpt),), engine=_spec(top_k=20)))
     return res, ckpt
 
 
@@ -132,7 +132,7 @@ def test_engine_numbers_decide_where_the_engine_ran(measured):
 
 
 def test_a_crashing_or_hanging_engine_costs_only_its_arm(tmp_path, monkeypatch):
-    src, _ = _setup(tmp_path, tiny_causal_lm("llama"), "model")
+    src, _ = save_model_and_data(tmp_path, tiny_causal_lm("llama"), "model")
     req = {"protocol": 1, "arm": {"name": "default", "model": str(src), "kv_cache_dtype": "fp8", "skip_layers": []},
            "samples": [[1, 2, 3]], "continuation_tokens": 1, "passkey": [], "passkey_tokens": 1, "stop_token_ids": [],
            "top_k": 2, "kv_gib": 1, "max_model_len": 8, "dtype": "float32", "seed": 0, "chunk": 1}
@@ -152,7 +152,7 @@ def test_an_unusable_engine_environment_is_one_line_before_any_work(tmp_path, to
     r = CliRunner().invoke(main, ["eval", "--engine", "vllm", "--vllm-venv", str(tmp_path), "--model", "x",
                                   "--data", str(token_data), "--out", str(tmp_path / "o")])
     assert r.exit_code != 0 and "no bin/python there" in r.output and "Traceback" not in r.output
-    src, data = _setup(tmp_path, tiny_causal_lm("llama"), "model")
+    src, data = save_model_and_data(tmp_path, tiny_causal_lm("llama"), "model")
     r = CliRunner().invoke(main, ["eval", "--engine", "vllm", "--vllm-venv", str(VENV), "--model", str(src),
                                   "--data", str(data), "--out", str(tmp_path / "o")], env={"FAKE_ENGINE": "missing"})
     assert r.exit_code != 0 and r.output.strip().endswith("cannot run: ModuleNotFoundError: No module named 'vllm'")
@@ -160,7 +160,7 @@ def test_an_unusable_engine_environment_is_one_line_before_any_work(tmp_path, to
 
 
 def test_cli_engine_eval(tmp_path):
-    src, data = _setup(tmp_path, tiny_causal_lm("llama"), "model")
+    src, data = save_model_and_data(tmp_path, tiny_causal_lm("llama"), "model")
     r = CliRunner().invoke(main, ["eval", "--model", str(src), "--data", str(data), "--buckets", "64", "--samples", "4",
                                   "--min-tokens", "8", "--no-plots", "--passkey-trials", "0", "--device", "cpu",
                                   "--engine", "vllm", "--engine-top-k", "5", "--out", str(tmp_path / "r")],

@@ -11,22 +11,20 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from calib import evaluate as ev
-from calib import emulate, pipeline, recipe as recipe_mod, report
+from calib import emulate, report
 from calib.engine import verdict as honest
 from calib.model import find_attention_layers
 from calib.observe import capture_kv
 from calib.quant import FP8_E4M3, INT8, fake_quant
-from test_passkey import SAMPLE_TEXT, train_tokenizer
 from tiny import random_sequences, tiny_causal_lm
+from helpers import SAMPLE_TEXT, boosted, calibrate_small, eval_config, k_beyond_fp8_model, save_model_and_data, train_tokenizer
 
 PNG = b"\x89PNG\r\n\x1a\n"
-SMALL_RECIPE = dict(samples=24, seq_len=64, min_tokens=8, batch_size=8)
 
 
 # ------------------------------------------------------------------------------ exact emulation of the formats
@@ -157,7 +155,7 @@ def test_hook_is_transparent_without_an_arm_and_always_unhooks():
 
 
 def test_batching_and_padding_do_not_change_the_numbers():
-    model = _boosted(tiny_causal_lm("llama", seed=1))
+    model = boosted(tiny_causal_lm("llama", seed=1))
     seqs = random_sequences(6, lo=6, hi=30, seed=9)
     samples = tuple(ev.Sample(i, tuple(s), 32) for i, s in enumerate(seqs))
     arm = ev.default_arm(ev.Geometry((0, 1, 2), 2, 16), FP8_E4M3)
@@ -218,21 +216,6 @@ def test_markdown_table_rejects_ragged_rows():
 
 # ------------------------------------------------------------------------------ end to end on tiny models
 
-def _boosted(model, factor: float = 10.0):
-    with torch.no_grad():
-        model.lm_head.weight.mul_(factor)
-    return model
-
-
-def k_beyond_fp8_model(scale_k: float = 3000.0, sharpness: float = 30.0):
-    """|K| reaches ~2000: k_proj x scale_k, q_proj / (scale_k / sharpness) so attention stays trained-model sharp."""
-    model = _boosted(tiny_causal_lm("llama", scale_k=scale_k))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.div_(scale_k / sharpness)
-    return model
-
-
 def pathological_layer(model, layer: int, factor: float = 1e3):
     """Same function, but in `layer` KV head 0's V is x factor and head 1's / factor (o_proj compensates), so a
     per-tensor scale fitted to head 0 flushes head 1 to zero: that layer alone breaks."""
@@ -245,32 +228,14 @@ def pathological_layer(model, layer: int, factor: float = 1e3):
     return model
 
 
-def _setup(tmp: Path, model, name: str) -> tuple[Path, Path]:
-    model.save_pretrained(tmp / name)
-    data = tmp / "tokens.jsonl"
-    if not data.exists():
-        data.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in random_sequences(64, lo=10, hi=60, seed=3)))
-    return tmp / name, data
-
-
-def _calibrate(src: Path, data: Path, out: Path, **overrides) -> Path:
-    r = recipe_mod.load(None).replace(**SMALL_RECIPE, **overrides)
-    return pipeline.calibrate(src, data, r, out, device="cpu").out
-
-
-def _config(src: Path, data: Path, out: Path, samples: int = 24, **kw) -> ev.EvalConfig:
-    return ev.EvalConfig(model=str(src), data=str(data), out=out, buckets=(16, 32, 64), samples=samples, min_tokens=8,
-                         batch_size=8, **kw)
-
-
 @pytest.fixture(scope="module")
 def k1000(tmp_path_factory):
     """One eval of the |K| ~ 2000 model: default, a calibrated vLLM checkpoint, and a statistics-only output."""
     tmp = tmp_path_factory.mktemp("k1000")
-    src, data = _setup(tmp, k_beyond_fp8_model(), "model")
-    ckpt = _calibrate(src, data, tmp / "ckpt")
-    stats = _calibrate(src, data, tmp / "stats", targets="", granularity="channel")
-    res = ev.run_eval(_config(src, data, tmp / "report", scales=(str(ckpt),), stats=str(stats)))
+    src, data = save_model_and_data(tmp, k_beyond_fp8_model(), "model")
+    ckpt = calibrate_small(src, data, tmp / "ckpt")
+    stats = calibrate_small(src, data, tmp / "stats", targets="", granularity="channel")
+    res = ev.run_eval(eval_config(src, data, tmp / "report", scales=(str(ckpt),), stats=str(stats)))
     return res, ckpt, stats, src, data
 
 
@@ -369,13 +334,13 @@ def test_existing_output_is_refused_unless_forced(k1000):
     from calib.outputs import OutputError
 
     with pytest.raises(OutputError, match="already exists"):
-        ev.run_eval(_config(src, data, res.out))
+        ev.run_eval(eval_config(src, data, res.out))
 
 
 def test_model_within_range_both_arms_close(tmp_path):
-    src, data = _setup(tmp_path, _boosted(tiny_causal_lm("llama")), "model")
-    ckpt = _calibrate(src, data, tmp_path / "ckpt")
-    res = ev.run_eval(_config(src, data, tmp_path / "report", samples=16, scales=(str(ckpt),), plots=False))
+    src, data = save_model_and_data(tmp_path, boosted(tiny_causal_lm("llama")), "model")
+    ckpt = calibrate_small(src, data, tmp_path / "ckpt")
+    res = ev.run_eval(eval_config(src, data, tmp_path / "report", samples=16, scales=(str(ckpt),), plots=False))
     arms = res.report["arms"]
     default, cal = arms["default"]["summary"], arms[f"calibrated:{ckpt}"]["summary"]
     assert all(r["k_saturated"] == 0 for r in arms["default"]["layers"].values())
@@ -388,10 +353,10 @@ def test_model_within_range_both_arms_close(tmp_path):
 
 
 def test_pathological_layer_is_named_with_the_skip_flag(tmp_path):
-    model = pathological_layer(_boosted(tiny_causal_lm("llama")), layer=1)
-    src, data = _setup(tmp_path, model, "model")
-    ckpt = _calibrate(src, data, tmp_path / "ckpt")
-    res = ev.run_eval(_config(src, data, tmp_path / "report", samples=16, scales=(str(ckpt),), plots=False))
+    model = pathological_layer(boosted(tiny_causal_lm("llama")), layer=1)
+    src, data = save_model_and_data(tmp_path, model, "model")
+    ckpt = calibrate_small(src, data, tmp_path / "ckpt")
+    res = ev.run_eval(eval_config(src, data, tmp_path / "report", samples=16, scales=(str(ckpt),), plots=False))
     arms, v = res.report["arms"], res.verdict
     cal = arms[f"calibrated:{ckpt}"]
     assert cal["layers"]["1"]["v_flushed"] > 0.4 and cal["layers"]["0"]["v_flushed"] < 0.01

@@ -9,54 +9,7 @@ from calib import observe
 from calib.model import find_attention_layers
 from calib.pipeline import batches
 from tiny import ARCHS, random_sequences, tiny_causal_lm
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-def _reference_kv(module, hidden: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
-    """K (after k-norm and RoPE, applied here by the test) and V of one attention module, [b, kvh, s, d]."""
-    b, s, _ = hidden.shape
-    kvh = module.config.num_key_value_heads
-    d = module.head_dim
-    if hasattr(module, "qkv_proj"):  # Phi-3: fused q|k|v
-        qkv = module.qkv_proj(hidden)
-        q_size = module.config.num_attention_heads * d
-        k, v = qkv[..., q_size:q_size + kvh * d], qkv[..., q_size + kvh * d:]
-    else:
-        k, v = module.k_proj(hidden), module.v_proj(hidden)
-    k = k.view(b, s, kvh, d)
-    if hasattr(module, "k_norm"):
-        k = module.k_norm(k)
-    k, v = k.transpose(1, 2), v.view(b, s, kvh, d).transpose(1, 2)
-    cos, sin = (t.unsqueeze(1) for t in position_embeddings)
-    rot = cos.shape[-1]
-    k_rot, k_pass = k[..., :rot], k[..., rot:]
-    k = torch.cat((k_rot * cos + _rotate_half(k_rot) * sin, k_pass), dim=-1)
-    return k, v
-
-
-def _reference_amax(model, seqs: list[list[int]]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer, per-head max |K|, |V| from the projections, one unpadded sequence at a time."""
-    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-
-    def pre_hook(module, args, kwargs):
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        k, v = _reference_kv(module, hidden, kwargs["position_embeddings"])
-        seen.setdefault(module.layer_idx, []).append((k.abs().amax(dim=(0, 2, 3)), v.abs().amax(dim=(0, 2, 3))))
-
-    attn = [m for m in model.modules() if "Attention" in type(m).__name__ and hasattr(m, "layer_idx")]
-    handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in attn]
-    try:
-        with torch.no_grad():
-            for s in seqs:
-                model(input_ids=torch.tensor([s]), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return {i: (torch.stack([k for k, _ in r]).amax(0), torch.stack([v for _, v in r]).amax(0)) for i, r in seen.items()}
+from helpers import reference_amax
 
 
 def _captured(model, seqs, batch_size: int) -> observe.Stats:
@@ -72,7 +25,7 @@ def _captured(model, seqs, batch_size: int) -> observe.Stats:
 def test_capture_matches_projection_plus_rope_reference(arch):
     model = tiny_causal_lm(arch)
     seqs = random_sequences(6, seed=1)
-    ref = _reference_amax(model, seqs)
+    ref = reference_amax(model, seqs)
     stats = _captured(model, seqs, batch_size=3)
     assert sorted(stats) == list(range(model.config.num_hidden_layers)) == sorted(ref)
     for i, s in stats.items():

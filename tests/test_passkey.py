@@ -2,35 +2,13 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from calib import passkey
 from tiny import tiny_causal_lm
-
-SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "data" / "sample_text.jsonl"
-
-
-def train_tokenizer(vocab_size: int = 1000, max_length: int = 256):
-    """A small byte-level BPE tokenizer (BOS added to every text) trained on the project's sample text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    texts = [json.loads(line)["text"] for line in SAMPLE_TEXT.read_text().splitlines() if line.strip()]
-    texts += [passkey.INTRO, passkey.FILLER * 4, passkey.NEEDLE.format(key="12345"), passkey.QUESTION]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   model_max_length=max_length)
-
+from helpers import train_tokenizer
 
 @pytest.fixture(scope="module")
 def tokenizer():

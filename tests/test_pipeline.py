@@ -6,26 +6,19 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from calib import data, pipeline
+from calib import pipeline
 from calib.recipe import Recipe
 from tiny import tiny_causal_lm
-from test_observe import _reference_amax
-
-
-def _used_sequences(data_path, recipe, vocab):
-    rep = data.DataReport()
-    return list(data.samples(data_path, None, seq_len=recipe.seq_len, max_samples=recipe.samples,
-                             min_tokens=recipe.min_tokens, pack=recipe.pack, seed=recipe.seed,
-                             vocab_size=vocab, report=rep)), rep
+from helpers import reference_amax, used_sequences
 
 
 def test_scales_equal_amax_over_exactly_the_tokens_used(tiny_llama_dir, token_data, tmp_path):
     recipe = Recipe(samples=10, seq_len=24, min_tokens=12, batch_size=3, seed=5)
     res = pipeline.calibrate(tiny_llama_dir, token_data, recipe, tmp_path / "out", device="cpu")
     assert res.model_dtype == "float32"
-    seqs, rep = _used_sequences(token_data, recipe, 257)
+    seqs, rep = used_sequences(token_data, recipe, 257)
     assert res.data.to_dict() == rep.to_dict() and rep.used == 10
-    ref = _reference_amax(tiny_causal_lm("llama"), seqs)  # same seed → same weights as the saved model
+    ref = reference_amax(tiny_causal_lm("llama"), seqs)  # same seed → same weights as the saved model
     with safe_open(tmp_path / "out" / "kv_scales.safetensors", "pt") as f:
         for i, (k_amax, v_amax) in ref.items():
             k = f.get_tensor(f"model.layers.{i}.self_attn.k_scale")

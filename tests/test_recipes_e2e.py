@@ -10,8 +10,7 @@ from safetensors.torch import load_file
 
 from calib import pipeline, recipe as recipe_mod, spec
 from tiny import tiny_causal_lm
-from test_observe import _reference_amax
-from test_pipeline import _used_sequences
+from helpers import reference_amax, rotate_half, used_sequences
 
 RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
 SMALL = dict(samples=8, seq_len=32, min_tokens=8, batch_size=4)
@@ -49,7 +48,7 @@ def test_every_shipped_recipe_runs(path, tiny_llama_dir, token_data, tmp_path):
 
 def test_per_head_scales_are_head_amax_over_448_in_vllm_layout(tiny_llama_dir, token_data, tmp_path):
     r, res = _run(tiny_llama_dir, token_data, tmp_path / "out", "fp8-head")
-    ref = _reference_amax(tiny_causal_lm("llama"), _used_sequences(token_data, r, 257)[0])
+    ref = reference_amax(tiny_causal_lm("llama"), used_sequences(token_data, r, 257)[0])
     t = _tensors(res.out)
     cfg = json.loads((res.out / "config.json").read_text())
     assert cfg["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
@@ -62,16 +61,15 @@ def test_per_head_scales_are_head_amax_over_448_in_vllm_layout(tiny_llama_dir, t
 
 def test_q_scale_is_max_q_after_rope_per_head(tiny_llama_dir, token_data, tmp_path):
     r, res = _run(tiny_llama_dir, token_data, tmp_path / "out", "fp8-head-q")
-    seqs = _used_sequences(token_data, r, 257)[0]
+    seqs = used_sequences(token_data, r, 257)[0]
     model = tiny_causal_lm("llama")
     q_max = {}
 
     def hook(module, args, kwargs):  # Q from the projection with RoPE applied here, independently
-        from test_observe import _rotate_half
         h = kwargs["hidden_states"]
         q = module.q_proj(h).view(*h.shape[:2], -1, module.head_dim).transpose(1, 2)
         cos, sin = (x.unsqueeze(1) for x in kwargs["position_embeddings"])
-        q = q * cos + _rotate_half(q) * sin
+        q = q * cos + rotate_half(q) * sin
         m = q.abs().amax(dim=(0, 2, 3))
         q_max[module.layer_idx] = torch.maximum(q_max.get(module.layer_idx, m), m)
 

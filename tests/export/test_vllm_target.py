@@ -1,6 +1,5 @@
 """vLLM export: weights byte-identical, index and config valid, nothing half-written on failure."""
 
-import hashlib
 import json
 
 import pytest
@@ -8,21 +7,12 @@ import torch
 from safetensors import safe_open
 
 from calib import export
-from calib.scales import LayerScales
-
-
-def _scales(n: int) -> dict[int, LayerScales]:
-    return {i: LayerScales(torch.tensor(0.01 * (i + 1)), torch.tensor(0.02 * (i + 1)), torch.ones(2), torch.ones(2))
-            for i in range(n)}
-
-
-def _sha(path):
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+from helpers import made_up_scales, sha256_file
 
 
 def test_export_layout(tiny_llama_dir, tmp_path):
-    out = export.export_vllm(tiny_llama_dir, tmp_path / "out", _scales(3), {"producer": "kvcalib"})
-    assert _sha(out / "model.safetensors") == _sha(tiny_llama_dir / "model.safetensors")
+    out = export.export_vllm(tiny_llama_dir, tmp_path / "out", made_up_scales(3), {"producer": "kvcalib"})
+    assert sha256_file(out / "model.safetensors") == sha256_file(tiny_llama_dir / "model.safetensors")
     cfg = json.loads((out / "config.json").read_text())
     src_cfg = json.loads((tiny_llama_dir / "config.json").read_text())
     assert {k: v for k, v in cfg.items() if k != "quantization_config"} == src_cfg
@@ -53,11 +43,11 @@ def test_sharded_source_keeps_its_index_entries(tmp_path):
     tiny_causal_lm("llama").save_pretrained(src, max_shard_size="100KB")
     shards = sorted(p.name for p in src.glob("model-*.safetensors"))
     assert len(shards) > 1
-    out = export.export_vllm(src, tmp_path / "out", _scales(3), {})
+    out = export.export_vllm(src, tmp_path / "out", made_up_scales(3), {})
     old = json.loads((src / export.INDEX_FILE).read_text())["weight_map"]
     new = json.loads((out / export.INDEX_FILE).read_text())["weight_map"]
     assert all(new[k] == v for k, v in old.items())
-    assert all(_sha(out / s) == _sha(src / s) for s in shards)
+    assert all(sha256_file(out / s) == sha256_file(src / s) for s in shards)
 
 
 def test_failure_mid_export_leaves_nothing(tiny_llama_dir, tmp_path, monkeypatch):
@@ -69,7 +59,7 @@ def test_failure_mid_export_leaves_nothing(tiny_llama_dir, tmp_path, monkeypatch
     from calib.outputs import OutputError
 
     with pytest.raises(OutputError, match=r"writing failed \(disk full\); nothing was written"):
-        export.export_vllm(tiny_llama_dir, tmp_path / "out", _scales(3), {})
+        export.export_vllm(tiny_llama_dir, tmp_path / "out", made_up_scales(3), {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
 
 
@@ -80,25 +70,25 @@ def test_existing_output_is_refused_unless_forced(tiny_llama_dir, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("user data")
     with pytest.raises(OutputError, match="already exists"):
-        export.export_vllm(tiny_llama_dir, out, _scales(3), {})
+        export.export_vllm(tiny_llama_dir, out, made_up_scales(3), {})
     with pytest.raises(OutputError, match=r"holds files kvcalib did not write \(keep.txt\)"):
-        export.export_vllm(tiny_llama_dir, out, _scales(3), {}, force=True)
+        export.export_vllm(tiny_llama_dir, out, made_up_scales(3), {}, force=True)
     assert (out / "keep.txt").read_text() == "user data"
     (out / "keep.txt").unlink()
-    export.export_vllm(tiny_llama_dir, out, _scales(3), {}, force=True)     # an empty folder is replaced
+    export.export_vllm(tiny_llama_dir, out, made_up_scales(3), {}, force=True)     # an empty folder is replaced
     assert (out / export.SCALES_FILE).is_file() and (out / MARKER).is_file()
-    export.export_vllm(tiny_llama_dir, out, _scales(3), {}, force=True)     # and so is our own output
+    export.export_vllm(tiny_llama_dir, out, made_up_scales(3), {}, force=True)     # and so is our own output
 
 
 def test_refuses_source_as_output_and_existing_scales(tiny_llama_dir, tmp_path):
     with pytest.raises(export.ExportError, match="source model directory"):
-        export.export_vllm(tiny_llama_dir, tiny_llama_dir, _scales(3), {}, force=True)
-    out = export.export_vllm(tiny_llama_dir, tmp_path / "once", _scales(3), {})
+        export.export_vllm(tiny_llama_dir, tiny_llama_dir, made_up_scales(3), {}, force=True)
+    out = export.export_vllm(tiny_llama_dir, tmp_path / "once", made_up_scales(3), {})
     cfg = json.loads((out / "config.json").read_text())
     del cfg["quantization_config"]
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(export.ExportError, match="already carries KV scale"):
-        export.export_vllm(out, tmp_path / "twice", _scales(3), {})
+        export.export_vllm(out, tmp_path / "twice", made_up_scales(3), {})
 
 
 def test_missing_shard_named_in_index_is_an_error(tmp_path):
@@ -107,5 +97,5 @@ def test_missing_shard_named_in_index_is_an_error(tmp_path):
     tiny_causal_lm("llama").save_pretrained(src, max_shard_size="100KB")
     next(src.glob("model-*.safetensors")).unlink()
     with pytest.raises(export.ExportError, match="not in"):
-        export.export_vllm(src, tmp_path / "out", _scales(3), {})
+        export.export_vllm(src, tmp_path / "out", made_up_scales(3), {})
     assert not (tmp_path / "out").exists()

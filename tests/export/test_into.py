@@ -1,6 +1,5 @@
 """Stacking KV scales onto weight-quantized checkpoints: weights byte-identical, configs merged."""
 
-import hashlib
 import json
 
 import torch
@@ -10,10 +9,7 @@ from safetensors.torch import load_file
 from calib.cli import main
 from calib.verify import verify
 from tiny import fp8_weight_checkpoint as _fp8_weight_checkpoint, tiny_causal_lm
-
-
-def _sha(p):
-    return hashlib.sha256(p.read_bytes()).hexdigest()
+from helpers import sha256_file
 
 
 def _modelopt_checkpoint(src, dst):
@@ -37,7 +33,7 @@ def test_kv_scales_onto_compressed_tensors_fp8_weights(tiny_llama_dir, token_dat
     r = _calibrate("--model", tiny_llama_dir, "--into", q, "--data", token_data, "--out", tmp_path / "out")
     assert r.exit_code == 0, r.output
     out = tmp_path / "out"
-    assert _sha(out / "model.safetensors") == _sha(q / "model.safetensors")
+    assert sha256_file(out / "model.safetensors") == sha256_file(q / "model.safetensors")
     after = json.loads((out / "config.json").read_text())["quantization_config"]
     assert {k: v for k, v in after.items() if k != "kv_cache_scheme"} == before
     assert after["kv_cache_scheme"]["type"] == "float" and after["kv_cache_scheme"]["num_bits"] == 8
@@ -55,7 +51,7 @@ def test_kv_scales_onto_a_modelopt_checkpoint_for_trtllm(tiny_llama_dir, token_d
     assert r.exit_code == 0, r.output
     hq = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())["quantization"]
     assert hq["quant_algo"] == "W4A16_AWQ" and hq["kv_cache_quant_algo"] == "FP8"
-    assert _sha(tmp_path / "out" / "model.safetensors") == _sha(q / "model.safetensors")
+    assert sha256_file(tmp_path / "out" / "model.safetensors") == sha256_file(q / "model.safetensors")
 
 
 def test_into_refuses_another_model_and_existing_kv_scales(tiny_llama_dir, token_data, tmp_path):

@@ -16,17 +16,12 @@ from safetensors.torch import load_file, save_file
 
 from calib import export
 from calib.export import trtllm
-from calib.scales import LayerScales
 from calib.verify import Problem, verify
+from helpers import made_up_scales
 
 N_LAYERS, KV_HEADS, HEADS = 3, 2, 4
 SCALES = export.SCALES_FILE
 HQ = trtllm.HF_QUANT_CONFIG
-
-
-def _scales(n=N_LAYERS, skip=()):
-    return {i: LayerScales(torch.tensor(0.01 * (i + 1)), torch.tensor(0.02 * (i + 1)), torch.ones(KV_HEADS),
-                           torch.ones(KV_HEADS)) for i in range(n) if i not in skip}
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +35,9 @@ def source(tmp_path_factory):
 @pytest.fixture(scope="module")
 def built(source, tmp_path_factory):
     base = tmp_path_factory.mktemp("built")
-    return {"vllm": export.export_vllm(source, base / "vllm", _scales(), {"producer": "kvcalib"}),
-            "trtllm": trtllm.export_trtllm(source, base / "trtllm", _scales(), {"producer": "kvcalib"}),
-            "trtllm-int8": trtllm.export_trtllm(source, base / "int8", _scales(), {}, kv_algo="INT8")}
+    return {"vllm": export.export_vllm(source, base / "vllm", made_up_scales(), {"producer": "kvcalib"}),
+            "trtllm": trtllm.export_trtllm(source, base / "trtllm", made_up_scales(), {"producer": "kvcalib"}),
+            "trtllm-int8": trtllm.export_trtllm(source, base / "int8", made_up_scales(), {}, kv_algo="INT8")}
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -300,7 +295,7 @@ def test_vllm_config_groups_key(vllm_ckpt):
 def test_vllm_skipped_layers_listed_in_provenance(source, tmp_path):
     """vLLM serves skipped layers in the model dtype (--kv-cache-dtype-skip-layers); their scales may be
     absent when kvcalib.json says so, otherwise CompressedTensorsKVCacheMethod.create_weights leaves 1.0."""
-    ckpt = export.export_vllm(source, tmp_path / "skip", _scales(skip=(2,)), {"recipe": {"skip_layers": [2]}})
+    ckpt = export.export_vllm(source, tmp_path / "skip", made_up_scales(skip=(2,)), {"recipe": {"skip_layers": [2]}})
     assert verify(ckpt) == []
     _edit_json(ckpt / export.PROVENANCE_FILE, lambda p: p.pop("recipe"))
     problems = verify(ckpt)

@@ -12,7 +12,7 @@ import torch
 from calib import export
 from calib.ckpt import formats, names
 from calib.ckpt.kvinfo import read_kv_info
-from calib.scales import LayerScales
+from helpers import made_up_scales
 
 
 @pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
@@ -56,17 +56,14 @@ def test_modelopt_shapes_read_alike():
     assert formats.modelopt_quantization({"quantization": [1]}) is None
 
 
-def _scales(n):
-    return {i: LayerScales(torch.tensor(0.5 + i), torch.tensor(0.25 + i), torch.ones(2), torch.ones(2))
-            for i in range(n)}
-
-
 @pytest.mark.parametrize("target", sorted(export.TARGETS))
 def test_every_target_writes_what_the_reader_reads(tiny_llama_dir, tmp_path, target):
-    out = export.target(target).write(tiny_llama_dir, tmp_path / target, _scales(3), {"producer": "kvcalib"})
+    out = export.target(target).write(tiny_llama_dir, tmp_path / target, made_up_scales(3), {"producer": "kvcalib"})
     info = read_kv_info(out)
     assert info.targets == [target]
-    assert {i: (s["k"], s["v"]) for i, s in info.scales.items()} == {i: ([0.5 + i], [0.25 + i]) for i in range(3)}
+    f32 = lambda x: float(torch.tensor(x))  # noqa: E731  (the scales are stored as float32)
+    assert {i: (s["k"], s["v"]) for i, s in info.scales.items()} == \
+        {i: ([f32(0.01 * (i + 1))], [f32(0.02 * (i + 1))]) for i in range(3)}
 
 
 def test_trtllm_refuses_a_flat_modelopt_source_that_declares_kv_quantization(tiny_llama_dir, tmp_path):
@@ -77,10 +74,10 @@ def test_trtllm_refuses_a_flat_modelopt_source_that_declares_kv_quantization(tin
         (src / names.HF_QUANT_CONFIG).write_text(json.dumps({"producer": {"name": "modelopt"}, "quant_algo": None,
                                                              "kv_cache_scheme": scheme}))
         with pytest.raises(export.ExportError, match="already declares kv_cache_quant_algo"):
-            export.export_trtllm(src, tmp_path / "out", _scales(3), {})
+            export.export_trtllm(src, tmp_path / "out", made_up_scales(3), {})
     (src / names.HF_QUANT_CONFIG).write_text(json.dumps({"quant_algo": None}))
     with pytest.raises(export.ExportError, match="nor a ModelOpt marker"):
-        export.export_trtllm(src, tmp_path / "out", _scales(3), {})
+        export.export_trtllm(src, tmp_path / "out", made_up_scales(3), {})
     assert not (tmp_path / "out").exists()
 
 

@@ -26,9 +26,9 @@ from calib.export import trtllm
 from calib.ckpt.kvinfo import read_kv_info
 from calib.cli import main
 from calib.fakequant import EvalError, Geometry, checkpoint_arms
-from calib.scales import LayerScales
 from calib.verify import verify
 from tiny import tiny_causal_lm
+from helpers import made_up_scales
 
 N = 3
 GEO = Geometry(tuple(range(N)), 2, 16)
@@ -47,18 +47,13 @@ json_values = st.recursive(
     max_leaves=12)
 
 
-def _scales():
-    return {i: LayerScales(torch.tensor(0.01 * (i + 1)), torch.tensor(0.02 * (i + 1)), torch.ones(2), torch.ones(2))
-            for i in range(N)}
-
-
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("foreign")
     src = base / "src"
     tiny_causal_lm("llama").save_pretrained(src)
-    out = {"vllm": export.export_vllm(src, base / "vllm", _scales(), {"producer": "kvcalib", "skipped_layers": []}),
-           "trtllm": trtllm.export_trtllm(src, base / "trtllm", _scales(), {"producer": "kvcalib"})}
+    out = {"vllm": export.export_vllm(src, base / "vllm", made_up_scales(), {"producer": "kvcalib", "skipped_layers": []}),
+           "trtllm": trtllm.export_trtllm(src, base / "trtllm", made_up_scales(), {"producer": "kvcalib"})}
     mo = base / "modelopt"
     shutil.copytree(src, mo)
     (mo / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
@@ -107,7 +102,7 @@ def _readers_hold(ckpt: Path) -> None:
 
 def _exporters_hold(ckpt: Path, tmp: Path) -> None:
     for call in (lambda: export.prepare_source(ckpt, tmp / "o1", quantized_ok=True),
-                 lambda: trtllm.export_trtllm(ckpt, tmp / "o2", _scales(), {})):
+                 lambda: trtllm.export_trtllm(ckpt, tmp / "o2", made_up_scales(), {})):
         try:
             call()
         except export.ExportError as e:

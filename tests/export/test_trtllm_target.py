@@ -2,8 +2,8 @@
 loader would otherwise turn into silent misbehaviour (see calib/export/trtllm.py for the engine source each rule
 comes from)."""
 
-import hashlib
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -13,21 +13,15 @@ from calib import __version__, export
 from calib.export import trtllm
 from calib.scales import LayerScales
 from calib.verify import verify
+from helpers import made_up_scales, sha256_file
 
-
-def _scales(n: int, *, skip=()) -> dict[int, LayerScales]:
-    return {i: LayerScales(torch.tensor(0.01 * (i + 1)), torch.tensor(0.02 * (i + 1)), torch.full((2,), 4.48 * (i + 1)),
-                           torch.full((2,), 8.96 * (i + 1)))
-            for i in range(n) if i not in skip}
-
-
-def _sha(path):
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+# per-head ranges 448x the scales: the FP8 saturation report has numbers to show
+_scales = partial(made_up_scales, amax_per_layer=(4.48, 8.96))
 
 
 def test_export_layout(tiny_llama_dir, tmp_path):
     out = trtllm.export_trtllm(tiny_llama_dir, tmp_path / "out", _scales(3), {"producer": "kvcalib"})
-    assert _sha(out / "model.safetensors") == _sha(tiny_llama_dir / "model.safetensors")
+    assert sha256_file(out / "model.safetensors") == sha256_file(tiny_llama_dir / "model.safetensors")
     # config.json is the source's, byte for byte: no quantization_config for TRT-LLM to trip over
     assert (out / "config.json").read_bytes() == (tiny_llama_dir / "config.json").read_bytes()
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
@@ -160,7 +154,7 @@ def test_sharded_source_keeps_its_shards_and_index_entries(tmp_path):
     old = json.loads((src / export.INDEX_FILE).read_text())["weight_map"]
     new = json.loads((out / export.INDEX_FILE).read_text())["weight_map"]
     assert all(new[k] == v for k, v in old.items())
-    assert all(_sha(out / s) == _sha(src / s) for s in shards)
+    assert all(sha256_file(out / s) == sha256_file(src / s) for s in shards)
     assert verify(out) == []
 
 

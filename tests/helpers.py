@@ -1,0 +1,190 @@
+"""Helpers shared by the test modules: reference computations, data writers, small calibration and eval
+runs, made-up scales. One home, so no test module imports another (tiny.py builds the tiny models and
+checkpoints; conftest.py holds the fixtures)."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from calib import data as D
+from calib import evaluate as ev
+from calib import passkey, pipeline, recipe as recipe_mod
+from calib.scales import LayerScales
+from tiny import random_sequences, tiny_causal_lm
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def made_up_scales(n: int = 3, *, skip=(), heads: int = 2,
+                   amax_per_layer: tuple[float, float] | None = None) -> dict[int, LayerScales]:
+    """Scales 0.01·(i+1) (K) and 0.02·(i+1) (V) for layers 0..n-1 but `skip`; per-head ranges of `heads` ones,
+    or `amax_per_layer` (k, v) times (i+1)."""
+    def amax(i: int, which: int) -> torch.Tensor:
+        return torch.ones(heads) if amax_per_layer is None else torch.full((heads,), amax_per_layer[which] * (i + 1))
+
+    return {i: LayerScales(torch.tensor(0.01 * (i + 1)), torch.tensor(0.02 * (i + 1)), amax(i, 0), amax(i, 1))
+            for i in range(n) if i not in skip}
+
+
+# ------------------------------------------------------------------ capture references (K/V from the projections)
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def reference_kv(module, hidden: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    """K (after k-norm and RoPE, applied here by the test) and V of one attention module, [b, kvh, s, d]."""
+    b, s, _ = hidden.shape
+    kvh = module.config.num_key_value_heads
+    d = module.head_dim
+    if hasattr(module, "qkv_proj"):  # Phi-3: fused q|k|v
+        qkv = module.qkv_proj(hidden)
+        q_size = module.config.num_attention_heads * d
+        k, v = qkv[..., q_size:q_size + kvh * d], qkv[..., q_size + kvh * d:]
+    else:
+        k, v = module.k_proj(hidden), module.v_proj(hidden)
+    k = k.view(b, s, kvh, d)
+    if hasattr(module, "k_norm"):
+        k = module.k_norm(k)
+    k, v = k.transpose(1, 2), v.view(b, s, kvh, d).transpose(1, 2)
+    cos, sin = (t.unsqueeze(1) for t in position_embeddings)
+    rot = cos.shape[-1]
+    k_rot, k_pass = k[..., :rot], k[..., rot:]
+    k = torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), dim=-1)
+    return k, v
+
+
+def reference_amax(model, seqs: list[list[int]]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer, per-head max |K|, |V| from the projections, one unpadded sequence at a time."""
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def pre_hook(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        k, v = reference_kv(module, hidden, kwargs["position_embeddings"])
+        seen.setdefault(module.layer_idx, []).append((k.abs().amax(dim=(0, 2, 3)), v.abs().amax(dim=(0, 2, 3))))
+
+    attn = [m for m in model.modules() if "Attention" in type(m).__name__ and hasattr(m, "layer_idx")]
+    handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in attn]
+    try:
+        with torch.no_grad():
+            for s in seqs:
+                model(input_ids=torch.tensor([s]), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {i: (torch.stack([k for k, _ in r]).amax(0), torch.stack([v for _, v in r]).amax(0)) for i, r in seen.items()}
+
+
+def used_sequences(data_path, recipe, vocab):
+    """The token sequences a calibration with `recipe` uses, and the data report (the pipeline's own reader)."""
+    rep = D.DataReport()
+    return list(D.samples(data_path, None, seq_len=recipe.seq_len, max_samples=recipe.samples,
+                          min_tokens=recipe.min_tokens, pack=recipe.pack, seed=recipe.seed,
+                          vocab_size=vocab, report=rep)), rep
+
+
+# ------------------------------------------------------------------ data files
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def write_json(path: Path, rows: list[dict]) -> Path:
+    path.write_text(json.dumps(rows, ensure_ascii=False, indent=1), encoding="utf-8")
+    return path
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    cols = list(rows[0])
+    with path.open("w", encoding="utf-8", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()})
+    return path
+
+
+def read_samples(source, tokenizer=None, *, seq_len=64, max_samples=10**6, min_tokens=1, pack=False, seed=0,
+        vocab_size=None):
+    report = D.DataReport()
+    seqs = list(D.samples(source, tokenizer, seq_len=seq_len, max_samples=max_samples, min_tokens=min_tokens,
+                          pack=pack, seed=seed, vocab_size=vocab_size, report=report))
+    return seqs, report
+
+
+# ------------------------------------------------------------------ tokenizer trained on the project's sample text
+
+SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "data" / "sample_text.jsonl"
+
+
+def train_tokenizer(vocab_size: int = 1000, max_length: int = 256):
+    """A small byte-level BPE tokenizer (BOS added to every text) trained on the project's sample text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [json.loads(line)["text"] for line in SAMPLE_TEXT.read_text().splitlines() if line.strip()]
+    texts += [passkey.INTRO, passkey.FILLER * 4, passkey.NEEDLE.format(key="12345"), passkey.QUESTION]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   model_max_length=max_length)
+
+
+# ------------------------------------------------------------------ evaluation on tiny models
+
+SMALL_RECIPE = dict(samples=24, seq_len=64, min_tokens=8, batch_size=8)
+
+
+def boosted(model, factor: float = 10.0):
+    with torch.no_grad():
+        model.lm_head.weight.mul_(factor)
+    return model
+
+
+def k_beyond_fp8_model(scale_k: float = 3000.0, sharpness: float = 30.0):
+    """|K| reaches ~2000: k_proj x scale_k, q_proj / (scale_k / sharpness) so attention stays trained-model sharp."""
+    model = boosted(tiny_causal_lm("llama", scale_k=scale_k))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.div_(scale_k / sharpness)
+    return model
+
+
+def save_model_and_data(tmp: Path, model, name: str) -> tuple[Path, Path]:
+    model.save_pretrained(tmp / name)
+    data = tmp / "tokens.jsonl"
+    if not data.exists():
+        data.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in random_sequences(64, lo=10, hi=60, seed=3)))
+    return tmp / name, data
+
+
+def calibrate_small(src: Path, data: Path, out: Path, **overrides) -> Path:
+    r = recipe_mod.load(None).replace(**SMALL_RECIPE, **overrides)
+    return pipeline.calibrate(src, data, r, out, device="cpu").out
+
+
+def eval_config(src: Path, data: Path, out: Path, samples: int = 24, **kw) -> ev.EvalConfig:
+    return ev.EvalConfig(model=str(src), data=str(data), out=out, buckets=(16, 32, 64), samples=samples, min_tokens=8,
+                         batch_size=8, **kw)
