@@ -5,7 +5,7 @@
 set -uo pipefail
 res=${1:?RESULTS_DIR}; shift
 mkdir -p "$res"
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 ck=/tmp/kvcalib-ck
 # kvcalib runs the engine as <venv>/bin/python; the image's python3 (with PYTHONPATH) is that environment here.
 mkdir -p /tmp/vllm-env/bin

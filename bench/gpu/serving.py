@@ -121,6 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--arm", help=argparse.SUPPRESS)  # internal: run one arm in this process
     args = p.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    # no flashinfer in the trimmed install (bench/gpu/vllm_setup.sh); the engine processes inherit this
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     model = write_model(Path(tempfile.gettempdir()) / "llama31-8b-shape")
     if args.arm:
         args.out.write_text(json.dumps(run_arm(model, args.arm, args), indent=1))

