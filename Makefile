@@ -1,6 +1,7 @@
 # kvcalib — every target builds its own environment on first use and reuses it afterwards.
 #   make calibrate [MODEL=dir|hub-id] [DATA=path|hub-id] [RECIPE=name|file.yaml] [OUT=dir] [SAMPLES=n] [SEQ_LEN=n]
 #                  [TARGET=vllm,trtllm]
+#   make tune      [MODEL=...] [DATA=...] [EVAL_DATA=...]   choose the recipe from measurements
 #   make test            fast CPU suite
 #   make engine-test     real vLLM (CPU build, own venv) loads the exported checkpoint
 # GPU users: make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" calibrate
@@ -26,7 +27,7 @@ CAL_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(if $(
 	$(if $(OUT),--out $(OUT)) $(if $(SAMPLES),--samples $(SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) \
 	$(if $(TARGET),--target $(TARGET))
 
-.PHONY: install calibrate eval baseline-llmc inspect test test-all engine-test engine-venv bad-input-table clean
+.PHONY: install calibrate tune eval baseline-llmc inspect test test-all engine-test engine-venv bad-input-table clean
 
 install: $(STAMP)
 
@@ -40,6 +41,13 @@ $(STAMP): pyproject.toml
 
 calibrate: $(STAMP)
 	$(BIN)/kvcalib calibrate $(CAL_ARGS) $(ARGS)
+
+# make tune [MODEL=...] [DATA=cal] [EVAL_DATA=held-out] [TARGET=vllm|trtllm] [OUT=dir] [STATS=dir] [ENGINE=vllm]
+#           [ARGS="--budget-minutes 5 --max-skip 3"]   search the recipes TARGET loads, write the best checkpoint
+tune: $(STAMP) $(if $(ENGINE),$(VLLM_STAMP))
+	$(BIN)/kvcalib tune $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(if $(EVAL_DATA),--eval-data $(EVAL_DATA)) \
+	$(if $(TARGET),--target $(TARGET)) $(if $(OUT),--out $(OUT)) $(if $(STATS),--stats $(STATS)) \
+	$(if $(ENGINE),--engine $(ENGINE) --vllm-venv $(VLLM_VENV)) $(ARGS)
 
 # make eval [MODEL=...] [DATA=...] [SCALES="ckpt1 ckpt2"] [STATS=dir] [OUT=dir] [ENGINE=vllm [VLLM_VENV=dir]]
 #           [ARGS="--buckets 512,2048"]     ENGINE=vllm also measures every arm in real vLLM (its own venv)

@@ -512,5 +512,9 @@ def recipes_show(name: str) -> None:
         click.echo(f"{key}: {json.dumps(value)}    # {docs[key]}")
 
 
+from .tune.cli import tune as _tune  # noqa: E402  (the command lives in its own module: cli.py stays short)
+
+main.add_command(_tune)
+
 if __name__ == "__main__":
     main()

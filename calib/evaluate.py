@@ -208,6 +208,16 @@ class Session:
         return next(self.lm.parameters()).device
 
 
+def open_session(lm: torch.nn.Module, hook: FakeQuantKV, tokenizer: Any, samples: Sequence[Sample],
+                 buckets: Sequence[int], batch_size: int = 4, failures: int = 3) -> tuple[Session, str | None]:
+    """A measuring session inside `fake_quant_kv(lm)` (the LM head checked once against the model's own
+    logits) and the note when it had to fall back to full logits."""
+    head = _Head(lm)
+    note = head.verify(samples[0].ids)
+    pad = getattr(tokenizer, "pad_token_id", None) or 0
+    return Session(lm, hook, head, tokenizer, tuple(samples), tuple(buckets), batch_size, pad, failures), note
+
+
 def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -240,6 +250,7 @@ class _Acc:
     def __init__(self, buckets: int, device: torch.device, samples: int = 0) -> None:
         self.sums = torch.zeros(4, buckets, dtype=torch.float64, device=device)
         self.sample_nll = torch.zeros(samples, dtype=torch.float64, device=device)   # per sample (noise estimates)
+        self.sample_kl = torch.zeros(samples, dtype=torch.float64, device=device)
         self.meter, self.worst, self.seconds = Meter(), [], 0.0
 
     def track(self, s: Session, group: Sequence[Sample], valid: torch.Tensor, kl: torch.Tensor,
@@ -327,6 +338,7 @@ def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
             kl, agree, nll, top = _chunked(s.head, h_ref, s.head.features(ids, mask)[:, :-1][valid], tgt)
             acc.sums.index_add_(1, where, torch.stack([torch.ones_like(kl), kl, agree.to(kl.dtype), nll]).double())
             acc.sample_nll.index_add_(0, which, nll.double())
+            acc.sample_kl.index_add_(0, which, kl.double())
             acc.track(s, group, valid, kl, ref_top, top)
             acc.seconds += _clock(dev) - t0
             if stage is not None:
@@ -344,6 +356,7 @@ def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
         acc = accs[arm.name]
         table, total = _bucket_table(s, acc.sums, ref_sums[1])
         out[arm.name] = {**arm.describe(), "buckets": table, "summary": total, "sample_nll": acc.sample_nll.tolist(),
+                         "sample_kl": acc.sample_kl.tolist(),
                          "layers": acc.meter.read(),
                          "failures": acc.worst, "seconds": {"metrics": acc.seconds}}
     return ref, out
@@ -446,11 +459,8 @@ def _run_eval(cfg: EvalConfig, log: Log, progress: Progress, t_start: float) -> 
     ref_arm = reference_arm(loaded.dtype)
     log(f"eval: emulating {emulation.line()}")
     with fake_quant_kv(lm, emulation) as hook, torch.inference_mode():
-        head = _Head(lm)
-        note = head.verify(samples[0].ids)
+        s, note = open_session(lm, hook, tok, samples, buckets, cfg.batch_size, cfg.failures)
         notes += [note] if note else []
-        pad = getattr(tok, "pad_token_id", None) or 0
-        s = Session(lm, hook, head, tok, tuple(samples), buckets, cfg.batch_size, pad, cfg.failures)
         with _metrics_stage(progress, "emulation", samples, len(arms) + 1) as stage:
             ref, results = measure(s, arms, ranges=True, stage=stage)
         by_name_ = {a.name: a for a in arms}

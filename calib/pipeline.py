@@ -160,9 +160,11 @@ def stats_header(prov: dict[str, Any], source: Path) -> dict[str, Any]:
 
 
 def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCapture, scales: scales_mod.Scales,
-                  prov: dict[str, Any], *, force: bool, overwrite_kv: bool = False) -> Path:
+                  prov: dict[str, Any], *, force: bool, overwrite_kv: bool = False,
+                  extra_files: dict[str, str] | None = None) -> Path:
     """One target → OUT is that checkpoint; several → OUT/<target> each (weights hard-linked between them);
-    no target → OUT holds the statistics only (stats.safetensors + kvcalib.json)."""
+    no target → OUT holds the statistics only (stats.safetensors + kvcalib.json). `extra_files` ({name: text},
+    one target only) are written into OUT in the same atomic step."""
     targets = list(recipe.targets)
     if not targets:
         with outputs.atomic_dir(out, force, kind="statistics") as tmp:
@@ -170,13 +172,16 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCa
             (tmp / PROVENANCE_FILE).write_text(json.dumps({**prov, "target": None}, indent=2) + "\n")
         return out
 
-    def one(target: str, path: Path, force_one: bool) -> Path:
+    if extra_files and len(targets) != 1:
+        raise export.ExportError("extra files go into a single-target checkpoint only")
+
+    def one(target: str, path: Path, force_one: bool, extra: dict[str, str] | None = None) -> Path:
         how = export.WriteOptions(dtype=recipe.kv_dtype, granularity=recipe.scale_granularity, force=force_one,
-                                  overwrite_kv=overwrite_kv)
+                                  overwrite_kv=overwrite_kv, extra_files=extra)
         return export.target(target).write(source, path, scales, prov, how)
 
     if len(targets) == 1:
-        return one(targets[0], out, force)
+        return one(targets[0], out, force, extra_files)
     with outputs.atomic_dir(out, force) as tmp:
         for t in targets:
             one(t, tmp / t, False)

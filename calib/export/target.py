@@ -22,6 +22,7 @@ class WriteOptions:
     granularity: Granularity = PerTensor()  # the recipe's granularity (calib.granularity)
     force: bool = False              # replace an earlier kvcalib output at OUT
     overwrite_kv: bool = False       # the source carries KV scales already: replace them
+    extra_files: dict[str, str] | None = None   # {name: text} written beside the checkpoint in the same step
 
 
 class Target:

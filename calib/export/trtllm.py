@@ -146,7 +146,7 @@ def _scalar(t: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def export_trtllm(source: Path, out: Path, scales: Scales, provenance: dict[str, Any], *, kv_algo: str = "FP8",
-                  force: bool = False) -> Path:
+                  force: bool = False, extra_files: dict[str, str] | None = None) -> Path:
     """Write the TensorRT-LLM variant of `source` with `scales` to `out`; returns `out`.
 
     `scales` must cover every layer (TRT-LLM cannot keep some layers out of a quantized KV cache) and hold
@@ -196,7 +196,7 @@ def export_trtllm(source: Path, out: Path, scales: Scales, provenance: dict[str,
             str(i): max(float(tensors[trtllm_scale_names(i)[0]]), float(tensors[trtllm_scale_names(i)[1]]))
             for i in sorted(scales)}
     return write_variant(prepared, out, tensors, None, prov, force=force,
-                         extra_files={HF_QUANT_CONFIG: json.dumps(hf_quant, indent=2) + "\n"})
+                         extra_files={**(extra_files or {}), HF_QUANT_CONFIG: json.dumps(hf_quant, indent=2) + "\n"})
 
 
 class TrtllmTarget(Target):
@@ -209,7 +209,7 @@ class TrtllmTarget(Target):
             raise ExportError(f"KV dtype {options.dtype.name!r} has no TensorRT-LLM kv_cache_quant_algo; use one "
                               f"of {sorted(d.name for d in ALGO_OF_DTYPE)}")
         return export_trtllm(source, out, scales, provenance, kv_algo=ALGO_OF_DTYPE[options.dtype],
-                             force=options.force)
+                             force=options.force, extra_files=options.extra_files)
 
 
 TARGET = TrtllmTarget()

@@ -58,7 +58,7 @@ def _vllm_tensor(scale: torch.Tensor, strategy: str) -> torch.Tensor:
 
 
 def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, Any], *, strategy: str = "tensor",
-                force: bool = False, overwrite_kv: bool = False) -> Path:
+                force: bool = False, overwrite_kv: bool = False, extra_files: dict[str, str] | None = None) -> Path:
     """Write the vLLM (compressed-tensors) variant of `source` with `scales` to `out`; returns `out`.
     `strategy` is `tensor` (scales of shape []) or `attn_head` (scales of shape [kv_heads]).
 
@@ -76,7 +76,8 @@ def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, A
     qc = prepared.config.get("quantization_config")
     qc = formats.ct_quantization_config(strategy) if qc is None else formats.ct_with_kv_scheme(qc, strategy)
     config = dict(prepared.config, quantization_config=qc)
-    return write_variant(prepared, out, tensors, config, {**provenance, "target": "vllm"}, force=force)
+    return write_variant(prepared, out, tensors, config, {**provenance, "target": "vllm"}, force=force,
+                         extra_files=extra_files)
 
 
 class VllmTarget(Target):
@@ -88,7 +89,7 @@ class VllmTarget(Target):
     def write(self, source: Path, out: Path, scales: Scales, provenance: dict[str, Any],
               options: WriteOptions = WriteOptions()) -> Path:
         return export_vllm(source, out, scales, provenance, strategy=self.strategies[options.granularity.name],
-                           force=options.force, overwrite_kv=options.overwrite_kv)
+                           force=options.force, overwrite_kv=options.overwrite_kv, extra_files=options.extra_files)
 
 
 TARGET = VllmTarget()

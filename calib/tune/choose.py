@@ -1,0 +1,96 @@
+"""The decision of `kvcalib tune`, and the plain statement of whether scales mattered at all.
+
+The rule (written into tune.json and tune.md so it can be checked and re-argued):
+1. a candidate qualifies when it is within the quality bar in every length bucket (`report.failures`:
+   worst-bucket KL <= --max-kl, perplexity rise <= --max-ppl-increase; on the engine's numbers where the
+   engine measured it);
+2. among qualifying candidates, the fewest skipped layers (the most KV memory saved: every FP8/INT8 layer
+   stores one byte per value);
+3. among those, the candidates whose perplexity is within noise of the lowest-KL one (paired over held-out
+   samples, calib/tune/score.py) are ties; a tie goes to the recipe every backend applies as written
+   (per-tensor, no q_scale), then the simplest observer, then the least headroom, then the lowest KL;
+4. nothing qualifies: keep the model-dtype ("BF16") KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import report
+from ..engine.verdict import decisive
+from . import score, space
+
+
+def kl(entry: dict[str, Any]) -> float:
+    return decisive(entry)[0]["summary"]["max_bucket_kl"]
+
+
+def rows(found: Any, th: report.Thresholds, layers: int, ref_bytes: int, baseline: str) -> list[dict[str, Any]]:
+    """One row per candidate: its recipe, memory saved, numbers, why it misses the bar, and vs the default."""
+    ref, base = found.ref, found.entries.get(baseline)
+    tokens = ref["sample_tokens"] if ref else []
+    out = []
+    for c in found.candidates:
+        e = found.entry(c.name)
+        row = {**c.to_dict(), "memory_saved": space.memory_saved(c, layers, ref_bytes),
+               "measured_as": found.measured_as.get(c.name), "scored": e is not None}
+        if e is not None:
+            nums, source = decisive(e)
+            row.update(numbers=source, summary=nums["summary"], buckets=nums["buckets"],
+                       emulated=score.slim(e), failures=report.failures(e, ref, th))
+            if base is not None:
+                row["vs_default"] = score.compare(e, base, tokens)
+        out.append(row)
+    return out
+
+
+def choose(found: Any, table: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row the rule picks, or None (keep the model-dtype KV cache)."""
+    ok = [r for r in table if r["scored"] and not r["failures"]]
+    if not ok:
+        return None
+    fewest = min(len(r["skip"]) for r in ok)
+    group = [r for r in ok if len(r["skip"]) == fewest]
+    best = min(group, key=lambda r: r["summary"]["max_bucket_kl"])
+    tokens = found.ref["sample_tokens"]
+    best_entry = found.entry(best["name"])
+
+    def tied(r: dict[str, Any]) -> bool:
+        return r is best or not score.compare(found.entry(r["name"]), best_entry, tokens)["measurable"]
+
+    by_name = {c.name: c for c in found.candidates}
+    return min((r for r in group if tied(r)),
+               key=lambda r: (-by_name[r["name"]].breadth(), by_name[r["name"]].simplicity(),
+                              r["summary"]["max_bucket_kl"]))
+
+
+def scales_matter(found: Any, table: list[dict[str, Any]], ranges: dict[str, float], baseline: str) -> dict[str, Any]:
+    """Whether any calibrated recipe (no skips) differs measurably from the default scale 1.0, and why."""
+    full = [r for r in table if r["scored"] and not r["skip"] and "vs_default" in r]
+    base = found.entries.get(baseline)
+    n = found.ref and len(found.ref["sample_tokens"])
+    inside = ranges["k_amax"] <= 448 and ranges["v_amax"] <= 448
+    fact = (f"max |K| = {ranges['k_amax']:.4g}, max |V| = {ranges['v_amax']:.4g} over the calibration data; FP8 "
+            f"e4m3 holds +-448, and inside its normal range the rounding error does not depend on the scale")
+    if not full or base is None:
+        return {"measurable": None, "text": "not measured (the budget ran out before the candidates were scored)",
+                **ranges}
+    better = [r for r in full if r["vs_default"]["better"]]
+    worse = [r for r in full if r["vs_default"]["worse"]]
+    kl_noise = max(r["vs_default"]["kl"]["noise"] for r in full)
+    nll_noise = max(r["vs_default"]["nll"]["noise"] for r in full)
+    how = (f"paired over {n} held-out samples, 2 standard errors: up to {kl_noise:.2g} nats/token of KL and "
+           f"{nll_noise:.2g} of NLL")
+    if not better:
+        text = (f"scales make no measurable difference here: no calibrated recipe beats the default scale 1.0 by "
+                f"more than the noise ({how}); {fact}" + (" — these values stay inside it." if inside else "."))
+        if worse:
+            text += f" {len(worse)} recipe(s) are measurably worse than 1.0 (e.g. {worse[0]['name']})."
+    else:
+        top = min(better, key=lambda r: r["vs_default"]["kl"]["delta_per_token"])
+        d = top["vs_default"]["kl"]
+        text = (f"calibrated scales matter: {top['name']} has {-d['delta_per_token']:.3g} nats/token less KL than the "
+                f"default scale 1.0 (noise {d['noise']:.2g}; {len(better)} of {len(full)} recipes measurably "
+                f"better; {how}); {fact}" + (" — values beyond it saturate at scale 1.0." if not inside else "."))
+    return {"measurable": bool(better), "better": [r["name"] for r in better], "worse": [r["name"] for r in worse],
+            "text": text, **ranges}

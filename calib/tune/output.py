@@ -1,0 +1,243 @@
+"""What `kvcalib tune` leaves in OUT: the chosen checkpoint, written exactly as `calibrate` writes it, with
+the whole search beside it (tune.json: every candidate with its numbers; tune.md: the table; tune.svg: quality
+against KV memory saved) — or, when nothing qualifies, only the search and the advice to keep BF16 KV.
+
+Why through `pipeline.write_outputs`: the checkpoint must be the one `calibrate` (or `export --stats` on the
+same statistics) would produce for the chosen recipe — the same exporters, provenance, marker, temporary
+folder and rename. The search files travel in the same atomic step (`extra_files`), so OUT never exists
+without its record.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import shlex
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from .. import __version__, data as data_mod, outputs, pipeline, report
+from .. import model as model_mod
+from .. import scales as scales_mod
+from . import choose as choose_mod
+from .search import BASELINE, Search, TuneConfig, ranking
+
+_REF_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+JSON, MD, SVG = "tune.json", "tune.md", "tune.svg"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    out: Path
+    chosen: dict[str, Any] | None
+    serve: str | None
+    headline: str
+    doc: dict[str, Any]
+    seconds: float
+
+
+def _ref_bytes(source: Path) -> int:
+    cfg = json.loads((source / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+    return _REF_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
+
+
+def _ranges(st: Any) -> dict[str, float]:
+    stats = st.any().stats()
+    return {"k_amax": max(float(s.k_amax.max()) for s in stats.values()),
+            "v_amax": max(float(s.v_amax.max()) for s in stats.values()),
+            "layers_over_448": sorted(i for i, s in stats.items() if float(max(s.k_amax.max(), s.v_amax.max())) > 448)}
+
+
+def serve_command(target: str, out: Path, skip: list[int]) -> str:
+    path = shlex.quote(str(out))
+    if target == "trtllm":
+        return f"trtllm-serve {path}"
+    flag = f" --kv-cache-dtype-skip-layers {' '.join(map(str, skip))}" if skip else ""
+    return f"vllm serve {path} --kv-cache-dtype fp8{flag}"
+
+
+def _config(cfg: TuneConfig) -> dict[str, Any]:
+    out = {}
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = (v.to_dict() if hasattr(v, "to_dict") else str(v) if isinstance(v, Path)
+                       else list(v) if isinstance(v, tuple) else vars(v) if f.name == "engine" and v else v)
+    if cfg.engine is not None:
+        out["engine"] = {k: str(x) if isinstance(x, Path) else x for k, x in vars(cfg.engine).items()}
+    out.update(emulate=cfg.emulation, max_skip=cfg.skips)
+    return out
+
+
+def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any, held: dict[str, Any],
+             seconds: float) -> dict[str, Any]:
+    th = cfg.thresholds
+    layers = len(loaded.attention_layers)
+    table = choose_mod.rows(found, th, layers, _ref_bytes(source), BASELINE)
+    chosen = choose_mod.choose(found, table)
+    matter = choose_mod.scales_matter(found, table, _ranges(st), BASELINE)
+    base = found.entries.get(BASELINE)
+    stats_info = {k: {"recipe": sf.header.get("recipe"), "data": sf.header.get("data")} for k, sf in st.files.items()}
+    return {
+        "producer": "kvcalib tune", "version": __version__, "argv": sys.argv[1:], "config": _config(cfg),
+        "model": str(cfg.model), "model_dtype": str(loaded.dtype).removeprefix("torch."), "layers": layers,
+        "kv_bytes_reference": _ref_bytes(source), "target": cfg.target,
+        "statistics": {**st.origin, "files": stats_info}, "held_out": held, "thresholds": th.to_dict(),
+        "rule": choose_mod.__doc__.split("The rule", 1)[1].split("\n", 1)[1].strip(),
+        "reference": None if found.ref is None else {k: found.ref[k] for k in ("buckets", "summary", "sample_tokens")},
+        "baseline": None if base is None else {"name": BASELINE, "summary": base["summary"], "buckets": base["buckets"],
+                                               "sample_nll": base["sample_nll"], "sample_kl": base["sample_kl"],
+                                               "failures": report.failures(base, found.ref, th)},
+        "candidates": table,
+        "sensitivity": {"base": found.sensitivity_base, "kl_only_this_layer": {str(i): v for i, v in
+                                                                               found.sensitivity.items()},
+                        "ranking": ranking(found.sensitivity), "samples": cfg.sensitivity_samples},
+        "scales_matter": matter,
+        "choice": {"candidate": chosen and chosen["name"], "action": "ship" if chosen else "keep_reference",
+                   "serve": serve_command(cfg.target, Path(cfg.out), chosen["skip"]) if chosen else None},
+        "budget": {"minutes": cfg.budget_minutes, "stopped": found.stopped, "not_scored": found.not_scored},
+        "measuring_passes": found.passes, "seconds": seconds,
+    }
+
+
+def headline(doc: dict[str, Any]) -> str:
+    c = doc["choice"]
+    if c["candidate"] is None:
+        why = "nothing qualifies under the quality bar" if doc["candidates"] else "no candidate"
+        return f"keep BF16 KV: {why} (max KL {doc['thresholds']['max_kl']:g}, " \
+               f"ppl +{100 * doc['thresholds']['max_ppl_increase']:g}%)"
+    row = next(r for r in doc["candidates"] if r["name"] == c["candidate"])
+    return (f"chosen: {row['name']} — {row['support']}; KV memory saved {100 * row['memory_saved']:.1f}%, "
+            f"worst-bucket KL {row['summary']['max_bucket_kl']:.3g}, ppl {100 * row['summary']['ppl_rel']:+.2f}% "
+            f"({row['numbers']})")
+
+
+def _finite(x: Any) -> Any:
+    """JSON without NaN/Infinity (strict readers refuse them): non-finite numbers become null."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _cell(x: Any, fmt: str = ".3g") -> str:
+    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    buckets = doc["held_out"]["buckets"]
+    lines = [f"# kvcalib tune: {doc['model']} for {doc['target']}", "", f"**{headline(doc)}**", "",
+             doc["scales_matter"]["text"], ""]
+    if doc["choice"]["serve"]:
+        lines += ["```", doc["choice"]["serve"], "```", ""]
+    if doc["budget"]["stopped"]:
+        lines += [f"Stopped early: {doc['budget']['stopped']}; not scored: {len(doc['budget']['not_scored'])}.", ""]
+    head = ["candidate", "support", "KV saved", "worst KL", "ppl", "top-1",
+            *(f"KL <= {b}" for b in buckets), "vs scale 1.0 (nats/token, ± noise)", "verdict"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base = doc["baseline"]
+    if base:
+        s = base["summary"]
+        lines.append("| " + " | ".join([BASELINE, "any FP8 KV engine", "50%" if doc["kv_bytes_reference"] == 2 else "",
+                                         _cell(s["max_bucket_kl"]), f"{100 * s['ppl_rel']:+.2f}%", _cell(s["top1"]),
+                                         *(_cell(base["buckets"].get(str(b), {}).get("kl")) for b in buckets), "—",
+                                         "; ".join(base["failures"]) or "within bar"]) + " |")
+    for r in doc["candidates"]:
+        if not r["scored"]:
+            lines.append(f"| {r['name']} | {r['support']} | {100 * r['memory_saved']:.1f}% | not scored |" +
+                         " |" * (len(head) - 4))
+            continue
+        s, vs = r["summary"], r.get("vs_default")
+        vs_cell = "—" if vs is None else (f"KL {vs['kl']['delta_per_token']:+.2g} ± {vs['kl']['noise']:.2g}, "
+                                          f"NLL {vs['nll']['delta_per_token']:+.2g} ± {vs['nll']['noise']:.2g}")
+        mark = " **(chosen)**" if r["name"] == doc["choice"]["candidate"] else ""
+        lines.append("| " + " | ".join([r["name"] + mark, r["support"], f"{100 * r['memory_saved']:.1f}%",
+                                         _cell(s["max_bucket_kl"]), f"{100 * s['ppl_rel']:+.2f}%", _cell(s["top1"]),
+                                         *(_cell(r["buckets"].get(str(b), {}).get("kl")) for b in buckets), vs_cell,
+                                         "; ".join(r["failures"]) or "within bar"]) + " |")
+    sens = doc["sensitivity"]
+    if sens["kl_only_this_layer"]:
+        top = sens["ranking"][:8]
+        lines += ["", f"Layer sensitivity (KL with only that layer quantised, recipe {sens['base']}): " +
+                  ", ".join(f"{i}: {sens['kl_only_this_layer'][str(i)]:.3g}" for i in top)]
+    lines += ["", "Rule:", "", doc["rule"], ""]
+    return "\n".join(lines) + "\n"
+
+
+def plot_svg(doc: dict[str, Any]) -> str | None:
+    """Quality (worst-bucket KL) against KV memory saved, one point per scored candidate; None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    pts = [r for r in doc["candidates"] if r["scored"]]
+    floor = 1e-6
+    for ok, color, label in ((True, "tab:green", "within bar"), (False, "tab:red", "misses bar")):
+        sel = [r for r in pts if (not r["failures"]) == ok]
+        ax.scatter([100 * r["memory_saved"] for r in sel], [max(r["summary"]["max_bucket_kl"], floor) for r in sel],
+                   c=color, label=label, alpha=0.7, marker="o")
+    if doc["baseline"]:
+        saved = 100 * (1 - 1 / doc["kv_bytes_reference"])
+        ax.scatter([saved], [max(doc["baseline"]["summary"]["max_bucket_kl"], floor)], c="black", marker="x",
+                   label=BASELINE)
+    chosen = next((r for r in pts if r["name"] == doc["choice"]["candidate"]), None)
+    if chosen:
+        ax.scatter([100 * chosen["memory_saved"]], [max(chosen["summary"]["max_bucket_kl"], floor)], s=160,
+                   facecolors="none", edgecolors="tab:blue", label="chosen")
+    ax.axhline(doc["thresholds"]["max_kl"], color="gray", linestyle="--", label="--max-kl")
+    ax.set_yscale("log")
+    ax.set_xlabel("KV-cache memory saved vs the model dtype (%)")
+    ax.set_ylabel("worst-bucket KL to the reference (nats)")
+    ax.set_title(f"kvcalib tune: {doc['target']} candidates")
+    ax.legend(fontsize=8)
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def finish(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any, held: dict[str, Any], seconds: float,
+           log: Any) -> Outcome:
+    doc = document(cfg, loaded, source, found, st, held, seconds)
+    files = {JSON: json.dumps(_finite(doc), indent=1) + "\n", MD: markdown(doc)}
+    svg = plot_svg(doc) if cfg.plots else None
+    if svg:
+        files[SVG] = svg
+    out = Path(cfg.out)
+    row = next((r for r in doc["candidates"] if r["name"] == doc["choice"]["candidate"]), None)
+    if row is None:
+        with outputs.atomic_dir(out, cfg.force, kind="tune report") as tmp:
+            for name, text in files.items():
+                (tmp / name).write_text(text)
+        return Outcome(out, None, None, headline(doc), doc, seconds)
+    cand = next(c for c in found.candidates if c.name == row["name"])
+    write_checkpoint(cfg, loaded, source, st, cand, files)
+    log(f"tune: wrote {out}")
+    return Outcome(out, row, doc["choice"]["serve"], headline(doc), doc, seconds)
+
+
+def write_checkpoint(cfg: TuneConfig, loaded: Any, source: Path, st: Any, cand: Any, files: dict[str, str],
+                     out: Path | None = None) -> Path:
+    """A candidate's checkpoint (at `out`, default OUT), as `calibrate` writes it, with `files` beside it."""
+    recipe = cand.recipe(cfg.base)
+    sf = st.any()
+    stats = st.stats_for(cand, cfg.base)
+    scales = scales_mod.compute(stats, dtype=recipe.dtype, granularity=recipe.granularity, headroom=recipe.headroom)
+    skipped = model_mod.resolve_skip_layers(recipe.skip_layers, loaded.config, loaded.attention_layers)
+    data_src = sf.header.get("data", {}).get("source", "")
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    prov = pipeline.provenance(recipe, str(cfg.model), data_src, data_mod.DataReport(), stats, scales, skipped, dtype)
+    prov["data"] = dict(sf.header.get("data", {}))
+    prov["rotary_dim"] = sf.header.get("rotary_dim")
+    prov["selected_by"] = {"tool": "kvcalib tune", "record": JSON, "candidate": cand.name}
+    return pipeline.write_outputs(source, Path(out or cfg.out), recipe, sf.capture, scales, prov,
+                                  force=cfg.force and out is None, extra_files=files)

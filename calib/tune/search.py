@@ -1,0 +1,318 @@
+"""The search: statistics once, every candidate scored on held-out text, layer skips by measured sensitivity.
+
+Order of work (each step only where the previous one needs it):
+1. checks that need no weights (options, output paths, data), then OUT's lock;
+2. statistics: one pass over CAL with every observer (calib/tune/stats.py), or the `--stats` files;
+3. candidates (calib/tune/space.py) as arms (calib/tune/score.py); arms that store the cache identically
+   under the chosen emulation are measured once and share the numbers (pruning that is exact, not a guess);
+   the default scale 1.0 arm rides along as the baseline every candidate is compared with;
+4. sensitivity of every layer of the best full candidate (KL when only that layer is quantised, measured),
+   then that candidate with the top 1..max_skip layers skipped (vLLM only: TensorRT-LLM cannot skip);
+5. with `engine`, the short list again in the real engine (calib/engine/), whose numbers then decide;
+6. the choice (`choose`) and OUT (calib/tune/output.py); calib/tune/run.py runs the steps in this order.
+`--budget-minutes` stops between measuring passes and keeps what was scored.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import data as data_mod
+from .. import emulate, evaluate, options, outputs, report
+from .. import model as model_mod
+from ..fakequant import Geometry, default_arm
+from ..progress import SILENT, Progress
+from ..quant import FP8_E4M3
+from ..recipe import Recipe
+from . import score, space
+from . import stats as stats_mod
+
+Log = Callable[[str], Any]
+MAX_SKIP = 64
+DEFAULT_EMULATION = {"vllm": "vllm-cpu", "trtllm": "trtllm"}
+BASELINE = "default (scale 1.0)"
+
+
+class TuneError(ValueError):
+    """The search cannot run as asked; the message names the option and what to change."""
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """One `kvcalib tune` run. `base` carries the calibration data settings (samples, seq_len, seed, ...);
+    held-out settings mirror `kvcalib eval`'s. `observers` None: every observer (or what `stats` holds)."""
+    model: str
+    data: str | None
+    eval_data: str
+    out: Path
+    target: str = "vllm"
+    emulate: str | None = None
+    observers: tuple[str, ...] | None = None
+    headrooms: tuple[float, ...] = space.HEADROOMS
+    stats: tuple[str, ...] = ()
+    stats_out: Path | None = None
+    base: Recipe = field(default_factory=Recipe)
+    eval_samples: int = 16
+    buckets: tuple[int, ...] = (128, 256)
+    pack: bool = True
+    min_tokens: int = 16
+    batch_size: int = 4
+    sensitivity_samples: int | None = None      # held-out samples the per-layer sensitivity runs on (None: all)
+    max_skip: int | None = None                 # None: 2 for vLLM, 0 for TensorRT-LLM
+    max_kl: float = 0.01
+    max_ppl_increase: float = 0.01
+    budget_minutes: float | None = None
+    chunk: int = 8                              # arms per measuring pass (the reference runs once per pass)
+    plots: bool = True
+    force: bool = False
+    device: str | None = None
+    cpu_dtype: str | None = "float32"
+    trust_remote_code: bool = False
+    engine: Any = None                          # calib.engine.driver.EngineSpec: confirm the short list there
+    confirm: int = 3
+
+    @property
+    def emulation(self) -> str:
+        return self.emulate or DEFAULT_EMULATION.get(self.target, emulate.DEFAULT)
+
+    @property
+    def skips(self) -> int:
+        return (2 if self.target == "vllm" else 0) if self.max_skip is None else self.max_skip
+
+    @property
+    def thresholds(self) -> report.Thresholds:
+        return report.Thresholds(max_kl=self.max_kl, max_ppl_increase=self.max_ppl_increase, max_skip=self.skips)
+
+    def eval_config(self) -> evaluate.EvalConfig:
+        return evaluate.EvalConfig(model=self.model, data=self.eval_data, out=self.out, emulate=self.emulation,
+                                   buckets=self.buckets, samples=self.eval_samples, min_tokens=self.min_tokens,
+                                   pack=self.pack, batch_size=self.batch_size, passkey_trials=0, failures=0,
+                                   thresholds=self.thresholds, device=self.device, cpu_dtype=self.cpu_dtype)
+
+
+def check(cfg: TuneConfig) -> None:
+    """Everything checkable before a model loads, in the order a user fixes them."""
+    if cfg.target not in space.TARGETS:
+        raise TuneError(f"--target {cfg.target!r}: tune searches the recipes of one engine: "
+                        f"{' or '.join(space.TARGETS)}")
+    if cfg.observers is not None:
+        space.check_observers(cfg.observers)
+    space.check_headrooms(cfg.headrooms)
+    options.evaluation(cfg.eval_config())
+    options.whole("--max-skip", cfg.max_skip, 0)
+    if cfg.skips > MAX_SKIP:
+        raise TuneError(f"--max-skip {cfg.skips}: give 0 to {MAX_SKIP} (and fewer than the model's layers)")
+    if cfg.skips and cfg.target == "trtllm":
+        raise TuneError(f"--max-skip {cfg.skips} with --target trtllm: TensorRT-LLM applies one KV dtype to every "
+                        "layer and cannot skip any; use --max-skip 0")
+    options.whole("--sensitivity-samples", cfg.sensitivity_samples, 1)
+    options.whole("--confirm", cfg.confirm, 1)
+    options.whole("--chunk", cfg.chunk, 1)
+    options.number("--budget-minutes", cfg.budget_minutes)
+    if cfg.budget_minutes is not None and cfg.budget_minutes <= 0:
+        raise TuneError(f"--budget-minutes {cfg.budget_minutes:g}: give a positive number of minutes")
+    try:
+        emulation = emulate.by_name(cfg.emulation)
+    except ValueError as e:
+        raise TuneError(f"--emulate: {e}") from None
+    if cfg.target == "trtllm" and emulation.name.startswith("vllm"):
+        raise TuneError(f"--emulate {emulation.name} with --target trtllm: score TensorRT-LLM candidates with "
+                        "--emulate trtllm (or kv-only)")
+    if not cfg.stats and not cfg.data:
+        raise TuneError("give --data (calibration text) or --stats (statistics of an earlier pass)")
+    if cfg.stats and cfg.stats_out:
+        raise TuneError("--stats-out with --stats: the statistics already exist; drop --stats-out")
+    inputs = [("the model folder", cfg.model or None), ("the data", cfg.data), ("the held-out data", cfg.eval_data),
+              *(("a statistics input", s) for s in cfg.stats)]
+    outputs.check_folder(Path(cfg.out), force=cfg.force, inputs=inputs)
+    if cfg.stats_out:
+        outputs.check_folder(Path(cfg.stats_out), force=cfg.force, inputs=[*inputs, ("the --out folder", cfg.out)],
+                             option="--stats-out")
+        outputs.check_folder(Path(cfg.out), force=cfg.force, inputs=[("the --stats-out folder", cfg.stats_out)])
+    for src in (cfg.data, cfg.eval_data):
+        if src:
+            data_mod.check_source(src)
+    if cfg.stats:
+        stats_mod.stats_files(cfg.stats)
+
+
+@dataclass
+class Search:
+    """What the search measured: the reference, every entry by arm name, and the bookkeeping around it."""
+    candidates: list[space.Candidate]
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)      # measured arm name -> entry
+    measured_as: dict[str, str] = field(default_factory=dict)              # candidate name -> measured arm name
+    ref: dict[str, Any] | None = None
+    sensitivity: dict[int, float] = field(default_factory=dict)
+    sensitivity_base: str | None = None
+    engine: dict[str, dict[str, Any]] = field(default_factory=dict)        # candidate name -> engine entry
+    not_scored: list[str] = field(default_factory=list)
+    stopped: str | None = None
+    passes: int = 0
+
+    def entry(self, name: str) -> dict[str, Any] | None:
+        """The candidate's numbers: emulated (shared by candidates that store the cache identically), plus
+        its own checkpoint's engine numbers where the engine confirmed it."""
+        e = self.entries.get(self.measured_as.get(name, name))
+        return e if e is None or name not in self.engine else {**e, "engine": self.engine[name]}
+
+
+class Clock:
+    """Time since the run began and whether `--budget-minutes` is spent."""
+
+    def __init__(self, budget_minutes: float | None) -> None:
+        self.start = time.perf_counter()
+        self.deadline = None if budget_minutes is None else self.start + 60 * budget_minutes
+
+    def over(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+class _Tokens:
+    """Hands measure's per-batch progress to the tune stage as tokens only (its counters are per pass)."""
+
+    def __init__(self, stage: Any) -> None:
+        self.stage = stage
+
+    def advance(self, tokens: int = 0, labels: Any = None, **_counters: int) -> None:
+        self.stage.advance(tokens)
+
+
+def _measure(s: evaluate.Session, arms: Sequence[Any], found: Search, clock: Clock, chunk: int, stage: Any,
+             what: str) -> dict[str, dict[str, Any]]:
+    """Measure `arms` a chunk at a time (the reference once per chunk); stop when the budget is spent."""
+    out: dict[str, dict[str, Any]] = {}
+    for a in range(0, len(arms), chunk):
+        if clock.over():
+            found.stopped = f"--budget-minutes spent after {clock.elapsed():.0f} s, during {what}"
+            break
+        stage.advance(0, labels={"what": what})
+        ref, res = evaluate.measure(s, arms[a:a + chunk], stage=_Tokens(stage))
+        found.passes += 1 + len(arms[a:a + chunk])
+        found.ref = found.ref or ref
+        out.update(res)
+        stage.advance(0, arms=stage.counters["arms"][0] + len(res))
+    return out
+
+
+def _stats(cfg: TuneConfig, loaded: Any, source: Path, candidates: list[space.Candidate], log: Log) -> Any:
+    if cfg.stats:
+        st = stats_mod.load(cfg.stats, source)
+        return st
+    st = stats_mod.collect(loaded, cfg.data, cfg.base, stats_mod.needed_keys(candidates), cfg.target,
+                           str(cfg.model), log)
+    if cfg.stats_out:
+        stats_mod.save(st, cfg.stats_out, cfg.force)
+        st.origin["saved_to"] = str(cfg.stats_out)
+        log(f"tune: statistics written to {cfg.stats_out} (reuse them with --stats {cfg.stats_out})")
+    return st
+
+
+def _candidates(cfg: TuneConfig, st: Any = None) -> list[space.Candidate]:
+    observers = cfg.observers
+    if observers is None and st is not None:      # what the --stats files hold
+        have = {sf.recipe.observer for sf in st.files.values()}
+        observers = tuple(o for o in space.OBSERVERS if o == "absmax" or o in have)
+    cands = space.generate(cfg.target, observers or space.OBSERVERS, cfg.headrooms)
+    if st is not None:
+        missing = sorted({stats_mod.stats_key(c.observer, c.dtype) for c in cands if not st.has(c)})
+        if missing:
+            raise TuneError(f"--stats holds no {', '.join(missing)} statistics; drop those observers from "
+                            "--observers or record them (tune --data ... --stats-out DIR)")
+    return cands
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out samples every candidate was scored on, and what the report says about them."""
+    samples: tuple[Any, ...]
+    buckets: tuple[int, ...]
+    info: dict[str, Any]
+
+
+def search(cfg: TuneConfig, loaded: Any, source: Path, clock: Clock, log: Log,
+           progress: Progress = SILENT) -> tuple[Search, Any, HeldOut]:
+    """Statistics, candidates, scores, sensitivity and skips (steps 2-4 above) on a loaded causal LM."""
+    emulation = emulate.by_name(cfg.emulation)
+    st = _stats(cfg, loaded, source, _candidates(cfg) if not cfg.stats else [], log)
+    candidates = _candidates(cfg, st)
+    geo = Geometry.of(loaded.config, loaded.attention_layers)
+    sf = st.any()
+    ecfg = cfg.eval_config()
+    vocab = getattr(loaded.config, "vocab_size", None)
+    buckets, dropped = evaluate.usable_buckets(ecfg.buckets, getattr(loaded.config, "max_position_embeddings", None))
+    cal = [("the calibration pass", {"data": sf.header.get("data", {}), "recipe": sf.header.get("recipe")})]
+    windows, held_out = evaluate.calibration_windows(cal, cfg.eval_data, loaded.tokenizer, vocab)
+    samples, used, excluded = evaluate.select_samples(ecfg, loaded.tokenizer, vocab, buckets, windows)
+    held = {"source": cfg.eval_data, **used.to_dict(), "held_out": {**held_out, "excluded_samples": excluded},
+            "buckets": list(buckets), "dropped_buckets": dropped, "emulation": emulation.describe()}
+    found = Search(candidates)
+    arms, first = [default_arm(geo, FP8_E4M3)], {}
+    arms[0] = replace(arms[0], name=BASELINE)
+    for c in candidates:
+        arm = score.arm_for(c, st.stats_for(c, cfg.base), geo, emulation)
+        key = score.arm_key(arm)
+        if key in first:
+            found.measured_as[c.name] = first[key]
+        else:
+            first[key] = found.measured_as[c.name] = c.name
+            arms.append(arm)
+    sens_n = min(cfg.sensitivity_samples or len(samples), len(samples))
+    n_tok = sum(len(x.ids) for x in samples)
+    sens_tok = sum(len(x.ids) for x in samples[:sens_n])
+    chunks = math.ceil(len(arms) / cfg.chunk)
+    layers = len(geo.layers) if cfg.skips else 0
+    plan = (chunks + len(arms) + cfg.skips + math.ceil(cfg.skips / cfg.chunk)) * n_tok \
+        + (layers + math.ceil(layers / cfg.chunk)) * sens_tok
+    log(f"tune: {len(candidates)} candidates for {cfg.target} ({len(arms) - 1} distinct under emulation "
+        f"{emulation.name}) + the default scale 1.0; {len(samples)} held-out samples / {used.tokens} tokens"
+        + (f"; sensitivity of {layers} layers on {sens_n} samples, then skips of 1..{cfg.skips}" if layers else ""))
+    with evaluate.fake_quant_kv(loaded.model, emulation) as hook, torch.inference_mode():
+        sess, note = evaluate.open_session(loaded.model, hook, loaded.tokenizer, samples, buckets, cfg.batch_size, 0)
+        held["notes"] = [note] if note else []
+        with progress.stage("tune", plan, arms=len(arms) + layers + cfg.skips) as stage:
+            # counts measured arms: the candidates (+ the default scale 1.0), one per layer, the skips
+            found.entries.update(_measure(sess, arms, found, clock, cfg.chunk, stage, "candidates"))
+            if layers and not found.stopped:
+                _skips(cfg, found, st, geo, emulation, sess, samples[:sens_n], clock, stage)
+    found.not_scored = [c.name for c in found.candidates if found.entry(c.name) is None]
+    return found, st, HeldOut(tuple(samples), tuple(buckets), held)
+
+
+def _skips(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulation: Any, sess: evaluate.Session,
+           sens_samples: Sequence[Any], clock: Clock, stage: Any) -> None:
+    """Per-layer sensitivity of the best full candidate, then it with the top 1..max_skip layers skipped."""
+    full = [c for c in found.candidates if found.entry(c.name) is not None]
+    if not full:
+        return
+    base = min(full, key=lambda c: (found.entry(c.name)["summary"]["kl"], -c.breadth(), c.simplicity()))
+    found.sensitivity_base = base.name
+    base_arm = score.arm_for(base, st.stats_for(base, cfg.base), geo, emulation)
+    sub = replace(sess, samples=tuple(sens_samples))
+    res = _measure(sub, [score.only_layer(base_arm, i) for i in geo.layers], found, clock, cfg.chunk, stage,
+                   "sensitivity")
+    if len(res) < len(geo.layers):
+        return
+    found.sensitivity = {i: res[f"only layer {i}"]["summary"]["kl"] for i in geo.layers}
+    top = ranking(found.sensitivity)
+    skipped = [base.skipping(top[:k]) for k in range(1, cfg.skips + 1)]
+    found.candidates += skipped
+    arms = [score.arm_for(c, st.stats_for(c, cfg.base), geo, emulation) for c in skipped]
+    for c in skipped:
+        found.measured_as[c.name] = c.name
+    found.entries.update(_measure(sess, arms, found, clock, cfg.chunk, stage, "layer skips"))
+
+
+def ranking(sensitivity: dict[int, float]) -> list[int]:
+    """Layers, most sensitive first (ties: lower index first)."""
+    return sorted(sensitivity, key=lambda i: (-sensitivity[i], i))

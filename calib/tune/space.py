@@ -1,0 +1,141 @@
+"""The search space of `kvcalib tune`: the recipes a target engine can load, and what each one costs and buys.
+
+Why per engine: a candidate the engine cannot load is not a choice. vLLM reads FP8 KV scales per tensor or
+per KV head (per head only on its FlashAttention-3 backend; the others take the max over heads), an optional
+q_scale (read by FlashAttention-3's FP8 attention only) and a per-layer skip flag; TensorRT-LLM reads one FP8
+or INT8 scale per layer, cannot skip layers, and runs its FP8 path with scale 1.0 whatever the checkpoint
+holds (docs/design.md §5). Observers and headroom values multiply those.
+
+A candidate is a frozen value that names one recipe (`recipe()` gives the exact `Recipe` calibrate would
+run) plus the layers it keeps in the model dtype. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .. import recipe as recipe_mod
+
+TARGETS = ("vllm", "trtllm")
+OBSERVERS = ("absmax", "percentile", "mse", "rope_bound")      # every observer the recipe vocabulary has
+HEADROOMS = (1.0, 1.25)
+MAX_HEADROOMS = 8
+_SHORT = {"fp8_e4m3": "fp8", "int8": "int8"}
+
+
+class SpaceError(ValueError):
+    """The search space asked for cannot be built; the message names the option and the fix."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One recipe the target engine can load, plus the layers kept in the model dtype (`skip`)."""
+    target: str
+    dtype: str = "fp8_e4m3"
+    granularity: str = "tensor"
+    observer: str = "absmax"
+    headroom: float = 1.0
+    q_scale: bool = False
+    skip: tuple[int, ...] = ()
+
+    @property
+    def name(self) -> str:
+        parts = [_SHORT[self.dtype], self.granularity, self.observer, f"h{self.headroom:g}"]
+        name = "/".join(parts) + ("+q" if self.q_scale else "")
+        return name + (f" skip {','.join(map(str, self.skip))}" if self.skip else "")
+
+    def skipping(self, layers: Sequence[int]) -> "Candidate":
+        return replace(self, skip=tuple(sorted(set(layers))))
+
+    def recipe(self, base: recipe_mod.Recipe) -> recipe_mod.Recipe:
+        """The recipe `calibrate` would run for this candidate (data settings from `base`)."""
+        return base.replace(dtype=self.dtype, granularity=self.granularity, observer=self.observer,
+                            observer_params={}, headroom=self.headroom, q_scale=self.q_scale,
+                            skip_layers=",".join(map(str, self.skip)), targets=self.target)
+
+    def support(self) -> str:
+        """Which engine (backend) applies this candidate as scored."""
+        if self.target == "trtllm":
+            if self.dtype == "int8":
+                return "TensorRT-LLM INT8 KV (one scale per layer)"
+            return "TensorRT-LLM FP8 KV: runs with scale 1.0 whatever the checkpoint holds"
+        parts = ["vLLM, every backend" if self.granularity == "tensor" and not self.q_scale
+                 else "vLLM; " + " and ".join(x for x, on in (("per-head", self.granularity == "head"),
+                                                                ("q_scale", self.q_scale)) if on)
+                 + " only on FlashAttention-3"]
+        if self.skip:
+            parts.append("--kv-cache-dtype-skip-layers")
+        return "; ".join(parts)
+
+    def breadth(self) -> int:
+        """2: every backend of the engine applies it as written; 1: only one backend reads all of it."""
+        return 1 if (self.granularity == "head" or self.q_scale) else 2
+
+    def simplicity(self) -> tuple[int, float]:
+        """Tie-break among candidates within noise of each other: simpler observer, then less headroom."""
+        return (OBSERVERS.index(self.observer) if self.observer in OBSERVERS else len(OBSERVERS), self.headroom)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "target": self.target, "dtype": self.dtype, "granularity": self.granularity,
+                "observer": self.observer, "headroom": self.headroom, "q_scale": self.q_scale,
+                "skip": list(self.skip), "support": self.support()}
+
+
+def generate(target: str, observers: Sequence[str] = OBSERVERS, headrooms: Sequence[float] = HEADROOMS) -> list[Candidate]:
+    """Every recipe `target` can load: vLLM FP8 per tensor / per head, without and with q_scale; TensorRT-LLM
+    FP8 and INT8 per layer — each with every observer and headroom. Layer skips are added later, from
+    measured sensitivity (calib/tune/search.py)."""
+    if target not in TARGETS:
+        raise SpaceError(f"--target {target!r} is not an engine tune knows; accepted: {', '.join(TARGETS)}")
+    check_observers(observers)
+    check_headrooms(headrooms)
+    if target == "vllm":
+        shapes = [("fp8_e4m3", g, q) for g in ("tensor", "head") for q in (False, True)]
+    else:
+        shapes = [(d, "tensor", False) for d in ("fp8_e4m3", "int8")]
+    return [Candidate(target, d, g, o, float(h), q) for d, g, q in shapes for o in observers for h in headrooms]
+
+
+def check_observers(observers: Sequence[str]) -> None:
+    if not observers:
+        raise SpaceError("--observers is empty: give at least one of " + ", ".join(recipe_mod.OBSERVERS))
+    bad = [o for o in observers if o not in recipe_mod.OBSERVERS]
+    if bad:
+        raise SpaceError(f"--observers: unknown observer {bad[0]!r}; accepted: {', '.join(recipe_mod.OBSERVERS)}")
+    if len(set(observers)) != len(observers):
+        raise SpaceError(f"--observers {','.join(observers)} names an observer twice")
+
+
+def check_headrooms(headrooms: Sequence[float]) -> None:
+    if not headrooms or len(headrooms) > MAX_HEADROOMS:
+        raise SpaceError(f"--headrooms: give 1 to {MAX_HEADROOMS} values, e.g. 1.0,1.25")
+    for h in headrooms:
+        if not (isinstance(h, (int, float)) and 1.0 <= h <= recipe_mod.LIMITS["headroom"]):
+            raise SpaceError(f"--headrooms: {h!r} must be a number >= 1 (1.0 = none) and at most "
+                             f"{recipe_mod.LIMITS['headroom']:g}")
+    if len(set(headrooms)) != len(headrooms):
+        raise SpaceError("--headrooms names a value twice")
+
+
+def parse_list(text: str, option: str, kind: type = str) -> tuple:
+    """A comma list from the command line; one-line error naming the option."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    try:
+        return tuple(kind(x) for x in items)
+    except ValueError:
+        raise SpaceError(f"{option} {text!r}: give a comma list of {'numbers' if kind is float else 'names'}") from None
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_value: float) -> float:
+    return 2 * layers * kv_heads * head_dim * bytes_per_value
+
+
+def memory_saved(candidate: Candidate | None, layers: int, ref_bytes: int) -> float:
+    """Share of the model-dtype KV cache this candidate saves (None: the reference, 0). FP8 and INT8 store one
+    byte per value; skipped layers keep `ref_bytes`."""
+    if candidate is None:
+        return 0.0
+    kept = layers - len(candidate.skip)
+    return kept / layers * (1 - 1 / ref_bytes)

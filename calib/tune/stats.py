@@ -1,0 +1,153 @@
+"""The statistics every candidate needs, from one forward pass over the calibration data — or from files.
+
+Why one pass: the forward pass is the expensive part of calibration; an observer is cheap. Every observer
+of the search (absmax is kept by all of them; `mse` depends on the dtype it minimises the error of) gets its
+own capture, and the captures are nested around the same forward pass (each wraps the attention function
+the previous one installed, so all of them see exactly the K/V the cache would store). The result is one
+ordinary statistics file per observer (`calib/statsfile.py`, the format `calibrate --stats-out` writes and
+`kvcalib export --stats` reads): `tune --stats-out DIR` keeps them, `tune --stats DIR|FILE` reuses them
+and skips the pass — a file from `calibrate --stats-out` works too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import data as data_mod
+from .. import model as model_mod
+from .. import observe, outputs, pipeline, spec, statsfile
+from ..batching import batches
+from ..recipe import Recipe
+from .space import Candidate
+
+
+def stats_key(observer: str, dtype: str) -> str:
+    """Which recorded statistics serve `observer` for `dtype` (only `mse` depends on the dtype)."""
+    return f"mse-{dtype}" if observer == "mse" else observer
+
+
+def needed_keys(candidates: Sequence[Candidate]) -> list[tuple[str, str, str]]:
+    """[(key, observer, dtype)] the candidates need, in a fixed order; absmax alone when nothing else is asked
+    (every statistics file keeps the exact absmax)."""
+    out: dict[str, tuple[str, str, str]] = {}
+    for c in candidates:
+        if c.observer != "absmax":
+            out.setdefault(stats_key(c.observer, c.dtype), (stats_key(c.observer, c.dtype), c.observer, c.dtype))
+    if not out:
+        c = candidates[0]
+        out["absmax"] = ("absmax", "absmax", c.dtype)
+    return list(out.values())
+
+
+@dataclass
+class StatsSet:
+    """Statistics files by key (`stats_key`), all of one model; `origin` says where they came from."""
+    files: dict[str, statsfile.StatsFile]
+    origin: dict[str, Any]
+
+    def has(self, c: Candidate) -> bool:
+        return c.observer == "absmax" or stats_key(c.observer, c.dtype) in self.files
+
+    def stats_for(self, c: Candidate, base: Recipe) -> observe.Stats:
+        """The per-layer ranges the candidate's recipe turns into scales (statsfile.stats_for_recipe)."""
+        key = stats_key(c.observer, c.dtype) if c.observer != "absmax" else next(iter(self.files))
+        sf = self.files[key]
+        stats = statsfile.stats_for_recipe(sf, c.recipe(base), f"statistics {key}")
+        if not c.q_scale:         # Q was recorded for the q_scale candidates; the others export no q_scale
+            stats = {i: dataclasses.replace(s, q_amax=None) for i, s in stats.items()}
+        return stats
+
+    def any(self) -> statsfile.StatsFile:
+        return next(iter(self.files.values()))
+
+
+def _recipe_for(base: Recipe, observer: str, dtype: str, target: str) -> Recipe:
+    return base.replace(dtype=dtype, observer=observer, observer_params={}, granularity="tensor",
+                        q_scale=target == "vllm", skip_layers="", targets=target, headroom=1.0)
+
+
+def collect(loaded: model_mod.LoadedModel, data_src: str, base: Recipe, keys: Sequence[tuple[str, str, str]],
+            target: str, model_src: str, log: Any = None) -> StatsSet:
+    """One forward pass over the calibration samples with every key's observers installed at once."""
+    recipes = {key: _recipe_for(base, obs, dtype, target) for key, obs, dtype in keys}
+    report = data_mod.DataReport()
+    seqs = data_mod.samples(data_src, loaded.tokenizer, seq_len=base.seq_len, max_samples=base.samples,
+                            min_tokens=base.min_tokens, pack=base.pack, seed=base.seed,
+                            vocab_size=getattr(loaded.config, "vocab_size", None), report=report)
+    lm, dev = loaded.model, loaded.device
+    body = getattr(lm, "base_model", lm)
+    pad_id = getattr(loaded.tokenizer, "pad_token_id", None) or 0
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack, torch.inference_mode():
+        caps = {key: stack.enter_context(observe.capture_kv(lm, loaded.attention_layers,
+                                                            spec.capture_spec(r, loaded.config)))
+                for key, r in recipes.items()}
+        for ids, mask in batches(seqs, base.batch_size, pad_id):
+            ids, mask = ids.to(dev), mask.to(dev)
+            for cap in caps.values():
+                cap.token_mask = mask.bool()
+            body(input_ids=ids, attention_mask=mask, use_cache=False)
+    seconds = time.perf_counter() - t0
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    files = {}
+    for key, cap in caps.items():
+        stats = cap.stats()
+        prov = pipeline.provenance(recipes[key], model_src, data_src, report, stats, {}, [], dtype)
+        prov["rotary_dim"] = model_mod.rotary_dim(loaded.config)
+        files[key] = statsfile.StatsFile(pipeline.stats_header(prov, loaded.source_dir), cap)
+    if log:
+        log(f"tune: statistics of {len(files)} observer set(s) from one pass: {report.used} samples / "
+            f"{report.tokens} tokens in {seconds:.1f} s")
+    return StatsSet(files, {"pass": {"data": str(data_src), **report.to_dict(), "seconds": seconds}})
+
+
+def save(stats: StatsSet, out: Path, force: bool) -> Path:
+    """Write every statistics file into the folder `out` (atomic, with our marker): `<key>.safetensors`."""
+    with outputs.atomic_dir(Path(out), force, kind="statistics", option="--stats-out") as tmp:
+        for key, sf in stats.files.items():
+            statsfile.save(tmp / f"{key}.safetensors", sf.capture, sf.header)
+    return Path(out)
+
+
+def stats_files(paths: Iterable[str | Path]) -> list[Path]:
+    """The statistics files `--stats` names: files as given, folders by their *.safetensors."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(p.glob("*.safetensors"))
+            if not found:
+                raise statsfile.StatsError(f"--stats {p}: the folder holds no statistics files (*.safetensors)")
+            out += found
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise statsfile.StatsError(f"--stats {p} not found")
+    return out
+
+
+def load(paths: Sequence[str | Path], source: Path) -> StatsSet:
+    """Statistics files of the model at `source`, checked (statsfile's reader), one per key."""
+    files: dict[str, statsfile.StatsFile] = {}
+    where: dict[str, str] = {}
+    want = statsfile.config_sha256(source)
+    for p in stats_files(paths):
+        sf = statsfile.load(p, "--stats")
+        if sf.header.get("model_config_sha256") != want:
+            raise statsfile.StatsError(f"--stats {p} was recorded on another model than {source} "
+                                       "(config.json differs)")
+        key = stats_key(sf.recipe.observer, sf.recipe.dtype)
+        if key in files:
+            raise statsfile.StatsError(f"--stats {p} records {key} statistics, as {where[key]} does; give one")
+        files[key], where[key] = sf, str(p)
+    layers = {tuple(sf.capture.layers) for sf in files.values()}
+    if len(layers) > 1:
+        raise statsfile.StatsError("--stats files cover different layers; they are not of one run")
+    return StatsSet(files, {"files": where})
