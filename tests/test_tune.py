@@ -217,3 +217,24 @@ def test_stats_from_another_model_are_refused(over448, tmp_path):
     other = _model(tmp_path, "other", layers=2)
     with pytest.raises(Exception, match="another model"):
         stats_mod.load([tmp / "stats"], other)
+
+
+@pytest.mark.slow        # one engine subprocess per arm (each imports torch and transformers): ~1-2 min
+def test_engine_confirms_the_short_list(over448, tmp_path, monkeypatch):
+    """With an engine (here tests/fake_vllm_runner.py, FP8 through kvcalib's emulation), the short list is
+    exported as real checkpoints, measured there, and the engine's numbers decide; the exports are removed."""
+    import sys
+
+    from calib.engine import driver
+    from calib.engine.driver import EngineSpec
+
+    tmp, src, _, _ = over448
+    monkeypatch.setenv(driver.RUNNER_ENV, str(Path(__file__).resolve().parent / "fake_vllm_runner.py"))
+    monkeypatch.setenv("FAKE_ENGINE", "fp8")
+    spec = EngineSpec("vllm", Path(sys.executable).parent.parent, top_k=8, continuation_tokens=2)
+    res = search.run(_config(src, None, tmp_path / "out", stats=(str(tmp / "stats"),), engine=spec, confirm=2,
+                             max_skip=0))
+    confirmed = [r for r in res.doc["candidates"] if r["numbers"] == "engine"]
+    assert 1 <= len(confirmed) <= 2 and res.chosen["name"] in {r["name"] for r in confirmed}
+    assert res.doc["reference"] is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tokens.jsonl"]   # no temporary export left
