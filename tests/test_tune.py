@@ -232,7 +232,7 @@ def test_engine_confirms_the_short_list(over448, tmp_path, monkeypatch):
     monkeypatch.setenv(driver.RUNNER_ENV, str(Path(__file__).resolve().parent / "fake_vllm_runner.py"))
     monkeypatch.setenv("FAKE_ENGINE", "fp8")
     spec = EngineSpec("vllm", Path(sys.executable).parent.parent, top_k=8, continuation_tokens=2)
-    res = search.run(_config(src, None, tmp_path / "out", stats=(str(tmp / "stats"),), engine=spec, confirm=2,
+    res = run.run(_config(src, None, tmp_path / "out", stats=(str(tmp / "stats"),), engine=spec, confirm=2,
                              max_skip=0))
     confirmed = [r for r in res.doc["candidates"] if r["numbers"] == "engine"]
     assert 1 <= len(confirmed) <= 2 and res.chosen["name"] in {r["name"] for r in confirmed}
