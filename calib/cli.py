@@ -99,7 +99,7 @@ def main() -> None:
 @click.option("--observer", type=click.Choice(tuple(recipe_mod.OBSERVERS)), help="Range observer (overrides the recipe).")
 @click.option("--q-scale/--no-q-scale", default=None, help="Also calibrate q_scale for vLLM's FP8 attention.")
 @click.option("--skip-layers", help="Comma list of layer indices and/or sliding_window kept in the model dtype.")
-@click.option("--target", "targets", help="Comma list of engines: vllm, trtllm; '' for statistics only.")
+@click.option("--target", "targets", help=f"Comma list of engines: {', '.join(recipe_mod.TARGETS)}; '' for statistics only.")
 @click.option("--max-batch-tokens", type=int, help="Token budget per batch; groups similar lengths to cut padding.")
 @click.option("--device-map", help="accelerate device map for models larger than one device, e.g. auto.")
 @click.option("--max-memory", help="Memory per device for --device-map, e.g. 0=70GiB,1=70GiB,cpu=200GiB.")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from . import granularity as granularity_mod, safeyaml, vocab
+from . import export, granularity as granularity_mod, safeyaml, vocab
 from .vocab import MSE_GRID_MAX  # noqa: F401  (re-exported)
 
 # The choices come from the typed registries (calib.vocab, calib.granularity); the recipe keeps their names
@@ -24,7 +24,7 @@ from .vocab import MSE_GRID_MAX  # noqa: F401  (re-exported)
 DTYPES = tuple(vocab.KV_DTYPES)
 GRANULARITIES = tuple(granularity_mod.GRANULARITIES)
 EXPORTABLE = tuple(name for name, g in granularity_mod.GRANULARITIES.items() if g.exportable)
-TARGETS = ("vllm", "trtllm")   # calib.export's targets (torch-free here; tests/test_ckpt.py checks they agree)
+TARGETS = tuple(export.TARGETS)   # the engine targets calib.export finds (one module each)
 SKIP_KEYWORDS = ("sliding_window",)
 # observer -> {parameter a recipe may set: (check, description)}; validated here (before any observer allocates)
 # so the recipe never needs torch.
@@ -121,15 +121,18 @@ class Recipe:
         if self.targets and not self.scale_granularity.exportable:
             raise RecipeError(f"recipe field 'granularity' = {self.granularity!r} cannot be exported: no engine reads "
                               f"it; use {' or '.join(EXPORTABLE)}, or set targets: [] to keep statistics only")
-        if self.dtype == "int8" and "vllm" in self.targets:
-            raise RecipeError("recipe field 'dtype' = 'int8' with target vllm: vLLM reads only FP8 KV-cache scales; "
-                              "use dtype fp8_e4m3, or targets [trtllm] for INT8")
-        if self.skip_layers and "trtllm" in self.targets:
-            raise RecipeError("recipe field 'skip_layers' with target trtllm: TensorRT-LLM applies one KV cache dtype "
-                              "to every layer and cannot skip any; drop skip_layers or the trtllm target")
-        if self.q_scale and "vllm" not in self.targets:
-            raise RecipeError("recipe field 'q_scale' = true needs target vllm (only vLLM's FP8 attention reads "
-                              "q_scale); add vllm to targets or drop q_scale")
+        targets = [export.TARGETS[t] for t in self.targets]     # what each engine can read (calib.export)
+        for t in targets:
+            if self.kv_dtype not in t.dtypes:
+                raise RecipeError(f"recipe field 'dtype' = {self.dtype!r} with target {t.name}: {t.dtype_note}")
+        for t in targets:
+            if self.skip_layers and not t.skips_layers:
+                raise RecipeError(f"recipe field 'skip_layers' with target {t.name}: {t.skip_note}")
+        readers = [t for t in export.TARGETS.values() if t.reads_q_scale]
+        if self.q_scale and not any(t.reads_q_scale for t in targets):
+            names = " or ".join(t.name for t in readers)
+            raise RecipeError(f"recipe field 'q_scale' = true needs target {names} ({readers[0].q_note}); add "
+                              f"{names} to targets or drop q_scale")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -3,7 +3,8 @@
 One module per engine target (`vllm`, `trtllm`), each a small `Target` over the one `write_variant`
 (`write`); the layout they write — file and tensor names, config blocks, the source's weight map — is
 calib.ckpt's. A module of this package that defines `TARGET` is an engine target: adding an engine is one
-new file here (and its name in calib.recipe.TARGETS, which must stay torch-free).
+new file here; the recipe takes its name and its rules (calib.export.target) from `TARGETS`. Imports no
+torch: the writers import it when they write.
 """
 
 from __future__ import annotations
@@ -20,16 +21,17 @@ from .vllm import export_vllm, prepare_source, vllm_quantization_config
 from .write import carry_files, link_or_copy, write_variant
 
 
-def _discover() -> dict[str, Target]:
-    found: dict[str, Target] = {}
-    for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        target = getattr(importlib.import_module(f"{__name__}.{m.name}"), "TARGET", None)
+def discover(path: list[str] | None = None, package: str = __name__) -> dict[str, Target]:
+    """The `TARGET` of every module of this package (or of `package` at `path`), in their `order`."""
+    found: list[Target] = []
+    for m in sorted(pkgutil.iter_modules(__path__ if path is None else path), key=lambda m: m.name):
+        target = getattr(importlib.import_module(f"{package}.{m.name}"), "TARGET", None)
         if isinstance(target, Target):
-            found[target.name] = target
-    return found
+            found.append(target)
+    return {t.name: t for t in sorted(found, key=lambda t: (t.order, t.name))}
 
 
-TARGETS: dict[str, Target] = _discover()
+TARGETS: dict[str, Target] = discover()
 
 
 def target(name: str) -> Target:
@@ -41,7 +43,7 @@ def target(name: str) -> Target:
 
 
 __all__ = ["ExportError", "HF_QUANT_CONFIG", "INDEX_FILE", "PROVENANCE_FILE", "PreparedSource", "SCALES_FILE",
-           "TARGETS", "Target", "WriteOptions", "atomic_dir", "carry_files", "check_room", "export_trtllm",
+           "TARGETS", "Target", "WriteOptions", "atomic_dir", "carry_files", "check_room", "discover", "export_trtllm",
            "export_vllm", "link_or_copy", "prepare_source", "read_source_config", "saturation_report",
            "scan_source", "target", "trtllm_scale_names", "vllm_quantization_config", "vllm_scale_name",
            "write_variant"]

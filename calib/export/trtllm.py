@@ -44,18 +44,22 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..ckpt import formats
 from ..ckpt.names import (CONFIG_FILE, HF_QUANT_CONFIG, TRTLLM_CARRIED_SUFFIXES, trtllm_scale_names)
 from ..ckpt.source import ExportError, check_out_is_not_source, read_json, read_source_config, scan_weights
-from ..scales import FP8_E4M3_MAX, Scales
 from ..vocab import FP8_E4M3, INT8
 from .target import Target, WriteOptions
 from .write import write_variant
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..scales import Scales
+
+FP8_E4M3_MAX = FP8_E4M3.qmax
 
 KV_ALGOS = ("FP8", "INT8")
 # KV dtype (calib.vocab) -> TensorRT-LLM's kv_cache_quant_algo
@@ -69,6 +73,8 @@ def saturation_report(scales: Scales, fractions: Mapping[int, tuple[float, float
     ±448 in the cache. `fractions` (optional, from data: layer -> (fraction of K values, fraction of V
     values) above 448) adds how much of the layer saturates; without it only the range is known.
     """
+    import torch
+
     lines = []
     for layer, s in sorted(scales.items()):
         parts = []
@@ -139,6 +145,8 @@ def _source_quantization(source: Path, config: dict[str, Any]) -> dict[str, Any]
 
 
 def _scalar(t: torch.Tensor, what: str) -> torch.Tensor:
+    import torch
+
     value = torch.as_tensor(t).detach().to(torch.float32).max().reshape(()).contiguous()
     if not (torch.isfinite(value) and value > 0):
         raise ExportError(f"{what} is {float(value)!r}; scales must be finite and > 0")
@@ -201,7 +209,11 @@ def export_trtllm(source: Path, out: Path, scales: Scales, provenance: dict[str,
 
 class TrtllmTarget(Target):
     name = "trtllm"
+    order = 1
     dtypes = tuple(ALGO_OF_DTYPE)
+    skips_layers = False
+    skip_note = ("TensorRT-LLM applies one KV cache dtype to every layer and cannot skip any; drop skip_layers or "
+                 "the trtllm target")
 
     def write(self, source: Path, out: Path, scales: Scales, provenance: dict[str, Any],
               options: WriteOptions = WriteOptions()) -> Path:

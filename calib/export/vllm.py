@@ -9,18 +9,20 @@ together, always.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..ckpt import formats
 from ..ckpt.names import is_kv_scale, vllm_scale_name
 from ..ckpt.source import (ExportError, PreparedSource, check_out_is_not_source, read_source_config,
                            scan_weights)
-from ..scales import Scales
 from ..vocab import FP8_E4M3
 from .target import Target, WriteOptions
 from .write import write_variant
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..scales import Scales
 
 
 def vllm_quantization_config(strategy: str = "tensor") -> dict[str, Any]:
@@ -53,6 +55,8 @@ def prepare_source(source: Path, out: Path, *, quantized_ok: bool = False, overw
 
 def _vllm_tensor(scale: torch.Tensor, strategy: str) -> torch.Tensor:
     """Per tensor: one element, shape []. `attn_head`: [heads, 1, 1], the layout vLLM's loader flattens."""
+    import torch
+
     t = scale.to(torch.float32).contiguous()
     return t.reshape(()) if strategy == "tensor" else t.reshape(-1, 1, 1)
 
@@ -82,7 +86,11 @@ def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, A
 
 class VllmTarget(Target):
     name = "vllm"
+    order = 0
     dtypes = (FP8_E4M3,)
+    dtype_note = "vLLM reads only FP8 KV-cache scales; use dtype fp8_e4m3, or targets [trtllm] for INT8"
+    reads_q_scale = True
+    q_note = "only vLLM's FP8 attention reads q_scale"
     # calib.granularity name -> compressed-tensors kv_cache_scheme strategy
     strategies = {"tensor": "tensor", "head": "attn_head"}
 

@@ -16,14 +16,15 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .. import integrity
 from ..ckpt.names import CONFIG_FILE, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE
 from ..ckpt.source import ExportError, PreparedSource
 from ..outputs import atomic_dir, check_room
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _without(src: Path, dst: Path, drop: frozenset[str]) -> str:

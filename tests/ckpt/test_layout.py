@@ -84,9 +84,3 @@ def test_trtllm_refuses_a_flat_modelopt_source_that_declares_kv_quantization(tin
 def test_unknown_target_is_an_error_naming_the_known_ones():
     with pytest.raises(export.ExportError, match=r"unknown target 'sglang'; kvcalib writes \['trtllm', 'vllm'\]"):
         export.target("sglang")
-
-
-def test_recipe_targets_are_the_export_targets():
-    from calib.recipe import TARGETS
-
-    assert sorted(TARGETS) == sorted(export.TARGETS)
