@@ -4,7 +4,7 @@
 #
 # Why this script: vLLM 0.24.0 matches that torch, but its wheel (279 MB) and the packages it needs that the
 # image lacks are too big to copy over in one piece where transfers are limited to 64 MiB. So, on a machine with PyPI:
-#   bench/gpu/vllm_setup.sh pack DIR      # downloads, trims, packs, splits into DIR/part-0..3 (< 62 MB each)
+#   bench/gpu/vllm_setup.sh pack DIR      # downloads, trims, packs, splits into DIR/part-0..3 (< 63 MB each)
 # then copy the parts over (one at a time is fine: each is staged outside the working tree) and on the GPU machine:
 #   bench/gpu/vllm_setup.sh stage PART    # copies one part (and SHA256SUMS) to $KVCALIB_PARTS_DIR
 #   bench/gpu/vllm_setup.sh install       # checks and joins the parts, unpacks into $KVCALIB_SITE (/tmp/site)
@@ -53,7 +53,7 @@ DEPS=(
 )
 PARTS_DIR=${KVCALIB_PARTS_DIR:-/tmp/kvcalib-parts}
 SITE=${KVCALIB_SITE:-/tmp/site}
-PART_BYTES=62000000
+PART_BYTES=63000000
 
 pack() {
   local out=${1:?pack OUTDIR}
