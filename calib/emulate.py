@@ -48,6 +48,9 @@ class Emulation:
     p: Cast | None = None          # None: softmax probabilities stay in float32
     accumulate: str = "float32"
     attention: str = "model"       # model: the model's own attention function on dequantised K/V; fa3: calib.fp8
+    # Whether per-head K/V scales (strategy attn_head) apply per head. vLLM's CPU backend reads one float per
+    # layer (`_k_scale_float`, the max over heads) and TensorRT-LLM one scalar, so their arms use the fold.
+    per_head_kv: bool = True
     summary: str = ""
     sources: tuple[str, ...] = ()
 
@@ -113,7 +116,7 @@ EMULATIONS: dict[str, Emulation] = {e.name: e for e in (
         k=Cast("rz-cpu", "reciprocal", "k_scale"), v=Cast("rz-cpu", "reciprocal", "v_scale"),
         summary="vLLM's CPU cache write multiplies by the reciprocal scale and truncates the mantissa (round "
                 "toward zero); attention then runs on the exactly dequantised cache in float32 (Q unquantised).",
-        sources=_VLLM_CPU_SOURCES),
+        per_head_kv=False, sources=_VLLM_CPU_SOURCES),
     Emulation(
         "vllm-fa3", "vLLM CUDA, FlashAttention-3 FP8 (Hopper)",
         k=Cast("rne", "divide", "k_scale"), v=Cast("rne", "divide", "v_scale"),
@@ -129,7 +132,7 @@ EMULATIONS: dict[str, Emulation] = {e.name: e for e in (
         summary="TensorRT-LLM's cache write multiplies by the reciprocal scale in the model's dtype and rounds to "
                 "nearest even (what could be verified; its FP8 context attention is not emulated). Its FP8 KV "
                 "path runs with scale 1.0 whatever the checkpoint holds (docs/design.md §5).",
-        sources=_TRTLLM_SOURCES),
+        per_head_kv=False, sources=_TRTLLM_SOURCES),
     Emulation(
         "kv-only", "none (K/V rounding only)",
         k=Cast("rne", "divide", "k_scale"), v=Cast("rne", "divide", "v_scale"),

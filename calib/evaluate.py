@@ -438,7 +438,7 @@ def _run_eval(cfg: EvalConfig, log: Log, progress: Progress, t_start: float) -> 
     loaded = load_causal_lm(cfg.model, cfg.device, cfg.trust_remote_code, cfg.cpu_dtype)
     lm, tok, config = loaded.model, loaded.tokenizer, loaded.config
     geo = Geometry.of(config, loaded.attention_layers)
-    arms = arms_for(geo, cfg.dtype, cfg.scales, cfg.stats)
+    arms = arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv)
     vocab = getattr(config, "vocab_size", None)
     buckets, dropped = usable_buckets(cfg.buckets, getattr(config, "max_position_embeddings", None))
     notes = [f"buckets {dropped} exceed the model's context ({config.max_position_embeddings} tokens): dropped"] if dropped else []

@@ -126,7 +126,7 @@ def _checkpoint_dtype(info: KVInfo) -> KVDtype:
     return FP8_E4M3
 
 
-def checkpoint_arms(path: str, geo: Geometry) -> list[Arm]:
+def checkpoint_arms(path: str, geo: Geometry, per_head_kv: bool = True) -> list[Arm]:
     """The arm of a checkpoint's K/V scales as stored, plus its per-tensor fold when the scales are per head
     (what vLLM applies outside its FlashAttention-3 backend)."""
     try:
@@ -170,6 +170,10 @@ def checkpoint_arms(path: str, geo: Geometry) -> list[Arm]:
     if not per_head:
         return [arm]
     fold = {i: s.max().reshape(()) for i, s in k.items()}, {i: s.max().reshape(()) for i, s in v.items()}
+    if not per_head_kv:     # the emulated engine applies one scale per layer: the checkpoint arm is the fold
+        return [replace(arm, k=fold[0], v=fold[1], granularity="tensor",
+                        notes=arm.notes + ("per-head scales folded to their max: the emulated engine applies one "
+                                           "scale per layer (vLLM outside FlashAttention-3, TensorRT-LLM)",))]
     return [replace(arm, notes=arm.notes + ("per-head scales apply per head only on vLLM's FlashAttention-3 "
                                             "backend; see the '@tensor' arm for other backends",)),
             replace(arm, name=f"{arm.name}@tensor", k=fold[0], v=fold[1], granularity="tensor",
@@ -214,11 +218,13 @@ def stats_arms(path: str, geo: Geometry, default_dtype: str) -> list[Arm]:
     return arms
 
 
-def arms_for(geo: Geometry, dtype: str, scales: Sequence[str] = (), stats: str | None = None) -> list[Arm]:
-    """The default arm, every checkpoint's arms, then the statistics file's arms, under distinct names."""
+def arms_for(geo: Geometry, dtype: str, scales: Sequence[str] = (), stats: str | None = None,
+             per_head_kv: bool = True) -> list[Arm]:
+    """The default arm, every checkpoint's arms, then the statistics file's arms, under distinct names.
+    `per_head_kv`: whether the emulated engine applies per-head scales per head (see `checkpoint_arms`)."""
     arms = [default_arm(geo, by_name(dtype))]
     for path in scales:
-        arms += checkpoint_arms(path, geo)
+        arms += checkpoint_arms(path, geo, per_head_kv)
     if stats:
         arms += stats_arms(stats, geo, dtype)
     seen: dict[str, int] = {}

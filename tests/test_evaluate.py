@@ -190,6 +190,11 @@ def test_checkpoint_arms_read_vllm_per_head_and_trtllm_int8_layouts(tmp_path):
     assert head.granularity == "head" and head.dtype is FP8_E4M3
     assert torch.equal(head.k[1], torch.tensor([0.5, 2.0]).view(1, 2, 1, 1))
     assert folded.name.endswith("@tensor") and float(folded.v[0]) == 3.0 and folded.k[0].dim() == 0
+    # an emulated engine that reads one scale per layer (vLLM CPU, TensorRT-LLM) gets only the fold, by the
+    # checkpoint's own name: that is what serving this checkpoint there applies
+    (one,) = ev.checkpoint_arms(str(tmp_path / "vllm"), geo, per_head_kv=False)
+    assert one.name == head.name and one.granularity == "tensor" and "folded" in one.notes[-1]
+    assert float(one.k[1]) == 2.0 and float(one.v[0]) == 3.0 and one.k[0].dim() == 0
     (trt,) = ev.checkpoint_arms(str(tmp_path / "trt"), geo)
     assert trt.dtype is INT8 and float(trt.k[1]) == 0.25 and float(trt.v[0]) == 0.125
     (tmp_path / "vllm" / "kvcalib.json").write_text(json.dumps({"producer": "kvcalib", "skipped_layers": [1]}))
