@@ -50,7 +50,7 @@ BAD = [
     (["--headrooms", "0.5"], "--headrooms: 0.5 must be a number >= 1"),
     (["--headrooms", "x"], "--headrooms 'x': give a comma list of numbers"),
     (["--budget-minutes", "0"], "--budget-minutes 0: give a positive number"),
-    (["--eval-samples", "0"], "--samples 0: give a whole number >= 1"),
+    (["--eval-samples", "0"], "--eval-samples 0: give a whole number >= 1"),
     (["--stats", "no-such.safetensors"], "--stats no-such.safetensors not found"),
     (["--stats-out", "s", "--stats", "x"], "--stats-out with --stats"),
     (["--emulate", "vllm-cpu", "--target", "trtllm", "--max-skip", "0"], "score TensorRT-LLM candidates with --emulate trtllm"),

@@ -144,7 +144,7 @@ def markdown(doc: dict[str, Any]) -> str:
     base = doc["baseline"]
     if base:
         s = base["summary"]
-        lines.append("| " + " | ".join([BASELINE, "any FP8 KV engine", "50%" if doc["kv_bytes_reference"] == 2 else "",
+        lines.append("| " + " | ".join([BASELINE, "any FP8 KV engine", f"{100 * (1 - 1 / doc['kv_bytes_reference']):.1f}%",
                                          _cell(s["max_bucket_kl"]), f"{100 * s['ppl_rel']:+.2f}%", _cell(s["top1"]),
                                          *(_cell(base["buckets"].get(str(b), {}).get("kl")) for b in buckets), "—",
                                          "; ".join(base["failures"]) or "within bar"]) + " |")
@@ -157,6 +157,8 @@ def markdown(doc: dict[str, Any]) -> str:
         vs_cell = "—" if vs is None else (f"KL {vs['kl']['delta_per_token']:+.2g} ± {vs['kl']['noise']:.2g}, "
                                           f"NLL {vs['nll']['delta_per_token']:+.2g} ± {vs['nll']['noise']:.2g}")
         mark = " **(chosen)**" if r["name"] == doc["choice"]["candidate"] else ""
+        if r["measured_as"] and r["measured_as"] != r["name"]:
+            mark += f" (stores the cache as {r['measured_as']}: same numbers)"
         lines.append("| " + " | ".join([r["name"] + mark, r["support"], f"{100 * r['memory_saved']:.1f}%",
                                          _cell(s["max_bucket_kl"]), f"{100 * s['ppl_rel']:+.2f}%", _cell(s["top1"]),
                                          *(_cell(r["buckets"].get(str(b), {}).get("kl")) for b in buckets), vs_cell,

@@ -105,6 +105,7 @@ def check(cfg: TuneConfig) -> None:
     if cfg.observers is not None:
         space.check_observers(cfg.observers)
     space.check_headrooms(cfg.headrooms)
+    options.whole("--eval-samples", cfg.eval_samples, 1)     # eval's own check would name it --samples
     options.evaluation(cfg.eval_config())
     options.whole("--max-skip", cfg.max_skip, 0)
     if cfg.skips > MAX_SKIP:
