@@ -14,6 +14,7 @@ The rule (written into tune.json and tune.md so it can be checked and re-argued)
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from .. import report
@@ -75,12 +76,20 @@ def scales_matter(found: Any, table: list[dict[str, Any]], ranges: dict[str, flo
     if not full or base is None:
         return {"measurable": None, "text": "not measured (the budget ran out before the candidates were scored)",
                 **ranges}
-    better = [r for r in full if r["vs_default"]["better"]]
-    worse = [r for r in full if r["vs_default"]["worse"]]
-    kl_noise = max(r["vs_default"]["kl"]["noise"] for r in full)
-    nll_noise = max(r["vs_default"]["nll"]["noise"] for r in full)
-    how = (f"paired over {n} held-out samples, 2 standard errors: up to {kl_noise:.2g} nats/token of KL and "
-           f"{nll_noise:.2g} of NLL")
+    # many recipes against one baseline: some cross 2 standard errors by chance, so the claim that scales matter
+    # needs the family-wise bound (Bonferroni over the distinct recipes and the two metrics, 5 % two-sided)
+    k = 2 * len({r["measured_as"] for r in full})
+    z = statistics.NormalDist().inv_cdf(1 - 0.025 / k)
+
+    def beyond(r: dict[str, Any], sign: int) -> bool:
+        return any(sign * r["vs_default"][m]["delta_per_token"] > r["vs_default"][m]["noise"] / score.NOISE_SE * z
+                   for m in ("kl", "nll"))
+    better = [r for r in full if beyond(r, -1)]
+    worse = [r for r in full if beyond(r, 1)]
+    kl_noise = max(r["vs_default"]["kl"]["noise"] for r in full) / score.NOISE_SE * z
+    nll_noise = max(r["vs_default"]["nll"]["noise"] for r in full) / score.NOISE_SE * z
+    how = (f"paired over {n} held-out samples, {z:.2f} standard errors (Bonferroni over {k // 2} distinct recipes "
+           f"x KL and NLL): up to {kl_noise:.2g} nats/token of KL and {nll_noise:.2g} of NLL")
     if not better:
         text = (f"scales make no measurable difference here: no calibrated recipe beats the default scale 1.0 by "
                 f"more than the noise ({how}); {fact}" + (" — these values stay inside it." if inside else "."))
@@ -90,7 +99,6 @@ def scales_matter(found: Any, table: list[dict[str, Any]], ranges: dict[str, flo
         top = min(better, key=lambda r: r["vs_default"]["kl"]["delta_per_token"])
         d = top["vs_default"]["kl"]
         text = (f"calibrated scales matter: {top['name']} has {-d['delta_per_token']:.3g} nats/token less KL than the "
-                f"default scale 1.0 (noise {d['noise']:.2g}; {len(better)} of {len(full)} recipes measurably "
-                f"better; {how}); {fact}" + (" — values beyond it saturate at scale 1.0." if not inside else "."))
+                f"default scale 1.0 ({len(better)} of {len(full)} recipes measurably better; {how}); {fact}" + (" — values beyond it saturate at scale 1.0." if not inside else "."))
     return {"measurable": bool(better), "better": [r["name"] for r in better], "worse": [r["name"] for r in worse],
-            "text": text, **ranges}
+            "z": z, "text": text, **ranges}
