@@ -91,13 +91,17 @@ engine_pytest = $(VLLM_VENV)/bin/python -m pytest -q -rs -m engine tests/engine/
 	--min-passed $(2) --kv-cache-dtype $(ENGINE_KV_CACHE_DTYPE) \
 	$(if $(strip $(ENGINE_REQUIRE) $(4)),--require $(subst $(space),$(comma),$(strip $(subst $(comma),$(space),$(ENGINE_REQUIRE)) $(4)))) $(3)
 engine-test: $(STAMP) $(VLLM_STAMP)
-	rm -rf $(ENGINE_CKPT) $(ENGINE_CKPT)-head-q $(ENGINE_CKPT)-skip $(ENGINE_CKPT)-fp8w $(ENGINE_CKPT)-into
+	rm -rf $(ENGINE_CKPT) $(ENGINE_CKPT)-head-q $(ENGINE_CKPT)-skip $(ENGINE_CKPT)-fp8w $(ENGINE_CKPT)-into $(ENGINE_CKPT)-tune
 	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT) $(ENGINE_RUN)
 	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT)-head-q $(ENGINE_RUN) --granularity head --q-scale
 	$(BIN)/kvcalib calibrate --out $(ENGINE_CKPT)-skip $(ENGINE_RUN) --skip-layers 1
 	$(call engine_pytest,$(ENGINE_CKPT),7)
 	$(call engine_pytest,$(ENGINE_CKPT)-head-q,8,-k "not control",per-head q-scale)
 	$(call engine_pytest,$(ENGINE_CKPT)-skip,7,-k "not control",skip-layers)
+	# the checkpoint `kvcalib tune` chooses loads like calibrate's (a wide bar, so one is always chosen)
+	$(BIN)/kvcalib tune --out $(ENGINE_CKPT)-tune --observers absmax,mse --headrooms 1.0 --max-skip 0 \
+	--eval-samples 4 --buckets 64 --max-kl 1 --max-ppl-increase 1 --no-progress
+	$(call engine_pytest,$(ENGINE_CKPT)-tune,7,-k "not control")
 	# KV scales stacked onto a compressed-tensors FP8-weight checkpoint of the same model (--into)
 	$(BIN)/python tests/tiny.py fp8-weights $$($(BIN)/kvcalib default-model) $(ENGINE_CKPT)-fp8w
 	$(BIN)/kvcalib calibrate --model $$($(BIN)/kvcalib default-model) --into $(ENGINE_CKPT)-fp8w --out $(ENGINE_CKPT)-into $(ENGINE_RUN)

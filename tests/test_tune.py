@@ -238,3 +238,21 @@ def test_engine_confirms_the_short_list(over448, tmp_path, monkeypatch):
     assert 1 <= len(confirmed) <= 2 and res.chosen["name"] in {r["name"] for r in confirmed}
     assert res.doc["reference"] is not None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tokens.jsonl"]   # no temporary export left
+
+
+def test_budget_keeps_the_best_so_far(over448, tmp_path, monkeypatch):
+    """The budget runs out after the first measuring pass (default + the absmax arm): the mse candidates stay
+    unscored, and the choice is made among what was scored."""
+    tmp, src, _, _ = over448
+    calls = []
+
+    def over(self):
+        calls.append(1)
+        return len(calls) > 1
+    monkeypatch.setattr(search.Clock, "over", over)
+    res = run.run(_config(src, None, tmp_path / "out", stats=(str(tmp / "stats"),), chunk=2))
+    doc = res.doc
+    assert doc["budget"]["stopped"].startswith("--budget-minutes spent")
+    assert sorted(doc["budget"]["not_scored"]) == sorted(r["name"] for r in doc["candidates"] if r["observer"] == "mse")
+    assert res.chosen is not None and res.chosen["observer"] == "absmax" and res.chosen["name"] == "fp8/tensor/absmax/h1"
+    assert "stopped early" in (tmp_path / "out" / "tune.md").read_text().lower()
