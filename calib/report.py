@@ -198,13 +198,14 @@ def document(meta: dict[str, Any], ref: dict[str, Any], results: dict[str, dict[
             "verdict": verdict(ref, results, th, meta["reference"])}
 
 
-def _finite(x: Any) -> Any:
+def finite(x: Any) -> Any:
+    """JSON without NaN/Infinity (strict readers refuse them): non-finite numbers become null."""
     if isinstance(x, float):
         return x if math.isfinite(x) else None
     if isinstance(x, dict):
-        return {str(k): _finite(v) for k, v in x.items()}
+        return {str(k): finite(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
+        return [finite(v) for v in x]
     return x
 
 
@@ -218,7 +219,7 @@ def write(out: Path, doc: dict[str, Any], *, force: bool, plots: bool = True) ->
         made = [*made, extra] if extra else made
         if note:
             doc["notes"] = [*doc.get("notes", []), note]
-        (tmp / "report.json").write_text(json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n")
+        (tmp / "report.json").write_text(json.dumps(finite(doc), indent=2, allow_nan=False) + "\n")
         (tmp / "report.md").write_text(markdown(doc, made))
     return out
 

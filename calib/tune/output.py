@@ -115,17 +115,6 @@ def headline(doc: dict[str, Any]) -> str:
             f"({row['numbers']})")
 
 
-def _finite(x: Any) -> Any:
-    """JSON without NaN/Infinity (strict readers refuse them): non-finite numbers become null."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {str(k): _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
-
-
 def _cell(x: Any, fmt: str = ".3g") -> str:
     return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
@@ -210,7 +199,7 @@ def plot_svg(doc: dict[str, Any]) -> str | None:
 def finish(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any, held: dict[str, Any], seconds: float,
            log: Any) -> Outcome:
     doc = document(cfg, loaded, source, found, st, held, seconds)
-    files = {JSON: json.dumps(_finite(doc), indent=1) + "\n", MD: markdown(doc)}
+    files = {JSON: json.dumps(report.finite(doc), indent=1) + "\n", MD: markdown(doc)}
     svg = plot_svg(doc) if cfg.plots else None
     if svg:
         files[SVG] = svg
