@@ -236,6 +236,13 @@ def _export(tmp: Path, out: Path, *extra: str) -> list[str]:
     return ["--stats", str(_stats_file(tmp, "s.safetensors")), "--model", str(_model(tmp)), "--out", str(out), *extra]
 
 
+def _tune(tmp: Path, out: Path | None = None) -> list[str]:
+    data = str(_tokens(tmp))
+    return ["--model", str(_model(tmp)), "--data", data, "--eval-data", data, "--samples", "8", "--seq-len", "32",
+            "--eval-samples", "4", "--buckets", "32", "--observers", "absmax", "--headrooms", "1.0",
+            "--no-plots", "--no-progress", "--out", str(out or tmp / "tuned")]
+
+
 def _eval(tmp: Path, *extra: str) -> list[str]:
     return ["--model", str(_model(tmp)), "--data", str(_tokens(tmp)), "--samples", "4", "--buckets", "32",
             "--device", "cpu", "--no-plots", "--out", str(tmp / "report"), *extra]
@@ -530,6 +537,22 @@ ROWS = [
         "kvcalib.json is not valid JSON", command="eval"),
     Row("--into checkpoint whose quantization_config is a list", lambda t: [
         *_base(t), "--into", str(_exported(t, edit=_with_qc(["fp8"])))], "quantization_config must be an object"),
+    Row("tune --max-skip beyond the model's layers", lambda t: [*_tune(t), "--max-skip", "64"], "the model has",
+        command="tune"),
+    Row("tune --target trtllm with layer skips", lambda t: [*_tune(t), "--target", "trtllm", "--max-skip", "1"],
+        "TensorRT-LLM applies one KV dtype to every layer", command="tune"),
+    Row("tune --observers with an unknown observer", lambda t: [*_tune(t), "--observers", "absmax,histogram"],
+        "unknown observer 'histogram'", command="tune"),
+    Row("tune --headrooms below 1", lambda t: [*_tune(t), "--headrooms", "0.5"], "must be a number >= 1",
+        command="tune"),
+    Row("tune --stats and --stats-out together", lambda t: [*_tune(t), "--stats", str(_stats_file(t, "s.safetensors")),
+        "--stats-out", str(t / "new")], "--stats-out with --stats", command="tune"),
+    Row("tune --eval-data missing", lambda t: [*_tune(t), "--eval-data", str(t / "held.jsonl")], "held.jsonl",
+        command="tune"),
+    Row("tune OUT holds other files, --force", lambda t: [*_tune(t, _folder(t, "docs", {"notes.txt": "mine"})),
+        "--force"], "holds files kvcalib did not write", command="tune"),
+    Row("tune OUT inside the model folder", lambda t: [*_tune(t, _model(t) / "tuned")], "inside the model",
+        command="tune"),
 ]
 
 
