@@ -124,18 +124,14 @@ def verdict(ref: dict[str, Any], results: dict[str, dict[str, Any]], th: Thresho
         out.update(action="ship", arm=best, text=text)
     elif any(c for _, (c, _) in confirmed):
         best = next(n for n, (c, _) in confirmed if c)
-        layers = sorted(set(results[best]["skip"]) | set(results[best].get("serve_skip", [])))
-        flag = f"{SKIP_FLAG} {' '.join(map(str, layers))}"
-        base = best.rsplit(" skip ", 1)[0]
+        layers, flag, base = _skip_trial(results, best)
         out.update(action="ship_with_skip", arm=base, skip_layers=layers, flag=flag, text=(
             f"Ship `{base}` with layers {layers} kept in {reference}: serve with `{flag}` (vLLM; recipe "
             f"`skip_layers: {layers}`). Those layers dominate the error (attention-output error "
             f"{_errs(plain[base], layers)}); measured with them unquantised: {kl(best)}, confirmed by the engine."))
     elif confirmed:
         best, (_, why) = confirmed[0]
-        layers = sorted(set(results[best]["skip"]) | set(results[best].get("serve_skip", [])))
-        flag = f"{SKIP_FLAG} {' '.join(map(str, layers))}"
-        base = best.rsplit(" skip ", 1)[0]
+        layers, flag, base = _skip_trial(results, best)
         out.update(action="skip_unconfirmed", arm=base, skip_layers=layers, flag=flag, text=(
             f"Keep {reference.upper()} KV for now: no arm is within the threshold "
             f"(best: `{best_any}`, {'; '.join(failures(plain[best_any], ref, th))}). Keeping layers {layers} in "
@@ -196,6 +192,12 @@ def document(meta: dict[str, Any], ref: dict[str, Any], results: dict[str, dict[
         e["misses"] = failures(e, ref, th)
     return {"kvcalib_eval": 1, **meta, "thresholds": th.to_dict(), "arms": {meta["reference"]: ref, **results},
             "verdict": verdict(ref, results, th, meta["reference"])}
+
+
+def _skip_trial(results: dict[str, Any], name: str) -> tuple[list[int], str, str]:
+    """A skip trial's layers kept unquantised, the engine flag that serves them, and the arm it was cut from."""
+    layers = sorted(set(results[name]["skip"]) | set(results[name].get("serve_skip", [])))
+    return layers, f"{SKIP_FLAG} {' '.join(map(str, layers))}", name.rsplit(" skip ", 1)[0]
 
 
 def finite(x: Any) -> Any:
