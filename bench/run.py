@@ -170,8 +170,8 @@ def main() -> None:
 
         def arm() -> None:
             nonlocal stats_for_export
-            stats, _ = pipeline.observe_kv(loaded, seqs, args.batch_size, None,
-                                           pipeline.capture_spec(recipe, loaded.config), opts)
+            stats = pipeline.observe_kv(loaded, seqs, args.batch_size, None,
+                                        pipeline.capture_spec(recipe, loaded.config), opts).stats
             scales_mod.compute(stats, dtype=recipe.dtype, granularity=recipe.granularity)
             stats_for_export = stats
         results[f"kvcalib {name}"] = timed(arm, device, args.repeat)

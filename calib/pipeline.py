@@ -67,12 +67,20 @@ class RunOptions:
     checkpoint: Checkpointing | None = None  # save observer state every N batches / resume from it
 
 
+@dataclass(frozen=True)
+class Observed:
+    """What the capture stage hands on: the merged capture (what a statistics file saves), its statistics
+    (what scales are computed from) and the forward loop's seconds."""
+    capture: observe.KVCapture
+    stats: observe.Stats
+    seconds: float
+
+
 def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_size: int,
                progress: Any | None = None, spec: observe.CaptureSpec | None = None,
-               options: RunOptions = RunOptions(), padding: PaddingStats | None = None,
-               keep: list | None = None) -> tuple[observe.Stats, float]:
-    """Run the base model over the sequences with the K/V capture installed; returns (stats, loop seconds,
-    which include streaming and tokenizing the data). `keep`, when given, receives the merged capture."""
+               options: RunOptions = RunOptions(), padding: PaddingStats | None = None) -> Observed:
+    """Run the base model over the sequences with the K/V capture installed; returns the merged capture,
+    its statistics and the loop's seconds (which include streaming and tokenizing the data)."""
     model, dev = loaded.model, loaded.device
     pad_id = getattr(loaded.tokenizer, "pad_token_id", None) or 0
     feed: Iterable = shard(batches(seqs, batch_size, pad_id, max_batch_tokens=options.max_batch_tokens,
@@ -103,10 +111,7 @@ def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_s
             torch.cuda.synchronize(dev)
         spent = time.perf_counter() - t0
         cap.merge_across(lambda obs: merge_all(obs, options.dist))
-        stats = cap.stats()
-        if keep is not None:
-            keep.append(cap)
-    return stats, spent
+        return Observed(capture=cap, stats=cap.stats(), seconds=spent)
 
 
 def _versions() -> dict[str, str]:
@@ -327,9 +332,9 @@ def _calibrate(checked: _Checked, model_src: str | Path, data_src: str | Path, r
         header = {"recipe": recipe.to_dict(), "model_config_sha256": statsfile.config_sha256(source_dir),
                   "data_source": str(data_src), "rotary_dim": model_mod.rotary_dim(loaded.config)}
         options = dataclasses.replace(options, checkpoint=dataclasses.replace(options.checkpoint, header=header))
-    padding, kept = PaddingStats(), []
-    stats, fwd = observe_kv(loaded, seqs, recipe.batch_size, progress, capture_spec(recipe, loaded.config),
-                            options, padding, kept)
+    padding = PaddingStats()
+    seen = observe_kv(loaded, seqs, recipe.batch_size, progress, capture_spec(recipe, loaded.config), options, padding)
+    stats = seen.stats
     scales = (scales_mod.compute(stats, dtype=recipe.kv_dtype, granularity=recipe.scale_granularity,
                                 headroom=recipe.headroom)
               if recipe.targets else {})
@@ -340,13 +345,13 @@ def _calibrate(checked: _Checked, model_src: str | Path, data_src: str | Path, r
     if options.dist.is_main:
         if into is not None:
             prov["into"] = str(into)
-        path = write_outputs(target_dir, Path(out), recipe, kept[0], scales, prov, force=force,
+        path = write_outputs(target_dir, Path(out), recipe, seen.capture, scales, prov, force=force,
                              overwrite_kv=overwrite_kv)
         if stats_out is not None:
-            statsfile.save(Path(stats_out), kept[0], stats_header(prov, loaded.source_dir))
+            statsfile.save(Path(stats_out), seen.capture, stats_header(prov, loaded.source_dir))
         if options.checkpoint is not None:
             options.checkpoint.path.unlink(missing_ok=True)  # the run completed: nothing to resume
     barrier(options.dist)
     return Result(out=path, scales=scales, stats=stats, skipped=skipped, data=report, padding=padding.fraction,
-                  seconds=time.perf_counter() - t_start, forward_seconds=fwd, model_dtype=dtype,
+                  seconds=time.perf_counter() - t_start, forward_seconds=seen.seconds, model_dtype=dtype,
                   device=str(loaded.device))

@@ -30,6 +30,20 @@ def test_scales_equal_amax_over_exactly_the_tokens_used(tiny_llama_dir, token_da
     assert prov["recipe"]["seed"] == 5 and prov["layers"]["0"]["k_scale"] == pytest.approx(float(ref[0][0].max()) / 448, rel=1e-6)
 
 
+def test_observe_kv_returns_its_capture(tiny_llama_dir, token_data):
+    """The capture stage hands its result on: the merged capture, its statistics, the loop's seconds."""
+    from calib import model as model_mod
+    recipe = Recipe(samples=6, seq_len=24, min_tokens=12, batch_size=2, seed=3)
+    seqs, _ = used_sequences(token_data, recipe, 257)
+    loaded = model_mod.load(tiny_llama_dir, device="cpu")
+    seen = pipeline.observe_kv(loaded, seqs, recipe.batch_size, spec=pipeline.capture_spec(recipe, loaded.config))
+    assert seen.seconds > 0 and sorted(seen.stats) == sorted(seen.capture.stats())
+    ref = reference_amax(tiny_causal_lm("llama"), seqs)
+    for i, (k_amax, v_amax) in ref.items():
+        torch.testing.assert_close(seen.stats[i].k_amax, k_amax, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(seen.capture.stats()[i].v_amax, v_amax, rtol=1e-4, atol=1e-6)
+
+
 def test_same_inputs_give_the_same_scales_across_batch_sizes(tiny_llama_dir, token_data, tmp_path):
     """Same data, batch 1 vs 5: equal up to float32 GEMM blocking (batched matmuls round differently)."""
     outs = []
