@@ -126,8 +126,16 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def provenance(recipe: Recipe, model_src: str, data_src: str, report: data_mod.DataReport, stats: observe.Stats,
-               scales: scales_mod.Scales, skipped: list[int], dtype: str) -> dict[str, Any]:
+def data_record(data_src: str | Path, report: data_mod.DataReport) -> dict[str, Any]:
+    """The provenance's `data` entry for data read in this run: its source and what was used of it."""
+    return {"source": str(data_src), **report.to_dict()}
+
+
+def provenance(recipe: Recipe, model_src: str, data: dict[str, Any], stats: observe.Stats,
+               scales: scales_mod.Scales, skipped: list[int], dtype: str, *, rotary_dim: int | None,
+               into: str | None = None, selected_by: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's record (kvcalib.json), complete when built: everything it names is computed by the caller
+    first and passed in, so no stage patches it afterwards. `into` and `selected_by` appear only when given."""
     def vec(t):
         return None if t is None else [float(x) for x in t.reshape(-1)]
 
@@ -148,12 +156,15 @@ def provenance(recipe: Recipe, model_src: str, data_src: str, report: data_mod.D
         "producer": "kvcalib",
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "model": str(model_src),
-        "data": {"source": str(data_src), **report.to_dict()},
+        "data": dict(data),
         "recipe": recipe.to_dict(),
         "skipped_layers": skipped,
         "calibration_dtype": dtype,
         "versions": _versions(),
         "layers": layers,
+        "rotary_dim": rotary_dim,
+        **({"into": into} if into is not None else {}),
+        **({"selected_by": dict(selected_by)} if selected_by is not None else {}),
     }
 
 
@@ -222,9 +233,9 @@ def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, source: Path, 
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, config, sf.capture.layers)
     scales = scales_mod.compute(stats, dtype=recipe.kv_dtype, granularity=recipe.scale_granularity,
                                 headroom=recipe.headroom)
-    report = data_mod.DataReport()
-    prov = provenance(recipe, str(model_src), "", report, stats, scales, skipped, "from statistics file")
-    prov["data"] = {**sf.header.get("data", {}), "statistics_file": str(stats_path)}
+    data = {**sf.header.get("data", {}), "statistics_file": str(stats_path)}
+    prov = provenance(recipe, str(model_src), data, stats, scales, skipped, "from statistics file",
+                      rotary_dim=sf.header.get("rotary_dim"))
     return write_outputs(source, Path(out), recipe, sf.capture, scales, prov, force=force), scales, skipped
 
 
@@ -339,12 +350,10 @@ def _calibrate(checked: _Checked, model_src: str | Path, data_src: str | Path, r
                                 headroom=recipe.headroom)
               if recipe.targets else {})
     dtype = str(loaded.dtype).removeprefix("torch.")
-    prov = provenance(recipe, str(model_src), str(data_src), report, stats, scales, skipped, dtype)
-    prov["rotary_dim"] = model_mod.rotary_dim(loaded.config)
+    prov = provenance(recipe, str(model_src), data_record(data_src, report), stats, scales, skipped, dtype,
+                      rotary_dim=model_mod.rotary_dim(loaded.config), into=None if into is None else str(into))
     path = Path(out)
     if options.dist.is_main:
-        if into is not None:
-            prov["into"] = str(into)
         path = write_outputs(target_dir, Path(out), recipe, seen.capture, scales, prov, force=force,
                              overwrite_kv=overwrite_kv)
         if stats_out is not None:

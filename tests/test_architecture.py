@@ -172,3 +172,18 @@ def test_no_test_module_imports_another():
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
             found += [f"{path.relative_to(tests)} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
     assert found == []
+
+
+def test_the_provenance_is_built_complete_not_patched():
+    """Stages hand values on: the run's record is built once by `pipeline.provenance` with everything it
+    names; no stage that builds one assigns into it afterwards (`prov[...] = ...`), so no call order matters."""
+    patched = []
+    for mod, path in MODULES.items():
+        if not (mod == "calib.pipeline" or mod.startswith("calib.tune")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            patched += [f"{mod}:{node.lineno}" for t in targets
+                        if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == "prov"]
+    assert patched == []

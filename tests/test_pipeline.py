@@ -44,6 +44,28 @@ def test_observe_kv_returns_its_capture(tiny_llama_dir, token_data):
         torch.testing.assert_close(seen.capture.stats()[i].v_amax, v_amax, rtol=1e-4, atol=1e-6)
 
 
+def test_provenance_of_a_calibrate_run_is_complete(tiny_llama_dir, token_data, tmp_path):
+    """kvcalib.json holds every field of the run as written, rotary_dim and --into included, none patched in
+    later: `provenance` alone, given its inputs, builds the same record."""
+    from calib import model as model_mod
+    from calib.ckpt.names import PROVENANCE_FILE
+    recipe = Recipe(samples=4, seq_len=24, min_tokens=12, batch_size=2, seed=1)
+    res = pipeline.calibrate(tiny_llama_dir, token_data, recipe, tmp_path / "a", device="cpu")
+    written = json.loads((res.out / PROVENANCE_FILE).read_text())
+    fields = {"producer", "created", "model", "data", "recipe", "skipped_layers", "calibration_dtype", "versions",
+              "layers", "rotary_dim"}
+    assert fields <= set(written) and "into" not in written and "selected_by" not in written
+    config = model_mod.source_config(tiny_llama_dir)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    assert written["rotary_dim"] == head_dim                   # the tiny Llama rotates the whole head
+    assert written["recipe"] == recipe.to_dict() and written["data"]["tokens"] == res.data.tokens
+    built = pipeline.provenance(recipe, str(tiny_llama_dir), pipeline.data_record(token_data, res.data), res.stats,
+                                res.scales, res.skipped, res.model_dtype, rotary_dim=head_dim, into="q")
+    assert {k for k in built if k != "into"} == fields and built["into"] == "q"
+    same = fields - {"created"}                                # the export adds its own (target, weights)
+    assert {k: built[k] for k in same} == {k: written[k] for k in same}
+
+
 def test_same_inputs_give_the_same_scales_across_batch_sizes(tiny_llama_dir, token_data, tmp_path):
     """Same data, batch 1 vs 5: equal up to float32 GEMM blocking (batched matmuls round differently)."""
     outs = []

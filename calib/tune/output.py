@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, data as data_mod, outputs, pipeline, report
+from .. import __version__, outputs, pipeline, report
 from .. import model as model_mod
 from .. import scales as scales_mod
 from . import choose as choose_mod
@@ -224,11 +224,9 @@ def write_checkpoint(cfg: TuneConfig, loaded: Any, source: Path, st: Any, cand: 
     stats = st.stats_for(cand, cfg.base)
     scales = scales_mod.compute(stats, dtype=recipe.dtype, granularity=recipe.granularity, headroom=recipe.headroom)
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, loaded.config, loaded.attention_layers)
-    data_src = sf.header.get("data", {}).get("source", "")
     dtype = str(loaded.dtype).removeprefix("torch.")
-    prov = pipeline.provenance(recipe, str(cfg.model), data_src, data_mod.DataReport(), stats, scales, skipped, dtype)
-    prov["data"] = dict(sf.header.get("data", {}))
-    prov["rotary_dim"] = sf.header.get("rotary_dim")
-    prov["selected_by"] = {"tool": "kvcalib tune", "record": JSON, "candidate": cand.name}
+    prov = pipeline.provenance(recipe, str(cfg.model), dict(sf.header.get("data", {})), stats, scales, skipped, dtype,
+                               rotary_dim=sf.header.get("rotary_dim"),
+                               selected_by={"tool": "kvcalib tune", "record": JSON, "candidate": cand.name})
     return pipeline.write_outputs(source, Path(out or cfg.out), recipe, sf.capture, scales, prov,
                                   force=cfg.force and out is None, extra_files=files)

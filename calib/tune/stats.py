@@ -100,8 +100,8 @@ def collect(loaded: model_mod.LoadedModel, data_src: str, base: Recipe, keys: Se
     files = {}
     for key, cap in caps.items():
         stats = cap.stats()
-        prov = pipeline.provenance(recipes[key], model_src, data_src, report, stats, {}, [], dtype)
-        prov["rotary_dim"] = model_mod.rotary_dim(loaded.config)
+        prov = pipeline.provenance(recipes[key], model_src, pipeline.data_record(data_src, report), stats, {}, [],
+                                   dtype, rotary_dim=model_mod.rotary_dim(loaded.config))
         files[key] = statsfile.StatsFile(pipeline.stats_header(prov, loaded.source_dir), cap)
     if log:
         log(f"tune: statistics of {len(files)} observer set(s) from one pass: {report.used} samples / "
