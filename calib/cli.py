@@ -153,13 +153,14 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
             placement = dataclasses.replace(placement, device=distributed.device_for(dist, device))
             with _LazyBar(tqdm, desc="calibrating", unit="tok", unit_scale=True, file=sys.stderr,
                           dynamic_ncols=True, disable=not dist.is_main) as bar:
-                result = pipeline.calibrate(
-                    model_src, data_src, recipe, out, trust_remote_code=trust_remote_code, force=force, progress=bar,
+                job = pipeline.CalibrateJob(
+                    model_src, data_src, recipe, out, trust_remote_code=trust_remote_code, force=force,
                     options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist,
                                                 checkpoint=_checkpointing(out, checkpoint_every, resume, pipeline)),
                     placement=placement,
                     stats_out=stats_out, into=into, overwrite_kv=overwrite_kv_scales, allow_pickle=allow_pickle,
                     recipe_file=_recipe_file(recipe_path))
+                result = pipeline.run(job, progress=bar)
     except _user_errors() as e:
         raise click.ClickException(str(e)) from None
     if dist.is_main:

@@ -1,4 +1,4 @@
-"""The calibration job: data → model → observe → scales → export, each stage handing the next a plain value.
+"""The calibration job: a frozen CalibrateJob → prepare → capture → fold → write, each stage handing the next a value.
 
 Why it is shaped like this: the floor for calibration is one forward pass of the base model over the
 calibration tokens. So the loop does nothing but build a padded batch, set the token mask for the capture,
@@ -298,6 +298,26 @@ def check_calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe,
     return _Checked(source_dir, target_dir, options, tuple(inputs))
 
 
+@dataclass(frozen=True)
+class CalibrateJob:
+    """One calibration, as the CLI (or a caller) states it: what runs, on what, into where, and how. The
+    stages (prepare -> capture -> fold -> write) read it and hand each other plain values."""
+    model: str | Path
+    data: str | Path
+    recipe: Recipe
+    out: Path
+    device: str | None = None
+    trust_remote_code: bool = False
+    force: bool = False
+    options: RunOptions = RunOptions()
+    placement: model_mod.Placement | None = None
+    stats_out: Path | None = None
+    into: Path | None = None             # a weight-quantized checkpoint of the same model the scales join
+    overwrite_kv: bool = False
+    allow_pickle: bool = False
+    recipe_file: Path | None = None
+
+
 def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
               trust_remote_code: bool = False, force: bool = False, progress: Any | None = None,
               options: RunOptions = RunOptions(), placement: model_mod.Placement | None = None,
@@ -305,62 +325,97 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
               allow_pickle: bool = False, recipe_file: Path | None = None) -> Result:
     """Calibrate `model_src` on `data_src` and write the recipe's targets to `out`. With `into` (a
     weight-quantized checkpoint of the same model), the scales are attached to `into`'s files instead:
-    its weights are carried over byte for byte and its quantization config gains the KV scheme.
-    Checks first (nothing loaded), then the output locks (a second run into OUT refuses), then the work."""
+    its weights are carried over byte for byte and its quantization config gains the KV scheme."""
+    return run(CalibrateJob(model_src, data_src, recipe, out, device=device, trust_remote_code=trust_remote_code,
+                            force=force, options=options, placement=placement, stats_out=stats_out, into=into,
+                            overwrite_kv=overwrite_kv, allow_pickle=allow_pickle, recipe_file=recipe_file),
+               progress)
+
+
+def run(job: CalibrateJob, progress: Any | None = None) -> Result:
+    """Checks first (nothing loaded), then the output locks (a second run into OUT refuses), then the stages."""
     t_start = time.perf_counter()
-    checked = check_calibrate(model_src, data_src, recipe, out, device=device, trust_remote_code=trust_remote_code,
-                              force=force, options=options, placement=placement, stats_out=stats_out, into=into,
-                              overwrite_kv=overwrite_kv, allow_pickle=allow_pickle, recipe_file=recipe_file)
-    ckpt = options.checkpoint
+    checked = check_calibrate(job.model, job.data, job.recipe, job.out, device=job.device,
+                              trust_remote_code=job.trust_remote_code, force=job.force, options=job.options,
+                              placement=job.placement, stats_out=job.stats_out, into=job.into,
+                              overwrite_kv=job.overwrite_kv, allow_pickle=job.allow_pickle,
+                              recipe_file=job.recipe_file)
+    ckpt = job.options.checkpoint
     # the resume file's lock too, checkpointing or not: it clears what a killed save left beside it
-    locks = [(out, "--out"), (stats_out, "--stats-out"),
-             (ckpt.path if ckpt else outputs.resume_path(Path(out)), "--checkpoint-every")]
-    with outputs.locked(locks if options.dist.is_main else []):
+    locks = [(job.out, "--out"), (job.stats_out, "--stats-out"),
+             (ckpt.path if ckpt else outputs.resume_path(Path(job.out)), "--checkpoint-every")]
+    with outputs.locked(locks if job.options.dist.is_main else []):
         # again under the lock: taking it may have put back an output a killed run had moved aside
-        outputs.check_folder(Path(out), force=force, inputs=checked.inputs)
-        return _calibrate(checked, model_src, data_src, recipe, out, t_start, device=device,
-                          trust_remote_code=trust_remote_code, force=force, progress=progress, placement=placement,
-                          stats_out=stats_out, into=into, overwrite_kv=overwrite_kv, allow_pickle=allow_pickle)
+        outputs.check_folder(Path(job.out), force=job.force, inputs=checked.inputs)
+        return _calibrate(job, checked, t_start, progress)
 
 
-def _calibrate(checked: _Checked, model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path,
-               t_start: float, *, device: str | None, trust_remote_code: bool, force: bool, progress: Any | None,
-               placement: model_mod.Placement | None, stats_out: Path | None, into: Path | None,
-               overwrite_kv: bool, allow_pickle: bool) -> Result:
-    source_dir, target_dir, options = checked.source_dir, checked.target_dir, checked.options
-    loaded = model_mod.load(source_dir, device=device, trust_remote_code=trust_remote_code, placement=placement,
-                            allow_pickle=allow_pickle)
+@dataclass(frozen=True)
+class _Prepared:
+    loaded: model_mod.LoadedModel
+    skipped: list[int]
+    report: data_mod.DataReport      # filled while `seqs` is consumed
+    seqs: Iterable[list[int]]
+    options: RunOptions              # with the checkpoint header of this run
+
+
+def _prepare(job: CalibrateJob, checked: _Checked) -> _Prepared:
+    """Load the model, resolve the skipped layers, open the token stream."""
+    recipe, options = job.recipe, checked.options
+    loaded = model_mod.load(checked.source_dir, device=job.device, trust_remote_code=job.trust_remote_code,
+                            placement=job.placement, allow_pickle=job.allow_pickle)
     max_pos = getattr(loaded.config, "max_position_embeddings", None)
     if max_pos and recipe.seq_len > max_pos:
         raise model_mod.ModelError(f"seq_len {recipe.seq_len} exceeds the model's context "
                                    f"(max_position_embeddings = {max_pos}); lower SEQ_LEN")
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, loaded.config, loaded.attention_layers)
     report = data_mod.DataReport()
-    seqs = data_mod.samples(data_src, loaded.tokenizer, seq_len=recipe.seq_len, max_samples=recipe.samples,
+    seqs = data_mod.samples(job.data, loaded.tokenizer, seq_len=recipe.seq_len, max_samples=recipe.samples,
                             min_tokens=recipe.min_tokens, pack=recipe.pack, seed=recipe.seed,
                             vocab_size=getattr(loaded.config, "vocab_size", None), report=report)
     if options.checkpoint is not None:
-        header = {"recipe": recipe.to_dict(), "model_config_sha256": statsfile.config_sha256(source_dir),
-                  "data_source": str(data_src), "rotary_dim": model_mod.rotary_dim(loaded.config)}
+        header = {"recipe": recipe.to_dict(), "model_config_sha256": statsfile.config_sha256(checked.source_dir),
+                  "data_source": str(job.data), "rotary_dim": model_mod.rotary_dim(loaded.config)}
         options = dataclasses.replace(options, checkpoint=dataclasses.replace(options.checkpoint, header=header))
-    padding = PaddingStats()
-    seen = observe_kv(loaded, seqs, recipe.batch_size, progress, capture_spec(recipe, loaded.config), options, padding)
-    stats = seen.stats
-    scales = (scales_mod.compute(stats, dtype=recipe.kv_dtype, granularity=recipe.scale_granularity,
-                                headroom=recipe.headroom)
-              if recipe.targets else {})
-    dtype = str(loaded.dtype).removeprefix("torch.")
-    prov = provenance(recipe, str(model_src), data_record(data_src, report), stats, scales, skipped, dtype,
-                      rotary_dim=model_mod.rotary_dim(loaded.config), into=None if into is None else str(into))
-    path = Path(out)
+    return _Prepared(loaded, skipped, report, seqs, options)
+
+
+def _fold(recipe: Recipe, stats: observe.Stats) -> scales_mod.Scales:
+    """The recipe's scales from the statistics (none for a statistics-only recipe)."""
+    if not recipe.targets:
+        return {}
+    return scales_mod.compute(stats, dtype=recipe.kv_dtype, granularity=recipe.scale_granularity,
+                              headroom=recipe.headroom)
+
+
+def _write(job: CalibrateJob, checked: _Checked, prep: _Prepared, seen: Observed, scales: scales_mod.Scales,
+           prov: dict[str, Any]) -> Path:
+    """The checkpoint(s) and the statistics file, from the main process only; then every rank meets."""
+    path, options = Path(job.out), prep.options
     if options.dist.is_main:
-        path = write_outputs(target_dir, Path(out), recipe, seen.capture, scales, prov, force=force,
-                             overwrite_kv=overwrite_kv)
-        if stats_out is not None:
-            statsfile.save(Path(stats_out), seen.capture, stats_header(prov, loaded.source_dir))
+        path = write_outputs(checked.target_dir, Path(job.out), job.recipe, seen.capture, scales, prov,
+                             force=job.force, overwrite_kv=job.overwrite_kv)
+        if job.stats_out is not None:
+            statsfile.save(Path(job.stats_out), seen.capture, stats_header(prov, prep.loaded.source_dir))
         if options.checkpoint is not None:
             options.checkpoint.path.unlink(missing_ok=True)  # the run completed: nothing to resume
     barrier(options.dist)
-    return Result(out=path, scales=scales, stats=stats, skipped=skipped, data=report, padding=padding.fraction,
-                  seconds=time.perf_counter() - t_start, forward_seconds=seen.seconds, model_dtype=dtype,
-                  device=str(loaded.device))
+    return path
+
+
+def _calibrate(job: CalibrateJob, checked: _Checked, t_start: float, progress: Any | None) -> Result:
+    recipe = job.recipe
+    prep = _prepare(job, checked)
+    loaded = prep.loaded
+    padding = PaddingStats()
+    seen = observe_kv(loaded, prep.seqs, recipe.batch_size, progress, capture_spec(recipe, loaded.config),
+                      prep.options, padding)
+    scales = _fold(recipe, seen.stats)
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    prov = provenance(recipe, str(job.model), data_record(job.data, prep.report), seen.stats, scales, prep.skipped,
+                      dtype, rotary_dim=model_mod.rotary_dim(loaded.config),
+                      into=None if job.into is None else str(job.into))
+    path = _write(job, checked, prep, seen, scales, prov)
+    return Result(out=path, scales=scales, stats=seen.stats, skipped=prep.skipped, data=prep.report,
+                  padding=padding.fraction, seconds=time.perf_counter() - t_start, forward_seconds=seen.seconds,
+                  model_dtype=dtype, device=str(loaded.device))

@@ -66,6 +66,21 @@ def test_provenance_of_a_calibrate_run_is_complete(tiny_llama_dir, token_data, t
     assert {k: built[k] for k in same} == {k: written[k] for k in same}
 
 
+def test_a_calibrate_job_runs_the_same_as_calibrate(tiny_llama_dir, token_data, tmp_path):
+    """The CLI's frozen job object and `calibrate`'s keyword form drive the same stages to the same output."""
+    import dataclasses
+    recipe = Recipe(samples=5, seq_len=24, min_tokens=12, batch_size=2, seed=2)
+    job = pipeline.CalibrateJob(tiny_llama_dir, token_data, recipe, tmp_path / "job", device="cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.force = True
+    a = pipeline.run(job)
+    b = pipeline.calibrate(tiny_llama_dir, token_data, recipe, tmp_path / "kw", device="cpu")
+    assert a.out == tmp_path / "job" and a.data.to_dict() == b.data.to_dict() and sorted(a.scales) == sorted(b.scales)
+    for i in a.scales:
+        assert torch.equal(a.scales[i].k_scale, b.scales[i].k_scale) and torch.equal(a.scales[i].v_scale, b.scales[i].v_scale)
+    assert (tmp_path / "job" / "kv_scales.safetensors").read_bytes() == (tmp_path / "kw" / "kv_scales.safetensors").read_bytes()
+
+
 def test_same_inputs_give_the_same_scales_across_batch_sizes(tiny_llama_dir, token_data, tmp_path):
     """Same data, batch 1 vs 5: equal up to float32 GEMM blocking (batched matmuls round differently)."""
     outs = []
