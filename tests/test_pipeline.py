@@ -78,7 +78,14 @@ def test_a_calibrate_job_runs_the_same_as_calibrate(tiny_llama_dir, token_data, 
     assert a.out == tmp_path / "job" and a.data.to_dict() == b.data.to_dict() and sorted(a.scales) == sorted(b.scales)
     for i in a.scales:
         assert torch.equal(a.scales[i].k_scale, b.scales[i].k_scale) and torch.equal(a.scales[i].v_scale, b.scales[i].v_scale)
-    assert (tmp_path / "job" / "kv_scales.safetensors").read_bytes() == (tmp_path / "kw" / "kv_scales.safetensors").read_bytes()
+    # same tensors, bytes and metadata (not the raw file: safetensors orders its metadata keys arbitrarily)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "job" / "kv_scales.safetensors"), "pt") as fa, \
+            safe_open(str(tmp_path / "kw" / "kv_scales.safetensors"), "pt") as fb:
+        assert fa.metadata() == fb.metadata() and sorted(fa.keys()) == sorted(fb.keys())
+        for name in fa.keys():
+            ta, tb = fa.get_tensor(name), fb.get_tensor(name)
+            assert ta.dtype == tb.dtype and ta.shape == tb.shape and ta.numpy().tobytes() == tb.numpy().tobytes()
 
 
 def test_same_inputs_give_the_same_scales_across_batch_sizes(tiny_llama_dir, token_data, tmp_path):
