@@ -256,3 +256,9 @@ def test_budget_keeps_the_best_so_far(over448, tmp_path, monkeypatch):
     assert sorted(doc["budget"]["not_scored"]) == sorted(r["name"] for r in doc["candidates"] if r["observer"] == "mse")
     assert res.chosen is not None and res.chosen["observer"] == "absmax" and res.chosen["name"] == "fp8/tensor/absmax/h1"
     assert "stopped early" in (tmp_path / "out" / "tune.md").read_text().lower()
+
+
+def test_tune_engines_and_observers_come_from_the_project_vocabulary():
+    from calib import recipe
+    from calib.tune import space
+    assert set(space.TARGETS) <= set(recipe.TARGETS) and space.OBSERVERS == tuple(recipe.OBSERVERS)

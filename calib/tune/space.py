@@ -18,8 +18,8 @@ from typing import Any
 
 from .. import recipe as recipe_mod
 
-TARGETS = ("vllm", "trtllm")
-OBSERVERS = ("absmax", "percentile", "mse", "rope_bound")      # every observer the recipe vocabulary has
+TARGETS = ("vllm", "trtllm")            # the engines whose candidate rules `generate` knows (a subset of export's)
+OBSERVERS = tuple(recipe_mod.OBSERVERS)  # every observer the recipe vocabulary has, in its order
 HEADROOMS = (1.0, 1.25)
 MAX_HEADROOMS = 8
 _SHORT = {"fp8_e4m3": "fp8", "int8": "int8"}
