@@ -129,7 +129,10 @@ def fp8_kv_unsupported_reason(head: int) -> str | None:
     if not current_platform.is_cpu():
         return None
     import torch
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    try:  # a private helper of vLLM 0.32; without it, ask for FP8 and let the engine answer
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
 
     try:
         _get_attn_isa(torch.bfloat16, 128, head, "fp8")
