@@ -254,48 +254,7 @@ def _check_same_model(source: Path, target: Path) -> None:
 class _Checked:
     source_dir: Path     # the model that runs
     target_dir: Path     # the checkpoint whose files the output carries (the model, or --into)
-    options: RunOptions
     inputs: tuple        # (what, path) of every input: no output may be, hold or lie inside one
-
-
-def check_calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *,
-                    device: str | None = None, trust_remote_code: bool = False, force: bool = False,
-                    options: RunOptions = RunOptions(), placement: model_mod.Placement | None = None,
-                    stats_out: Path | None = None, into: Path | None = None, overwrite_kv: bool = False,
-                    allow_pickle: bool = False, recipe_file: Path | None = None) -> _Checked:
-    """Every check that needs no weights, in the order a user fixes them: options, inputs, output paths
-    (writable, room, never over an input or a foreign file), the model's config and checkpoint files."""
-    ckpt = options.checkpoint
-    place = placement or model_mod.Placement(device=device)
-    opts.calibrate(device_name=place.device, max_batch_tokens=options.max_batch_tokens, seq_len=recipe.seq_len,
-                   checkpoint_every=(ckpt.every or None) if ckpt is not None else None)
-    if ckpt is not None and options.dist.world > 1:
-        raise statsfile.StatsError("--checkpoint-every/--resume run in a single process, not under torchrun")
-    data_mod.check_source(data_src)
-    local = Path(model_src).expanduser().exists()
-    source_dir = model_mod.resolve_source(model_src) if local else None   # a hub download waits for the checks
-    inputs = [("the model folder", model_src), ("the --into checkpoint", into), ("the data", data_src),
-              ("the recipe", recipe_file)]
-    outputs.check_folder(Path(out), force=force, inputs=inputs)
-    mine = [("the --out folder", out)]
-    if stats_out is not None:
-        outputs.check_file(Path(stats_out), inputs=[*inputs, *mine], option="--stats-out", force=force)
-        outputs.check_room(Path(stats_out), option="--stats-out")
-    if ckpt is not None:
-        outputs.check_file(ckpt.path, inputs=[*inputs, *mine], option="--checkpoint-every", force=None)
-    if place.offload_folder:
-        outputs.check_scratch(Path(place.offload_folder), inputs=[*inputs, *mine], option="--offload-folder")
-    source_dir = source_dir or model_mod.resolve_source(model_src)
-    target_dir = source_dir if into is None else model_mod.resolve_source(into)
-    model_mod.preflight(source_dir, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
-    if into is not None:
-        _check_same_model(source_dir, target_dir)
-    weights: list[Path] = []
-    if recipe.targets:  # a broken source checkpoint surfaces before anything is loaded
-        prepared = export.prepare_source(target_dir, Path(out), quantized_ok=into is not None, overwrite_kv=overwrite_kv)
-        weights = [target_dir / f for f in sorted(set(prepared.weight_map.values()))]
-    outputs.check_room(Path(out), weights, copies=max(1, len(recipe.targets)))
-    return _Checked(source_dir, target_dir, options, tuple(inputs))
 
 
 @dataclass(frozen=True)
@@ -318,6 +277,44 @@ class CalibrateJob:
     recipe_file: Path | None = None
 
 
+def check_calibrate(job: CalibrateJob) -> _Checked:
+    """Every check of `job` that needs no weights, in the order a user fixes them: options, inputs, output paths
+    (writable, room, never over an input or a foreign file), the model's config and checkpoint files."""
+    options, recipe, out = job.options, job.recipe, Path(job.out)
+    ckpt = options.checkpoint
+    place = job.placement or model_mod.Placement(device=job.device)
+    opts.calibrate(device_name=place.device, max_batch_tokens=options.max_batch_tokens, seq_len=recipe.seq_len,
+                   checkpoint_every=(ckpt.every or None) if ckpt is not None else None)
+    if ckpt is not None and options.dist.world > 1:
+        raise statsfile.StatsError("--checkpoint-every/--resume run in a single process, not under torchrun")
+    data_mod.check_source(job.data)
+    local = Path(job.model).expanduser().exists()
+    source_dir = model_mod.resolve_source(job.model) if local else None   # a hub download waits for the checks
+    inputs = [("the model folder", job.model), ("the --into checkpoint", job.into), ("the data", job.data),
+              ("the recipe", job.recipe_file)]
+    outputs.check_folder(out, force=job.force, inputs=inputs)
+    mine = [("the --out folder", out)]
+    if job.stats_out is not None:
+        outputs.check_file(Path(job.stats_out), inputs=[*inputs, *mine], option="--stats-out", force=job.force)
+        outputs.check_room(Path(job.stats_out), option="--stats-out")
+    if ckpt is not None:
+        outputs.check_file(ckpt.path, inputs=[*inputs, *mine], option="--checkpoint-every", force=None)
+    if place.offload_folder:
+        outputs.check_scratch(Path(place.offload_folder), inputs=[*inputs, *mine], option="--offload-folder")
+    source_dir = source_dir or model_mod.resolve_source(job.model)
+    target_dir = source_dir if job.into is None else model_mod.resolve_source(job.into)
+    model_mod.preflight(source_dir, trust_remote_code=job.trust_remote_code, allow_pickle=job.allow_pickle)
+    if job.into is not None:
+        _check_same_model(source_dir, target_dir)
+    weights: list[Path] = []
+    if recipe.targets:  # a broken source checkpoint surfaces before anything is loaded
+        prepared = export.prepare_source(target_dir, out, quantized_ok=job.into is not None,
+                                         overwrite_kv=job.overwrite_kv)
+        weights = [target_dir / f for f in sorted(set(prepared.weight_map.values()))]
+    outputs.check_room(out, weights, copies=max(1, len(recipe.targets)))
+    return _Checked(source_dir, target_dir, tuple(inputs))
+
+
 def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
               trust_remote_code: bool = False, force: bool = False, progress: Any | None = None,
               options: RunOptions = RunOptions(), placement: model_mod.Placement | None = None,
@@ -335,11 +332,7 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
 def run(job: CalibrateJob, progress: Any | None = None) -> Result:
     """Checks first (nothing loaded), then the output locks (a second run into OUT refuses), then the stages."""
     t_start = time.perf_counter()
-    checked = check_calibrate(job.model, job.data, job.recipe, job.out, device=job.device,
-                              trust_remote_code=job.trust_remote_code, force=job.force, options=job.options,
-                              placement=job.placement, stats_out=job.stats_out, into=job.into,
-                              overwrite_kv=job.overwrite_kv, allow_pickle=job.allow_pickle,
-                              recipe_file=job.recipe_file)
+    checked = check_calibrate(job)
     ckpt = job.options.checkpoint
     # the resume file's lock too, checkpointing or not: it clears what a killed save left beside it
     locks = [(job.out, "--out"), (job.stats_out, "--stats-out"),
@@ -361,7 +354,7 @@ class _Prepared:
 
 def _prepare(job: CalibrateJob, checked: _Checked) -> _Prepared:
     """Load the model, resolve the skipped layers, open the token stream."""
-    recipe, options = job.recipe, checked.options
+    recipe, options = job.recipe, job.options
     loaded = model_mod.load(checked.source_dir, device=job.device, trust_remote_code=job.trust_remote_code,
                             placement=job.placement, allow_pickle=job.allow_pickle)
     max_pos = getattr(loaded.config, "max_position_embeddings", None)

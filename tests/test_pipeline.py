@@ -124,3 +124,22 @@ def test_big_k_range_gives_scale_above_one(tmp_path, token_data):
     res = pipeline.calibrate(src, token_data, Recipe(samples=6, seq_len=32, min_tokens=8), tmp_path / "o", device="cpu")
     assert max(float(s.k_amax.max()) for s in res.scales.values()) > 448
     assert max(float(s.k_scale) for s in res.scales.values()) > 1.0
+
+
+def test_check_calibrate_reads_every_field_from_the_job(tiny_llama_dir, token_data, tmp_path):
+    """`check_calibrate` takes the job itself: a bad field of the job is a one-line error naming it, and a sound
+    job comes back checked (model and output folders resolved) with nothing written."""
+    import dataclasses
+    from calib import options as opts, outputs
+    recipe = Recipe(samples=4, seq_len=24, min_tokens=12, batch_size=2)
+    job = pipeline.CalibrateJob(tiny_llama_dir, token_data, recipe, tmp_path / "out", device="cpu")
+    checked = pipeline.check_calibrate(job)
+    assert checked.source_dir == checked.target_dir == tiny_llama_dir.resolve() and not (tmp_path / "out").exists()
+    bad = [(dict(device="gpu0"), opts.OptionError, "'gpu0' is not a device name"),
+           (dict(options=pipeline.RunOptions(max_batch_tokens=16)), opts.OptionError, "is below --seq-len 24"),
+           (dict(stats_out=token_data), outputs.OutputError, "is the data"),
+           (dict(out=tiny_llama_dir / "sub"), outputs.OutputError, "inside the model folder")]
+    for change, error, message in bad:
+        with pytest.raises(error, match=message):
+            pipeline.check_calibrate(dataclasses.replace(job, **change))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["tiny-llama", "tokens.jsonl"])
