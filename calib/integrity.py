@@ -6,7 +6,8 @@ says `../../../../etc/passwd`, a shard symlinked out of the folder, a header who
 end of the file or whose byte counts do not match the shape: each must stop the run with one line naming
 the file, before the forward pass (and before export copies a single name into OUT). Export and the
 TensorRT-LLM variant take their file lists and the index's `total_size` from here, computed from the
-headers, never from the source index's own claim.
+headers, never from the source index's own claim. (The index's fields are parsed by calib.ckpt.weightmap;
+this module checks what they name against the folder.)
 
 This module imports neither torch nor transformers.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .ckpt import weightmap
 from .ckpt.names import INDEX_FILE
 
 MAX_JSON_BYTES = 64 << 20          # config/index/provenance files are kilobytes; 64 MiB is a broken file
@@ -263,17 +265,11 @@ def _scan_indexed(root: Path, index_path: Path) -> Checkpoint:
         data = read_json(index_path, "it")
     except IntegrityError as e:
         raise IntegrityError(f"{where} is not a valid safetensors index: {e}") from None
-    wmap = data.get("weight_map")
-    if not isinstance(wmap, dict) or not wmap:
-        raise IntegrityError(f"{where} is not a valid safetensors index (no weight_map object naming tensors); "
-                             "repair or remove it")
-    meta = data.get("metadata", {})
-    if meta is not None and not isinstance(meta, dict):
-        raise IntegrityError(f"{where} is not a valid safetensors index ('metadata' is not an object)")
-    bad = next(((k, v) for k, v in wmap.items() if not isinstance(v, str)), None)
-    if bad is not None:
-        raise IntegrityError(f"{where} is not a valid safetensors index (tensor {bad[0]!r} maps to {bad[1]!r}, "
-                             "not a file name)")
+    try:
+        wmap = weightmap.parse(data)
+        weightmap.metadata(data)
+    except weightmap.WeightMapError as e:
+        raise IntegrityError(f"{where} is not a valid safetensors index ({e}); repair or remove it") from None
     files = sorted(set(wmap.values()))
     paths = {f: contained(root, f, where) for f in files}
     missing = [f for f, p in paths.items() if not p.is_file()]

@@ -81,7 +81,7 @@ def test_no_module_imports_another_modules_private_names():
 
 def test_checkpoint_layout_readers_and_the_vocabulary_import_no_torch():
     code = ("import sys; import calib.ckpt.names, calib.ckpt.formats, calib.ckpt.reader, calib.ckpt.kvinfo, "
-            "calib.ckpt.source, calib.verify, calib.vocab, calib.granularity, calib.recipe, calib.export; "
+            "calib.ckpt.source, calib.ckpt.weightmap, calib.integrity, calib.verify, calib.vocab, calib.granularity, calib.recipe, calib.export; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

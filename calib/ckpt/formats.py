@@ -1,5 +1,5 @@
-"""The quantization configs kvcalib reads and writes: compressed-tensors (vLLM, llm-compressor) and ModelOpt
-(TensorRT-LLM's `hf_quant_config.json`). (Quark's `export` block is read by verify's vLLM rules only.)
+"""The quantization configs kvcalib reads and writes: compressed-tensors (vLLM, llm-compressor), ModelOpt
+(TensorRT-LLM's `hf_quant_config.json`) and, read only, AMD Quark (vLLM loads its KV scales).
 
 Readers take parsed JSON and never raise on odd shapes (they answer None or False, and the caller decides
 whether that is an error); writers build the exact blocks the exporters put into a checkpoint. Imports
@@ -17,6 +17,12 @@ def is_compressed_tensors(qc: Any) -> bool:
     """`quant_method` compressed-tensors (either spelling)."""
     return isinstance(qc, dict) and \
         str(qc.get("quant_method", "")).lower().replace("_", "-") == "compressed-tensors"
+
+
+def ct_declared_kv_scheme(qc: Any) -> Any:
+    """The `kv_cache_scheme` a compressed-tensors block declares, as written (any JSON value: the caller checks
+    its shape); None when `qc` is not compressed-tensors or declares none."""
+    return qc.get("kv_cache_scheme") if is_compressed_tensors(qc) else None
 
 
 def ct_kv_cache_scheme(strategy: str = "tensor") -> dict[str, Any]:
@@ -74,7 +80,10 @@ def modelopt_kv_algo(scheme: Any) -> str | None:
     if isinstance(scheme, str):
         return scheme.upper()
     if isinstance(scheme, dict):
-        return _KV_SCHEME_ALGOS.get((scheme.get("type"), scheme.get("num_bits")))
+        try:
+            return _KV_SCHEME_ALGOS.get((scheme.get("type"), scheme.get("num_bits")))
+        except TypeError:   # a list or object where a name or a number belongs
+            return None
     return None
 
 
@@ -94,6 +103,34 @@ def modelopt_quantization(qc: dict[str, Any]) -> dict[str, Any] | None:
     return inner
 
 
+def modelopt_kv_cache_algo(qc: Any) -> Any:
+    """The `kv_cache_quant_algo` a ModelOpt config declares, in either shape, as written (None: none, or not a
+    config TensorRT-LLM reads)."""
+    inner = modelopt_quantization(qc) if isinstance(qc, dict) else None
+    return inner.get("kv_cache_quant_algo") if inner else None
+
+
 def hf_quant_config(quantization: dict[str, Any], version: str) -> dict[str, Any]:
     """`hf_quant_config.json` in ModelOpt's legacy shape, produced by kvcalib `version`."""
     return {"producer": {"name": "kvcalib", "version": version}, "quantization": quantization}
+
+
+# ---------------------------------------------------------------- Quark (AMD; read only: vLLM loads it)
+
+
+def is_quark(qc: Any) -> bool:
+    """`quant_method` quark (vLLM's spelling, lower-cased)."""
+    return isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "quark"
+
+
+def quark_export(qc: dict[str, Any]) -> dict[str, Any] | None:
+    """A Quark config's `export` object; None when it is missing or not an object."""
+    export = qc.get("export")
+    return export if isinstance(export, dict) else None
+
+
+def quark_kv_group(qc: Any) -> Any:
+    """The module patterns a Quark config's `export.kv_cache_group` names for the KV cache, as written (None:
+    not Quark, or no `export` object). vLLM turns on FP8 KV from Quark only when this is a non-empty list."""
+    export = quark_export(qc) if is_quark(qc) else None
+    return export.get("kv_cache_group") if export is not None else None

@@ -2,8 +2,9 @@
 
 Recognises the vLLM compressed-tensors layout (`quantization_config.kv_cache_scheme` and
 `*.self_attn.k_scale` / `v_scale` tensors), the TensorRT-LLM/ModelOpt layout (`hf_quant_config.json` and
-`*.k_proj.k_scale` / `*.v_proj.v_scale`) and Quark's `*.k_proj.output_scale`; tensors come from the shards
-the index names (or every shard when there is no index).
+`*.k_proj.k_scale` / `*.v_proj.v_scale`) and Quark's (`export.kv_cache_group`, `*.k_proj.output_scale`).
+The configs are read by calib.ckpt.formats and the files by calib.ckpt.reader, as verify reads them; tensors
+come from the shards the index names (or every shard when there is no index).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import formats
 from .reader import CheckpointFiles
 
 
@@ -39,16 +41,15 @@ def read_kv_info(path: str | Path) -> KVInfo:
         if why:
             raise ValueError(why if str(path) in why else f"{path}/{why}")
     qc = ck.inline_qc if isinstance(ck.inline_qc, dict) else {}
-    scheme = qc.get("kv_cache_scheme") if qc.get("quant_method") == "compressed-tensors" else None
+    scheme = formats.ct_declared_kv_scheme(qc)
     if scheme is not None and not isinstance(scheme, dict):
         raise ValueError(f"{path}/config.json: quantization_config.kv_cache_scheme must be an object, "
                          f"not {type(scheme).__name__}")
-    targets = ["vllm"] if scheme else []
-    hq = ck.hf_quant.get("quantization", ck.hf_quant) if isinstance(ck.hf_quant, dict) else {}
-    kv_algo = hq.get("kv_cache_quant_algo") if isinstance(hq, dict) else None
+    targets = ["vllm"] if scheme or formats.quark_kv_group(qc) else []
+    kv_algo = formats.modelopt_kv_cache_algo(ck.hf_quant)
     if kv_algo:
         targets.append("trtllm")
-    files = sorted(set(ck.index.values()) & set(ck.files)) if ck.index is not None else ck.files
+    files = ck.named_files()
     scales: dict[int, dict[str, list[float]]] = {}
     for sc in ck.scales(files):
         values = ck.values(sc.tensor)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import integrity
+from . import weightmap
 from .names import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, parse_scale_name
 
 
@@ -156,11 +157,11 @@ class CheckpointFiles:
         self.index_error: str | None = None
         if self.index_present:
             data, err = read_json_soft(path / INDEX_FILE)
-            wmap = data.get("weight_map") if isinstance(data, dict) else None
-            if err or not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
-                self.index_error = err or f"{INDEX_FILE}: no weight_map object of tensor: file names"
-            else:
-                self.index = {str(k): v for k, v in wmap.items()}
+            try:
+                self.index = None if err else weightmap.parse(data)
+            except weightmap.WeightMapError as e:
+                err = f"{INDEX_FILE}: {e}"
+            self.index_error = err
 
         self.hf_quant_present = (path / HF_QUANT_CONFIG).is_file()
         self.hf_quant, self.hf_quant_error = read_json_soft(path / HF_QUANT_CONFIG) if self.hf_quant_present else (None,
@@ -188,6 +189,13 @@ class CheckpointFiles:
                 continue
             self.keys[name] = {k: TensorEntry(k, name, t.dtype, t.shape) for k, t in shard.tensors.items()}
         self._values: dict[tuple[str, str], np.ndarray | None] = {}
+
+    def named_files(self) -> list[str]:
+        """The shards a reader that follows the index loads: those the index names (every shard without one)."""
+        if self.index is None:
+            return list(self.files)
+        named = set(self.index.values())
+        return [f for f in self.files if f in named]
 
     def scales(self, files: Iterable[str]) -> list[ScaleTensor]:
         out = []

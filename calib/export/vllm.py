@@ -43,10 +43,10 @@ def prepare_source(source: Path, out: Path, *, quantized_ok: bool = False, overw
     if qc is not None and not quantized_ok:
         raise ExportError(f"{source}/config.json already has a quantization_config; to add KV scales to a "
                           "weight-quantized checkpoint, pass it as --into")
-    if qc is not None and qc.get("quant_method") != "compressed-tensors":
+    if qc is not None and not formats.is_compressed_tensors(qc):
         raise ExportError(f"{source}: weight quantization {qc.get('quant_method')!r} — the vllm target merges KV "
                           "scales only into compressed-tensors configs; use the trtllm target for ModelOpt checkpoints")
-    if qc is not None and qc.get("kv_cache_scheme") and not overwrite_kv:
+    if formats.ct_declared_kv_scheme(qc) and not overwrite_kv:
         raise ExportError(f"{source} already declares a kv_cache_scheme; pass --overwrite-kv-scales to replace its "
                           "KV scales, or start from the checkpoint without them")
     return scan_weights(source, config, is_kv_scale, overwrite_kv=overwrite_kv,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import integrity
+from ..ckpt import weightmap
 from ..ckpt.names import CONFIG_FILE, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE
 from ..ckpt.source import ExportError, PreparedSource
 from ..outputs import atomic_dir, check_room
@@ -84,8 +85,7 @@ def write_variant(src: PreparedSource, out: Path, tensors: dict[str, torch.Tenso
         how = carry_files(src, tmp, {CONFIG_FILE, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, *(extra_files or {})})
         save_file(tensors, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "kvcalib"})
         new_map = {**wmap, **{name: SCALES_FILE for name in tensors}}
-        index = {"metadata": {"total_size": total + sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": dict(sorted(new_map.items()))}
+        index = weightmap.document(new_map, total + sum(t.numel() * t.element_size() for t in tensors.values()))
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         if config is None:
             shutil.copy2(source / CONFIG_FILE, tmp / CONFIG_FILE)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ckpt.formats import is_compressed_tensors, is_modelopt, modelopt_quantization
+from ..ckpt.formats import ct_declared_kv_scheme, is_compressed_tensors, is_modelopt, modelopt_quantization
 from ..ckpt.names import HF_QUANT_CONFIG, PROVENANCE_FILE
 from ..ckpt.reader import CheckpointFiles, Problem, ScaleTensor
 from .common import dtype_problems, first_bad
@@ -52,8 +52,8 @@ def trt_view(ck: CheckpointFiles) -> TrtView:
     inner = modelopt_quantization(ck.hf_quant) if isinstance(ck.hf_quant, dict) else None
     kv = inner.get("kv_cache_quant_algo") if inner else None
     qc = ck.inline_qc
-    if (inner is None or inner.get("quant_algo") is None) and isinstance(qc, dict) and is_compressed_tensors(qc):
-        scheme = qc.get("kv_cache_scheme")
+    if (inner is None or inner.get("quant_algo") is None) and is_compressed_tensors(qc):
+        scheme = ct_declared_kv_scheme(qc)
         if isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type") == "float" \
                 and qc.get("config_groups"):
             kv = "FP8"   # update_quant_config_from_compressed_tensors

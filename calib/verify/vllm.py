@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..ckpt.formats import modelopt_quantization, producer_name
+from ..ckpt import formats
+from ..ckpt.formats import producer_name
 from ..ckpt.names import HF_QUANT_CONFIG, INDEX_FILE
 from ..ckpt.reader import CheckpointFiles, Problem, ScaleTensor
 from .common import dtype_problems, first_bad
@@ -78,10 +79,7 @@ def _vllm_files(ck: CheckpointFiles) -> list[str]:
 
     With an index, vLLM reads only the shards the index names (every tensor in them); without, all shards.
     """
-    if ck.index is None:
-        return list(ck.files)
-    named = set(ck.index.values())
-    return [f for f in ck.files if f in named]
+    return ck.named_files()
 
 
 def vllm_view(ck: CheckpointFiles) -> VllmView:
@@ -89,15 +87,13 @@ def vllm_view(ck: CheckpointFiles) -> VllmView:
     method = vllm_method(qc)
     kv_declared, strategy = False, None
     if method == "compressed-tensors":
-        scheme = qc.get("kv_cache_scheme")
+        scheme = formats.ct_declared_kv_scheme(qc)
         kv_declared = scheme is not None
         strategy = scheme.get("strategy") if isinstance(scheme, dict) else None
     elif method == "quark":
-        export = qc.get("export")
-        kv_declared = bool(isinstance(export, dict) and export.get("kv_cache_group"))
+        kv_declared = bool(formats.quark_kv_group(qc))
     elif method and method.startswith("modelopt"):
-        inner = modelopt_quantization(qc) or {}
-        kv_declared = inner.get("kv_cache_quant_algo") is not None
+        kv_declared = formats.modelopt_kv_cache_algo(qc) is not None
     files = _vllm_files(ck)
     return VllmView(source, qc, method, kv_declared, strategy, files, ck.scales(files))
 
@@ -145,7 +141,7 @@ def vllm_ct_kv_cache_scheme(ck: CheckpointFiles, v: VllmView) -> Iterator[Proble
     """
     if v.method != "compressed-tensors":
         return
-    scheme = v.qc.get("kv_cache_scheme")
+    scheme = formats.ct_declared_kv_scheme(v.qc)
     where = _where_qc(v, "kv_cache_scheme")
     if scheme is None:
         if v.scales:
@@ -191,12 +187,11 @@ def vllm_quark_kv_config(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     """
     if v.method != "quark":
         return
-    export = v.qc.get("export")
-    if not isinstance(export, dict):
+    if formats.quark_export(v.qc) is None:
         yield Problem("vllm", _where_qc(v, "export"), "missing; QuarkConfig.from_config requires it",
                       code="vllm.quark-kv")
         return
-    group = export.get("kv_cache_group") or []
+    group = formats.quark_kv_group(v.qc) or []
     if not isinstance(group, list) or not all(isinstance(p, str) for p in group):
         yield Problem("vllm", _where_qc(v, "export.kv_cache_group"), "must be a list of module name patterns",
                       code="vllm.quark-kv")

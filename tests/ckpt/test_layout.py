@@ -84,3 +84,56 @@ def test_trtllm_refuses_a_flat_modelopt_source_that_declares_kv_quantization(tin
 def test_unknown_target_is_an_error_naming_the_known_ones():
     with pytest.raises(export.ExportError, match=r"unknown target 'sglang'; kvcalib writes \['trtllm', 'vllm'\]"):
         export.target("sglang")
+
+
+def _with_configs(src, dst, *, qc=None, hf_quant=None):
+    """A copy of `src` whose config.json carries `qc` and/or whose hf_quant_config.json is `hf_quant`."""
+    shutil.copytree(src, dst)
+    if qc is not None:
+        cfg = json.loads((dst / names.CONFIG_FILE).read_text())
+        (dst / names.CONFIG_FILE).write_text(json.dumps({**cfg, "quantization_config": qc}))
+    if hf_quant is not None:
+        (dst / names.HF_QUANT_CONFIG).write_text(json.dumps(hf_quant))
+    return dst
+
+
+QUARK_OUT = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False}
+CONFIGS = {   # name: (config.json quantization_config, hf_quant_config.json, inspect's targets, its KV algorithm)
+    "ct": ({**formats.ct_quantization_config(), "quant_method": "compressed_tensors"}, None, ["vllm"], None),
+    "ct-no-kv": ({"quant_method": "compressed-tensors", "config_groups": {}}, None, [], None),
+    "quark": ({"quant_method": "quark", "layer_quant_config": {"*k_proj": {"output_tensors": QUARK_OUT}},
+               "export": {"kv_cache_group": ["*k_proj", "*v_proj"]}}, None, ["vllm"], None),
+    "quark-no-kv": ({"quant_method": "quark", "export": {"kv_cache_group": []}}, None, [], None),
+    "modelopt-legacy": (None, {"producer": {"name": "modelopt"}, "quantization": {"kv_cache_quant_algo": "INT8"}},
+                        ["trtllm"], "INT8"),
+    "modelopt-flat": (None, {"producer": {"name": "modelopt"}, "kv_cache_scheme": {"type": "float", "num_bits": 8}},
+                      ["trtllm"], "FP8"),
+    "no-marker": (None, {"kv_cache_quant_algo": "FP8"}, [], None),   # TensorRT-LLM cannot read this file
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_inspect_reads_each_format_as_verify_does(tiny_llama_dir, tmp_path, name):
+    """inspect's KV declaration comes from calib.ckpt.formats, as verify's engine views do: compressed-tensors in
+    either spelling, Quark's kv_cache_group, both ModelOpt shapes, and no algorithm from a file without a marker."""
+    from calib.ckpt.reader import CheckpointFiles
+    from calib.verify.trtllm import trt_view
+    from calib.verify.vllm import vllm_view
+
+    qc, hf_quant, targets, algo = CONFIGS[name]
+    ckpt = _with_configs(tiny_llama_dir, tmp_path / name, qc=qc, hf_quant=hf_quant)
+    info = read_kv_info(ckpt)
+    assert info.targets == targets and info.kv_cache_quant_algo == algo
+    ck = CheckpointFiles(ckpt)
+    if qc is not None:                     # config.json's block: vLLM reads it
+        assert vllm_view(ck).kv_declared == ("vllm" in targets)
+        assert (info.kv_scheme is not None) == (name == "ct")
+    else:                                  # hf_quant_config.json: TensorRT-LLM reads it
+        assert trt_view(ck).kv_algo == algo
+
+
+def test_a_scheme_of_the_wrong_shape_is_no_algorithm():
+    """A list where ModelOpt's flat kv_cache_scheme names its type: no algorithm (it used to raise TypeError)."""
+    flat = {"producer": {"name": "modelopt"}, "kv_cache_scheme": {"type": ["float"], "num_bits": 8}}
+    assert formats.modelopt_kv_cache_algo(flat) is None
+    assert formats.modelopt_kv_algo({"type": "float", "num_bits": 8.0}) == "FP8"
