@@ -463,12 +463,14 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
 
 @main.command()
 @click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--engine", type=click.Choice(["all", "vllm", "trtllm"]), default="all", show_default=True,
+@click.option("--engine", type=click.Choice(["all", *recipe_mod.TARGETS]), default="all", show_default=True,
               help="Check the rules of this engine (all: the engines the checkpoint declares).")
 def verify(ckpt: Path, engine: str) -> None:
     """Check CKPT against each engine's loader rules; one line per problem, non-zero exit on errors."""
-    from .verify import verify as run_verify
+    from .verify import ENGINES, verify as run_verify
 
+    if engine != "all" and engine not in ENGINES:   # a target whose engine has no checks in calib.verify
+        raise click.ClickException(f"kvcalib knows no loader rules for {engine}; it checks {', '.join(ENGINES)}")
     problems = run_verify(ckpt, engine)
     for p in problems:
         click.echo(str(p))

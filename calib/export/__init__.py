@@ -9,9 +9,7 @@ torch: the writers import it when they write.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
+from .. import plugins
 from ..ckpt.names import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, trtllm_scale_names, vllm_scale_name
 from ..ckpt.source import ExportError, PreparedSource, read_source_config, scan_source
 from ..outputs import atomic_dir, check_room
@@ -23,11 +21,7 @@ from .write import carry_files, link_or_copy, write_variant
 
 def discover(path: list[str] | None = None, package: str = __name__) -> dict[str, Target]:
     """The `TARGET` of every module of this package (or of `package` at `path`), in their `order`."""
-    found: list[Target] = []
-    for m in sorted(pkgutil.iter_modules(__path__ if path is None else path), key=lambda m: m.name):
-        target = getattr(importlib.import_module(f"{package}.{m.name}"), "TARGET", None)
-        if isinstance(target, Target):
-            found.append(target)
+    found = plugins.collect(__path__ if path is None else path, package, "TARGET", Target)
     return {t.name: t for t in sorted(found, key=lambda t: (t.order, t.name))}
 
 

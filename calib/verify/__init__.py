@@ -13,16 +13,20 @@ values, which numpy cannot represent, are decoded from the file's raw bytes). Ne
 imports torch, so it is fast enough for a pre-deploy check.
 
 Layout: calib.ckpt.reader reads the checkpoint once (and defines `Problem`), `common` holds checks both
-engines' rules share, `vllm` and `trtllm` hold each engine's view and rules; this module picks the
-engines and runs their rules.
+engines' rules share, `vllm` and `trtllm` hold each engine's view and rules and define its `CHECKER`
+(calib.verify.checker); this module finds the checkers, as calib.export finds targets, picks the engines
+and runs their rules. A new engine's checks are one new module here.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from .. import plugins
 from ..ckpt.names import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE
 from ..ckpt.reader import CheckpointFiles, Problem
+from ..export import TARGETS
+from .checker import Checker
 from .trtllm import (TRT_KV_ALGOS, TRT_RULES, trt_config_json_quantization, trt_hf_quant_config,
                      trt_int8_needs_unquantized_weights, trt_no_skipped_layers, trt_scale_names,
                      trt_scale_shapes_dtypes_values, trt_scales_present, trt_view)
@@ -33,17 +37,22 @@ from .vllm import (VLLM_RULES, vllm_ct_config_groups, vllm_ct_kv_cache_scheme, v
 
 # The rule functions and file-name constants stay importable from `calib.verify`, as before the split.
 
-ENGINES = ("vllm", "trtllm")
+
+def discover(path: list[str] | None = None, package: str = __name__) -> dict[str, Checker]:
+    """The `CHECKER` of every module of this package (or of `package` at `path`), in the export targets' order
+    (engines without a target after them, by name)."""
+    rank = {name: i for i, name in enumerate(TARGETS)}
+    found = plugins.collect(__path__ if path is None else path, package, "CHECKER", Checker)
+    return {c.name: c for c in sorted(found, key=lambda c: (rank.get(c.name, len(rank)), c.name))}
+
+
+CHECKERS: dict[str, Checker] = discover()
+ENGINES = tuple(CHECKERS)
 
 
 def _targets(ck: CheckpointFiles) -> list[str]:
-    """Engines the checkpoint is made for: what its configs declare, else what kvcalib.json says, else both."""
-    found = []
-    source, qc = vllm_config(ck)
-    if source == "config.json" or vllm_method(qc) is not None:
-        found.append("vllm")
-    if ck.hf_quant_present:
-        found.append("trtllm")
+    """Engines the checkpoint is made for: what its configs declare, else what kvcalib.json says, else all."""
+    found = [name for name, checker in CHECKERS.items() if checker.declared(ck)]
     target = (ck.provenance or {}).get("target")
     if target in ENGINES and target not in found:
         found.append(target)
@@ -53,26 +62,20 @@ def _targets(ck: CheckpointFiles) -> list[str]:
 def verify(ckpt: str | Path, engine: str = "all") -> list[Problem]:
     """Problems an engine would hit loading `ckpt`'s KV-cache scales; [] when none.
 
-    `engine`: "vllm", "trtllm", or "all" (the engines the checkpoint declares itself for; both when it
+    `engine`: one of ENGINES, or "all" (the engines the checkpoint declares itself for; every engine when it
     declares none).
     """
     if engine not in ("all", *ENGINES):
-        raise ValueError(f"engine must be 'all', 'vllm' or 'trtllm', got {engine!r}")
+        names = ["'all'", *(f"'{e}'" for e in ENGINES)]
+        raise ValueError(f"engine must be {', '.join(names[:-1])} or {names[-1]}, got {engine!r}")
     path = Path(ckpt)
     if not (path / "config.json").is_file():
         return [Problem("checkpoint", str(path), "no config.json: not a checkpoint directory", code="checkpoint.config")]
     ck = CheckpointFiles(path)
     problems = list(ck.read_problems)
-    engines = _targets(ck) if engine == "all" else [engine]
-    if "vllm" in engines:
-        view = vllm_view(ck)
-        for rule in VLLM_RULES:
-            problems.extend(rule(ck, view))
-    if "trtllm" in engines:
-        tview = trt_view(ck)
-        for rule in TRT_RULES:
-            problems.extend(rule(ck, tview))
+    for name in _targets(ck) if engine == "all" else [engine]:
+        problems.extend(CHECKERS[name].check(ck))
     return list(dict.fromkeys(problems))
 
 
-__all__ = ["ENGINES", "Problem", "VLLM_RULES", "TRT_RULES", "verify"]
+__all__ = ["CHECKERS", "ENGINES", "Checker", "Problem", "VLLM_RULES", "TRT_RULES", "verify"]

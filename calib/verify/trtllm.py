@@ -16,6 +16,7 @@ import numpy as np
 from ..ckpt.formats import ct_declared_kv_scheme, is_compressed_tensors, is_modelopt, modelopt_quantization
 from ..ckpt.names import HF_QUANT_CONFIG, PROVENANCE_FILE
 from ..ckpt.reader import CheckpointFiles, Problem, ScaleTensor
+from .checker import Checker
 from .common import dtype_problems, first_bad
 
 # tensorrt_llm/quantization/mode.py: KV_CACHE_QUANT_ALGO_LIST
@@ -246,3 +247,11 @@ TRT_RULES: tuple[Callable[[CheckpointFiles, TrtView], Iterable[Problem]], ...] =
     trt_hf_quant_config, trt_int8_needs_unquantized_weights, trt_config_json_quantization, trt_no_skipped_layers,
     trt_scale_names, trt_scales_present, trt_scale_shapes_dtypes_values,
 )
+
+
+def trt_declared(ck: CheckpointFiles) -> bool:
+    """The checkpoint is for TensorRT-LLM when it has an hf_quant_config.json."""
+    return ck.hf_quant_present
+
+
+CHECKER = Checker("trtllm", trt_view, TRT_RULES, trt_declared)

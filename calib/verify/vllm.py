@@ -17,6 +17,7 @@ from ..ckpt import formats
 from ..ckpt.formats import producer_name
 from ..ckpt.names import HF_QUANT_CONFIG, INDEX_FILE
 from ..ckpt.reader import CheckpointFiles, Problem, ScaleTensor
+from .checker import Checker
 from .common import dtype_problems, first_bad
 
 # vllm/transformers_utils/model_arch_config_convertor.py: _normalize_quantization_config
@@ -369,3 +370,12 @@ VLLM_RULES: tuple[Callable[[CheckpointFiles, VllmView], Iterable[Problem]], ...]
     vllm_declared_without_scales, vllm_scale_names, vllm_one_scale_per_layer, vllm_scale_shapes,
     vllm_scale_dtypes, vllm_scale_values, vllm_index_consistent,
 )
+
+
+def vllm_declared(ck: CheckpointFiles) -> bool:
+    """The checkpoint is for vLLM when config.json holds a quantization config, or vLLM reads one from it."""
+    source, qc = vllm_config(ck)
+    return source == "config.json" or vllm_method(qc) is not None
+
+
+CHECKER = Checker("vllm", vllm_view, VLLM_RULES, vllm_declared)

@@ -1,0 +1,28 @@
+"""What an engine's checks are: how the engine sees a checkpoint (its view), the rules over that view, and
+whether a checkpoint declares itself for the engine.
+
+A module of calib.verify that defines `CHECKER` (a `Checker`) is an engine's checks: calib.verify finds it as
+calib.export finds a `TARGET`, so an engine is one new file in calib.export plus, when kvcalib knows its loader
+rules, one here. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..ckpt.reader import CheckpointFiles, Problem
+
+
+@dataclass(frozen=True)
+class Checker:
+    name: str                                                    # the engine (an export target's name)
+    view: Callable[[CheckpointFiles], Any]                       # what the engine reads of the checkpoint
+    rules: tuple[Callable[[CheckpointFiles, Any], Iterable[Problem]], ...]   # one per loader check
+    declared: Callable[[CheckpointFiles], bool]                  # the checkpoint's configs name this engine
+
+    def check(self, ck: CheckpointFiles) -> list[Problem]:
+        """Every rule's problems over one view of `ck`."""
+        view = self.view(ck)
+        return [p for rule in self.rules for p in rule(ck, view)]
