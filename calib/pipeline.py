@@ -8,11 +8,12 @@ device and are read once at the end.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,17 +82,31 @@ def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_s
                options: RunOptions = RunOptions(), padding: PaddingStats | None = None) -> Observed:
     """Run the base model over the sequences with the K/V capture installed; returns the merged capture,
     its statistics and the loop's seconds (which include streaming and tokenizing the data)."""
+    return observe_kv_each(loaded, seqs, batch_size, (spec,), progress, options, padding)[0]
+
+
+def observe_kv_each(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_size: int,
+                    specs: Sequence[observe.CaptureSpec | None], progress: Any | None = None,
+                    options: RunOptions = RunOptions(), padding: PaddingStats | None = None) -> list[Observed]:
+    """One forward pass with one capture per spec, nested around it (each wraps the attention function the
+    previous one installed, so every capture sees exactly the K/V the cache stores); one Observed per spec,
+    in order. A causal LM runs without its head. Checkpointing saves and resumes a single capture."""
+    ckpt = options.checkpoint
+    if ckpt is not None and len(specs) != 1:
+        raise ValueError("checkpointing saves one capture: observe one spec per run")
     model, dev = loaded.model, loaded.device
+    body = getattr(model, "base_model", model)
     pad_id = getattr(loaded.tokenizer, "pad_token_id", None) or 0
     feed: Iterable = shard(batches(seqs, batch_size, pad_id, max_batch_tokens=options.max_batch_tokens,
                                    padding=padding), options.dist)
     if options.prefetch:
         feed = prefetch(feed, options.prefetch)
     pin = dev.type == "cuda"
-    ckpt = options.checkpoint
     t0 = time.perf_counter()
-    with observe.capture_kv(model, loaded.attention_layers, spec) as cap, torch.inference_mode():
-        done = statsfile.resume_into(cap, ckpt.path, ckpt.header) if ckpt is not None and ckpt.resume else 0
+    with contextlib.ExitStack() as stack:
+        caps = [stack.enter_context(observe.capture_kv(model, loaded.attention_layers, s)) for s in specs]
+        stack.enter_context(torch.inference_mode())
+        done = statsfile.resume_into(caps[0], ckpt.path, ckpt.header) if ckpt is not None and ckpt.resume else 0
         for i, (ids, mask) in enumerate(feed):
             n = int(mask.sum())
             if i < done:  # observed before the interruption
@@ -101,17 +116,30 @@ def observe_kv(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], batch_s
             if pin:
                 ids, mask = ids.pin_memory(), mask.pin_memory()
             ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
-            cap.token_mask = mask.bool()
-            model(input_ids=ids, attention_mask=mask, use_cache=False)
+            for cap in caps:
+                cap.token_mask = mask.bool()
+            body(input_ids=ids, attention_mask=mask, use_cache=False)
             if progress is not None:
                 progress.update(n)
             if ckpt is not None and ckpt.every and (i + 1) % ckpt.every == 0:
-                statsfile.save(ckpt.path, cap, {**ckpt.header, "batches_done": i + 1})
+                statsfile.save(ckpt.path, caps[0], {**ckpt.header, "batches_done": i + 1})
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         spent = time.perf_counter() - t0
-        cap.merge_across(lambda obs: merge_all(obs, options.dist))
-        return Observed(capture=cap, stats=cap.stats(), seconds=spent)
+        for cap in caps:
+            cap.merge_across(lambda obs: merge_all(obs, options.dist))
+        return [Observed(capture=cap, stats=cap.stats(), seconds=spent) for cap in caps]
+
+
+def token_stream(data: str | Path, loaded: model_mod.LoadedModel,
+                 recipe: Recipe) -> tuple[Iterable[list[int]], data_mod.DataReport]:
+    """The recipe's calibration sequences of `data` in the model's tokens, and the report they fill as they
+    are read (complete once the sequences are consumed)."""
+    report = data_mod.DataReport()
+    seqs = data_mod.samples(data, loaded.tokenizer, seq_len=recipe.seq_len, max_samples=recipe.samples,
+                            min_tokens=recipe.min_tokens, pack=recipe.pack, seed=recipe.seed,
+                            vocab_size=getattr(loaded.config, "vocab_size", None), report=report)
+    return seqs, report
 
 
 def _versions() -> dict[str, str]:
@@ -362,10 +390,7 @@ def _prepare(job: CalibrateJob, checked: _Checked) -> _Prepared:
         raise model_mod.ModelError(f"seq_len {recipe.seq_len} exceeds the model's context "
                                    f"(max_position_embeddings = {max_pos}); lower SEQ_LEN")
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, loaded.config, loaded.attention_layers)
-    report = data_mod.DataReport()
-    seqs = data_mod.samples(job.data, loaded.tokenizer, seq_len=recipe.seq_len, max_samples=recipe.samples,
-                            min_tokens=recipe.min_tokens, pack=recipe.pack, seed=recipe.seed,
-                            vocab_size=getattr(loaded.config, "vocab_size", None), report=report)
+    seqs, report = token_stream(job.data, loaded, recipe)
     if options.checkpoint is not None:
         header = {"recipe": recipe.to_dict(), "model_config_sha256": statsfile.config_sha256(checked.source_dir),
                   "data_source": str(job.data), "rotary_dim": model_mod.rotary_dim(loaded.config)}

@@ -143,3 +143,28 @@ def test_check_calibrate_reads_every_field_from_the_job(tiny_llama_dir, token_da
         with pytest.raises(error, match=message):
             pipeline.check_calibrate(dataclasses.replace(job, **change))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["tiny-llama", "tokens.jsonl"])
+
+
+def test_one_pass_with_several_captures_equals_one_pass_each(tiny_llama_dir, token_data):
+    """observe_kv_each (what tune's single pass uses): every capture nested around one forward pass records
+    bit for bit what a pass of its own records, for observers of different kinds."""
+    from calib import model as model_mod
+    recipe = Recipe(samples=8, seq_len=24, min_tokens=12, batch_size=3, seed=4)
+    loaded = model_mod.load(tiny_llama_dir, device="cpu")
+    specs = [pipeline.capture_spec(recipe.replace(observer=o, q_scale=o == "absmax"), loaded.config)
+             for o in ("absmax", "mse", "percentile")]
+    seqs, report = pipeline.token_stream(token_data, loaded, recipe)
+    together = pipeline.observe_kv_each(loaded, seqs, recipe.batch_size, specs)
+    assert report.used == 8 and len({o.seconds for o in together}) == 1
+    for spec, joint in zip(specs, together):
+        alone = pipeline.observe_kv(loaded, pipeline.token_stream(token_data, loaded, recipe)[0], recipe.batch_size,
+                                    spec=spec)
+        assert sorted(joint.stats) == sorted(alone.stats)
+        for i in alone.stats:
+            for side in ("k", "v"):
+                a, b = joint.stats[i].clip(side), alone.stats[i].clip(side)
+                assert a.numpy().tobytes() == b.numpy().tobytes()
+            assert (joint.stats[i].q_amax is None) == (alone.stats[i].q_amax is None)
+    with pytest.raises(ValueError, match="one capture"):
+        pipeline.observe_kv_each(loaded, seqs, 2, specs, options=pipeline.RunOptions(
+            checkpoint=pipeline.Checkpointing(path=tiny_llama_dir / "r.safetensors", every=1)))

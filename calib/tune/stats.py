@@ -2,8 +2,9 @@
 
 Why one pass: the forward pass is the expensive part of calibration; an observer is cheap. Every observer
 of the search (absmax is kept by all of them; `mse` depends on the dtype it minimises the error of) gets its
-own capture, and the captures are nested around the same forward pass (each wraps the attention function
-the previous one installed, so all of them see exactly the K/V the cache would store). The result is one
+own capture, and the captures are nested around the same forward pass (pipeline.observe_kv_each, the
+calibration's own capture stage: each wraps the attention function the previous one installed, so all of them
+see exactly the K/V the cache would store). The result is one
 ordinary statistics file per observer (`calib/statsfile.py`, the format `calibrate --stats-out` writes and
 `kvcalib export --stats` reads): `tune --stats-out DIR` keeps them, `tune --stats DIR|FILE` reuses them
 and skips the pass — a file from `calibrate --stats-out` works too.
@@ -11,20 +12,14 @@ and skips the pass — a file from `calibrate --stats-out` works too.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .. import data as data_mod
 from .. import model as model_mod
 from .. import observe, outputs, pipeline, spec, statsfile
-from ..batching import batches
 from ..recipe import Recipe
 from .space import Candidate
 
@@ -76,33 +71,19 @@ def _recipe_for(base: Recipe, observer: str, dtype: str, target: str) -> Recipe:
 
 def collect(loaded: model_mod.LoadedModel, data_src: str, base: Recipe, keys: Sequence[tuple[str, str, str]],
             target: str, model_src: str, log: Any = None) -> StatsSet:
-    """One forward pass over the calibration samples with every key's observers installed at once."""
+    """One forward pass over the calibration samples with every key's observers installed at once (the
+    pipeline's capture stage, one capture per key)."""
     recipes = {key: _recipe_for(base, obs, dtype, target) for key, obs, dtype in keys}
-    report = data_mod.DataReport()
-    seqs = data_mod.samples(data_src, loaded.tokenizer, seq_len=base.seq_len, max_samples=base.samples,
-                            min_tokens=base.min_tokens, pack=base.pack, seed=base.seed,
-                            vocab_size=getattr(loaded.config, "vocab_size", None), report=report)
-    lm, dev = loaded.model, loaded.device
-    body = getattr(lm, "base_model", lm)
-    pad_id = getattr(loaded.tokenizer, "pad_token_id", None) or 0
-    t0 = time.perf_counter()
-    with contextlib.ExitStack() as stack, torch.inference_mode():
-        caps = {key: stack.enter_context(observe.capture_kv(lm, loaded.attention_layers,
-                                                            spec.capture_spec(r, loaded.config)))
-                for key, r in recipes.items()}
-        for ids, mask in batches(seqs, base.batch_size, pad_id):
-            ids, mask = ids.to(dev), mask.to(dev)
-            for cap in caps.values():
-                cap.token_mask = mask.bool()
-            body(input_ids=ids, attention_mask=mask, use_cache=False)
-    seconds = time.perf_counter() - t0
+    seqs, report = pipeline.token_stream(data_src, loaded, base)
+    seen = pipeline.observe_kv_each(loaded, seqs, base.batch_size,
+                                    [spec.capture_spec(r, loaded.config) for r in recipes.values()])
+    seconds = seen[0].seconds
     dtype = str(loaded.dtype).removeprefix("torch.")
     files = {}
-    for key, cap in caps.items():
-        stats = cap.stats()
-        prov = pipeline.provenance(recipes[key], model_src, pipeline.data_record(data_src, report), stats, {}, [],
-                                   dtype, rotary_dim=model_mod.rotary_dim(loaded.config))
-        files[key] = statsfile.StatsFile(pipeline.stats_header(prov, loaded.source_dir), cap)
+    for key, got in zip(recipes, seen):
+        prov = pipeline.provenance(recipes[key], model_src, pipeline.data_record(data_src, report), got.stats, {},
+                                   [], dtype, rotary_dim=model_mod.rotary_dim(loaded.config))
+        files[key] = statsfile.StatsFile(pipeline.stats_header(prov, loaded.source_dir), got.capture)
     if log:
         log(f"tune: statistics of {len(files)} observer set(s) from one pass: {report.used} samples / "
             f"{report.tokens} tokens in {seconds:.1f} s")
