@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import sys
@@ -131,6 +132,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=1, help="timed repetitions per arm (best is kept)")
     ap.add_argument("--arms", default=",".join(ARMS), help="comma list of kvcalib arms")
+    ap.add_argument("--also-unfused", default="", help="comma list of arms to time again with KVCALIB_FUSED=0 "
+                    "(calib.reduce's torch reference instead of its kernels), in the same process")
     ap.add_argument("--device")
     ap.add_argument("--export", action="store_true", help="also time the export against a file copy")
     ap.add_argument("--workdir", type=Path, help="where --export writes (default: a temp dir)")
@@ -165,17 +168,25 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(out, indent=2))
 
-    for name in args.arms.split(","):
+    arms = [(n, False) for n in args.arms.split(",")] + [(n, True) for n in args.also_unfused.split(",") if n]
+    for name, unfused in arms:
         recipe = Recipe(**ARMS[name])
 
-        def arm() -> None:
+        def arm(part: list[list[int]] = seqs) -> None:
             nonlocal stats_for_export
-            stats = pipeline.observe_kv(loaded, seqs, args.batch_size, None,
+            stats = pipeline.observe_kv(loaded, part, args.batch_size, None,
                                         pipeline.capture_spec(recipe, loaded.config), opts).stats
             scales_mod.compute(stats, dtype=recipe.dtype, granularity=recipe.granularity)
             stats_for_export = stats
-        results[f"kvcalib {name}"] = timed(arm, device, args.repeat)
-        print(f"{name}: {results[f'kvcalib {name}']}", flush=True)
+        label = f"kvcalib {name}" + (" (unfused)" if unfused else "")
+        if unfused:
+            os.environ["KVCALIB_FUSED"] = "0"
+        try:
+            arm(seqs[:args.batch_size])   # untimed: compiles the arm's kernels (Triton JIT) first
+            results[label] = timed(arm, device, args.repeat)
+        finally:
+            os.environ.pop("KVCALIB_FUSED", None)
+        print(f"{label}: {results[label]}", flush=True)
         save()
         if args.export and "export" not in out:
             with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:

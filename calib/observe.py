@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from . import reduce
 from .observers import AbsMaxObserver
 from .quant import FP8_E4M3
 
@@ -113,16 +114,16 @@ class OverflowCounter:
         self._over: torch.Tensor | None = None
         self._total: torch.Tensor | None = None
 
+    def running(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(over, total) int64 counters that `calib.reduce` adds batches of x into, in place."""
+        if self._over is None:
+            self._over = torch.zeros((), dtype=torch.int64, device=x.device)
+            self._total = torch.zeros((), dtype=torch.int64, device=x.device)
+        return self._over, self._total
+
     def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
-        big = x.detach().abs() > self.limit
-        if mask is not None:
-            big = big & mask[:, None, :, None]
-            total = mask.sum() * x.shape[1] * x.shape[3]
-        else:
-            total = torch.tensor(x.numel(), device=x.device)
-        over = big.sum()
-        self._over = over if self._over is None else self._over + over
-        self._total = total if self._total is None else self._total + total
+        scratch = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
+        reduce.absmax_(x, mask, scratch, *self.running(x), limit=self.limit)
 
     def merge(self, other: "OverflowCounter") -> None:
         if other._over is not None:
@@ -199,9 +200,12 @@ class _LayerObservers:
         self.k_over, self.v_over = OverflowCounter(), OverflowCounter()
 
     def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:
-        for obs, x in ((self.k, k), (self.v, v), (self.k_clip, k), (self.v_clip, v), (self.q, q),
-                       (self.k_ch, k), (self.v_ch, v), (self.k_tok, k), (self.v_tok, v),
-                       (self.k_over, k), (self.v_over, v)):
+        for x, amax, over, clip in ((k, self.k, self.k_over, self.k_clip), (v, self.v, self.v_over, self.v_clip)):
+            running = amax.running(x)
+            reduce.absmax_(x, mask, running, *over.running(x), limit=over.limit)   # one pass for both
+            if clip is not None:
+                clip.update(x, mask, amax=running)
+        for obs, x in ((self.q, q), (self.k_ch, k), (self.v_ch, v), (self.k_tok, k), (self.v_tok, v)):
             if obs is not None:
                 obs.update(x, mask)
 

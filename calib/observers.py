@@ -9,7 +9,8 @@ request can push a channel beyond anything a short calibration text produced. Th
 
 All share one interface: `update(x [b, h, s, d], mask [b, s] | None)` folds a batch in (padding
 ignored, state stays on x's device, no host sync), `merge(other)` adds an observer of disjoint data,
-`amax()` is a pure read of the clip per head (`[h]` float32 on the CPU), and `state_dict()` /
+`update` may be handed `amax`, the caller's running max |x| per head over the same data including this
+batch, which the histogram observers then need not compute again; `amax()` is a pure read of the clip per head (`[h]` float32 on the CPU), and `state_dict()` /
 `load_state_dict()` carry plain tensors (for checkpointing and cross-process reduction).
 Histogram-based observers keep bounded memory: 16 bytes per bin and head (2048 bins → 32 KiB per head).
 """
@@ -21,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from . import reduce
 from .quant import KVDtype, fake_quant
 from .vocab import HISTOGRAM_BINS, observer as observer_spec
 
@@ -34,7 +36,7 @@ class EmptyObserverError(RuntimeError):
 class Observer(Protocol):
     @property
     def seen(self) -> bool: ...
-    def update(self, x: Tensor, mask: Tensor | None) -> None: ...
+    def update(self, x: Tensor, mask: Tensor | None, amax: Tensor | None = None) -> None: ...
     def merge(self, other: "Observer") -> None: ...
     def amax(self) -> Tensor: ...
     def state_dict(self) -> dict[str, Tensor]: ...
@@ -101,13 +103,18 @@ class AbsMaxObserver(_MaxState):
 
     KEYS = ("amax",)
 
-    def update(self, x: Tensor, mask: Tensor | None) -> None:
-        # Reduce over channels first, in x's own dtype (a max selects an element: exact in any dtype), then
-        # mask the much smaller [b, h, s] — no float32 copy of the whole tensor on the hot path.
-        per_token = x.detach().abs().amax(dim=-1)
-        if mask is not None:
-            per_token = per_token.masked_fill(~mask.to(x.device, torch.bool)[:, None, :], 0)
-        self._fold({"amax": per_token.amax(dim=(0, 2)).to(torch.float32)})
+    def running(self, x: Tensor) -> Tensor:
+        """The state tensor that `calib.reduce` folds batches of x into, in place (zeros before any data:
+        |x| >= 0, and padding adds 0)."""
+        if not self._state:
+            self._state = {"amax": torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)}
+        return self._state["amax"]
+
+    def update(self, x: Tensor, mask: Tensor | None, amax: Tensor | None = None) -> None:
+        amax = self.running(x)
+        if amax.shape[0] != x.shape[1]:
+            raise ValueError(f"AbsMaxObserver: {x.shape[1]} heads, state has {amax.shape[0]}")
+        reduce.absmax_(x, mask, amax)
 
     def amax(self) -> Tensor:
         return self._read()["amax"].detach().cpu().clone()
@@ -127,12 +134,9 @@ class RotaryLayout:
 
     def pairs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(first, second) channels of every rotary pair, and the pass-through channels, of x [..., d]."""
-        rot = self.rotary_dim
-        if rot > x.shape[-1]:
-            raise ValueError(f"rotary_dim {rot} exceeds head_dim {x.shape[-1]}")
-        if self.interleaved:
-            return x[..., 0:rot:2], x[..., 1:rot:2], x[..., rot:]
-        return x[..., : rot // 2], x[..., rot // 2: rot], x[..., rot:]
+        if self.rotary_dim > x.shape[-1]:
+            raise ValueError(f"rotary_dim {self.rotary_dim} exceeds head_dim {x.shape[-1]}")
+        return reduce.rotary_pairs(x, self.rotary_dim, self.interleaved)
 
 
 class RopeBoundObserver(_MaxState):
@@ -151,14 +155,17 @@ class RopeBoundObserver(_MaxState):
         super().__init__()
         self.rotary = rotary
 
-    def update(self, x: Tensor, mask: Tensor | None) -> None:
-        a, b, rest = self.rotary.pairs(x.detach().to(torch.float32))
-        keep = None if mask is None else ~mask.to(x.device, torch.bool)[:, None, :, None]
-        norm = torch.hypot(a, b)
-        rest = rest.abs()
-        if keep is not None:
-            norm, rest = norm.masked_fill(keep, 0), rest.masked_fill(keep, 0)
-        self._fold({"pair_max": norm.amax(dim=(0, 2)), "pass_max": rest.amax(dim=(0, 2))})
+    def update(self, x: Tensor, mask: Tensor | None, amax: Tensor | None = None) -> None:
+        rot, (h, d) = self.rotary.rotary_dim, (x.shape[1], x.shape[-1])
+        if rot > d:
+            raise ValueError(f"rotary_dim {rot} exceeds head_dim {d}")
+        if not self._state:   # zeros before any data: norms are >= 0, and padding adds 0
+            self._state = {"pair_max": torch.zeros(h, rot // 2, device=x.device),
+                           "pass_max": torch.zeros(h, d - rot, device=x.device)}
+        s = self._state
+        if s["pair_max"].shape != (h, rot // 2) or s["pass_max"].shape != (h, d - rot):
+            raise ValueError(f"RopeBoundObserver: x has {h} heads of {d} channels, state {_shapes(s)}")
+        reduce.pair_max_(x, mask, rot, self.rotary.interleaved, s["pair_max"], s["pass_max"])
 
     def merge(self, other: "RopeBoundObserver") -> None:
         if getattr(other, "rotary", None) != self.rotary:
@@ -226,7 +233,9 @@ class _HistogramObserver:
         """Key of bin 0 for range exponent e: the top bin ends at 2^e."""
         return ((e + 127) << SUB_BITS) - self.bins
 
-    def update(self, x: Tensor, mask: Tensor | None) -> None:
+    def update(self, x: Tensor, mask: Tensor | None, amax: Tensor | None = None) -> None:
+        if reduce.histogram_ok(x, self.bins):
+            return self._update_fused(x, mask, amax)
         a = _masked_abs(x, mask)                                          # [b, h, s, d]
         h = a.shape[1]
         amax = a.amax(dim=(0, 2, 3))
@@ -248,6 +257,19 @@ class _HistogramObserver:
         counts, sums = counts.view(lanes, slots).sum(0), sums.view(lanes, slots).sum(0)
         self._fold({"exponent": e, "counts": counts[:-1].view(h, self.bins), "sums": sums[:-1].view(h, self.bins),
                     "amax": amax})
+
+    def _update_fused(self, x: Tensor, mask: Tensor | None, amax: Tensor | None) -> None:
+        """calib.reduce's one-pass histogram: same counts and sums (the bin of a bf16 value holds only it)."""
+        h = x.shape[1]
+        if not self._state:   # an empty histogram at the lowest range: the fold moves it up exactly
+            self._state = {"exponent": torch.full((h,), E_MIN, dtype=torch.int64, device=x.device),
+                           "counts": torch.zeros(h, self.bins, dtype=torch.int64, device=x.device),
+                           "sums": torch.zeros(h, self.bins, dtype=torch.float64, device=x.device),
+                           "amax": torch.zeros(h, dtype=torch.float32, device=x.device)}
+        if self._state["counts"].shape[0] != h:
+            raise ValueError(f"histogram: x has {h} heads, state {_shapes(self._state)}")
+        scratch = reduce.scratch_for(x.device, h, self.bins)
+        self._state = reduce.histogram_(x, mask, self._state, scratch, E_MIN, E_MAX, amax)
 
     def _fold(self, batch: dict[str, Tensor]) -> None:
         """Add a histogram (possibly of another range) into the state."""
@@ -350,14 +372,16 @@ class MSEObserver(_HistogramObserver):
         ratios = torch.linspace(self.min_ratio, 1.0, self.grid, dtype=torch.float64, device=counts.device)
         clips = amax * ratios                                              # [h, grid]
         scales = (clips / self.dtype.qmax).clamp_min(torch.finfo(torch.float32).tiny).float()
-        best = torch.stack([self._best(means[h], counts[h], scales[h]) for h in range(len(clips))])
+        best = torch.cat([self._best(means[i:i + 8], counts[i:i + 8], scales[i:i + 8])
+                          for i in range(0, len(clips), 8)])
         return clips.gather(1, best[:, None]).squeeze(1).float().cpu()
 
     def _best(self, values: Tensor, counts: Tensor, scales: Tensor) -> Tensor:
-        """Index of the scale with the least count-weighted squared error, one head ([grid, bins] at a time)."""
-        v = values.float()[None, :]
-        err = (fake_quant(v, scales[:, None], self.dtype) - v).double().square()
-        return (err * counts[None, :]).sum(-1).argmin()
+        """Per head, the index of the scale with the least count-weighted squared error ([heads, grid, bins]
+        at a time: 8 heads of 100 x 2048 candidates are 6.5 MB of float32)."""
+        v = values.float()[:, None, :]
+        err = (fake_quant(v, scales[:, :, None], self.dtype) - v).double().square()
+        return (err * counts[:, None, :]).sum(-1).argmin(-1)
 
 
 def _coerce(observer: str, key: str, value: object, kind: type) -> int | float:
