@@ -223,7 +223,7 @@ def from_dict(data: dict[str, Any], source: str = "recipe") -> Recipe:
 
 def _int_or_str(x: str) -> int | str:
     x = x.strip()
-    return int(x) if x.isdigit() else x
+    return int(x) if x.isascii() and x.isdigit() else x   # "²".isdigit() is True, int("²") fails
 
 
 def load(path: str | Path | None) -> Recipe:
