@@ -269,7 +269,10 @@ class _HistogramObserver:
         if self._state["counts"].shape[0] != h:
             raise ValueError(f"histogram: x has {h} heads, state {_shapes(self._state)}")
         scratch = reduce.scratch_for(x.device, h, self.bins)
-        self._state = reduce.histogram_(x, mask, self._state, scratch, E_MIN, E_MAX, amax)
+        new = reduce.histogram_(x, mask, self._state, scratch, E_MIN, E_MAX, amax)
+        if new is None:                          # no working Triton here: the torch path, same result
+            return self.update(x, mask)
+        self._state = new
 
     def _fold(self, batch: dict[str, Tensor]) -> None:
         """Add a histogram (possibly of another range) into the state."""

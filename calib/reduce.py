@@ -19,6 +19,7 @@ is imported) on CPU tensors, in a copy of this module whose KERNELS_ON_CPU is Tr
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -37,10 +38,27 @@ HIST_LANES = 16             # copies of the per-batch histogram, picked by token
                             # the threads of one warp that hit the same bin mostly add to different copies
 
 
+_failed: list[str] = []    # why Triton could not build a kernel here, once it failed (then torch does it all)
+
+
 def fused(x: Tensor) -> bool:
-    """Whether `x`'s reductions run as Triton kernels (CUDA tensor, Triton importable, not switched off)."""
-    return (triton is not None and (x.is_cuda or KERNELS_ON_CPU) and os.environ.get("KVCALIB_FUSED", "1") != "0"
-            and x.dim() == 4 and x.numel() < 2**31)
+    """Whether `x`'s reductions run as Triton kernels (CUDA tensor, Triton importable and working, not
+    switched off with KVCALIB_FUSED=0)."""
+    return (triton is not None and not _failed and (x.is_cuda or KERNELS_ON_CPU)
+            and os.environ.get("KVCALIB_FUSED", "1") != "0" and x.dim() == 4 and x.numel() < 2**31)
+
+
+def _launch(kernel, grid, *args, **meta) -> bool:
+    """Run a kernel; False if Triton cannot build it on this machine (no C compiler for its launcher, an
+    unsupported GPU ...): the caller then takes the torch path, which gives the same results."""
+    try:
+        kernel[grid](*args, **meta)
+        return True
+    except Exception as e:  # compilation happens before launch: no state was touched
+        _failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        print(f"kvcalib: Triton kernels unavailable here ({_failed[0][:200]}); using torch ops "
+              "(same results, slower)", file=sys.stderr)
+        return False
 
 
 def _mask_args(x: Tensor, mask: Tensor | None) -> tuple[Tensor, int, int]:
@@ -66,10 +84,11 @@ def absmax_(x: Tensor, mask: Tensor | None, amax: Tensor, over: Tensor | None = 
     m, smb, sms = _mask_args(x, mask)
     b, h, s, d = x.shape
     count = over is not None
-    _absmax_kernel[_grid(x)](
-        x, m, amax, over if count else amax, total if count else amax, s, d, h,
-        *x.stride(), smb, sms, float(limit),
-        HAS_MASK=mask is not None, COUNT=count, BS=_BLOCK_TOKENS, BD=triton.next_power_of_2(d))
+    if not _launch(_absmax_kernel, _grid(x),
+                   x, m, amax, over if count else amax, total if count else amax, s, d, h,
+                   *x.stride(), smb, sms, float(limit),
+                   HAS_MASK=mask is not None, COUNT=count, BS=_BLOCK_TOKENS, BD=triton.next_power_of_2(d)):
+        _absmax_torch(x, mask, amax, over, total, limit)
 
 
 def _absmax_torch(x: Tensor, mask: Tensor | None, amax: Tensor, over: Tensor | None, total: Tensor | None,
@@ -126,10 +145,12 @@ def pair_max_(x: Tensor, mask: Tensor | None, rotary_dim: int, interleaved: bool
     m, smb, sms = _mask_args(x, mask)
     b, h, s, d = x.shape
     half, rest = rotary_dim // 2, d - rotary_dim
-    _pair_kernel[_grid(x)](
-        x, m, pair_max, pass_max, s, h, half, rest, rotary_dim, *x.stride(), smb, sms,
-        HAS_MASK=mask is not None, INTERLEAVED=interleaved, BS=_BLOCK_TOKENS,
-        BP=triton.next_power_of_2(half), BR=triton.next_power_of_2(max(rest, 1)), EXACT_HYPOT=not _INTERPRET)
+    if not _launch(_pair_kernel, _grid(x),
+                   x, m, pair_max, pass_max, s, h, half, rest, rotary_dim, *x.stride(), smb, sms,
+                   HAS_MASK=mask is not None, INTERLEAVED=interleaved, BS=_BLOCK_TOKENS,
+                   BP=triton.next_power_of_2(half), BR=triton.next_power_of_2(max(rest, 1)),
+                   EXACT_HYPOT=not _INTERPRET):
+        _pair_max_torch(x, mask, rotary_dim, interleaved, pair_max, pass_max)
 
 
 def rotary_pairs(x: Tensor, rot: int, interleaved: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -217,12 +238,13 @@ def scratch_for(device: torch.device, heads: int, bins: int) -> HistScratch:
 
 
 def histogram_(x: Tensor, mask: Tensor | None, state: dict[str, Tensor], scratch: HistScratch,
-               e_min: int, e_max: int, amax: Tensor | None = None) -> dict[str, Tensor]:
+               e_min: int, e_max: int, amax: Tensor | None = None) -> dict[str, Tensor] | None:
     """Fold bf16 x into a histogram state {'exponent','counts','sums','amax'} (calib.observers'
     _HistogramObserver layout): the batch's max first, then its values binned directly on the grown range,
     then the old counts moved onto that range and added. Returns the new state (the old tensors are left
     as they were: the fold writes fresh ones). `amax`, when given, is the running max |x| per head over the
-    same data including this batch (the capture's exact K/V maximum): it spares a second read of x."""
+    same data including this batch (the capture's exact K/V maximum): it spares a second read of x.
+    None (state untouched but for its exact max) when Triton cannot build the kernel here."""
     m, smb, sms = _mask_args(x, mask)
     b, h, s, d = x.shape
     bins = state["counts"].shape[-1]
@@ -230,15 +252,20 @@ def histogram_(x: Tensor, mask: Tensor | None, state: dict[str, Tensor], scratch
         absmax_(x, mask, state["amax"])
     else:
         torch.maximum(state["amax"], amax, out=state["amax"])
-    _hist_kernel[_grid(x)](
-        x, m, state["amax"], scratch.counts, scratch.sum0, s, d, h, bins, *x.stride(), smb, sms, e_min, e_max,
-        HAS_MASK=mask is not None, LANES=HIST_LANES, BS=_BLOCK_TOKENS, BD=triton.next_power_of_2(d))
+    if not _launch(_hist_kernel, _grid(x),
+                   x, m, state["amax"], scratch.counts, scratch.sum0, s, d, h, bins, *x.stride(), smb, sms,
+                   e_min, e_max, HAS_MASK=mask is not None, LANES=HIST_LANES, BS=_BLOCK_TOKENS,
+                   BD=triton.next_power_of_2(d)):
+        return None
     new = {"exponent": torch.empty_like(state["exponent"]), "counts": torch.empty_like(state["counts"]),
            "sums": torch.empty_like(state["sums"]), "amax": state["amax"]}
     block = min(bins, 256)
-    _fold_kernel[(h, bins // block)](
-        state["exponent"], state["counts"], state["sums"], state["amax"], scratch.counts, scratch.sum0,
-        new["exponent"], new["counts"], new["sums"], h, e_min, e_max, BINS=bins, LANES=HIST_LANES, BLOCK=block)
+    if not _launch(_fold_kernel, (h, bins // block),
+                   state["exponent"], state["counts"], state["sums"], state["amax"], scratch.counts, scratch.sum0,
+                   new["exponent"], new["counts"], new["sums"], h, e_min, e_max, BINS=bins, LANES=HIST_LANES,
+                   BLOCK=block):
+        raise RuntimeError(f"calib.reduce: the histogram fold kernel failed after its batch kernel ran "
+                           f"({_failed[0]}); run with KVCALIB_FUSED=0")
     return new
 
 

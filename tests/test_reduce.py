@@ -157,3 +157,28 @@ def test_capture_on_a_bf16_model_is_identical_through_the_kernels(interp, monkey
             else:
                 assert torch.equal(got_state[key], want_state[key]), key
         assert any(float(s.k_over) > 0 for s in want.values())              # the overflow count is exercised
+
+
+def test_a_kernel_triton_cannot_build_falls_back_to_torch_once(interp, monkeypatch, capsys):
+    """No C compiler for Triton's launcher, an unsupported GPU ...: one line on stderr, the same numbers."""
+    class Unbuildable:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+            return launch
+
+    monkeypatch.setattr(interp, "_absmax_kernel", Unbuildable())
+    monkeypatch.setattr(interp, "_hist_kernel", Unbuildable())
+    monkeypatch.setattr(interp, "_failed", [])
+    x, mask = _kv(6), _mask()
+    got, want = torch.zeros(3), torch.zeros(3)
+    interp.absmax_(x, mask, got)
+    reduce.absmax_(x, mask, want)
+    assert torch.equal(got, want) and not interp.fused(x)
+    assert capsys.readouterr().err.count("Triton kernels unavailable") == 1
+    monkeypatch.setattr(interp, "_failed", [])
+    st = {"exponent": torch.full((3,), observers.E_MIN, dtype=torch.int64),
+          "counts": torch.zeros(3, 256, dtype=torch.int64), "sums": torch.zeros(3, 256, dtype=torch.float64),
+          "amax": torch.zeros(3)}
+    assert interp.histogram_(x, mask, st, interp.HistScratch(3, 256, torch.device("cpu")),
+                             observers.E_MIN, observers.E_MAX) is None
