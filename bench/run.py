@@ -177,6 +177,10 @@ def llmc_arms(loaded: model_mod.LoadedModel, seqs: list[list[int]], batch_size: 
     device = loaded.device
     base_cpu = loaded.model.to("cpu")          # the kvcalib arms are done: keep the pristine weights off the device
     with tempfile.TemporaryDirectory() as config_dir:
+        # untimed, as the kvcalib arms' first batch: one-time imports and set-up inside oneshot, on one batch
+        warm = causal_lm(copy.deepcopy(base_cpu).to(device), loaded.config, Path(config_dir))
+        run_llmcompressor(warm, batches[:1], tokenizer, llmc_scheme(*LLMC_ARMS[names[0]]))
+        del warm
         for name in names:
             observer, strategy = LLMC_ARMS[name]
             causal = causal_lm(copy.deepcopy(base_cpu).to(device), loaded.config, Path(config_dir))
