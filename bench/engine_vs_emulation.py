@@ -51,31 +51,32 @@ def emulated(model: str, ids: list[list[int]], modes: list[str], cpu_dtype: str 
     import torch
 
     from calib import emulate
-    from calib import evaluate as ev
+    from calib.evaluation.fakequant import Geometry, default_arm, fake_quant_kv
+    from calib.evaluation.run import load_causal_lm
     from calib.quant import FP8_E4M3
 
-    loaded = ev.load_causal_lm(model, "cpu", False, cpu_dtype)
+    loaded = load_causal_lm(model, "cpu", False, cpu_dtype)
     lm = loaded.model
-    geo = ev.Geometry.of(loaded.config, loaded.attention_layers)
+    geo = Geometry.of(loaded.config, loaded.attention_layers)
 
     def nll(hook, arm) -> tuple[float, int, float]:
         t0, total, n = time.perf_counter(), 0.0, 0
-        hook.arm = arm
-        for s in ids:
-            x = torch.tensor([s])
-            logp = torch.log_softmax(lm(input_ids=x, use_cache=False).logits[0, :-1].float(), dim=-1)
-            total -= float(logp.gather(-1, x[0, 1:, None]).sum())
-            n += len(s) - 1
+        with hook.applying(arm):
+            for s in ids:
+                x = torch.tensor([s])
+                logp = torch.log_softmax(lm(input_ids=x, use_cache=False).logits[0, :-1].float(), dim=-1)
+                total -= float(logp.gather(-1, x[0, 1:, None]).sum())
+                n += len(s) - 1
         return total, n, time.perf_counter() - t0
 
     out = {"model_dtype": str(loaded.dtype).removeprefix("torch.")}
     with torch.inference_mode():
         for mode in modes:
-            with ev.fake_quant_kv(lm, emulate.by_name(mode)) as hook:
+            with fake_quant_kv(lm, emulate.by_name(mode)) as hook:
                 if "reference" not in out:
                     t, n, sec = nll(hook, None)
                     out["reference"] = {"ppl": math.exp(t / n), "nll": t, "tokens": n, "seconds": sec}
-                t, n, sec = nll(hook, ev.default_arm(geo, FP8_E4M3))
+                t, n, sec = nll(hook, default_arm(geo, FP8_E4M3))
                 ppl = math.exp(t / n)
                 out[mode] = {"ppl": ppl, "nll": t, "tokens": n, "seconds": sec,
                              "ppl_rel": ppl / out["reference"]["ppl"] - 1}

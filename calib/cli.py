@@ -412,7 +412,10 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
              seed, passkey_trials, failures, plots, progress, max_kl, max_ppl_increase, passkey_drop, max_skip, device,
              cpu_dtype, trust_remote_code, engine, vllm_venv, engine_top_k, engine_kv_gib, engine_timeout, out, force) -> None:
     """Compare BF16, default-scale and calibrated FP8 KV by layer and context length; write a report + verdict."""
-    from . import evaluate, report
+    from .evaluation.config import EvalConfig
+    from .evaluation.fakequant import EvalError
+    from .evaluation.report import Thresholds
+    from .evaluation.run import run_eval
     from .progress import Progress
 
     small = DEFAULT_MODEL_EVAL if model_src is None else EVAL_DEFAULTS
@@ -437,13 +440,13 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
                                        "environment where vLLM is installed (`make engine-venv` builds one)")
         engine_spec = EngineSpec(engine, vllm_venv, top_k=engine_top_k, kv_gib=engine_kv_gib, timeout=engine_timeout)
     try:
-        cfg = evaluate.EvalConfig(
+        cfg = EvalConfig(
             model=str(model_src or ""), data=data_src or str(DEFAULT_DATA), out=out or Path("out"), scales=tuple(scales),
             stats=stats_src, dtype=dtype, emulate=emulation, buckets=bucket_list, samples=samples,
             min_tokens=min_tokens, pack=pack,
             batch_size=batch_size, seed=seed, passkey_trials=passkey_trials, failures=failures, plots=plots,
-            thresholds=report.Thresholds(max_kl=max_kl, max_ppl_increase=max_ppl_increase,
-                                         passkey_drop=passkey_drop, max_skip=max_skip),
+            thresholds=Thresholds(max_kl=max_kl, max_ppl_increase=max_ppl_increase,
+                                  passkey_drop=passkey_drop, max_skip=max_skip),
             device=device, cpu_dtype=cpu_dtype or (None if engine else "float32"),
             trust_remote_code=trust_remote_code, force=force,
             engine=engine_spec)
@@ -453,9 +456,9 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
         cfg = dataclasses.replace(cfg, model=str(model_src),
                                   out=out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-eval")
         with _terminate_as_interrupt():
-            result = evaluate.run_eval(cfg, log=lambda m: click.echo(m, err=True),
-                                       progress=Progress((lambda m: click.echo(m, err=True)) if progress else None))
-    except (*_user_errors(), evaluate.EvalError) as e:
+            result = run_eval(cfg, log=lambda m: click.echo(m, err=True),
+                              progress=Progress((lambda m: click.echo(m, err=True)) if progress else None))
+    except (*_user_errors(), EvalError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(result.verdict["text"])
     click.echo(f"report: {result.out / 'report.md'} ({result.seconds:.1f} s)")

@@ -5,7 +5,7 @@ Why: rounding K and V to the nearest FP8 value and attending in high precision (
 first) is no engine's arithmetic. On a real 135M model it predicted +0.99 % perplexity where vLLM's CPU
 build measured +2.72 % (docs/design.md §6): that kernel truncates. Each mode below is read from the
 engine's source (file and function in `sources`; docs/engine-emulation.md has the reasoning and the
-measured agreement). The registry is data only (no torch): `calib/fakequant.py` applies it with the exact
+measured agreement). The registry is data only (no torch): `calib/evaluation/fakequant.py` applies it with the exact
 conversions of `calib/fp8.py`.
 
 Vocabulary of a step (`Cast`):

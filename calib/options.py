@@ -3,7 +3,7 @@
 Why a module of its own: a bad `--device` or batch budget used to surface minutes later, after the model had
 loaded (or as a torch traceback). Recipe fields are validated by `recipe`; these are the options that are not
 part of a recipe (where the model runs, how batches are cut, evaluation settings). The CLI calls them before
-it builds or loads any model, and the library entry points (`pipeline.calibrate`, `evaluate.run_eval`) call
+it builds or loads any model, and the library entry points (`pipeline.calibrate`, `evaluation.run.run_eval`) call
 them again as their first step, so library users get the same errors.
 """
 
@@ -74,7 +74,7 @@ def calibrate(*, device_name: str | None = None, max_batch_tokens: int | None = 
 
 
 def evaluation(cfg: Any) -> None:
-    """Every numeric option of `kvcalib eval` (an `evaluate.EvalConfig`)."""
+    """Every numeric option of `kvcalib eval` (an `evaluation.config.EvalConfig`)."""
     device(cfg.device)
     for option, value, minimum in (("--samples", cfg.samples, 1), ("--batch-size", cfg.batch_size, 1),
                                    ("--min-tokens", cfg.min_tokens, 1), ("--passkey-trials", cfg.passkey_trials, 0),

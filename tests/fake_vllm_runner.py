@@ -37,8 +37,8 @@ def measure(req: dict) -> dict:
     import torch
 
     from calib import emulate, passkey
-    from calib.evaluate import load_causal_lm
-    from calib.fakequant import Geometry, checkpoint_arms, default_arm, fake_quant_kv
+    from calib.evaluation.fakequant import Geometry, checkpoint_arms, default_arm, fake_quant_kv
+    from calib.evaluation.run import load_causal_lm
     from calib.quant import by_name
 
     t0 = time.perf_counter()
@@ -53,8 +53,7 @@ def measure(req: dict) -> dict:
         q = q.skipping(arm["skip_layers"]) if arm["skip_layers"] else q
     k, cont = req["top_k"], req["continuation_tokens"]
     samples, continuations, answers, tokens = [], [], [], 0
-    with fake_quant_kv(lm, emulate.by_name(emulate.DEFAULT)) as hook, torch.inference_mode():
-        hook.arm = q
+    with fake_quant_kv(lm, emulate.by_name(emulate.DEFAULT)) as hook, torch.inference_mode(), hook.applying(q):
         for ids in req["samples"]:
             lp = torch.log_softmax(lm(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float(), -1)[:-1]
             top = lp.topk(k, dim=-1)

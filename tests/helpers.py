@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from calib import data as D
-from calib import evaluate as ev
 from calib import passkey, pipeline, recipe as recipe_mod
+from calib.evaluation.config import EvalConfig
 from calib.scales import LayerScales
 from tiny import random_sequences, tiny_causal_lm
 
@@ -185,6 +185,35 @@ def calibrate_small(src: Path, data: Path, out: Path, **overrides) -> Path:
     return pipeline.calibrate(src, data, r, out, device="cpu").out
 
 
-def eval_config(src: Path, data: Path, out: Path, samples: int = 24, **kw) -> ev.EvalConfig:
-    return ev.EvalConfig(model=str(src), data=str(data), out=out, buckets=(16, 32, 64), samples=samples, min_tokens=8,
+def eval_config(src: Path, data: Path, out: Path, samples: int = 24, **kw) -> EvalConfig:
+    return EvalConfig(model=str(src), data=str(data), out=out, buckets=(16, 32, 64), samples=samples, min_tokens=8,
                          batch_size=8, **kw)
+
+
+# ------------------------------------------------------------------ report.json's shape
+
+def json_shape(doc, path: str = "") -> list[str]:
+    """Every key path of a JSON value with its type, in document order, once each: dict keys that are numbers
+    (buckets, layers, depths) or paths (arm names with a directory) become `*`, list items `[]`. Two reports
+    of the same run have the same shape whatever code wrote them; a renamed, moved or retyped key changes it."""
+    import re
+
+    out: list[str] = []
+
+    def walk(x, p):
+        kind = ("obj" if isinstance(x, dict) else "list" if isinstance(x, list) else "null" if x is None else
+                "bool" if isinstance(x, bool) else "num" if isinstance(x, (int, float)) else "str")
+        line = f"{p or '.'}: {kind}"
+        if line not in seen:
+            seen.add(line)
+            out.append(line)
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, p + "/" + ("*" if re.fullmatch(r"[0-9.]+", k) or "/" in k else k))
+        elif isinstance(x, list):
+            for v in x:
+                walk(v, f"{p}[]")
+
+    seen: set[str] = set()
+    walk(doc, path)
+    return out

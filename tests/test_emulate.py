@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from calib import emulate, fp8
-from calib import evaluate as ev
+from calib.evaluation.fakequant import (Arm, FakeQuantKV, Geometry, cache_codes, checkpoint_arms, default_arm,
+                                        fake_quant_kv)
 from calib.quant import FP8_E4M3, INT8, fake_quant
 from tiny import random_sequences, tiny_causal_lm
 
@@ -135,9 +136,9 @@ def _spy_attend(mode: str, k: torch.Tensor, v: torch.Tensor, scale: float):
         seen.append((key, value))
         return value.transpose(1, 2), None
 
-    state = ev.FakeQuantKV(emulate.by_name(mode))
-    state.arm = ev.Arm("x", FP8_E4M3, {0: torch.tensor(scale)}, {0: torch.tensor(scale)})
-    state.attend(spy, _Layer(), torch.zeros(1, 2, k.shape[2], k.shape[3]), k, v, None)
+    state = FakeQuantKV(emulate.by_name(mode))
+    with state.applying(Arm("x", FP8_E4M3, {0: torch.tensor(scale)}, {0: torch.tensor(scale)})):
+        state.attend(spy, _Layer(), torch.zeros(1, 2, k.shape[2], k.shape[3]), k, v, None)
     return seen[0]
 
 
@@ -161,8 +162,8 @@ def test_hook_quantises_kv_the_way_each_mode_says():
 def test_int8_arms_round_to_nearest_in_every_mode():
     k = torch.randn(1, 2, 4, 16) * 3
     for mode in emulate.names():
-        state = ev.FakeQuantKV(emulate.by_name(mode))
-        assert torch.equal(ev.cache_codes(k, 0.05, INT8, state.emulation.k), torch.round(k / 0.05).clamp(-127, 127))
+        state = FakeQuantKV(emulate.by_name(mode))
+        assert torch.equal(cache_codes(k, 0.05, INT8, state.emulation.k), torch.round(k / 0.05).clamp(-127, 127))
 
 
 # ------------------------------------------------------------------------------------------- FA3-style attention
@@ -212,15 +213,14 @@ def test_fa3_mode_in_a_real_model_matches_its_own_attention_when_q_and_p_stay_wi
     model = tiny_causal_lm("llama")
     wide = emulate.Emulation("fa3-wide", "test", k=emulate.Cast("rne", "divide", "k_scale"),
                              v=emulate.Cast("rne", "divide", "v_scale"), attention="fa3")
-    arm = ev.Arm("a", FP8_E4M3, {i: torch.tensor(0.01) for i in range(3)}, {i: torch.tensor(0.01) for i in range(3)})
+    arm = Arm("a", FP8_E4M3, {i: torch.tensor(0.01) for i in range(3)}, {i: torch.tensor(0.01) for i in range(3)})
     seqs = random_sequences(2, lo=12, hi=13, seed=4)
     ids = torch.tensor(seqs)
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0
     logits = {}
     for mode in (emulate.by_name("kv-only"), wide, emulate.by_name("vllm-fa3")):
-        with ev.fake_quant_kv(model, mode) as hook, torch.inference_mode():
-            hook.arm = arm
+        with fake_quant_kv(model, mode) as hook, torch.inference_mode(), hook.applying(arm):
             logits[mode.name] = model(input_ids=ids, attention_mask=mask).logits
     real = mask.bool()
     torch.testing.assert_close(logits["fa3-wide"][real], logits["kv-only"][real], rtol=1e-4, atol=1e-4)
@@ -246,11 +246,11 @@ def test_checkpoint_q_scale_reaches_the_arm(tmp_path):
         t[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.25)
         t[f"model.layers.{i}.self_attn.q_scale"] = torch.tensor([0.1, 0.3, 0.2, 0.1])
     save_file(t, str(ck / "model.safetensors"))
-    geo = ev.Geometry((0, 1, 2), 2, 16)
-    (arm,) = ev.checkpoint_arms(str(ck), geo)
+    geo = Geometry((0, 1, 2), 2, 16)
+    (arm,) = checkpoint_arms(str(ck), geo)
     assert float(arm.q_scale(1)) == pytest.approx(0.3) and arm.describe()["scales"]["q"]["1"] == pytest.approx(0.3)
     assert any("q_scale folded" in n for n in arm.notes)
-    assert ev.default_arm(geo, FP8_E4M3).q_scale(0) == 1.0
+    assert default_arm(geo, FP8_E4M3).q_scale(0) == 1.0
 
 
 def test_eval_cli_records_the_emulation(tmp_path, token_data):

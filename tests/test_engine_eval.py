@@ -13,12 +13,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from calib import evaluate as ev
-from calib import report
 from calib.cli import main
 from calib.engine import driver, metrics, protocol
 from calib.engine import verdict as honest
 from calib.engine.driver import EngineSpec
+from calib.evaluation import report
+from calib.evaluation.run import run_eval
 from tiny import tiny_causal_lm
 from helpers import calibrate_small, eval_config, k_beyond_fp8_model, save_model_and_data
 
@@ -81,7 +81,7 @@ def measured(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(driver.RUNNER_ENV, str(FAKE))
         mp.setenv("FAKE_ENGINE", "refuse-default")
-        res = ev.run_eval(eval_config(src, data, tmp / "report", samples=8, scales=(str(ckpt),), engine=_spec(top_k=20)))
+        res = run_eval(eval_config(src, data, tmp / "report", samples=8, scales=(str(ckpt),), engine=_spec(top_k=20)))
     return res, ckpt
 
 

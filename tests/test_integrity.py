@@ -310,7 +310,7 @@ def test_quantized_weights_with_a_quantization_config_are_not_refused(tiny_llama
 def test_tied_embeddings_are_counted_once_by_the_size_check(tmp_path):
     """A model with tied input/output embeddings stores them once: the check before loading must not count the
     LM head as missing weights (the embedded default, SmolLM2, ties them)."""
-    from calib.evaluate import load_causal_lm
+    from calib.evaluation.run import load_causal_lm
     from calib.model import ModelError
     from tiny import tiny_causal_lm
 

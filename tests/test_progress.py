@@ -7,8 +7,9 @@ import re
 
 from click.testing import CliRunner
 
-from calib import evaluate as ev
 from calib.cli import main
+from calib.evaluation.config import EvalConfig
+from calib.evaluation.run import run_eval
 from calib.progress import Progress, duration
 from tiny import random_sequences, tiny_causal_lm
 
@@ -73,9 +74,9 @@ def _model(tmp_path):
 def test_an_evaluation_reports_every_forward_pass(tmp_path):
     src, data = _model(tmp_path)
     lines = []
-    cfg = ev.EvalConfig(model=str(src), data=str(data), out=tmp_path / "r", buckets=(16, 64), samples=10,
+    cfg = EvalConfig(model=str(src), data=str(data), out=tmp_path / "r", buckets=(16, 64), samples=10,
                         min_tokens=8, batch_size=4, plots=False, passkey_trials=0)
-    res = ev.run_eval(cfg, progress=Progress(lines.append, every=0.0))
+    res = run_eval(cfg, progress=Progress(lines.append, every=0.0))
     tokens = res.report["data"]["tokens"]
     # 10 samples in 3 batches; per batch the reference then the default arm: a line each, plus the first one
     assert len(lines) == 1 + 3 * 2 + 1

@@ -11,8 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from calib import emulate, evaluate, pipeline, recipe as recipe_mod
-from calib.fakequant import Geometry, default_arm, fake_quant_kv
+from calib import emulate, pipeline, recipe as recipe_mod
+from calib.evaluation.fakequant import Geometry, default_arm, fake_quant_kv
+from calib.evaluation.measure import measure
+from calib.evaluation.samples import Sample
+from calib.evaluation.session import open_session
 from calib.quant import FP8_E4M3
 from calib.tune import run, score, search, space
 from calib.tune import stats as stats_mod
@@ -123,15 +126,15 @@ def test_sensitivity_ranking_matches_brute_force(tmp_path):
             attn.k_proj.weight.mul_(f)
             attn.q_proj.weight.div_(f / 60)
     ids = random_sequences(8, lo=24, hi=33, seed=5)
-    samples = [evaluate.Sample(i, tuple(s), 32) for i, s in enumerate(ids)]
+    samples = [Sample(i, tuple(s), 32) for i, s in enumerate(ids)]
     geo = Geometry((0, 1, 2, 3), 2, 16)
     base = default_arm(geo, FP8_E4M3)
     with fake_quant_kv(model, emulate.by_name("vllm-cpu")) as hook, torch.inference_mode():
-        sess, _ = evaluate.open_session(model, hook, None, samples, (32,), 8, 0)
-        _, only = evaluate.measure(sess, [score.only_layer(base, i) for i in geo.layers])
+        sess, _ = open_session(model, hook, None, samples, (32,), 8, 0)
+        _, only = measure(sess, [score.only_layer(base, i) for i in geo.layers])
         sens = {i: only[f"only layer {i}"]["summary"]["kl"] for i in geo.layers}
         subsets = [s for k in (1, 2) for s in itertools.combinations(geo.layers, k)]
-        _, brute = evaluate.measure(sess, [base.skipping(s) for s in subsets])
+        _, brute = measure(sess, [base.skipping(s) for s in subsets])
     rank = search.ranking(sens)
     assert rank[:2] == [1, 3]
     for k in (1, 2):

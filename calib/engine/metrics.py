@@ -12,7 +12,7 @@ says how much of the distribution it could not resolve: near 0 the bound is tigh
 agreement need nothing beyond what the engine returns, so they are exact.
 
 Positions: the engine scores token j of a sample from tokens < j for j = 1..n-1, exactly the positions the
-emulation scores (`calib/evaluate.py`), so token counts match one for one.
+emulation scores (`calib/evaluation/measure.py`), so token counts match one for one.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class EngineRun:
     version: str
     model: str
     model_dtype: str
-    samples: Sequence[Any]                      # calib.evaluate.Sample: ids and bucket
+    samples: Sequence[Any]                      # calib.evaluation.samples.Sample: ids and bucket
     buckets: Sequence[int]
     prompts: Sequence[passkey.Prompt] = ()
     tokenizer: Any = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .. import report
+from ..evaluation import report
 from ..engine.verdict import decisive
 from . import score, space
 

@@ -20,14 +20,15 @@ TUNE_DEFAULTS = {"samples": 128, "seq_len": 512, "eval_samples": 32, "buckets": 
 
 
 def _errors() -> tuple[type[BaseException], ...]:
-    from .. import data, evaluate, export, integrity, model, observe, options, outputs, statsfile
+    from .. import data, export, integrity, model, observe, options, outputs, statsfile
     from ..default_model import DefaultModelError
+    from ..evaluation.fakequant import EvalError
     from .search import TuneError
     from .space import SpaceError
 
     return (recipe_mod.RecipeError, data.DataError, model.ModelError, observe.CaptureError, export.ExportError,
             statsfile.StatsError, outputs.OutputError, options.OptionError, integrity.IntegrityError,
-            DefaultModelError, evaluate.EvalError, TuneError, SpaceError)
+            DefaultModelError, EvalError, TuneError, SpaceError)
 
 
 @click.command("tune")

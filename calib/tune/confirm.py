@@ -15,8 +15,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .. import report
-from ..fakequant import Arm, reference_arm
+from ..evaluation import report
+from ..evaluation.fakequant import Arm, reference_arm
 from ..quant import by_name
 from . import choose as choose_mod
 from .output import write_checkpoint

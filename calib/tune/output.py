@@ -19,9 +19,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, outputs, pipeline, report
+from .. import __version__, outputs, pipeline
 from .. import model as model_mod
 from .. import scales as scales_mod
+from ..evaluation import report
 from . import choose as choose_mod
 from .search import BASELINE, Search, TuneConfig, ranking
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import evaluate, outputs
+from .. import outputs
 from .. import model as model_mod
+from ..evaluation.run import load_causal_lm
 from ..progress import SILENT, Progress
 from . import output
 from .confirm import confirm
@@ -26,7 +27,7 @@ def run(cfg: TuneConfig, log: Log = lambda _m: None, progress: Progress = SILENT
         config = model_mod.preflight(source, trust_remote_code=cfg.trust_remote_code)[0].get_text_config()
         if cfg.skips >= config.num_hidden_layers:
             raise TuneError(f"--max-skip {cfg.skips}: the model has {config.num_hidden_layers} layers; give fewer")
-        loaded = evaluate.load_causal_lm(str(source), cfg.device, cfg.trust_remote_code, cfg.cpu_dtype)
+        loaded = load_causal_lm(str(source), cfg.device, cfg.trust_remote_code, cfg.cpu_dtype)
         found, st, held = search(cfg, loaded, source, clock, log, progress)
         if cfg.engine is not None:
             confirm(cfg, found, st, source, loaded, held.samples, held.buckets, log, progress)

@@ -1,6 +1,6 @@
 """Candidates as evaluation arms, scored by the emulation `kvcalib eval` uses, and how to compare two of them.
 
-Why through `calib/fakequant.py` and `calib/evaluate.measure`: a second evaluator would drift from the one
+Why through `calib/evaluation/fakequant.py` and `calib/evaluation/measure.py`: a second evaluator would drift from the one
 whose agreement with the real engine has been measured (docs/design.md §6). A candidate becomes an `Arm`
 holding the scales the engine would apply: per-head scales and q_scale only where the emulated backend
 reads them (FlashAttention-3), the max over heads elsewhere; TensorRT-LLM's FP8 path at scale 1.0 whatever
@@ -24,7 +24,7 @@ import torch
 
 from .. import emulate
 from .. import scales as scales_mod
-from ..fakequant import Arm, Geometry
+from ..evaluation.fakequant import Arm, Geometry
 from ..quant import FP8_E4M3, by_name
 from .space import Candidate
 

@@ -25,9 +25,14 @@ from typing import Any
 import torch
 
 from .. import data as data_mod
-from .. import emulate, evaluate, options, outputs, report
+from .. import emulate, options, outputs
 from .. import model as model_mod
-from ..fakequant import Geometry, default_arm
+from ..evaluation import report
+from ..evaluation.config import EvalConfig
+from ..evaluation.fakequant import Geometry, default_arm, fake_quant_kv
+from ..evaluation.measure import measure
+from ..evaluation.samples import calibration_windows, select_samples, usable_buckets
+from ..evaluation.session import Session, open_session
 from ..progress import SILENT, Progress
 from ..quant import FP8_E4M3
 from ..recipe import Recipe
@@ -90,11 +95,11 @@ class TuneConfig:
     def thresholds(self) -> report.Thresholds:
         return report.Thresholds(max_kl=self.max_kl, max_ppl_increase=self.max_ppl_increase, max_skip=self.skips)
 
-    def eval_config(self) -> evaluate.EvalConfig:
-        return evaluate.EvalConfig(model=self.model, data=self.eval_data, out=self.out, emulate=self.emulation,
-                                   buckets=self.buckets, samples=self.eval_samples, min_tokens=self.min_tokens,
-                                   pack=self.pack, batch_size=self.batch_size, passkey_trials=0, failures=0,
-                                   thresholds=self.thresholds, device=self.device, cpu_dtype=self.cpu_dtype)
+    def eval_config(self) -> EvalConfig:
+        return EvalConfig(model=self.model, data=self.eval_data, out=self.out, emulate=self.emulation,
+                          buckets=self.buckets, samples=self.eval_samples, min_tokens=self.min_tokens,
+                          pack=self.pack, batch_size=self.batch_size, passkey_trials=0, failures=0,
+                          thresholds=self.thresholds, device=self.device, cpu_dtype=self.cpu_dtype)
 
 
 def check(cfg: TuneConfig) -> None:
@@ -189,7 +194,7 @@ class _Tokens:
         self.stage.advance(tokens)
 
 
-def _measure(s: evaluate.Session, arms: Sequence[Any], found: Search, clock: Clock, chunk: int, stage: Any,
+def _measure(s: Session, arms: Sequence[Any], found: Search, clock: Clock, chunk: int, stage: Any,
              what: str) -> dict[str, dict[str, Any]]:
     """Measure `arms` a chunk at a time (the reference once per chunk); stop when the budget is spent."""
     out: dict[str, dict[str, Any]] = {}
@@ -198,7 +203,7 @@ def _measure(s: evaluate.Session, arms: Sequence[Any], found: Search, clock: Clo
             found.stopped = f"--budget-minutes spent after {clock.elapsed():.0f} s, during {what}"
             break
         stage.advance(0, labels={"what": what})
-        ref, res = evaluate.measure(s, arms[a:a + chunk], stage=_Tokens(stage))
+        ref, res = measure(s, arms[a:a + chunk], stage=_Tokens(stage))
         found.passes += 1 + len(arms[a:a + chunk])
         found.ref = found.ref or ref
         out.update(res)
@@ -251,10 +256,10 @@ def search(cfg: TuneConfig, loaded: Any, source: Path, clock: Clock, log: Log,
     sf = st.any()
     ecfg = cfg.eval_config()
     vocab = getattr(loaded.config, "vocab_size", None)
-    buckets, dropped = evaluate.usable_buckets(ecfg.buckets, getattr(loaded.config, "max_position_embeddings", None))
+    buckets, dropped = usable_buckets(ecfg.buckets, getattr(loaded.config, "max_position_embeddings", None))
     cal = [("the calibration pass", {"data": sf.header.get("data", {}), "recipe": sf.header.get("recipe")})]
-    windows, held_out = evaluate.calibration_windows(cal, cfg.eval_data, loaded.tokenizer, vocab)
-    samples, used, excluded = evaluate.select_samples(ecfg, loaded.tokenizer, vocab, buckets, windows)
+    windows, held_out = calibration_windows(cal, cfg.eval_data, loaded.tokenizer, vocab)
+    samples, used, excluded = select_samples(ecfg, loaded.tokenizer, vocab, buckets, windows)
     held = {"source": cfg.eval_data, **used.to_dict(), "held_out": {**held_out, "excluded_samples": excluded},
             "buckets": list(buckets), "dropped_buckets": dropped, "emulation": emulation.describe()}
     found = Search(candidates)
@@ -278,8 +283,8 @@ def search(cfg: TuneConfig, loaded: Any, source: Path, clock: Clock, log: Log,
     log(f"tune: {len(candidates)} candidates for {cfg.target} ({len(arms) - 1} distinct under emulation "
         f"{emulation.name}) + the default scale 1.0; {len(samples)} held-out samples / {used.tokens} tokens"
         + (f"; sensitivity of {layers} layers on {sens_n} samples, then skips of 1..{cfg.skips}" if layers else ""))
-    with evaluate.fake_quant_kv(loaded.model, emulation) as hook, torch.inference_mode():
-        sess, note = evaluate.open_session(loaded.model, hook, loaded.tokenizer, samples, buckets, cfg.batch_size, 0)
+    with fake_quant_kv(loaded.model, emulation) as hook, torch.inference_mode():
+        sess, note = open_session(loaded.model, hook, loaded.tokenizer, samples, buckets, cfg.batch_size, 0)
         held["notes"] = [note] if note else []
         with progress.stage("tune", plan, arms=len(arms) + layers + cfg.skips) as stage:
             # counts measured arms: the candidates (+ the default scale 1.0), one per layer, the skips
@@ -290,7 +295,7 @@ def search(cfg: TuneConfig, loaded: Any, source: Path, clock: Clock, log: Log,
     return found, st, HeldOut(tuple(samples), tuple(buckets), held)
 
 
-def _skips(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulation: Any, sess: evaluate.Session,
+def _skips(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulation: Any, sess: Session,
            sens_samples: Sequence[Any], clock: Clock, stage: Any) -> None:
     """Per-layer sensitivity of the best full candidate, then it with the top 1..max_skip layers skipped."""
     full = [c for c in found.candidates if found.entry(c.name) is not None]

@@ -25,7 +25,7 @@ from calib import export
 from calib.export import trtllm
 from calib.ckpt.kvinfo import read_kv_info
 from calib.cli import main
-from calib.fakequant import EvalError, Geometry, checkpoint_arms
+from calib.evaluation.fakequant import EvalError, Geometry, checkpoint_arms
 from calib.verify import verify
 from tiny import tiny_causal_lm
 from helpers import made_up_scales

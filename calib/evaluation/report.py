@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .engine import report as engine_report
-from .engine import verdict as honest
-from .engine.verdict import SKIP_FLAG, decisive
+from ..engine import report as engine_report
+from ..engine import verdict as honest
+from ..engine.verdict import SKIP_FLAG, decisive
 PLOTS = ("scales.png", "layer_error.png", "kl_by_bucket.png")
 
 
@@ -213,7 +213,7 @@ def finite(x: Any) -> Any:
 
 def write(out: Path, doc: dict[str, Any], *, force: bool, plots: bool = True) -> Path:
     """report.json, report.md and the plots into `out`, atomically (refuses an existing `out` unless force)."""
-    from .outputs import atomic_dir
+    from ..outputs import atomic_dir
 
     with atomic_dir(out, force, kind="eval report") as tmp:
         made, note = plot_all(doc, tmp) if plots else ([], "plots not requested")

@@ -14,7 +14,8 @@ attention function.
 
 Why a module of its own: what an arm is and how the cache would store it (scales from a checkpoint or a
 statistics file, shaped per tensor/head/channel or per token) is independent of how an evaluation picks
-its samples and scores logits (`calib/evaluate.py`, which drives this hook and re-exports these names).
+its samples and scores logits (`calib/evaluation/measure.py`, which drives this hook, and `calib/tune/`).
+The hook's switches change only through `FakeQuantKV.applying`, one `with` per batch or generation.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from typing import Any
 
 import torch
 
-from . import emulate, fp8, observe
-from .ckpt.kvinfo import KVInfo, read_kv_info
-from .quant import FP8_E4M3, INT8, KVDtype, by_name, quantize
-from .scales import MIN_SCALE, amax_to_scale
+from .. import emulate, fp8, observe
+from ..ckpt.kvinfo import KVInfo, read_kv_info
+from ..quant import FP8_E4M3, INT8, KVDtype, by_name, quantize
+from ..scales import MIN_SCALE, amax_to_scale
 
 TOKEN = "token"            # an arm's scale for a layer may be this: dynamic, each token's own max|x| / qmax
 
@@ -183,7 +184,7 @@ def checkpoint_arms(path: str, geo: Geometry, per_head_kv: bool = True) -> list[
 def read_stats(path: str) -> tuple[observe.Stats, dict[str, Any] | None]:
     """The per-layer ranges of a kvcalib statistics file (a statistics-only output directory or its
     stats.safetensors) and its header (recipe, data), through calib.statsfile's one reader."""
-    from . import statsfile
+    from .. import statsfile
 
     try:
         sf = statsfile.load_output(Path(path), "--stats")
@@ -310,18 +311,34 @@ class Meter:
         return out
 
 
+Ranges = dict[int, tuple[observe.AbsMaxObserver, observe.AbsMaxObserver]]
+
+
 class FakeQuantKV:
     """Switches of the installed hook. `arm` None: pass K/V through untouched (bit-identical outputs).
     `token_mask` ([batch, seq], True = real token) keeps padding out of every metric; `meter` receives the
     per-layer sums (None: do not measure, e.g. during generation); `ranges` records per-head max |K|, |V|;
-    `emulation` is the engine whose arithmetic quantised arms follow (`calib/emulate.py`)."""
+    `emulation` is the engine whose arithmetic quantised arms follow (`calib/emulate.py`). The switches are
+    set for one batch (or one generation) by `applying` and are all off outside it."""
 
     def __init__(self, emulation: emulate.Emulation | None = None) -> None:
         self.emulation = emulation or emulate.by_name(emulate.DEFAULT)
         self.arm: Arm | None = None
         self.token_mask: torch.Tensor | None = None
         self.meter: Meter | None = None
-        self.ranges: dict[int, tuple[observe.AbsMaxObserver, observe.AbsMaxObserver]] | None = None
+        self.ranges: Ranges | None = None
+
+    @contextlib.contextmanager
+    def applying(self, arm: Arm | None = None, *, meter: Meter | None = None, token_mask: torch.Tensor | None = None,
+                 ranges: Ranges | None = None) -> Iterator["FakeQuantKV"]:
+        """Every attention call inside stores K/V as `arm` would (None: untouched), measured into `meter`
+        over the real tokens of `token_mask`, recording K/V ranges into `ranges`; all switches off after,
+        whatever happens inside."""
+        self.arm, self.meter, self.token_mask, self.ranges = arm, meter, token_mask, ranges
+        try:
+            yield self
+        finally:
+            self.arm = self.meter = self.token_mask = self.ranges = None
 
     def attend(self, delegate: Callable, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,16 @@
+"""Evaluation: how far does an FP8 (or INT8) KV cache with given scales drift from the model's own dtype?
+
+Why a package: choosing held-out text, running the measuring passes, storing K/V as an engine would and
+writing the verdict are separate concerns with separate readers (`kvcalib eval`, `kvcalib tune`, the engine
+comparison); each lives in one short module, and callers import each name from the module that defines it:
+
+- config.py      `EvalConfig` (one `kvcalib eval` run) and the checks made before a model loads
+- samples.py     held-out samples: length buckets, calibration windows left out, packing
+- head.py        next-token log-probabilities a chunk of positions at a time
+- session.py     what a measuring pass needs (model, hook, head, samples) and its clock
+- measure.py     one pass over the samples: the reference once per batch, then every arm
+- retrieval.py   passkey retrieval under one arm
+- fakequant.py   the fake-quant hook and the arms (ways of storing the cache) it applies
+- report.py      the verdict, report.json, report.md and the plots
+- run.py         `run_eval`: checks, lock, load, measure, skip trials, engine, report
+"""

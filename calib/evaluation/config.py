@@ -1,0 +1,69 @@
+"""One `kvcalib eval` run's settings, and everything about them checkable before the model loads.
+
+Why its own module: the CLI, `kvcalib tune` (which scores candidates on the same held-out text) and the
+run driver all build or read an `EvalConfig`; none of them needs the measuring code to do so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import data as data_mod
+from .. import emulate, options, outputs
+from .fakequant import EvalError
+from .report import Thresholds
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """One `kvcalib eval` run. `scales`: checkpoint directories (any tool's layout); `stats`: a kvcalib
+    statistics-only output (directory or its stats.safetensors) for per-tensor/head/channel/token arms.
+    `emulate`: whose FP8 arithmetic the quantised arms follow (`calib/emulate.py`; default vLLM's CPU build)."""
+    model: str
+    data: str
+    out: Path
+    scales: tuple[str, ...] = ()
+    stats: str | None = None
+    dtype: str = "fp8_e4m3"
+    emulate: str = emulate.DEFAULT
+    buckets: tuple[int, ...] = (512, 2048, 8192)
+    samples: int = 64
+    min_tokens: int = 16
+    pack: bool = False                # concatenate records into samples that fill every bucket
+    batch_size: int = 4
+    seed: int = 0
+    passkey_trials: int = 1           # prompts per depth per bucket; 0 turns passkey off
+    failures: int = 3                 # worst samples (by KL) kept per arm
+    plots: bool = True
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    device: str | None = None
+    cpu_dtype: str | None = "float32"  # model dtype on CPU (model.Placement; None: the checkpoint's own)
+    trust_remote_code: bool = False
+    force: bool = False
+    engine: Any = None                # calib.engine.driver.EngineSpec: also measure every arm in that engine
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as report.json records them (paths as strings, the engine spec as a mapping)."""
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        if self.engine is not None:
+            d["engine"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.engine).items()}
+        d.update(out=str(self.out), scales=list(self.scales), buckets=list(self.buckets),
+                 thresholds=self.thresholds.to_dict())
+        return d
+
+
+def check_eval(cfg: EvalConfig) -> None:
+    """Everything checkable before the model loads: options, the report folder (never an input, never a
+    folder of someone else's files), the data source."""
+    options.evaluation(cfg)
+    inputs = [("the model folder", cfg.model), ("the data", cfg.data), ("the statistics output", cfg.stats),
+              *(("a --scales checkpoint", p) for p in cfg.scales)]
+    outputs.check_folder(Path(cfg.out), force=cfg.force, inputs=inputs)
+    outputs.check_room(Path(cfg.out))
+    try:
+        emulate.by_name(cfg.emulate)
+    except ValueError as e:
+        raise EvalError(f"--emulate: {e}") from None
+    data_mod.check_source(cfg.data)

@@ -1,0 +1,33 @@
+"""Passkey retrieval under one arm: generation with the cache stored as the arm would store it.
+
+Why separate from `measure`: retrieval generates (no per-token metrics, no padding mask) and is scored by
+`calib/passkey.py`; only the hook's arm is set, for the whole generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .. import passkey
+from ..progress import Progress, Stage
+from .fakequant import Arm
+from .session import Session, clock
+
+
+def run_passkey(s: Session, arm: Arm | None, prompts: Sequence[passkey.Prompt],
+                stage: Stage | None = None) -> tuple[dict[str, Any], float]:
+    """Passkey accuracy per bucket under `arm` (None: the reference) and the seconds it took; `stage` is
+    advanced after every prompt."""
+    t0 = clock(s.device)
+    on_done = None if stage is None else (lambda p: stage.advance(len(p.ids) + passkey.MAX_NEW_TOKENS,
+                                                                 prompts=stage.counters["prompts"][0] + 1))
+    with s.hook.applying(arm.to(s.device) if arm else None):
+        outcomes = passkey.run(s.lm, s.tokenizer, prompts, on_done=on_done)
+    return passkey.summarize(outcomes), clock(s.device) - t0
+
+
+def passkey_stage(progress: Progress, name: str, prompts: Sequence[passkey.Prompt], arms: int) -> Stage:
+    """A stage of every passkey prompt under `arms` arms (prompt tokens plus the generated ones)."""
+    per_arm = sum(len(p.ids) + passkey.MAX_NEW_TOKENS for p in prompts)
+    return progress.stage(name, arms * per_arm, prompts=arms * len(prompts))

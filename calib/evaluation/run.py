@@ -1,0 +1,206 @@
+"""`run_eval`: the evaluation from a config to a written report.
+
+Order of work: every check that needs no weights, the report folder's lock, then `prepare` (model, arms,
+held-out samples, passkey prompts), the measuring passes inside one installed hook (`measure_arms`:
+metrics, passkey, the engine; then `skip_trials`), and the report (`calib/evaluation/report.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import data as data_mod
+from .. import emulate, outputs, passkey
+from .. import model as model_mod
+from ..ckpt.kvinfo import read_kv_info
+from ..progress import SILENT, Progress, Stage
+from . import report
+from .config import EvalConfig, check_eval
+from .fakequant import Arm, EvalError, Geometry, arms_for, fake_quant_kv, read_stats, reference_arm
+from .measure import measure
+from .retrieval import passkey_stage, run_passkey
+from .samples import Sample, calibration_windows, select_samples, usable_buckets
+from .session import Session, open_session
+
+Log = Callable[[str], Any]
+
+
+def load_causal_lm(source: str, device: str | None = None, trust_remote_code: bool = False,
+                   cpu_dtype: str | None = "float32") -> model_mod.LoadedModel:
+    """`model.load` with the LM head: evaluation needs logits. `LoadedModel.model` is the causal LM."""
+    return model_mod.load(source, placement=model_mod.Placement(device=device, cpu_dtype=cpu_dtype),
+                          trust_remote_code=trust_remote_code, lm_head=True)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    out: Path
+    verdict: dict[str, Any]
+    report: dict[str, Any]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What an evaluation measures, settled before the first measuring pass."""
+    loaded: model_mod.LoadedModel
+    emulation: emulate.Emulation
+    engine_version: str | None
+    geo: Geometry
+    arms: tuple[Arm, ...]
+    reference: Arm
+    buckets: tuple[int, ...]
+    samples: tuple[Sample, ...]
+    used: data_mod.DataReport
+    held_out: dict[str, Any]
+    prompts: tuple[passkey.Prompt, ...]
+    notes: tuple[str, ...]
+
+
+def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = SILENT) -> EvalResult:
+    """Evaluate every arm against the reference on held-out samples and write the report to `cfg.out`;
+    `progress` receives a stage per measuring pass (calib/progress.py). Checks first, then the report
+    folder's lock (a second run into it refuses), then the work."""
+    t_start = time.perf_counter()
+    check_eval(cfg)
+    with outputs.lock(Path(cfg.out)):
+        check_eval(cfg)          # again under the lock: taking it may have put back an output a killed run moved aside
+        p = prepare(cfg, log)
+        lm = p.loaded.model
+        with fake_quant_kv(lm, p.emulation) as hook, torch.inference_mode():
+            s, note = open_session(lm, hook, p.loaded.tokenizer, p.samples, p.buckets, cfg.batch_size, cfg.failures)
+            ref, results, engine = measure_arms(cfg, p, s, progress)
+            results.update(skip_trials(cfg, p, s, ref, results, engine, log, progress))
+        doc = report.document(_meta(cfg, p, [note] if note else [], time.perf_counter() - t_start), ref, results,
+                              cfg.thresholds)
+        report.write(Path(cfg.out), doc, force=cfg.force, plots=cfg.plots)
+    return EvalResult(Path(cfg.out), doc["verdict"], doc, time.perf_counter() - t_start)
+
+
+def prepare(cfg: EvalConfig, log: Log) -> Prepared:
+    """The engine check, the model, its arms, the held-out samples and the passkey prompts, with notes."""
+    emulation = emulate.by_name(cfg.emulate)     # checked by check_eval
+    engine_version = _engine_check(cfg)
+    loaded = load_causal_lm(cfg.model, cfg.device, cfg.trust_remote_code, cfg.cpu_dtype)
+    tok, config = loaded.tokenizer, loaded.config
+    geo = Geometry.of(config, loaded.attention_layers)
+    arms = arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv)
+    vocab = getattr(config, "vocab_size", None)
+    buckets, dropped = usable_buckets(cfg.buckets, getattr(config, "max_position_embeddings", None))
+    notes = [f"buckets {dropped} exceed the model's context ({config.max_position_embeddings} tokens): dropped"] if dropped else []
+    windows, held_out = calibration_windows(_provenances(cfg), cfg.data, tok, vocab)
+    samples, used, excluded = select_samples(cfg, tok, vocab, buckets, windows)
+    prompts: list[passkey.Prompt] = []
+    if tok is None:
+        notes.append("passkey retrieval skipped: the model has no tokenizer")
+    elif cfg.passkey_trials > 0:
+        with model_mod.quiet_transformers():   # sizing tries prompts past the model's length on purpose
+            prompts, pk_notes = passkey.prompts(tok, buckets, cfg.passkey_trials, cfg.seed)
+        notes += pk_notes
+    else:
+        notes.append("passkey retrieval off (passkey_trials = 0)")
+    log(f"eval: {len(samples)} samples / {used.tokens} tokens, {len(arms)} arms + reference, "
+        f"{len(prompts)} passkey prompts per arm")
+    log(f"eval: emulating {emulation.line()}")
+    return Prepared(loaded, emulation, engine_version, geo, tuple(arms), reference_arm(loaded.dtype), buckets,
+                    tuple(samples), used, {**held_out, "excluded_samples": excluded}, tuple(prompts), tuple(notes))
+
+
+def measure_arms(cfg: EvalConfig, p: Prepared, s: Session,
+                 progress: Progress) -> tuple[dict[str, Any], dict[str, dict[str, Any]], Any]:
+    """(reference entry, {arm: entry}, the engine run or None): metrics, passkey and the engine's numbers of
+    the reference and every arm."""
+    n = len(p.arms) + 1
+    with _metrics_stage(progress, "emulation", p.samples, n) as stage:
+        ref, results = measure(s, p.arms, ranges=True, stage=stage)
+    if p.prompts:
+        with passkey_stage(progress, "emulation passkey", p.prompts, n) as stage:
+            stage.labels = {"arm": f"arm 1/{n}"}
+            ref["passkey"], ref["seconds"]["passkey"] = run_passkey(s, None, p.prompts, stage)
+            for j, a in enumerate(p.arms):
+                stage.labels = {"arm": f"arm {j + 2}/{n}"}
+                results[a.name]["passkey"], results[a.name]["seconds"]["passkey"] = run_passkey(s, a, p.prompts, stage)
+    engine = None
+    if cfg.engine is not None:
+        from ..engine.run import EngineRun
+
+        config = p.loaded.config
+        engine = EngineRun(cfg.engine, p.engine_version, str(cfg.model), str(p.loaded.dtype).removeprefix("torch."),
+                           p.samples, p.buckets, p.prompts, p.loaded.tokenizer,
+                           getattr(config, "max_position_embeddings", None), progress)
+        for name, entry in engine.measure(p.reference, p.arms).items():
+            (ref if name == p.reference.name else results[name])["engine"] = entry
+    return ref, results, engine
+
+
+def skip_trials(cfg: EvalConfig, p: Prepared, s: Session, ref: dict[str, Any], results: dict[str, dict[str, Any]],
+                engine: Any, log: Log, progress: Progress) -> dict[str, dict[str, Any]]:
+    """The arms `report.skip_plan` names, re-measured with the smallest prefix of their dominant layers
+    unquantised that passes (every prefix tried until one does)."""
+    by_name = {a.name: a for a in p.arms}
+    out: dict[str, dict[str, Any]] = {}
+    for name, layers in report.skip_plan(ref, results, cfg.thresholds):
+        for k in range(1, len(layers) + 1):
+            trial = by_name[name].skipping(layers[:k])
+            log(f"eval: measuring {trial.name}")
+            with _metrics_stage(progress, f"emulation `{trial.name}`", p.samples, 2) as stage:
+                _, r = measure(s, [trial], stage=stage)
+            entry = r[trial.name]
+            if p.prompts:
+                with passkey_stage(progress, f"emulation passkey `{trial.name}`", p.prompts, 1) as stage:
+                    entry["passkey"], entry["seconds"]["passkey"] = run_passkey(s, trial, p.prompts, stage)
+            if engine is not None:
+                entry["engine"] = engine.measure(p.reference, [trial])[trial.name]
+            out[trial.name] = entry
+            if not report.failures(entry, ref, cfg.thresholds):
+                break
+    return out
+
+
+def _meta(cfg: EvalConfig, p: Prepared, notes: list[str], seconds: float) -> dict[str, Any]:
+    """report.json's description of the run: model, data, buckets, settings, notes, emulation, engine."""
+    loaded, geo = p.loaded, p.geo
+    meta = {"model": str(cfg.model), "model_dtype": str(loaded.dtype).removeprefix("torch."),
+            "device": str(loaded.device), "layers": list(geo.layers), "kv_heads": geo.kv_heads,
+            "head_dim": geo.head_dim, "data": {"source": str(cfg.data), **p.used.to_dict(), "held_out": p.held_out},
+            "buckets": list(p.buckets), "config": cfg.to_dict(), "notes": [*p.notes, *notes],
+            "reference": p.reference.name, "emulation": p.emulation.describe(), "seconds": seconds}
+    if cfg.engine is not None:
+        meta["engine"] = {"name": cfg.engine.name, "version": p.engine_version, "top_k": cfg.engine.top_k,
+                          "kv_gib": cfg.engine.kv_gib, "continuation_tokens": cfg.engine.continuation_tokens}
+    return meta
+
+
+def _provenances(cfg: EvalConfig) -> list[tuple[str, dict | None]]:
+    out: list[tuple[str, dict | None]] = []
+    for p in cfg.scales:
+        try:
+            out.append((p, read_kv_info(p).provenance))
+        except (FileNotFoundError, ValueError) as e:
+            raise EvalError(f"--scales {p}: {e}") from None
+    if cfg.stats:
+        out.append((cfg.stats, read_stats(cfg.stats)[1]))
+    return out
+
+
+def _metrics_stage(progress: Progress, name: str, samples: Sequence[Sample], passes: int) -> Stage:
+    """A stage of `passes` forward passes (reference + arms) over every sample."""
+    return progress.stage(name, passes * sum(len(x.ids) for x in samples), samples=len(samples), arms=passes)
+
+
+def _engine_check(cfg: EvalConfig) -> str | None:
+    """The engine's version, checked before any long work; an unusable engine is an EvalError (one line)."""
+    if cfg.engine is None:
+        return None
+    from ..engine import driver
+
+    try:
+        return driver.check(cfg.engine)
+    except driver.EngineError as e:
+        raise EvalError(str(e)) from None

@@ -1,0 +1,91 @@
+"""The verdict and the report files from known numbers: each miss named with its number, the verdict's text,
+report.md's table rows cell by cell and report.json's values (non-finite ones as null)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from calib.evaluation import report
+from calib.evaluation.report import Thresholds
+
+
+def test_markdown_table_rejects_ragged_rows():
+    assert report.table(["a", "b"], [[1, "x|y"]])[2] == "| 1 | x\\|y |"
+    with pytest.raises(ValueError, match="cells"):
+        report.table(["a", "b"], [[1]])
+
+
+def _row(kl: float, top1: float, ppl: float, ppl_ref: float = 10.0) -> dict:
+    return {"samples": 2, "tokens": 126, "kl": kl, "top1": top1, "ppl": ppl, "ppl_ref": ppl_ref,
+            "ppl_delta": ppl - ppl_ref, "ppl_rel": ppl / ppl_ref - 1}
+
+
+def _known(ppl: float) -> tuple[dict, dict, dict]:
+    """(meta, reference, {"default": entry}) of a one-layer, one-bucket evaluation with round numbers."""
+    meta = {"model": "m", "model_dtype": "float32", "device": "cpu", "layers": [0], "kv_heads": 2, "head_dim": 4,
+            "data": {"source": "d.jsonl", "samples": 2, "tokens": 128,
+                     "held_out": {"checked_against": None, "note": "not checked"}},
+            "buckets": [64], "notes": [], "reference": "fp32"}
+    ref = {"buckets": {"64": _row(0.0, 1.0, 10.0)}, "summary": {**_row(0.0, 1.0, 10.0), "max_bucket_kl": 0.0},
+           "seconds": {"metrics": 1.0}, "sample_nll": [140.0, 150.0], "sample_tokens": [63, 63],
+           "ranges": {"0": {"k_amax": [3.0, 4.0], "v_amax": [1.0, 2.0]}}}
+    default = {"kind": "default", "dtype": "fp8_e4m3", "granularity": "tensor", "shippable": True, "source": None,
+               "skip": [], "serve_skip": [], "notes": [], "scales": {"k": {"0": 1.0}, "v": {"0": 1.0}, "q": {}},
+               "buckets": {"64": _row(0.004, 0.98, ppl)}, "summary": {**_row(0.004, 0.98, ppl), "max_bucket_kl": 0.004},
+               "sample_nll": [141.0, 151.0], "sample_kl": [0.2, 0.3],
+               "layers": {"0": {"k_saturated": 0.0, "k_flushed": 0.001, "k_snr_db": 30.0, "v_saturated": 0.0,
+                                "v_flushed": 0.0, "v_snr_db": math.inf, "attn_rel_error": 0.01}},
+               "failures": [], "seconds": {"metrics": 2.0}}
+    return meta, ref, {"default": default}
+
+
+def test_failures_name_every_miss_with_its_number():
+    entry = {"buckets": {"64": {"kl": 0.005}, "256": {"kl": 0.0234}}, "summary": {"ppl_rel": 0.0213},
+             "passkey": {"256": {"correct": 3, "total": 5}}}
+    ref = {"passkey": {"256": {"correct": 5, "total": 5}}}
+    assert report.failures(entry, ref, Thresholds()) == [
+        "KL 0.0234 > 0.01 in bucket <= 256", "perplexity +2.13% > +1%", "passkey 3/5 < reference 5/5"]
+    assert report.failures(entry, ref, Thresholds(max_kl=0.03, max_ppl_increase=0.03, passkey_drop=2)) == []
+
+
+def test_dominant_layers_are_those_far_above_the_median():
+    errs = {"0": 0.01, "1": 0.02, "2": 0.5, "3": 0.011, "4": 0.06}       # median 0.02: 3x is 0.06
+    entry = {"layers": {i: {"attn_rel_error": e} for i, e in errs.items()}}
+    assert report.dominant_layers(entry, Thresholds()) == [2, 4]
+    assert report.dominant_layers(entry, Thresholds(max_skip=1)) == [2]
+    assert report.dominant_layers(entry, Thresholds(dominance=30)) == []
+
+
+def test_verdict_text_carries_the_deciding_numbers():
+    meta, ref, results = _known(ppl=10.2)
+    doc = report.document(meta, ref, results, Thresholds())
+    assert doc["arms"]["default"]["misses"] == ["perplexity +2.00% > +1%"]
+    assert doc["verdict"]["action"] == "keep_reference" and doc["verdict"]["text"] == (
+        "Keep FP32 KV for this model: no arm is within the threshold (best: `default`, perplexity +2.00% > +1%). "
+        "No small set of layers dominates the error, so skipping layers would not help. Decided on emulated "
+        "numbers (no engine run; `--engine vllm` measures the real engine).")
+    meta, ref, results = _known(ppl=10.05)
+    v = report.document(meta, ref, results, Thresholds())["verdict"]
+    assert v["action"] == "ship" and v["text"].startswith(
+        "Ship `default` (emulated: worst-bucket KL 0.004, ppl +0.50%): serve with FP8 KV and no scales "
+        "(vLLM: `--kv-cache-dtype fp8`); calibration is not needed.")
+
+
+def test_report_files_hold_the_known_numbers(tmp_path):
+    meta, ref, results = _known(ppl=10.2)
+    doc = report.document(meta, ref, results, Thresholds())
+    report.write(tmp_path / "r", doc, force=False, plots=False)
+    md = (tmp_path / "r" / "report.md").read_text().splitlines()
+    assert "| fp32 | reference | fp32 | – | 0 | 0 | 100% | 10 | – | – | reference | 1 |" in md
+    assert "| default | default | fp8_e4m3 | tensor | 0.004 | 0.004 | 98% | 10.2 | 2% | – | no | 2 |" in md
+    assert "| 0 | 1 | 1 | 0% | 0.1% | 30 | 0% | 0% | ∞ | 0.01 |" in md               # per layer
+    assert "| default | 64 | 2 | 126 | 0.004 | 98% | 10.2 | 10 | 2% |" in md          # by context length
+    assert f"**{doc['verdict']['text']}**" in md and "- plots not requested" in md
+    written = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert written["arms"]["default"]["layers"]["0"]["v_snr_db"] is None            # infinite: null, not Infinity
+    assert written["arms"]["default"]["summary"] == pytest.approx(results["default"]["summary"])
+    assert written["verdict"]["text"] == doc["verdict"]["text"]
+    assert report.finite({"a": [math.nan, -math.inf, 1.5], 2: math.inf}) == {"a": [None, None, 1.5], "2": None}
