@@ -217,3 +217,41 @@ def json_shape(doc, path: str = "") -> list[str]:
     seen: set[str] = set()
     walk(doc, path)
     return out
+
+
+# ------------------------------------------------------------------ typed evaluation results with round numbers
+
+def bucket_row(kl: float = 0.001, ppl_rel: float = 0.001, ppl: float = 10.0, top1: float = 0.99, samples: int = 2,
+               tokens: int = 126):
+    from calib.evaluation.results import BucketRow
+
+    ref = ppl / (1 + ppl_rel)
+    return BucketRow(samples, tokens, kl, top1, ppl, ref, ppl - ref, ppl_rel)
+
+
+def summary_row(max_bucket_kl: float | None = None, **kw):
+    from calib.evaluation.results import Summary
+
+    row = bucket_row(**kw)
+    return Summary(**row.to_dict(), max_bucket_kl=row.kl if max_bucket_kl is None else max_bucket_kl)
+
+
+def arm_metrics(kind: str = "checkpoint", dtype: str | None = "fp8_e4m3", *, granularity: str = "tensor",
+                shippable: bool = True, source: str | None = "ck", skip=(), serve_skip=(), layers=None, kl: float = 0.001,
+                ppl_rel: float = 0.001, ppl: float = 10.0, sample_nll=(), passkey=None, engine=None):
+    """An arm's numbers: one bucket "64" and the summary at `kl` / `ppl_rel` / `ppl`, no failures."""
+    from calib.evaluation.results import ArmInfo, ArmMetrics, Seconds
+
+    info = ArmInfo(kind, dtype, granularity, shippable, source, tuple(skip), tuple(serve_skip), (),
+                   {"k": {}, "v": {}, "q": {}})
+    return ArmMetrics(info, {"64": bucket_row(kl, ppl_rel, ppl)}, summary_row(kl=kl, ppl_rel=ppl_rel, ppl=ppl),
+                      tuple(sample_nll), tuple(0.0 for _ in sample_nll), layers or {}, (), Seconds(1.0), passkey, engine)
+
+
+def reference_metrics(sample_tokens=(), ranges=None, engine=None):
+    """The reference's numbers: KL 0, top-1 1, `ranges` {layer: (k_amax, v_amax)}."""
+    from calib.evaluation.results import KVRange, Reference, Seconds
+
+    return Reference({"64": bucket_row(0.0, 0.0, 10.0, 1.0)}, summary_row(kl=0.0, ppl_rel=0.0, top1=1.0), Seconds(1.0),
+                     (), tuple(sample_tokens),
+                     {i: KVRange(tuple(k), tuple(v)) for i, (k, v) in (ranges or {}).items()}, None, engine)

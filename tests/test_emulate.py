@@ -248,7 +248,7 @@ def test_checkpoint_q_scale_reaches_the_arm(tmp_path):
     save_file(t, str(ck / "model.safetensors"))
     geo = Geometry((0, 1, 2), 2, 16)
     (arm,) = checkpoint_arms(str(ck), geo)
-    assert float(arm.q_scale(1)) == pytest.approx(0.3) and arm.describe()["scales"]["q"]["1"] == pytest.approx(0.3)
+    assert float(arm.q_scale(1)) == pytest.approx(0.3) and arm.info().scales["q"]["1"] == pytest.approx(0.3)
     assert any("q_scale folded" in n for n in arm.notes)
     assert default_arm(geo, FP8_E4M3).q_scale(0) == 1.0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from calib.engine.driver import EngineSpec
 from calib.evaluation import report
 from calib.evaluation.run import run_eval
 from tiny import tiny_causal_lm
-from helpers import calibrate_small, eval_config, k_beyond_fp8_model, save_model_and_data
+from helpers import arm_metrics, calibrate_small, eval_config, k_beyond_fp8_model, reference_metrics, save_model_and_data
 
 FAKE = Path(__file__).resolve().parent / "fake_vllm_runner.py"
 VENV = Path(sys.executable).parent.parent
@@ -175,26 +176,29 @@ def test_cli_engine_eval(tmp_path):
 # ------------------------------------------------------------------------------ honest verdicts
 
 def _entry(kind="checkpoint", dtype="fp8_e4m3", **kw):
-    base = {"kind": kind, "dtype": dtype, "granularity": "tensor", "shippable": True, "source": "ck", "skip": [],
-            "serve_skip": [], "layers": {}, "buckets": {"64": {"kl": 0.001}},
-            "summary": {"kl": 0.001, "max_bucket_kl": 0.001, "ppl_rel": 0.001, "ppl": 10.0, "top1": 0.99}}
-    return {**base, **kw}
+    return arm_metrics(kind, dtype, **kw)
+
+
+def _engine(entry, **kw):
+    """An engine entry (what calib/engine/run.py writes) holding `entry`'s buckets and summary."""
+    d = entry.to_dict()
+    return {"status": "ok", "engine": "vllm", "version": "x", "buckets": d["buckets"], "summary": {**d["summary"], **kw}}
 
 
 def test_int8_advice_names_tensorrt_llm_never_vllms_fp8_flag():
     th = report.Thresholds()
     for e in (_entry(dtype="int8"), _entry(kind="stats", dtype="int8", granularity="head", source=None),
               _entry(kind="default", dtype="int8", source=None)):
-        v = report.verdict({"summary": {}}, {"a": e}, th, "bf16")
+        v = report.verdict(reference_metrics(), {"a": e}, th, "bf16")
         assert v["action"] == "ship" and "TensorRT-LLM" in v["text"] and "INT8" in v["text"]
         assert "--kv-cache-dtype" not in v["text"]
-    v = report.verdict({"summary": {}}, {"a": _entry()}, th, "bf16")
+    v = report.verdict(reference_metrics(), {"a": _entry()}, th, "bf16")
     assert "vLLM: `--kv-cache-dtype fp8`" in v["text"]
 
 
 def test_calibrated_within_noise_of_default_says_why():
     tokens = [100] * 6
-    ref = {"sample_tokens": tokens, "ranges": {"0": {"k_amax": [20.0, 3.0], "v_amax": [5.0, 1.0]}}}
+    ref = reference_metrics(tokens, {"0": ([20.0, 3.0], [5.0, 1.0])})
     nll = [200.0, 210.0, 190.0, 205.0, 195.0, 200.0]
     results = {"default": _entry(kind="default", source=None, sample_nll=nll),
                "calibrated:ck": _entry(sample_nll=[x + (0.3 if i % 2 else -0.3) for i, x in enumerate(nll)]),
@@ -208,18 +212,16 @@ def test_calibrated_within_noise_of_default_says_why():
 
 def test_skip_layers_are_recommended_only_when_the_engine_confirms():
     th = report.Thresholds()
-    bad = {"buckets": {"64": {"kl": 0.5}}, "summary": {"kl": 0.5, "max_bucket_kl": 0.5, "ppl_rel": 0.2, "ppl": 12.0}}
     layers = {str(i): {"attn_rel_error": e, "k_saturated": 0, "v_saturated": 0} for i, e in enumerate([0.01] * 5 + [0.9])}
-    base = _entry(**bad, layers=layers)
+    base = _entry(kl=0.5, ppl_rel=0.2, ppl=12.0, layers=layers)
     trial = _entry(skip=[5])
-    v = report.verdict({"summary": {}}, {"ck": base, "ck skip 5": trial}, th, "bf16")
+    v = report.verdict(reference_metrics(), {"ck": base, "ck skip 5": trial}, th, "bf16")
     assert v["action"] == "skip_unconfirmed" and "unconfirmed" in v["text"] and "--kv-cache-dtype-skip-layers 5" in v["text"]
-    eng_ok = {"status": "ok", "engine": "vllm", "version": "x", **{k: trial[k] for k in ("buckets", "summary")}}
-    eng_bad = {"status": "ok", "engine": "vllm", "version": "x", **{k: bad[k] for k in ("buckets", "summary")}}
-    v = report.verdict({"summary": {}, "engine": {"status": "ok"}},
-                       {"ck": {**base, "engine": eng_bad}, "ck skip 5": {**trial, "engine": eng_ok}}, th, "bf16")
+    eng_ok, eng_bad = _engine(trial), _engine(base)
+    v = report.verdict(reference_metrics(engine={"status": "ok"}),
+                       {"ck": replace(base, engine=eng_bad), "ck skip 5": replace(trial, engine=eng_ok)}, th, "bf16")
     assert v["action"] == "ship_with_skip" and "confirmed by the engine" in v["text"]
-    worse = {**eng_ok, "summary": {**eng_ok["summary"], "ppl": 13.0}}
-    ok, why = honest.skip_confirmed({**trial, "engine": worse}, {**base, "engine": eng_bad})
+    worse = _engine(trial, ppl=13.0)
+    ok, why = honest.skip_confirmed(replace(trial, engine=worse), replace(base, engine=eng_bad))
     assert not ok and "does not confirm the gain" in why
     assert math.isfinite(eng_ok["summary"]["ppl"])

@@ -132,13 +132,13 @@ def test_sensitivity_ranking_matches_brute_force(tmp_path):
     with fake_quant_kv(model, emulate.by_name("vllm-cpu")) as hook, torch.inference_mode():
         sess, _ = open_session(model, hook, None, samples, (32,), 8, 0)
         _, only = measure(sess, [score.only_layer(base, i) for i in geo.layers])
-        sens = {i: only[f"only layer {i}"]["summary"]["kl"] for i in geo.layers}
+        sens = {i: only[f"only layer {i}"].summary.kl for i in geo.layers}
         subsets = [s for k in (1, 2) for s in itertools.combinations(geo.layers, k)]
         _, brute = measure(sess, [base.skipping(s) for s in subsets])
     rank = search.ranking(sens)
     assert rank[:2] == [1, 3]
     for k in (1, 2):
-        kl = {s: brute[base.skipping(s).name]["summary"]["kl"] for s in subsets if len(s) == k}
+        kl = {s: brute[base.skipping(s).name].summary.kl for s in subsets if len(s) == k}
         assert set(min(kl, key=kl.get)) == set(rank[:k])
 
 

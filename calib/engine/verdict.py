@@ -15,8 +15,11 @@ rules keep the advice honest:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from ..evaluation.results import ArmInfo, ArmMetrics, BucketRow, Reference, Summary, passkey_correct
 
 ENGINE, EMULATION = "engine", "emulation"
 SKIP_FLAG = "--kv-cache-dtype-skip-layers"
@@ -26,33 +29,55 @@ TRTLLM_INT8 = ("TensorRT-LLM's INT8 KV cache (`kvcalib calibrate --recipe int8-t
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
 
 
-def engine_ok(entry: dict[str, Any]) -> bool:
-    return (entry.get("engine") or {}).get("status") == "ok"
+Entry = Reference | ArmMetrics
 
 
-def decisive(entry: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """(the numbers that decide for this arm: buckets, summary, passkey; their source)."""
-    if engine_ok(entry):
-        return entry["engine"], ENGINE
-    return entry, EMULATION
+def engine_ok(entry: Entry) -> bool:
+    return (entry.engine or {}).get("status") == "ok"
 
 
-def how_to_serve(entry: dict[str, Any]) -> str:
+@dataclass(frozen=True)
+class Numbers:
+    """The numbers a decision reads for one arm (`decisive`): per bucket, overall, passkey (correct, total) and
+    per-sample NLL, with their source and how the verdict names them."""
+    source: str
+    label: str
+    buckets: Mapping[str, BucketRow]
+    summary: Summary
+    passkey: tuple[int, int] | None
+    sample_nll: tuple[float, ...]
+
+
+def emulated(entry: Entry) -> Numbers:
+    return Numbers(EMULATION, "emulated", entry.buckets, entry.summary, passkey_correct(entry.passkey),
+                   tuple(entry.sample_nll))
+
+
+def decisive(entry: Entry) -> Numbers:
+    """The numbers that decide for this arm: the engine's where it measured the arm, the emulation's otherwise."""
+    if not engine_ok(entry):
+        return emulated(entry)
+    g = entry.engine
+    return Numbers(ENGINE, f"{g['engine']} {g['version']}, KL a lower bound",
+                   {b: BucketRow.read(r) for b, r in g["buckets"].items()}, Summary.read(g["summary"]),
+                   passkey_correct(g.get("passkey")), tuple(g.get("sample_nll") or ()))
+
+
+def how_to_serve(info: ArmInfo) -> str:
     """How to serve an arm, with the engine that serves its KV dtype."""
-    int8 = entry.get("dtype") == "int8"
-    skip = sorted(set(entry.get("serve_skip") or []) | set(entry.get("skip") or []))
-    if int8:
-        if entry["kind"] == "stats":
-            return f"calibrate with `granularity: {entry['granularity']}`, dtype int8, and serve it with {TRTLLM_INT8}"
-        where = f"`{entry['source']}`" if entry.get("source") else "INT8 KV with scale 1.0"
+    skip = sorted(set(info.serve_skip) | set(info.skip))
+    if info.dtype == "int8":
+        if info.kind == "stats":
+            return f"calibrate with `granularity: {info.granularity}`, dtype int8, and serve it with {TRTLLM_INT8}"
+        where = f"`{info.source}`" if info.source else "INT8 KV with scale 1.0"
         return f"serve {where} with {TRTLLM_INT8}"
-    flag = f"--kv-cache-dtype {'fp8_e5m2' if entry.get('dtype') == 'fp8_e5m2' else 'fp8'}"
+    flag = f"--kv-cache-dtype {'fp8_e5m2' if info.dtype == 'fp8_e5m2' else 'fp8'}"
     flag += f" {SKIP_FLAG} {' '.join(map(str, skip))}" if skip else ""
-    if entry["kind"] == "default":
+    if info.kind == "default":
         return f"serve with FP8 KV and no scales (vLLM: `{flag}`); calibration is not needed"
-    if entry["kind"] == "stats":
-        return f"calibrate with `granularity: {entry['granularity']}` on this data and serve the result (vLLM: `{flag}`)"
-    return f"serve `{entry['source']}` (vLLM: `{flag}`)"
+    if info.kind == "stats":
+        return f"calibrate with `granularity: {info.granularity}` on this data and serve the result (vLLM: `{flag}`)"
+    return f"serve `{info.source}` (vLLM: `{flag}`)"
 
 
 def _paired(a: Sequence[float], b: Sequence[float], tokens: Sequence[int]) -> tuple[float, float] | None:
@@ -66,34 +91,32 @@ def _paired(a: Sequence[float], b: Sequence[float], tokens: Sequence[int]) -> tu
     return mean, math.sqrt(var) / t
 
 
-def scales_within_noise(ref: dict[str, Any], results: dict[str, dict[str, Any]],
+def scales_within_noise(ref: Reference, results: Mapping[str, ArmMetrics],
                         sample_tokens: Sequence[int]) -> dict[str, Any] | None:
     """Calibrated arms whose perplexity is within noise (2 standard errors, paired by sample) of the default
     scale's, with the reason when no value at scale 1.0 leaves the dtype's range; None without both arms."""
     default = results.get("default")
-    if not default or default.get("dtype") == "int8":
+    if not default or default.info.dtype == "int8":
         return None
     same, source = [], None
     for name, e in results.items():
-        if e["kind"] != "checkpoint" or e.get("skip") or e.get("dtype") != default.get("dtype"):
+        if e.info.kind != "checkpoint" or e.info.skip or e.info.dtype != default.info.dtype:
             continue
-        nd, sd = decisive(default)
-        na, sa = decisive(e)
-        if sd != sa or not nd.get("sample_nll") or not na.get("sample_nll"):
+        nd, na = decisive(default), decisive(e)
+        if nd.source != na.source or not nd.sample_nll or not na.sample_nll:
             continue
-        r = _paired(na["sample_nll"], nd["sample_nll"], sample_tokens)
+        r = _paired(na.sample_nll, nd.sample_nll, sample_tokens)
         if r is None:
             continue
         ratio, se = r
         if abs(ratio) <= 2 * se:
             same.append({"arm": name, "ppl_ratio": math.exp(ratio), "noise": 2 * se})
-            source = sa
+            source = na.source
     if not same:
         return None
-    qmax = FP8_MAX.get(default.get("dtype") or "", 448.0)
-    ranges = ref.get("ranges") or {}
-    k = max((max(r["k_amax"]) for r in ranges.values()), default=math.nan)
-    v = max((max(r["v_amax"]) for r in ranges.values()), default=math.nan)
+    qmax = FP8_MAX.get(default.info.dtype or "", 448.0)
+    k = max((max(r.k_amax) for r in ref.ranges.values()), default=math.nan)
+    v = max((max(r.v_amax) for r in ref.ranges.values()), default=math.nan)
     names = ", ".join(f"`{s['arm']}` (ppl x{s['ppl_ratio']:.4f}, noise ±{100 * s['noise']:.2g}%)" for s in same)
     text = f"Calibrated and default scales are within noise here ({source}): {names}."
     if max(k, v) <= qmax:
@@ -103,34 +126,33 @@ def scales_within_noise(ref: dict[str, Any], results: dict[str, dict[str, Any]],
     return {"arms": same, "numbers": source, "k_amax": k, "v_amax": v, "text": text}
 
 
-def saturated_layers(entry: dict[str, Any], top: int = 5) -> dict[str, dict[str, float]]:
+def saturated_layers(entry: ArmMetrics, top: int = 5) -> dict[str, dict[str, float]]:
     """{layer: {k, v}} shares of values beyond the dtype's range under this arm (emulated), worst first."""
-    rows = {i: {"k": r["k_saturated"], "v": r["v_saturated"]} for i, r in (entry.get("layers") or {}).items()
+    rows = {i: {"k": r["k_saturated"], "v": r["v_saturated"]} for i, r in entry.layers.items()
             if r.get("k_saturated", 0) > 0 or r.get("v_saturated", 0) > 0}
     worst = sorted(rows, key=lambda i: -max(rows[i].values()))[:top]
     return {i: rows[i] for i in worst}
 
 
-def saturation_text(name: str, entry: dict[str, Any], ref: dict[str, Any]) -> str | None:
+def saturation_text(name: str, entry: ArmMetrics, ref: Reference) -> str | None:
     sat = saturated_layers(entry)
     if not sat:
         return None
-    ranges = ref.get("ranges") or {}
 
     def amax(i: str, kind: str) -> str:
-        r = ranges.get(i)
-        return f", max |{kind.upper()}| {max(r[f'{kind}_amax']):.3g}" if r else ""
+        r = ref.ranges.get(i)
+        return f", max |{kind.upper()}| {max(r.k_amax if kind == 'k' else r.v_amax):.3g}" if r else ""
     parts = [f"layer {i} (K {100 * s['k']:.3g}%{amax(i, 'k')}, V {100 * s['v']:.3g}%{amax(i, 'v')})"
              for i, s in sat.items()]
     return f"`{name}` saturates: " + "; ".join(parts) + "."
 
 
-def skip_confirmed(trial: dict[str, Any], base: dict[str, Any]) -> tuple[bool, str]:
+def skip_confirmed(trial: ArmMetrics, base: ArmMetrics) -> tuple[bool, str]:
     """Whether the engine confirms that the skip trial beats its base arm (lower ppl), and why not."""
     if not engine_ok(trial):
-        why = (trial.get("engine") or {}).get("reason") or "no engine was run (`kvcalib eval --engine vllm`)"
+        why = (trial.engine or {}).get("reason") or "no engine was run (`kvcalib eval --engine vllm`)"
         return False, f"unconfirmed: the engine did not measure it ({why})"
-    if engine_ok(base) and trial["engine"]["summary"]["ppl"] >= base["engine"]["summary"]["ppl"]:
-        return False, (f"the engine does not confirm the gain (ppl {trial['engine']['summary']['ppl']:.4g} with the "
-                       f"skip vs {base['engine']['summary']['ppl']:.4g} without)")
+    t, b = trial.engine["summary"]["ppl"], base.engine["summary"]["ppl"] if engine_ok(base) else None
+    if b is not None and t >= b:
+        return False, (f"the engine does not confirm the gain (ppl {t:.4g} with the skip vs {b:.4g} without)")
     return True, "confirmed by the engine"

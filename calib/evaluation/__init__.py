@@ -10,6 +10,7 @@ comparison); each lives in one short module, and callers import each name from t
 - session.py     what a measuring pass needs (model, hook, head, samples) and its clock
 - measure.py     one pass over the samples: the reference once per batch, then every arm
 - retrieval.py   passkey retrieval under one arm
+- results.py     the typed results: per-bucket rows, passkey rows, per-arm and reference numbers, EvalResult
 - fakequant.py   the fake-quant hook and the arms (ways of storing the cache) it applies
 - report.py      the verdict, report.json, report.md and the plots
 - run.py         `run_eval`: checks, lock, load, measure, skip trials, engine, report

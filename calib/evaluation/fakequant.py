@@ -33,6 +33,7 @@ from .. import emulate, fp8, observe
 from ..ckpt.kvinfo import KVInfo, read_kv_info
 from ..quant import FP8_E4M3, INT8, KVDtype, by_name, quantize
 from ..scales import MIN_SCALE, amax_to_scale
+from .results import ArmInfo
 
 TOKEN = "token"            # an arm's scale for a layer may be this: dynamic, each token's own max|x| / qmax
 
@@ -74,13 +75,13 @@ class Arm:
             return {i: s if isinstance(s, str) else s.to(device) for i, s in m.items()}
         return replace(self, k=move(self.k), v=move(self.v), q=move(self.q))
 
-    def describe(self) -> dict[str, Any]:
+    def info(self) -> ArmInfo:
+        """What the report and the advice say about this arm; scales as their max over heads per layer."""
         def per_layer(m):
             return {str(i): None if isinstance(s, str) else float(s.max()) for i, s in sorted(m.items())}
-        return {"kind": self.kind, "dtype": self.dtype.name if self.dtype else None, "granularity": self.granularity,
-                "shippable": self.shippable, "source": self.source, "skip": list(self.skip),
-                "serve_skip": list(self.serve_skip), "notes": list(self.notes),
-                "scales": {"k": per_layer(self.k), "v": per_layer(self.v), "q": per_layer(self.q)}}
+        return ArmInfo(self.kind, self.dtype.name if self.dtype else None, self.granularity, self.shippable, self.source,
+                       tuple(self.skip), tuple(self.serve_skip), tuple(self.notes),
+                       {"k": per_layer(self.k), "v": per_layer(self.v), "q": per_layer(self.q)})
 
 
 # ------------------------------------------------------------------------------------------- arms

@@ -8,7 +8,6 @@ pass through `FakeQuantKV.applying`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from ..batching import pad
 from ..progress import Stage
 from .fakequant import Arm, Meter
 from .head import Head
+from .results import ArmMetrics, BucketRow, Failure, KVRange, Position, Reference, Seconds, Summary
 from .samples import Sample
 from .session import Session, clock
 
@@ -52,7 +52,8 @@ class _Acc:
         self.sums = torch.zeros(4, buckets, dtype=torch.float64, device=device)
         self.sample_nll = torch.zeros(samples, dtype=torch.float64, device=device)   # per sample (noise estimates)
         self.sample_kl = torch.zeros(samples, dtype=torch.float64, device=device)
-        self.meter, self.worst, self.seconds = Meter(), [], 0.0
+        self.meter, self.seconds = Meter(), 0.0
+        self.worst: list[Failure] = []
 
     def track(self, s: Session, group: Sequence[Sample], valid: torch.Tensor, kl: torch.Tensor,
               ref_top: torch.Tensor, arm_top: torch.Tensor) -> None:
@@ -64,42 +65,34 @@ class _Acc:
         tops = [torch.zeros(valid.shape, dtype=torch.long, device=kl.device).masked_scatter_(valid, t)
                 for t in (ref_top, arm_top)]
         for r, sample in enumerate(group):
-            floor = self.worst[-1]["mean_kl"] if len(self.worst) >= s.failures else -1.0
+            floor = self.worst[-1].mean_kl if len(self.worst) >= s.failures else -1.0
             if counts[r] == 0 or means[r] <= floor:
                 continue
             worst = dense[r].topk(min(2, counts[r])).indices.tolist()
             ids = sample.ids
-            self.worst.append({"sample": sample.index, "tokens": len(ids), "bucket": sample.bucket, "mean_kl": means[r],
-                               "positions": [{"position": p, "kl": float(dense[r, p]),
-                                              "context": _decode(s.tokenizer, ids[max(0, p - FAILURE_CONTEXT):p + 1]),
-                                              "next": _decode(s.tokenizer, ids[p + 1:p + 2]),
-                                              "reference_predicts": _decode(s.tokenizer, [int(tops[0][r, p])]),
-                                              "arm_predicts": _decode(s.tokenizer, [int(tops[1][r, p])])}
-                                             for p in worst]})
-            self.worst.sort(key=lambda w: -w["mean_kl"])
+            self.worst.append(Failure(sample.index, len(ids), sample.bucket, means[r], tuple(
+                Position(p, float(dense[r, p]), _decode(s.tokenizer, ids[max(0, p - FAILURE_CONTEXT):p + 1]),
+                         _decode(s.tokenizer, ids[p + 1:p + 2]), _decode(s.tokenizer, [int(tops[0][r, p])]),
+                         _decode(s.tokenizer, [int(tops[1][r, p])])) for p in worst)))
+            self.worst.sort(key=lambda w: -w.mean_kl)
             del self.worst[s.failures:]
 
 
-def _bucket_table(s: Session, sums: torch.Tensor, ref_nll: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
+def _bucket_table(s: Session, sums: torch.Tensor, ref_nll: torch.Tensor) -> tuple[dict[str, BucketRow], Summary]:
     """Per bucket and overall: tokens, KL, top-1 agreement, perplexity and its change against the reference."""
-    def row(t, kl, agree, nll, rnll, n_samples):
-        t = max(t, 1e-300)
-        ppl, ppl_ref = math.exp(nll / t), math.exp(rnll / t)
-        return {"samples": n_samples, "tokens": int(t), "kl": kl / t, "top1": agree / t, "ppl": ppl,
-                "ppl_ref": ppl_ref, "ppl_delta": ppl - ppl_ref, "ppl_rel": ppl / ppl_ref - 1}
     per = sums.tolist()
     counts = [sum(1 for x in s.samples if x.bucket == b) for b in s.buckets]
-    table = {str(b): row(per[0][j], per[1][j], per[2][j], per[3][j], float(ref_nll[j]), counts[j])
+    table = {str(b): BucketRow.of(per[0][j], per[1][j], per[2][j], per[3][j], float(ref_nll[j]), counts[j])
              for j, b in enumerate(s.buckets) if per[0][j] > 0}
-    total = row(*(sum(x) for x in per), float(ref_nll.sum()), len(s.samples))
-    total["max_bucket_kl"] = max(r["kl"] for r in table.values())
-    return table, total
+    total = BucketRow.of(*(sum(x) for x in per), float(ref_nll.sum()), len(s.samples))
+    return table, Summary(**total.to_dict(), max_bucket_kl=max(r.kl for r in table.values()))
 
 
 def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
-            stage: Stage | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """One pass over the samples: per batch the reference once, then every arm. Returns (reference entry,
-    {arm name: entry}) with per-bucket, overall, per-layer numbers, the worst samples and the seconds spent.
+            stage: Stage | None = None) -> tuple[Reference, dict[str, ArmMetrics]]:
+    """One pass over the samples: per batch the reference once, then every arm. Returns the reference's
+    numbers and {arm name: its numbers}: per bucket, overall, per sample, per layer, the worst samples and the
+    seconds spent.
     `stage` (optional) is advanced after every forward pass: tokens, samples done, arms done in the batch."""
     dev, nb = s.device, len(s.buckets)
     arms = [a.to(dev) for a in arms]
@@ -144,16 +137,15 @@ def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
         done += len(group)
     zero = torch.zeros_like(ref_sums[0])   # the reference against itself: KL 0, top-1 agreement 1
     ref_table, ref_total = _bucket_table(s, torch.stack([ref_sums[0], zero, ref_sums[0], ref_sums[1]]), ref_sums[1])
-    ref = {"buckets": ref_table, "summary": ref_total, "seconds": {"metrics": ref_seconds},
-           "sample_nll": ref_sample_nll.tolist(), "sample_tokens": [len(x.ids) - 1 for x in s.samples],
-           "ranges": {str(i): {"k_amax": o[0].amax().tolist(), "v_amax": o[1].amax().tolist()}
-                      for i, o in sorted(recorded.items())}}
+    ref = Reference(ref_table, ref_total, Seconds(ref_seconds), tuple(ref_sample_nll.tolist()),
+                    tuple(len(x.ids) - 1 for x in s.samples),
+                    {str(i): KVRange(tuple(o[0].amax().tolist()), tuple(o[1].amax().tolist()))
+                     for i, o in sorted(recorded.items())})
     out = {}
     for arm in arms:
         acc = accs[arm.name]
         table, total = _bucket_table(s, acc.sums, ref_sums[1])
-        out[arm.name] = {**arm.describe(), "buckets": table, "summary": total, "sample_nll": acc.sample_nll.tolist(),
-                         "sample_kl": acc.sample_kl.tolist(),
-                         "layers": acc.meter.read(),
-                         "failures": acc.worst, "seconds": {"metrics": acc.seconds}}
+        out[arm.name] = ArmMetrics(arm.info(), table, total, tuple(acc.sample_nll.tolist()),
+                                   tuple(acc.sample_kl.tolist()), acc.meter.read(), tuple(acc.worst),
+                                   Seconds(acc.seconds))
     return ref, out

@@ -19,14 +19,16 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from ..engine import report as engine_report
 from ..engine import verdict as honest
-from ..engine.verdict import SKIP_FLAG, decisive
+from ..engine.verdict import SKIP_FLAG, decisive, emulated
+from .results import ArmMetrics, Reference, passkey_correct
+
 PLOTS = ("scales.png", "layer_error.png", "kl_by_bucket.png")
 
 
@@ -47,31 +49,27 @@ class Thresholds:
         return asdict(self)
 
 
-def _passkey_correct(entry: dict[str, Any]) -> tuple[int, int] | None:
-    pk = entry.get("passkey")
-    if not pk:
-        return None
-    return sum(b["correct"] for b in pk.values()), sum(b["total"] for b in pk.values())
+Results = Mapping[str, ArmMetrics]
 
 
-def failures(entry: dict[str, Any], ref: dict[str, Any], th: Thresholds) -> list[str]:
+def failures(entry: ArmMetrics, ref: Reference, th: Thresholds) -> list[str]:
     """Why `entry` misses the threshold (empty: it is within), on the engine's numbers when the engine
     measured the arm, the emulation's otherwise (calib/engine/verdict.py)."""
-    nums, source = decisive(entry)
-    ref_nums = ref["engine"] if source == honest.ENGINE and honest.engine_ok(ref) else ref
-    why = [f"KL {row['kl']:.3g} > {th.max_kl:g} in bucket <= {b}" for b, row in nums["buckets"].items()
-           if row["kl"] > th.max_kl]
-    if nums["summary"]["ppl_rel"] > th.max_ppl_increase:
-        why.append(f"perplexity +{100 * nums['summary']['ppl_rel']:.2f}% > +{100 * th.max_ppl_increase:g}%")
-    arm_pk, ref_pk = _passkey_correct(nums), _passkey_correct(ref_nums)
+    nums = decisive(entry)
+    ref_nums = decisive(ref) if nums.source == honest.ENGINE else emulated(ref)
+    why = [f"KL {row.kl:.3g} > {th.max_kl:g} in bucket <= {b}" for b, row in nums.buckets.items()
+           if row.kl > th.max_kl]
+    if nums.summary.ppl_rel > th.max_ppl_increase:
+        why.append(f"perplexity +{100 * nums.summary.ppl_rel:.2f}% > +{100 * th.max_ppl_increase:g}%")
+    arm_pk, ref_pk = nums.passkey, ref_nums.passkey
     if arm_pk and ref_pk and arm_pk[0] < ref_pk[0] - th.passkey_drop:
         why.append(f"passkey {arm_pk[0]}/{arm_pk[1]} < reference {ref_pk[0]}/{ref_pk[1]}")
     return why
 
 
-def dominant_layers(entry: dict[str, Any], th: Thresholds) -> list[int]:
+def dominant_layers(entry: ArmMetrics, th: Thresholds) -> list[int]:
     """Layers whose attention-output error is >= `dominance` x the median layer's, worst first (<= max_skip)."""
-    errs = {int(i): row["attn_rel_error"] for i, row in entry.get("layers", {}).items()}
+    errs = {int(i): row["attn_rel_error"] for i, row in entry.layers.items()}
     if not errs:
         return []
     median = statistics.median(errs.values())
@@ -79,11 +77,11 @@ def dominant_layers(entry: dict[str, Any], th: Thresholds) -> list[int]:
     return top[: th.max_skip] if len(top) < len(errs) else []
 
 
-def _plain(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {n: e for n, e in results.items() if e["shippable"] and not e["skip"]}
+def _plain(results: Results) -> dict[str, ArmMetrics]:
+    return {n: e for n, e in results.items() if e.info.shippable and not e.info.skip}
 
 
-def skip_plan(ref: dict[str, Any], results: dict[str, dict[str, Any]], th: Thresholds) -> list[tuple[str, list[int]]]:
+def skip_plan(ref: Reference, results: Results, th: Thresholds) -> list[tuple[str, list[int]]]:
     """[(arm, dominant layers)] to re-measure unquantised, when no shippable arm is within the threshold."""
     plain = _plain(results)
     if not plain or any(not failures(e, ref, th) for e in plain.values()):
@@ -93,32 +91,30 @@ def skip_plan(ref: dict[str, Any], results: dict[str, dict[str, Any]], th: Thres
     return [(best, layers)] if layers else []
 
 
-def _kl(entry: dict[str, Any]) -> float:
-    return decisive(entry)[0]["summary"]["kl"]
+def _kl(entry: ArmMetrics) -> float:
+    return decisive(entry).summary.kl
 
 
-def verdict(ref: dict[str, Any], results: dict[str, dict[str, Any]], th: Thresholds, reference: str) -> dict[str, Any]:
+def verdict(ref: Reference, results: Results, th: Thresholds, reference: str) -> dict[str, Any]:
     """The decision: ship an arm, ship it with layers skipped (measured), or keep the reference KV dtype."""
     plain = _plain(results)
     ok = sorted((n for n in plain if not failures(plain[n], ref, th)), key=lambda n: _kl(plain[n]))
-    skipped = sorted((n for n, e in results.items() if e["skip"] and not failures(e, ref, th)),
-                     key=lambda n: (len(results[n]["skip"]), _kl(results[n])))
+    skipped = sorted((n for n, e in results.items() if e.info.skip and not failures(e, ref, th)),
+                     key=lambda n: (len(results[n].info.skip), _kl(results[n])))
     best_any = min(plain, key=lambda n: _kl(plain[n])) if plain else None
     dominant = dominant_layers(plain[best_any], th) if best_any else []
-    numbers = {n: decisive(e)[1] for n, e in results.items()}
+    numbers = {n: decisive(e).source for n, e in results.items()}
     out = {"action": "keep_reference", "arm": None, "skip_layers": [], "flag": None, "within_threshold": ok,
            "dominant_layers": dominant, "dominant_in": best_any, "thresholds": th.to_dict(), "numbers": numbers}
 
     def kl(n):
-        nums, source = decisive(results[n])
-        label = f"{nums['engine']} {nums['version']}, KL a lower bound" if source == honest.ENGINE else "emulated"
-        return (f"{label}: worst-bucket KL {nums['summary']['max_bucket_kl']:.3g}, "
-                f"ppl {100 * nums['summary']['ppl_rel']:+.2f}%")
+        nums = decisive(results[n])
+        return f"{nums.label}: worst-bucket KL {nums.summary.max_bucket_kl:.3g}, ppl {100 * nums.summary.ppl_rel:+.2f}%"
 
     confirmed = [(n, honest.skip_confirmed(results[n], results[n.rsplit(" skip ", 1)[0]])) for n in skipped]
     if ok:
         best = ok[0]
-        text = f"Ship `{best}` ({kl(best)}): {honest.how_to_serve(plain[best])}."
+        text = f"Ship `{best}` ({kl(best)}): {honest.how_to_serve(plain[best].info)}."
         if len(ok) > 1:
             text += " Also within the threshold: " + "; ".join(f"`{n}` ({kl(n)})" for n in ok[1:]) + "."
         out.update(action="ship", arm=best, text=text)
@@ -140,8 +136,8 @@ def verdict(ref: dict[str, Any], results: dict[str, dict[str, Any]], th: Thresho
             f"(`kvcalib eval --engine vllm`)."))
     else:
         why = "; ".join(failures(plain[best_any], ref, th)) if best_any else "no quantised arm"
-        tried = [n for n, e in results.items() if e["skip"]]
-        extra = (f" Keeping layers {results[tried[-1]]['skip']} unquantised was measured too and is still outside "
+        tried = [n for n, e in results.items() if e.info.skip]
+        extra = (f" Keeping layers {list(results[tried[-1]].info.skip)} unquantised was measured too and is still outside "
                  f"({kl(tried[-1])})." if tried else
                  " No small set of layers dominates the error, so skipping layers would not help.")
         out["text"] = (f"Keep {reference.upper()} KV for this model: no arm is within the threshold "
@@ -149,11 +145,11 @@ def verdict(ref: dict[str, Any], results: dict[str, dict[str, Any]], th: Thresho
     return _honest(out, ref, results)
 
 
-def _honest(out: dict[str, Any], ref: dict[str, Any], results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _honest(out: dict[str, Any], ref: Reference, results: Results) -> dict[str, Any]:
     """Add what the numbers do not say by themselves: calibration within noise (and why), saturating layers,
     and which numbers decided."""
     extra = []
-    noise = honest.scales_within_noise(ref, results, ref.get("sample_tokens") or [])
+    noise = honest.scales_within_noise(ref, results, ref.sample_tokens)
     if noise:
         out["scales_within_noise"] = noise
         extra.append(noise["text"])
@@ -170,7 +166,7 @@ def _honest(out: dict[str, Any], ref: dict[str, Any], results: dict[str, dict[st
         emu = [n for n, s in out["numbers"].items() if s == honest.EMULATION]
         extra.append(f"Decided on the engine's numbers where it ran; emulated numbers for {', '.join(f'`{n}`' for n in emu)} "
                      "(engine: not run, see the engine table).")
-    elif any("engine" in e for e in results.values()):
+    elif any(e.engine is not None for e in results.values()):
         extra.append("Decided on emulated numbers: the engine ran no quantised arm (see the engine table).")
     else:
         extra.append("Decided on emulated numbers (no engine run; `--engine vllm` measures the real engine).")
@@ -178,25 +174,26 @@ def _honest(out: dict[str, Any], ref: dict[str, Any], results: dict[str, dict[st
     return out
 
 
-def _errs(entry: dict[str, Any], layers: Sequence[int]) -> str:
-    rows = entry["layers"]
+def _errs(entry: ArmMetrics, layers: Sequence[int]) -> str:
+    rows = entry.layers
     med = statistics.median(r["attn_rel_error"] for r in rows.values())
     return ", ".join(f"layer {i}: {rows[str(i)]['attn_rel_error']:.3g}" for i in layers) + f" vs median {med:.3g}"
 
 
-def document(meta: dict[str, Any], ref: dict[str, Any], results: dict[str, dict[str, Any]],
-             th: Thresholds) -> dict[str, Any]:
-    """The full report as one JSON-ready value."""
-    for e in results.values():
-        e["within_threshold"] = e["shippable"] and not failures(e, ref, th)
-        e["misses"] = failures(e, ref, th)
-    return {"kvcalib_eval": 1, **meta, "thresholds": th.to_dict(), "arms": {meta["reference"]: ref, **results},
+def document(meta: dict[str, Any], ref: Reference, results: Results, th: Thresholds) -> dict[str, Any]:
+    """The full report as one JSON-ready value (report.json): the run's description, every arm's numbers with
+    whether it is within the threshold and why not, and the verdict."""
+    def judged(e: ArmMetrics) -> dict[str, Any]:
+        misses = failures(e, ref, th)
+        return {**e.to_dict(), "within_threshold": e.info.shippable and not misses, "misses": misses}
+    return {"kvcalib_eval": 1, **meta, "thresholds": th.to_dict(),
+            "arms": {meta["reference"]: ref.to_dict(), **{n: judged(e) for n, e in results.items()}},
             "verdict": verdict(ref, results, th, meta["reference"])}
 
 
-def _skip_trial(results: dict[str, Any], name: str) -> tuple[list[int], str, str]:
+def _skip_trial(results: Results, name: str) -> tuple[list[int], str, str]:
     """A skip trial's layers kept unquantised, the engine flag that serves them, and the arm it was cut from."""
-    layers = sorted(set(results[name]["skip"]) | set(results[name].get("serve_skip", [])))
+    layers = sorted(set(results[name].info.skip) | set(results[name].info.serve_skip))
     return layers, f"{SKIP_FLAG} {' '.join(map(str, layers))}", name.rsplit(" skip ", 1)[0]
 
 
@@ -253,7 +250,7 @@ def _pct(x: float | None) -> str:
 
 
 def _passkey_cell(e: dict[str, Any]) -> str:
-    pk = _passkey_correct(e)
+    pk = passkey_correct(e.get("passkey"))
     return "–" if pk is None else f"{pk[0]}/{pk[1]}"
 
 
@@ -302,7 +299,7 @@ def markdown(doc: dict[str, Any], plots: Sequence[str]) -> str:
         [[n, b, r["samples"], r["tokens"], r["kl"], _pct(r["top1"]), r["ppl"], r["ppl_ref"], _pct(r["ppl_rel"])]
          for n, e in quant.items() for b, r in e["buckets"].items()])
     lines += ["## Passkey retrieval", ""]
-    ref_pk = _passkey_correct(arms[ref_name])
+    ref_pk = passkey_correct(arms[ref_name].get("passkey"))
     if ref_pk and ref_pk[0] == 0:
         lines += [f"{ref_name} itself retrieves no key: on this model the test cannot show KV damage.", ""]
     if arms[ref_name].get("passkey"):

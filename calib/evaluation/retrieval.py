@@ -7,16 +7,16 @@ Why separate from `measure`: retrieval generates (no per-token metrics, no paddi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from .. import passkey
 from ..progress import Progress, Stage
 from .fakequant import Arm
+from .results import PasskeyRow, passkey_rows
 from .session import Session, clock
 
 
 def run_passkey(s: Session, arm: Arm | None, prompts: Sequence[passkey.Prompt],
-                stage: Stage | None = None) -> tuple[dict[str, Any], float]:
+                stage: Stage | None = None) -> tuple[dict[str, PasskeyRow], float]:
     """Passkey accuracy per bucket under `arm` (None: the reference) and the seconds it took; `stage` is
     advanced after every prompt."""
     t0 = clock(s.device)
@@ -24,7 +24,7 @@ def run_passkey(s: Session, arm: Arm | None, prompts: Sequence[passkey.Prompt],
                                                                  prompts=stage.counters["prompts"][0] + 1))
     with s.hook.applying(arm.to(s.device) if arm else None):
         outcomes = passkey.run(s.lm, s.tokenizer, prompts, on_done=on_done)
-    return passkey.summarize(outcomes), clock(s.device) - t0
+    return passkey_rows(passkey.summarize(outcomes)), clock(s.device) - t0
 
 
 def passkey_stage(progress: Progress, name: str, prompts: Sequence[passkey.Prompt], arms: int) -> Stage:

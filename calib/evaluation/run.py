@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from . import report
 from .config import EvalConfig, check_eval
 from .fakequant import Arm, EvalError, Geometry, arms_for, fake_quant_kv, read_stats, reference_arm
 from .measure import measure
+from .results import ArmMetrics, EvalResult, Reference, with_passkey
 from .retrieval import passkey_stage, run_passkey
 from .samples import Sample, calibration_windows, select_samples, usable_buckets
 from .session import Session, open_session
@@ -36,14 +37,6 @@ def load_causal_lm(source: str, device: str | None = None, trust_remote_code: bo
     """`model.load` with the LM head: evaluation needs logits. `LoadedModel.model` is the causal LM."""
     return model_mod.load(source, placement=model_mod.Placement(device=device, cpu_dtype=cpu_dtype),
                           trust_remote_code=trust_remote_code, lm_head=True)
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    out: Path
-    verdict: dict[str, Any]
-    report: dict[str, Any]
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -80,7 +73,7 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
         doc = report.document(_meta(cfg, p, [note] if note else [], time.perf_counter() - t_start), ref, results,
                               cfg.thresholds)
         report.write(Path(cfg.out), doc, force=cfg.force, plots=cfg.plots)
-    return EvalResult(Path(cfg.out), doc["verdict"], doc, time.perf_counter() - t_start)
+    return EvalResult(Path(cfg.out), ref, results, doc["verdict"], doc, time.perf_counter() - t_start)
 
 
 def prepare(cfg: EvalConfig, log: Log) -> Prepared:
@@ -113,19 +106,19 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
 
 
 def measure_arms(cfg: EvalConfig, p: Prepared, s: Session,
-                 progress: Progress) -> tuple[dict[str, Any], dict[str, dict[str, Any]], Any]:
-    """(reference entry, {arm: entry}, the engine run or None): metrics, passkey and the engine's numbers of
-    the reference and every arm."""
+                 progress: Progress) -> tuple[Reference, dict[str, ArmMetrics], Any]:
+    """(the reference's numbers, {arm: its numbers}, the engine run or None): metrics, passkey and the
+    engine's numbers of the reference and every arm."""
     n = len(p.arms) + 1
     with _metrics_stage(progress, "emulation", p.samples, n) as stage:
         ref, results = measure(s, p.arms, ranges=True, stage=stage)
     if p.prompts:
         with passkey_stage(progress, "emulation passkey", p.prompts, n) as stage:
             stage.labels = {"arm": f"arm 1/{n}"}
-            ref["passkey"], ref["seconds"]["passkey"] = run_passkey(s, None, p.prompts, stage)
+            ref = with_passkey(ref, *run_passkey(s, None, p.prompts, stage))
             for j, a in enumerate(p.arms):
                 stage.labels = {"arm": f"arm {j + 2}/{n}"}
-                results[a.name]["passkey"], results[a.name]["seconds"]["passkey"] = run_passkey(s, a, p.prompts, stage)
+                results[a.name] = with_passkey(results[a.name], *run_passkey(s, a, p.prompts, stage))
     engine = None
     if cfg.engine is not None:
         from ..engine.run import EngineRun
@@ -135,16 +128,19 @@ def measure_arms(cfg: EvalConfig, p: Prepared, s: Session,
                            p.samples, p.buckets, p.prompts, p.loaded.tokenizer,
                            getattr(config, "max_position_embeddings", None), progress)
         for name, entry in engine.measure(p.reference, p.arms).items():
-            (ref if name == p.reference.name else results[name])["engine"] = entry
+            if name == p.reference.name:
+                ref = replace(ref, engine=entry)
+            else:
+                results[name] = replace(results[name], engine=entry)
     return ref, results, engine
 
 
-def skip_trials(cfg: EvalConfig, p: Prepared, s: Session, ref: dict[str, Any], results: dict[str, dict[str, Any]],
-                engine: Any, log: Log, progress: Progress) -> dict[str, dict[str, Any]]:
+def skip_trials(cfg: EvalConfig, p: Prepared, s: Session, ref: Reference, results: dict[str, ArmMetrics],
+                engine: Any, log: Log, progress: Progress) -> dict[str, ArmMetrics]:
     """The arms `report.skip_plan` names, re-measured with the smallest prefix of their dominant layers
     unquantised that passes (every prefix tried until one does)."""
     by_name = {a.name: a for a in p.arms}
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, ArmMetrics] = {}
     for name, layers in report.skip_plan(ref, results, cfg.thresholds):
         for k in range(1, len(layers) + 1):
             trial = by_name[name].skipping(layers[:k])
@@ -154,9 +150,9 @@ def skip_trials(cfg: EvalConfig, p: Prepared, s: Session, ref: dict[str, Any], r
             entry = r[trial.name]
             if p.prompts:
                 with passkey_stage(progress, f"emulation passkey `{trial.name}`", p.prompts, 1) as stage:
-                    entry["passkey"], entry["seconds"]["passkey"] = run_passkey(s, trial, p.prompts, stage)
+                    entry = with_passkey(entry, *run_passkey(s, trial, p.prompts, stage))
             if engine is not None:
-                entry["engine"] = engine.measure(p.reference, [trial])[trial.name]
+                entry = replace(entry, engine=engine.measure(p.reference, [trial])[trial.name])
             out[trial.name] = entry
             if not report.failures(entry, ref, cfg.thresholds):
                 break

@@ -18,26 +18,28 @@ import statistics
 from typing import Any
 
 from ..evaluation import report
-from ..engine.verdict import decisive
+from ..engine.verdict import ENGINE, decisive
+from ..evaluation.results import ArmMetrics
 from . import score, space
 
 
-def kl(entry: dict[str, Any]) -> float:
-    return decisive(entry)[0]["summary"]["max_bucket_kl"]
+def kl(entry: ArmMetrics) -> float:
+    return decisive(entry).summary.max_bucket_kl
 
 
 def rows(found: Any, th: report.Thresholds, layers: int, ref_bytes: int, baseline: str) -> list[dict[str, Any]]:
     """One row per candidate: its recipe, memory saved, numbers, why it misses the bar, and vs the default."""
     ref, base = found.ref, found.entries.get(baseline)
-    tokens = ref["sample_tokens"] if ref else []
+    tokens = ref.sample_tokens if ref else ()
     out = []
     for c in found.candidates:
         e = found.entry(c.name)
         row = {**c.to_dict(), "memory_saved": space.memory_saved(c, layers, ref_bytes),
                "measured_as": found.measured_as.get(c.name), "scored": e is not None}
         if e is not None:
-            nums, source = decisive(e)
-            row.update(numbers=source, summary=nums["summary"], buckets=nums["buckets"],
+            source = decisive(e).source
+            shown = e.engine if source == ENGINE else e.to_dict()     # the engine's rows keep their extra numbers
+            row.update(numbers=source, summary=shown["summary"], buckets=shown["buckets"],
                        emulated=score.slim(e), failures=report.failures(e, ref, th))
             if base is not None:
                 row["vs_default"] = score.compare(e, base, tokens)
@@ -53,7 +55,7 @@ def choose(found: Any, table: list[dict[str, Any]]) -> dict[str, Any] | None:
     fewest = min(len(r["skip"]) for r in ok)
     group = [r for r in ok if len(r["skip"]) == fewest]
     best = min(group, key=lambda r: r["summary"]["max_bucket_kl"])
-    tokens = found.ref["sample_tokens"]
+    tokens = found.ref.sample_tokens
     best_entry = found.entry(best["name"])
 
     def tied(r: dict[str, Any]) -> bool:
@@ -69,7 +71,7 @@ def scales_matter(found: Any, table: list[dict[str, Any]], ranges: dict[str, flo
     """Whether any calibrated recipe (no skips) differs measurably from the default scale 1.0, and why."""
     full = [r for r in table if r["scored"] and not r["skip"] and "vs_default" in r]
     base = found.entries.get(baseline)
-    n = found.ref and len(found.ref["sample_tokens"])
+    n = found.ref and len(found.ref.sample_tokens)
     inside = ranges["k_amax"] <= 448 and ranges["v_amax"] <= 448
     fact = (f"max |K| = {ranges['k_amax']:.4g}, max |V| = {ranges['v_amax']:.4g} over the calibration data; FP8 "
             f"e4m3 holds +-448, and inside its normal range the rounding error does not depend on the scale")

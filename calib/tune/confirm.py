@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,8 @@ def confirm(cfg: Any, found: Any, st: Any, source: Path, loaded: Any, samples: A
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if ref_arm.name in res:
-        found.ref["engine"] = res[ref_arm.name]
+        found.ref = replace(found.ref, engine=res[ref_arm.name])
     if base is not None:
-        base["engine"] = res[BASELINE]
+        found.entries[BASELINE] = replace(base, engine=res[BASELINE])
     for c in short:
         found.engine[c.name] = res[c.name]

@@ -61,6 +61,10 @@ def serve_command(target: str, out: Path, skip: list[int]) -> str:
     return f"vllm serve {path} --kv-cache-dtype fp8{flag}"
 
 
+def _pick(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {k: d[k] for k in keys}
+
+
 def _config(cfg: TuneConfig) -> dict[str, Any]:
     out = {}
     for f in fields(cfg):
@@ -88,9 +92,9 @@ def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any,
         "kv_bytes_reference": _ref_bytes(source), "target": cfg.target,
         "statistics": {**st.origin, "files": stats_info}, "held_out": held, "thresholds": th.to_dict(),
         "rule": choose_mod.__doc__.split("The rule", 1)[1].split("\n", 1)[1].strip(),
-        "reference": None if found.ref is None else {k: found.ref[k] for k in ("buckets", "summary", "sample_tokens")},
-        "baseline": None if base is None else {"name": BASELINE, "summary": base["summary"], "buckets": base["buckets"],
-                                               "sample_nll": base["sample_nll"], "sample_kl": base["sample_kl"],
+        "reference": None if found.ref is None else _pick(found.ref.to_dict(), ("buckets", "summary", "sample_tokens")),
+        "baseline": None if base is None else {"name": BASELINE, **_pick(base.to_dict(), ("summary", "buckets", "sample_nll",
+                                                                                           "sample_kl")),
                                                "failures": report.failures(base, found.ref, th)},
         "candidates": table,
         "sensitivity": {"base": found.sensitivity_base, "kl_only_this_layer": {str(i): v for i, v in

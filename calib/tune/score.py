@@ -25,6 +25,7 @@ import torch
 from .. import emulate
 from .. import scales as scales_mod
 from ..evaluation.fakequant import Arm, Geometry
+from ..evaluation.results import ArmMetrics
 from ..quant import FP8_E4M3, by_name
 from .space import Candidate
 
@@ -92,11 +93,11 @@ class Paired:
                 "measurable": self.measurable}
 
 
-def compare(a: dict[str, Any], b: dict[str, Any], tokens: Sequence[int]) -> dict[str, Any]:
+def compare(a: ArmMetrics, b: ArmMetrics, tokens: Sequence[int]) -> dict[str, Any]:
     """Entry a against entry b on the same samples: KL to the reference and NLL (perplexity), each paired with
     its noise; `better` / `worse` when either differs measurably in that direction."""
-    kl = paired(a["sample_kl"], b["sample_kl"], tokens)
-    nll = paired(a["sample_nll"], b["sample_nll"], tokens)
+    kl = paired(a.sample_kl, b.sample_kl, tokens)
+    nll = paired(a.sample_nll, b.sample_nll, tokens)
     def way(sign: int) -> bool:
         return any(p.measurable and sign * p.delta > 0 for p in (kl, nll))
     return {"kl": kl.to_dict(), "nll": nll.to_dict(), "measurable": kl.measurable or nll.measurable,
@@ -115,7 +116,8 @@ def paired(a: Sequence[float], b: Sequence[float], tokens: Sequence[int]) -> Pai
     return Paired(delta, NOISE_SE * se, n)
 
 
-def slim(entry: dict[str, Any]) -> dict[str, Any]:
-    """What tune.json keeps of an evaluation entry: per-bucket and overall numbers, per-sample NLL."""
+def slim(entry: ArmMetrics) -> dict[str, Any]:
+    """What tune.json keeps of an arm's numbers: per-bucket and overall numbers, per-sample NLL."""
     keep = ("buckets", "summary", "sample_nll", "sample_kl", "seconds", "notes", "engine")
-    return {k: entry[k] for k in keep if k in entry}
+    d = entry.to_dict()
+    return {k: d[k] for k in keep if k in d}

@@ -31,6 +31,7 @@ from ..evaluation import report
 from ..evaluation.config import EvalConfig
 from ..evaluation.fakequant import Geometry, default_arm, fake_quant_kv
 from ..evaluation.measure import measure
+from ..evaluation.results import ArmMetrics, Reference
 from ..evaluation.samples import calibration_windows, select_samples, usable_buckets
 from ..evaluation.session import Session, open_session
 from ..progress import SILENT, Progress
@@ -153,9 +154,9 @@ def check(cfg: TuneConfig) -> None:
 class Search:
     """What the search measured: the reference, every entry by arm name, and the bookkeeping around it."""
     candidates: list[space.Candidate]
-    entries: dict[str, dict[str, Any]] = field(default_factory=dict)      # measured arm name -> entry
+    entries: dict[str, ArmMetrics] = field(default_factory=dict)          # measured arm name -> its numbers
     measured_as: dict[str, str] = field(default_factory=dict)              # candidate name -> measured arm name
-    ref: dict[str, Any] | None = None
+    ref: Reference | None = None
     sensitivity: dict[int, float] = field(default_factory=dict)
     sensitivity_base: str | None = None
     engine: dict[str, dict[str, Any]] = field(default_factory=dict)        # candidate name -> engine entry
@@ -163,11 +164,11 @@ class Search:
     stopped: str | None = None
     passes: int = 0
 
-    def entry(self, name: str) -> dict[str, Any] | None:
+    def entry(self, name: str) -> ArmMetrics | None:
         """The candidate's numbers: emulated (shared by candidates that store the cache identically), plus
         its own checkpoint's engine numbers where the engine confirmed it."""
         e = self.entries.get(self.measured_as.get(name, name))
-        return e if e is None or name not in self.engine else {**e, "engine": self.engine[name]}
+        return e if e is None or name not in self.engine else replace(e, engine=self.engine[name])
 
 
 class Clock:
@@ -195,9 +196,9 @@ class _Tokens:
 
 
 def _measure(s: Session, arms: Sequence[Any], found: Search, clock: Clock, chunk: int, stage: Any,
-             what: str) -> dict[str, dict[str, Any]]:
+             what: str) -> dict[str, ArmMetrics]:
     """Measure `arms` a chunk at a time (the reference once per chunk); stop when the budget is spent."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, ArmMetrics] = {}
     for a in range(0, len(arms), chunk):
         if clock.over():
             found.stopped = f"--budget-minutes spent after {clock.elapsed():.0f} s, during {what}"
@@ -301,7 +302,7 @@ def _skips(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulation: An
     full = [c for c in found.candidates if found.entry(c.name) is not None]
     if not full:
         return
-    base = min(full, key=lambda c: (found.entry(c.name)["summary"]["kl"], -c.breadth(), c.simplicity()))
+    base = min(full, key=lambda c: (found.entry(c.name).summary.kl, -c.breadth(), c.simplicity()))
     found.sensitivity_base = base.name
     base_arm = score.arm_for(base, st.stats_for(base, cfg.base), geo, emulation)
     sub = replace(sess, samples=tuple(sens_samples))
@@ -309,7 +310,7 @@ def _skips(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulation: An
                    "sensitivity")
     if len(res) < len(geo.layers):
         return
-    found.sensitivity = {i: res[f"only layer {i}"]["summary"]["kl"] for i in geo.layers}
+    found.sensitivity = {i: res[f"only layer {i}"].summary.kl for i in geo.layers}
     top = ranking(found.sensitivity)
     skipped = [base.skipping(top[:k]) for k in range(1, cfg.skips + 1)]
     found.candidates += skipped

@@ -171,7 +171,7 @@ def test_checkpoint_arms_read_vllm_per_head_and_trtllm_int8_layouts(tmp_path):
     (tmp_path / "vllm" / "kvcalib.json").write_text(json.dumps({"producer": "kvcalib", "skipped_layers": [1]}))
     skipping = checkpoint_arms(str(tmp_path / "vllm"), geo)[0]      # calibrated with skip_layers: [1]
     assert list(skipping.k) == [0] and skipping.serve_skip == (1,) and skipping.skip == ()
-    assert "--kv-cache-dtype-skip-layers 1" in honest.how_to_serve(skipping.describe())
+    assert "--kv-cache-dtype-skip-layers 1" in honest.how_to_serve(skipping.info())
     with pytest.raises(EvalError, match="2 layers; this model has 3"):
         checkpoint_arms(str(tmp_path / "vllm"), Geometry((0, 1, 2), 2, 4))
     with pytest.raises(EvalError, match="per KV head"):
@@ -232,9 +232,10 @@ def test_applying_switches_the_hook_off_after_the_batch_even_on_error():
 def test_arms_name_skips_and_describe_their_scales():
     arm = Arm("x", FP8_E4M3, {0: torch.tensor(0.5), 1: torch.tensor([1.0, 2.0]).view(1, 2, 1, 1)},
               {0: torch.tensor(0.25), 1: TOKEN}, kind="checkpoint")
-    d = arm.describe()
-    assert d["scales"] == {"k": {"0": 0.5, "1": 2.0}, "v": {"0": 0.25, "1": None}, "q": {}}
-    assert (d["kind"], d["dtype"], d["skip"]) == ("checkpoint", "fp8_e4m3", [])
+    info = arm.info()
+    assert info.scales == {"k": {"0": 0.5, "1": 2.0}, "v": {"0": 0.25, "1": None}, "q": {}}
+    assert (info.kind, info.dtype, info.skip) == ("checkpoint", "fp8_e4m3", ())
+    assert info.to_dict()["skip"] == [] and info.to_dict()["scales"]["v"] == {"0": 0.25, "1": None}
     one = arm.skipping([1])
     assert one.name == "x skip 1" and list(one.k) == [0] and list(one.v) == [0] and one.skip == (1,)
     both = one.skipping([0])

@@ -26,8 +26,8 @@ def test_batching_and_padding_do_not_change_the_numbers():
             s = Session(model, hook, Head(model), None, samples, (32,), batch_size=bs)
             runs.append(measure(s, [arm])[1]["default"])
     one, four = runs
-    assert one["summary"]["kl"] == pytest.approx(four["summary"]["kl"], rel=1e-4)
-    assert one["summary"]["tokens"] == four["summary"]["tokens"] == sum(len(s) - 1 for s in seqs)
-    for i in one["layers"]:
+    assert one.summary.kl == pytest.approx(four.summary.kl, rel=1e-4)
+    assert one.summary.tokens == four.summary.tokens == sum(len(s) - 1 for s in seqs)
+    for i in one.layers:
         for key in ("k_saturated", "v_flushed", "k_snr_db", "attn_rel_error"):
-            assert one["layers"][i][key] == pytest.approx(four["layers"][i][key], rel=1e-4)
+            assert one.layers[i][key] == pytest.approx(four.layers[i][key], rel=1e-4)

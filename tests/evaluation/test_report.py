@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
 from calib.evaluation import report
 from calib.evaluation.report import Thresholds
+from calib.evaluation.results import (ArmInfo, ArmMetrics, BucketRow, KVRange, PasskeyRow, Reference, Seconds,
+                                      Summary)
 
 
 def test_markdown_table_rejects_ragged_rows():
@@ -18,34 +21,36 @@ def test_markdown_table_rejects_ragged_rows():
         report.table(["a", "b"], [[1]])
 
 
-def _row(kl: float, top1: float, ppl: float, ppl_ref: float = 10.0) -> dict:
-    return {"samples": 2, "tokens": 126, "kl": kl, "top1": top1, "ppl": ppl, "ppl_ref": ppl_ref,
-            "ppl_delta": ppl - ppl_ref, "ppl_rel": ppl / ppl_ref - 1}
-
-
-def _known(ppl: float) -> tuple[dict, dict, dict]:
-    """(meta, reference, {"default": entry}) of a one-layer, one-bucket evaluation with round numbers."""
+def _known(ppl: float) -> tuple[dict, Reference, dict[str, ArmMetrics]]:
+    """(meta, reference, {"default": its numbers}) of a one-layer, one-bucket evaluation with round numbers."""
     meta = {"model": "m", "model_dtype": "float32", "device": "cpu", "layers": [0], "kv_heads": 2, "head_dim": 4,
             "data": {"source": "d.jsonl", "samples": 2, "tokens": 128,
                      "held_out": {"checked_against": None, "note": "not checked"}},
             "buckets": [64], "notes": [], "reference": "fp32"}
-    ref = {"buckets": {"64": _row(0.0, 1.0, 10.0)}, "summary": {**_row(0.0, 1.0, 10.0), "max_bucket_kl": 0.0},
-           "seconds": {"metrics": 1.0}, "sample_nll": [140.0, 150.0], "sample_tokens": [63, 63],
-           "ranges": {"0": {"k_amax": [3.0, 4.0], "v_amax": [1.0, 2.0]}}}
-    default = {"kind": "default", "dtype": "fp8_e4m3", "granularity": "tensor", "shippable": True, "source": None,
-               "skip": [], "serve_skip": [], "notes": [], "scales": {"k": {"0": 1.0}, "v": {"0": 1.0}, "q": {}},
-               "buckets": {"64": _row(0.004, 0.98, ppl)}, "summary": {**_row(0.004, 0.98, ppl), "max_bucket_kl": 0.004},
-               "sample_nll": [141.0, 151.0], "sample_kl": [0.2, 0.3],
-               "layers": {"0": {"k_saturated": 0.0, "k_flushed": 0.001, "k_snr_db": 30.0, "v_saturated": 0.0,
-                                "v_flushed": 0.0, "v_snr_db": math.inf, "attn_rel_error": 0.01}},
-               "failures": [], "seconds": {"metrics": 2.0}}
+    ref_row = BucketRow(2, 126, 0.0, 1.0, 10.0, 10.0, 0.0, 0.0)
+    ref = Reference({"64": ref_row}, Summary(**ref_row.to_dict(), max_bucket_kl=0.0), Seconds(1.0), (140.0, 150.0),
+                    (63, 63), {"0": KVRange((3.0, 4.0), (1.0, 2.0))})
+    row = BucketRow(2, 126, 0.004, 0.98, ppl, 10.0, ppl - 10.0, ppl / 10.0 - 1)
+    info = ArmInfo("default", "fp8_e4m3", "tensor", True, None, (), (), (), {"k": {"0": 1.0}, "v": {"0": 1.0}, "q": {}})
+    layers = {"0": {"k_saturated": 0.0, "k_flushed": 0.001, "k_snr_db": 30.0, "v_saturated": 0.0, "v_flushed": 0.0,
+                    "v_snr_db": math.inf, "attn_rel_error": 0.01}}
+    default = ArmMetrics(info, {"64": row}, Summary(**row.to_dict(), max_bucket_kl=0.004), (141.0, 151.0), (0.2, 0.3),
+                         layers, (), Seconds(2.0))
     return meta, ref, {"default": default}
 
 
+def _arm(buckets: dict[str, float], ppl_rel: float, passkey: tuple[int, int] | None = None, layers=None) -> ArmMetrics:
+    rows = {b: BucketRow(1, 10, kl, 0.9, 10.0 * (1 + ppl_rel), 10.0, 10.0 * ppl_rel, ppl_rel) for b, kl in buckets.items()}
+    total = Summary(**next(iter(rows.values())).to_dict(), max_bucket_kl=max(buckets.values()))
+    pk = None if passkey is None else {"256": PasskeyRow(passkey[0], passkey[1], {}, passkey[0] / passkey[1])}
+    info = ArmInfo("checkpoint", "fp8_e4m3", "tensor", True, "ck", (), (), (), {})
+    return ArmMetrics(info, rows, replace(total, ppl_rel=ppl_rel), (), (), layers or {}, (), Seconds(1.0), pk)
+
+
 def test_failures_name_every_miss_with_its_number():
-    entry = {"buckets": {"64": {"kl": 0.005}, "256": {"kl": 0.0234}}, "summary": {"ppl_rel": 0.0213},
-             "passkey": {"256": {"correct": 3, "total": 5}}}
-    ref = {"passkey": {"256": {"correct": 5, "total": 5}}}
+    entry = _arm({"64": 0.005, "256": 0.0234}, 0.0213, passkey=(3, 5))
+    _, ref, _ = _known(10.0)
+    ref = replace(ref, passkey={"256": PasskeyRow(5, 5, {}, 1.0)})
     assert report.failures(entry, ref, Thresholds()) == [
         "KL 0.0234 > 0.01 in bucket <= 256", "perplexity +2.13% > +1%", "passkey 3/5 < reference 5/5"]
     assert report.failures(entry, ref, Thresholds(max_kl=0.03, max_ppl_increase=0.03, passkey_drop=2)) == []
@@ -53,7 +58,7 @@ def test_failures_name_every_miss_with_its_number():
 
 def test_dominant_layers_are_those_far_above_the_median():
     errs = {"0": 0.01, "1": 0.02, "2": 0.5, "3": 0.011, "4": 0.06}       # median 0.02: 3x is 0.06
-    entry = {"layers": {i: {"attn_rel_error": e} for i, e in errs.items()}}
+    entry = _arm({"64": 0.1}, 0.0, layers={i: {"attn_rel_error": e} for i, e in errs.items()})
     assert report.dominant_layers(entry, Thresholds()) == [2, 4]
     assert report.dominant_layers(entry, Thresholds(max_skip=1)) == [2]
     assert report.dominant_layers(entry, Thresholds(dominance=30)) == []
@@ -86,6 +91,6 @@ def test_report_files_hold_the_known_numbers(tmp_path):
     assert f"**{doc['verdict']['text']}**" in md and "- plots not requested" in md
     written = json.loads((tmp_path / "r" / "report.json").read_text())
     assert written["arms"]["default"]["layers"]["0"]["v_snr_db"] is None            # infinite: null, not Infinity
-    assert written["arms"]["default"]["summary"] == pytest.approx(results["default"]["summary"])
+    assert written["arms"]["default"]["summary"] == pytest.approx(results["default"].summary.to_dict())
     assert written["verdict"]["text"] == doc["verdict"]["text"]
     assert report.finite({"a": [math.nan, -math.inf, 1.5], 2: math.inf}) == {"a": [None, None, 1.5], "2": None}
