@@ -26,7 +26,7 @@ from typing import Any
 
 from ..engine import report as engine_report
 from ..engine import verdict as honest
-from ..engine.verdict import SKIP_FLAG, decisive, emulated
+from ..engine.verdict import SKIP_FLAG, decisive
 from .results import ArmMetrics, Reference, passkey_correct
 
 PLOTS = ("scales.png", "layer_error.png", "kl_by_bucket.png")
@@ -56,12 +56,13 @@ def failures(entry: ArmMetrics, ref: Reference, th: Thresholds) -> list[str]:
     """Why `entry` misses the threshold (empty: it is within), on the engine's numbers when the engine
     measured the arm, the emulation's otherwise (calib/engine/verdict.py)."""
     nums = decisive(entry)
-    ref_nums = decisive(ref) if nums.source == honest.ENGINE else emulated(ref)
+    ref_pk = passkey_correct(ref.engine.get("passkey") if nums.source == honest.ENGINE and honest.engine_ok(ref)
+                             else ref.passkey)
     why = [f"KL {row.kl:.3g} > {th.max_kl:g} in bucket <= {b}" for b, row in nums.buckets.items()
            if row.kl > th.max_kl]
     if nums.summary.ppl_rel > th.max_ppl_increase:
         why.append(f"perplexity +{100 * nums.summary.ppl_rel:.2f}% > +{100 * th.max_ppl_increase:g}%")
-    arm_pk, ref_pk = nums.passkey, ref_nums.passkey
+    arm_pk = nums.passkey
     if arm_pk and ref_pk and arm_pk[0] < ref_pk[0] - th.passkey_drop:
         why.append(f"passkey {arm_pk[0]}/{arm_pk[1]} < reference {ref_pk[0]}/{ref_pk[1]}")
     return why
