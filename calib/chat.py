@@ -38,7 +38,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     role = m.get("role")
     if not isinstance(role, str) or not role:
         raise ChatError(f"{where} has no role (give role: user, assistant, system or tool)")
-    where = f"{where} ({role})"
+    where = f"{where} ({role})" if role.isprintable() else f"{where} ({role!r})"   # errors stay one line
     out = {k: v for k, v in m.items() if v is not None}   # columnar readers add absent keys as null
     content = m.get("content")
     if content is None:
