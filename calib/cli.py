@@ -460,7 +460,7 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
                               progress=Progress((lambda m: click.echo(m, err=True)) if progress else None))
     except (*_user_errors(), EvalError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(result.verdict["text"])
+    click.echo(result.verdict.text)
     click.echo(f"report: {result.out / 'report.md'} ({result.seconds:.1f} s)")
 
 

@@ -122,11 +122,11 @@ def test_engine_numbers_decide_where_the_engine_ran(measured):
     assert cal["engine"]["summary"]["greedy"]["samples"] == 8
     ref_cap = arms[res.report["reference"]]["engine"]["kv_capacity_tokens"]
     assert cal["engine"]["kv_capacity_tokens"] == pytest.approx(4 * ref_cap, rel=1e-4)   # fp8 vs fp32 elements
-    assert v["numbers"] == {"default": "emulation", f"calibrated:{ckpt}": "engine"}
-    assert v["action"] == "ship" and v["arm"] == f"calibrated:{ckpt}"
-    assert "vllm 0.0-fake, KL a lower bound" in v["text"]
-    assert "Decided on the engine's numbers where it ran; emulated numbers for `default`" in v["text"]
-    assert "`default` saturates: layer" in v["text"] and v["saturated"]["default"]
+    assert v.numbers == {"default": "emulation", f"calibrated:{ckpt}": "engine"}
+    assert v.action == "ship" and v.arm == f"calibrated:{ckpt}"
+    assert "vllm 0.0-fake, KL a lower bound" in v.text
+    assert "Decided on the engine's numbers where it ran; emulated numbers for `default`" in v.text
+    assert "`default` saturates: layer" in v.text and v.saturated["default"]
     md = (res.out / "report.md").read_text()
     assert "KV-cache capacity measured by the engine" in md and "![engine_vs_emulation.png]" in md
     assert (res.out / "engine_vs_emulation.png").read_bytes().startswith(b"\x89PNG")
@@ -190,10 +190,10 @@ def test_int8_advice_names_tensorrt_llm_never_vllms_fp8_flag():
     for e in (_entry(dtype="int8"), _entry(kind="stats", dtype="int8", granularity="head", source=None),
               _entry(kind="default", dtype="int8", source=None)):
         v = report.verdict(reference_metrics(), {"a": e}, th, "bf16")
-        assert v["action"] == "ship" and "TensorRT-LLM" in v["text"] and "INT8" in v["text"]
-        assert "--kv-cache-dtype" not in v["text"]
+        assert v.action == "ship" and "TensorRT-LLM" in v.text and "INT8" in v.text
+        assert "--kv-cache-dtype" not in v.text
     v = report.verdict(reference_metrics(), {"a": _entry()}, th, "bf16")
-    assert "vLLM: `--kv-cache-dtype fp8`" in v["text"]
+    assert "vLLM: `--kv-cache-dtype fp8`" in v.text
 
 
 def test_calibrated_within_noise_of_default_says_why():
@@ -207,7 +207,7 @@ def test_calibrated_within_noise_of_default_says_why():
     assert [s["arm"] for s in noise["arms"]] == ["calibrated:ck"]
     assert "largest |K| 20, |V| 5 <= 448" in noise["text"] and "does not depend on the scale" in noise["text"]
     v = report.verdict(ref, results, report.Thresholds(), "bf16")
-    assert v["scales_within_noise"]["arms"][0]["arm"] == "calibrated:ck" and noise["text"] in v["text"]
+    assert v.scales_within_noise["arms"][0]["arm"] == "calibrated:ck" and noise["text"] in v.text
 
 
 def test_skip_layers_are_recommended_only_when_the_engine_confirms():
@@ -216,11 +216,11 @@ def test_skip_layers_are_recommended_only_when_the_engine_confirms():
     base = _entry(kl=0.5, ppl_rel=0.2, ppl=12.0, layers=layers)
     trial = _entry(skip=[5])
     v = report.verdict(reference_metrics(), {"ck": base, "ck skip 5": trial}, th, "bf16")
-    assert v["action"] == "skip_unconfirmed" and "unconfirmed" in v["text"] and "--kv-cache-dtype-skip-layers 5" in v["text"]
+    assert v.action == "skip_unconfirmed" and "unconfirmed" in v.text and "--kv-cache-dtype-skip-layers 5" in v.text
     eng_ok, eng_bad = _engine(trial), _engine(base)
     v = report.verdict(reference_metrics(engine={"status": "ok"}),
                        {"ck": replace(base, engine=eng_bad), "ck skip 5": replace(trial, engine=eng_ok)}, th, "bf16")
-    assert v["action"] == "ship_with_skip" and "confirmed by the engine" in v["text"]
+    assert v.action == "ship_with_skip" and "confirmed by the engine" in v.text
     worse = _engine(trial, ppl=13.0)
     ok, why = honest.skip_confirmed(replace(trial, engine=worse), replace(base, engine=eng_bad))
     assert not ok and "does not confirm the gain" in why

@@ -20,7 +20,7 @@ import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,36 @@ def _kl(entry: ArmMetrics) -> float:
     return decisive(entry).summary.kl
 
 
-def verdict(ref: Reference, results: Results, th: Thresholds, reference: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Verdict:
+    """The decision and its reasons. `action`: ship | ship_with_skip | skip_unconfirmed | keep_reference; `arm`
+    the arm to serve (or cut the skip from); `numbers`: per arm, whose numbers decided (engine | emulation);
+    `saturated`: per arm named in the text, the layers whose K/V leave the dtype's range."""
+    action: str
+    arm: str | None
+    skip_layers: tuple[int, ...]
+    flag: str | None
+    within_threshold: tuple[str, ...]
+    dominant_layers: tuple[int, ...]
+    dominant_in: str | None
+    thresholds: Thresholds
+    numbers: Mapping[str, str]
+    text: str
+    scales_within_noise: Mapping[str, Any] | None
+    saturated: Mapping[str, Mapping[str, Mapping[str, float]]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """As report.json holds it (`scales_within_noise` only when found)."""
+        out = {"action": self.action, "arm": self.arm, "skip_layers": list(self.skip_layers), "flag": self.flag,
+               "within_threshold": list(self.within_threshold), "dominant_layers": list(self.dominant_layers),
+               "dominant_in": self.dominant_in, "thresholds": self.thresholds.to_dict(), "numbers": dict(self.numbers),
+               "text": self.text}
+        if self.scales_within_noise is not None:
+            out["scales_within_noise"] = self.scales_within_noise
+        return {**out, "saturated": {n: dict(v) for n, v in self.saturated.items()}}
+
+
+def verdict(ref: Reference, results: Results, th: Thresholds, reference: str) -> Verdict:
     """The decision: ship an arm, ship it with layers skipped (measured), or keep the reference KV dtype."""
     plain = _plain(results)
     ok = sorted((n for n in plain if not failures(plain[n], ref, th)), key=lambda n: _kl(plain[n]))
@@ -105,8 +134,7 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str) ->
     best_any = min(plain, key=lambda n: _kl(plain[n])) if plain else None
     dominant = dominant_layers(plain[best_any], th) if best_any else []
     numbers = {n: decisive(e).source for n, e in results.items()}
-    out = {"action": "keep_reference", "arm": None, "skip_layers": [], "flag": None, "within_threshold": ok,
-           "dominant_layers": dominant, "dominant_in": best_any, "thresholds": th.to_dict(), "numbers": numbers}
+    arm, layers, flag = None, [], None
 
     def kl(n):
         nums = decisive(results[n])
@@ -114,65 +142,65 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str) ->
 
     confirmed = [(n, honest.skip_confirmed(results[n], results[n.rsplit(" skip ", 1)[0]])) for n in skipped]
     if ok:
-        best = ok[0]
-        text = f"Ship `{best}` ({kl(best)}): {honest.how_to_serve(plain[best].info)}."
+        action, arm = "ship", ok[0]
+        text = f"Ship `{arm}` ({kl(arm)}): {honest.how_to_serve(plain[arm].info)}."
         if len(ok) > 1:
             text += " Also within the threshold: " + "; ".join(f"`{n}` ({kl(n)})" for n in ok[1:]) + "."
-        out.update(action="ship", arm=best, text=text)
     elif any(c for _, (c, _) in confirmed):
         best = next(n for n, (c, _) in confirmed if c)
-        layers, flag, base = _skip_trial(results, best)
-        out.update(action="ship_with_skip", arm=base, skip_layers=layers, flag=flag, text=(
-            f"Ship `{base}` with layers {layers} kept in {reference}: serve with `{flag}` (vLLM; recipe "
+        layers, flag, arm = _skip_trial(results, best)
+        action, text = "ship_with_skip", (
+            f"Ship `{arm}` with layers {layers} kept in {reference}: serve with `{flag}` (vLLM; recipe "
             f"`skip_layers: {layers}`). Those layers dominate the error (attention-output error "
-            f"{_errs(plain[base], layers)}); measured with them unquantised: {kl(best)}, confirmed by the engine."))
+            f"{_errs(plain[arm], layers)}); measured with them unquantised: {kl(best)}, confirmed by the engine.")
     elif confirmed:
         best, (_, why) = confirmed[0]
-        layers, flag, base = _skip_trial(results, best)
-        out.update(action="skip_unconfirmed", arm=base, skip_layers=layers, flag=flag, text=(
+        layers, flag, arm = _skip_trial(results, best)
+        action, text = "skip_unconfirmed", (
             f"Keep {reference.upper()} KV for now: no arm is within the threshold "
             f"(best: `{best_any}`, {'; '.join(failures(plain[best_any], ref, th))}). Keeping layers {layers} in "
-            f"{reference} brings `{base}` within it ({kl(best)}; attention-output error "
-            f"{_errs(plain[base], layers)}), {why}. Before serving with `{flag}`, measure it in the engine "
-            f"(`kvcalib eval --engine vllm`)."))
+            f"{reference} brings `{arm}` within it ({kl(best)}; attention-output error "
+            f"{_errs(plain[arm], layers)}), {why}. Before serving with `{flag}`, measure it in the engine "
+            f"(`kvcalib eval --engine vllm`).")
     else:
         why = "; ".join(failures(plain[best_any], ref, th)) if best_any else "no quantised arm"
         tried = [n for n, e in results.items() if e.info.skip]
         extra = (f" Keeping layers {list(results[tried[-1]].info.skip)} unquantised was measured too and is still outside "
                  f"({kl(tried[-1])})." if tried else
                  " No small set of layers dominates the error, so skipping layers would not help.")
-        out["text"] = (f"Keep {reference.upper()} KV for this model: no arm is within the threshold "
-                       f"(best: `{best_any}`, {why}).{extra}")
-    return _honest(out, ref, results)
+        action, text = "keep_reference", (f"Keep {reference.upper()} KV for this model: no arm is within the threshold "
+                                          f"(best: `{best_any}`, {why}).{extra}")
+    noise, saturated, notes = _honest(arm, numbers, ref, results)
+    return Verdict(action, arm, tuple(layers), flag, tuple(ok), tuple(dominant), best_any, th, numbers,
+                   " ".join([text, *notes]), noise, saturated)
 
 
-def _honest(out: dict[str, Any], ref: Reference, results: Results) -> dict[str, Any]:
-    """Add what the numbers do not say by themselves: calibration within noise (and why), saturating layers,
-    and which numbers decided."""
+def _honest(arm: str | None, numbers: Mapping[str, str], ref: Reference,
+            results: Results) -> tuple[dict[str, Any] | None, dict[str, Any], list[str]]:
+    """What the numbers do not say by themselves: calibration within noise (and why), saturating layers, and
+    which numbers decided; (the noise finding, the saturated layers per arm, the sentences saying so)."""
     extra = []
     noise = honest.scales_within_noise(ref, results, ref.sample_tokens)
     if noise:
-        out["scales_within_noise"] = noise
         extra.append(noise["text"])
-    out["saturated"] = {}
-    for name in dict.fromkeys(n for n in ("default", out["arm"]) if n in results):
+    saturated = {}
+    for name in dict.fromkeys(n for n in ("default", arm) if n in results):
         text = honest.saturation_text(name, results[name], ref)
         if text:
-            out["saturated"][name] = honest.saturated_layers(results[name])
+            saturated[name] = honest.saturated_layers(results[name])
             extra.append(text)
-    used = sorted(set(out["numbers"].values()))
+    used = sorted(set(numbers.values()))
     if used == [honest.ENGINE]:
         extra.append("Decided on the engine's numbers.")
     elif honest.ENGINE in used:
-        emu = [n for n, s in out["numbers"].items() if s == honest.EMULATION]
+        emu = [n for n, s in numbers.items() if s == honest.EMULATION]
         extra.append(f"Decided on the engine's numbers where it ran; emulated numbers for {', '.join(f'`{n}`' for n in emu)} "
                      "(engine: not run, see the engine table).")
     elif any(e.engine is not None for e in results.values()):
         extra.append("Decided on emulated numbers: the engine ran no quantised arm (see the engine table).")
     else:
         extra.append("Decided on emulated numbers (no engine run; `--engine vllm` measures the real engine).")
-    out["text"] = " ".join([out["text"], *extra])
-    return out
+    return noise, saturated, extra
 
 
 def _errs(entry: ArmMetrics, layers: Sequence[int]) -> str:
@@ -181,15 +209,33 @@ def _errs(entry: ArmMetrics, layers: Sequence[int]) -> str:
     return ", ".join(f"layer {i}: {rows[str(i)]['attn_rel_error']:.3g}" for i in layers) + f" vs median {med:.3g}"
 
 
-def document(meta: dict[str, Any], ref: Reference, results: Results, th: Thresholds) -> dict[str, Any]:
-    """The full report as one JSON-ready value (report.json): the run's description, every arm's numbers with
-    whether it is within the threshold and why not, and the verdict."""
-    def judged(e: ArmMetrics) -> dict[str, Any]:
-        misses = failures(e, ref, th)
-        return {**e.to_dict(), "within_threshold": e.info.shippable and not misses, "misses": misses}
-    return {"kvcalib_eval": 1, **meta, "thresholds": th.to_dict(),
-            "arms": {meta["reference"]: ref.to_dict(), **{n: judged(e) for n, e in results.items()}},
-            "verdict": verdict(ref, results, th, meta["reference"])}
+@dataclass(frozen=True)
+class Report:
+    """What report.json and report.md show: the run's description (`meta`: model, data, buckets, settings,
+    notes, emulation, engine), the reference's and every arm's numbers, the thresholds and the verdict."""
+    meta: Mapping[str, Any]
+    reference: Reference
+    arms: Mapping[str, ArmMetrics]
+    thresholds: Thresholds
+    verdict: Verdict
+
+    @property
+    def reference_name(self) -> str:
+        return self.meta["reference"]
+
+    def misses(self, name: str) -> list[str]:
+        return failures(self.arms[name], self.reference, self.thresholds)
+
+    def within(self, name: str) -> bool:
+        return self.arms[name].info.shippable and not self.misses(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """report.json: the description, every arm's numbers with whether it is within the threshold and why
+        not, and the verdict."""
+        arms = {n: {**e.to_dict(), "within_threshold": self.within(n), "misses": self.misses(n)}
+                for n, e in self.arms.items()}
+        return {"kvcalib_eval": 1, **self.meta, "thresholds": self.thresholds.to_dict(),
+                "arms": {self.reference_name: self.reference.to_dict(), **arms}, "verdict": self.verdict.to_dict()}
 
 
 def _skip_trial(results: Results, name: str) -> tuple[list[int], str, str]:
@@ -209,19 +255,21 @@ def finite(x: Any) -> Any:
     return x
 
 
-def write(out: Path, doc: dict[str, Any], *, force: bool, plots: bool = True) -> Path:
-    """report.json, report.md and the plots into `out`, atomically (refuses an existing `out` unless force)."""
+def write(out: Path, rep: Report, *, force: bool, plots: bool = True) -> dict[str, Any]:
+    """report.json, report.md and the plots into `out`, atomically (refuses an existing `out` unless force);
+    returns report.json's document."""
     from ..outputs import atomic_dir
 
     with atomic_dir(out, force, kind="eval report") as tmp:
-        made, note = plot_all(doc, tmp) if plots else ([], "plots not requested")
+        made, note = plot_all(rep, tmp) if plots else ([], "plots not requested")
+        if note:
+            rep = replace(rep, meta={**rep.meta, "notes": [*rep.meta.get("notes", []), note]})
+        doc = rep.to_dict()
         extra = engine_report.plot(doc, tmp) if plots and made else None
         made = [*made, extra] if extra else made
-        if note:
-            doc["notes"] = [*doc.get("notes", []), note]
         (tmp / "report.json").write_text(json.dumps(finite(doc), indent=2, allow_nan=False) + "\n")
-        (tmp / "report.md").write_text(markdown(doc, made))
-    return out
+        (tmp / "report.md").write_text(markdown(rep, doc, made))
+    return doc
 
 
 # ------------------------------------------------------------------------------------------- markdown
@@ -250,89 +298,94 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.3g}%"
 
 
-def _passkey_cell(e: dict[str, Any]) -> str:
-    pk = passkey_correct(e.get("passkey"))
+def _passkey_cell(rows: Mapping[str, Any] | None) -> str:
+    pk = passkey_correct(rows)
     return "–" if pk is None else f"{pk[0]}/{pk[1]}"
 
 
-def markdown(doc: dict[str, Any], plots: Sequence[str]) -> str:
-    ref_name, th, v = doc["reference"], doc["thresholds"], doc["verdict"]
-    arms = doc["arms"]
-    quant = {n: e for n, e in arms.items() if n != ref_name}
-    d = doc["data"]
+def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
+    """report.md from the typed report; `doc` (report.json's document) feeds the engine section, which
+    calib/engine/report.py renders from the engine's own entries."""
+    meta, ref, th, v = rep.meta, rep.reference, rep.thresholds, rep.verdict
+    ref_name, quant = rep.reference_name, rep.arms
+    d = meta["data"]
     held = d["held_out"]
-    lines = [f"# KV-cache evaluation: `{doc['model']}`", "", "## Verdict", "", f"**{v['text']}**", "",
-             f"Rule: every length bucket's mean next-token KL to {ref_name} <= {th['max_kl']:g} nats, perplexity "
-             f"<= +{100 * th['max_ppl_increase']:g}%, passkey correct >= {ref_name}'s - {th['passkey_drop']}. "
-             f"Dominant layers: attention-output error >= {th['dominance']:g}x the median layer's.", ""]
-    if v["dominant_layers"]:
-        lines += [f"Layers dominating the error of `{v['dominant_in']}`: {v['dominant_layers']}.", ""]
+    lines = [f"# KV-cache evaluation: `{meta['model']}`", "", "## Verdict", "", f"**{v.text}**", "",
+             f"Rule: every length bucket's mean next-token KL to {ref_name} <= {th.max_kl:g} nats, perplexity "
+             f"<= +{100 * th.max_ppl_increase:g}%, passkey correct >= {ref_name}'s - {th.passkey_drop}. "
+             f"Dominant layers: attention-output error >= {th.dominance:g}x the median layer's.", ""]
+    if v.dominant_layers:
+        lines += [f"Layers dominating the error of `{v.dominant_in}`: {list(v.dominant_layers)}.", ""]
     if held.get("checked_against"):
         held_txt = f"{held['excluded_samples']} calibration samples of `{held['checked_against']}` left out"
         held_txt += "" if held.get("reproduced_exactly") else " (calibration stream not reproduced exactly)"
     else:
         held_txt = held.get("note", "")
     lines += [f"Data: `{d['source']}`: {d['samples']} samples, {d['tokens']} tokens; {held_txt}. "
-              f"Model dtype {doc['model_dtype']} on {doc['device']}; {len(doc['layers'])} layers, "
-              f"{doc['kv_heads']} KV heads x {doc['head_dim']}.", ""]
-    emu = doc.get("emulation")
+              f"Model dtype {meta['model_dtype']} on {meta['device']}; {len(meta['layers'])} layers, "
+              f"{meta['kv_heads']} KV heads x {meta['head_dim']}.", ""]
+    emu = meta.get("emulation")
     if emu:
         lines += [f"Emulated engine: {emu['line']}.", ""]
+    s = ref.summary
+    rows = [[ref_name, "reference", ref_name, "–", s.kl, s.max_bucket_kl, _pct(s.top1), s.ppl, "–",
+             _passkey_cell(ref.passkey), "reference", ref.seconds.total]]
+    for n, e in quant.items():
+        s = e.summary
+        rows.append([n, e.info.kind, e.info.dtype or ref_name, e.info.granularity, s.kl, s.max_bucket_kl, _pct(s.top1),
+                     s.ppl, _pct(s.ppl_rel), _passkey_cell(e.passkey), rep.within(n), e.seconds.total])
     lines += ["## Arms", ""] + table(
         ["arm", "kind", "dtype", "granularity", "mean KL", "worst-bucket KL", "top-1", "ppl", "Δppl", "passkey",
-         "within threshold", "seconds"],
-        [[n, e.get("kind", "reference"), e.get("dtype") or ref_name, e.get("granularity", "–"), e["summary"]["kl"],
-          e["summary"]["max_bucket_kl"], _pct(e["summary"]["top1"]), e["summary"]["ppl"],
-          _pct(e["summary"]["ppl_rel"]) if n != ref_name else "–", _passkey_cell(e),
-          e.get("within_threshold", "reference"), sum(e["seconds"].values())] for n, e in arms.items()])
+         "within threshold", "seconds"], rows)
     lines += engine_report.markdown(doc, table)
     lines += ["## Per layer", "", "Saturated: share of values with |x / scale| > qmax. Flushed: share of nonzero "
               "values stored as 0. SNR over real tokens. Attention error: ||o - ô|| / ||o|| of the layer's "
               "attention output with quantised K/V (same inputs).", ""]
     for n, e in quant.items():
-        rows = [[i, e["scales"]["k"].get(i), e["scales"]["v"].get(i), _pct(r["k_saturated"]), _pct(r["k_flushed"]),
-                 r["k_snr_db"], _pct(r["v_saturated"]), _pct(r["v_flushed"]), r["v_snr_db"], r["attn_rel_error"]]
-                for i, r in e["layers"].items()]
+        sc = e.info.scales
+        rows = [[i, sc["k"].get(i), sc["v"].get(i), _pct(r["k_saturated"]), _pct(r["k_flushed"]), r["k_snr_db"],
+                 _pct(r["v_saturated"]), _pct(r["v_flushed"]), r["v_snr_db"], r["attn_rel_error"]]
+                for i, r in e.layers.items()]
         lines += [f"### `{n}`", ""] + table(["layer", "k_scale", "v_scale", "K sat", "K flushed", "K SNR dB", "V sat",
                                              "V flushed", "V SNR dB", "attn error"], rows)
     lines += ["## By context length", ""] + table(
         ["arm", "bucket <=", "samples", "tokens", "KL", "top-1", "ppl", f"{ref_name} ppl", "Δppl"],
-        [[n, b, r["samples"], r["tokens"], r["kl"], _pct(r["top1"]), r["ppl"], r["ppl_ref"], _pct(r["ppl_rel"])]
-         for n, e in quant.items() for b, r in e["buckets"].items()])
+        [[n, b, r.samples, r.tokens, r.kl, _pct(r.top1), r.ppl, r.ppl_ref, _pct(r.ppl_rel)]
+         for n, e in quant.items() for b, r in e.buckets.items()])
     lines += ["## Passkey retrieval", ""]
-    ref_pk = passkey_correct(arms[ref_name].get("passkey"))
+    ref_pk = passkey_correct(ref.passkey)
     if ref_pk and ref_pk[0] == 0:
         lines += [f"{ref_name} itself retrieves no key: on this model the test cannot show KV damage.", ""]
-    if arms[ref_name].get("passkey"):
+    if ref.passkey:
+        every = [(ref_name, ref.passkey), *((n, e.passkey) for n, e in quant.items())]
         lines += table(["arm", "bucket <=", "correct", "accuracy", "by depth"],
-                       [[n, b, f"{r['correct']}/{r['total']}", _pct(r["accuracy"]),
-                         " ".join(f"{k}:{x['correct']}/{x['total']}" for k, x in r["by_depth"].items())]
-                        for n, e in arms.items() for b, r in e.get("passkey", {}).items()])
+                       [[n, b, f"{r.correct}/{r.total}", _pct(r.accuracy),
+                         " ".join(f"{k}:{x.correct}/{x.total}" for k, x in r.by_depth.items())]
+                        for n, pk in every for b, r in (pk or {}).items()])
     else:
         lines += ["Not run (see notes).", ""]
-    lines += _failure_lines(doc, quant)
+    lines += _failure_lines(rep)
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
-    notes = list(doc.get("notes", [])) + [f"`{n}`: {x}" for n, e in quant.items() for x in e.get("notes", [])]
+    notes = list(meta.get("notes", [])) + [f"`{n}`: {x}" for n, e in quant.items() for x in e.info.notes]
     if notes:
         lines += ["## Notes", ""] + [f"- {x}" for x in notes] + [""]
     return "\n".join(lines)
 
 
-def _failure_lines(doc: dict[str, Any], quant: dict[str, dict[str, Any]]) -> list[str]:
+def _failure_lines(rep: Report) -> list[str]:
     """The worst samples (largest mean KL) of the verdict's arm (or the best one) and of the default arm."""
-    v = doc["verdict"]
-    names = [n for n in dict.fromkeys([v["arm"] or v["dominant_in"], "default"]) if n in quant]
+    v = rep.verdict
+    names = [n for n in dict.fromkeys([v.arm or v.dominant_in, "default"]) if n in rep.arms]
     out = ["## Failure samples", ""]
     for n in names:
         out += [f"### `{n}`", ""]
-        for f in quant[n]["failures"]:
-            out.append(f"- sample {f['sample']} ({f['tokens']} tokens, bucket <= {f['bucket']}): "
-                       f"mean KL {f['mean_kl']:.3g}")
-            for p in f["positions"]:
-                text = p["context"].replace("```", "'''").replace("\n", "\n    ")
-                out += [f"  - position {p['position']}, KL {p['kl']:.3g}: next is {p['next']!r}, "
-                        f"{doc['reference']} predicts {p['reference_predicts']!r}, this arm {p['arm_predicts']!r}; "
+        for f in rep.arms[n].failures:
+            out.append(f"- sample {f.sample} ({f.tokens} tokens, bucket <= {f.bucket}): mean KL {f.mean_kl:.3g}")
+            for p in f.positions:
+                text = p.context.replace("```", "'''").replace("\n", "\n    ")
+                out += [f"  - position {p.position}, KL {p.kl:.3g}: next is {p.next!r}, "
+                        f"{rep.reference_name} predicts {p.reference_predicts!r}, this arm {p.arm_predicts!r}; "
                         "text before:", "", "    ```", f"    {text}", "    ```", ""]
         out.append("")
     return out
@@ -345,7 +398,7 @@ def _pos(x: float | None) -> float:
     return math.nan if x is None or not math.isfinite(x) else max(x, 1e-12)
 
 
-def plot_all(doc: dict[str, Any], out: Path) -> tuple[list[str], str | None]:
+def plot_all(rep: Report, out: Path) -> tuple[list[str], str | None]:
     """Write the PNG plots into `out`; returns (file names, a note when plots could not be made)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -353,9 +406,8 @@ def plot_all(doc: dict[str, Any], out: Path) -> tuple[list[str], str | None]:
         from matplotlib.ticker import MaxNLocator
     except ImportError:
         return [], "plots skipped: matplotlib is not installed (pip install matplotlib)"
-    ref_name = doc["reference"]
-    quant = {n: e for n, e in doc["arms"].items() if n != ref_name}
-    layers = [str(i) for i in doc["layers"]]
+    ref_name, quant = rep.reference_name, rep.arms
+    layers = [str(i) for i in rep.meta["layers"]]
 
     def save(fig: Any, name: str) -> None:
         FigureCanvasAgg(fig)
@@ -365,13 +417,13 @@ def plot_all(doc: dict[str, Any], out: Path) -> tuple[list[str], str | None]:
     for j, kind in enumerate(("k", "v")):
         ax = fig.add_subplot(2, 2, 1 + j)
         for n, e in quant.items():
-            ys = [_pos(e["scales"][kind].get(i)) for i in layers]
+            ys = [_pos(e.info.scales[kind].get(i)) for i in layers]
             if any(math.isfinite(y) for y in ys):
                 ax.plot([int(i) for i in layers], ys, marker="o", label=n)
         ax.set(yscale="log", xlabel="layer", ylabel=f"{kind}_scale (max over heads)", title=f"{kind.upper()} scales")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=6)
-        amax = [doc["arms"][ref_name]["ranges"][i][f"{kind}_amax"] for i in layers]
+        amax = [list(rep.reference.ranges[i].k_amax if kind == "k" else rep.reference.ranges[i].v_amax) for i in layers]
         ax = fig.add_subplot(2, 2, 3 + j)
         im = ax.imshow(amax, aspect="auto", cmap="viridis", interpolation="nearest")
         ax.set(xlabel="KV head", ylabel="layer", title=f"max |{kind.upper()}| per head ({ref_name} pass)")
@@ -385,9 +437,9 @@ def plot_all(doc: dict[str, Any], out: Path) -> tuple[list[str], str | None]:
                                       ("v_snr_db", "V SNR (dB)"))):
         ax = fig.add_subplot(1, 3, 1 + j)
         for n, e in quant.items():
-            ys = [e["layers"][i][key] for i in e["layers"]]
+            ys = [e.layers[i][key] for i in e.layers]
             ys = [_pos(y) if j == 0 else (y if y is not None and math.isfinite(y) else math.nan) for y in ys]
-            ax.plot([int(i) for i in e["layers"]], ys, marker="o", label=n)
+            ax.plot([int(i) for i in e.layers], ys, marker="o", label=n)
         ax.set(xlabel="layer", title=label, yscale="log" if j == 0 else "linear")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=6)
@@ -395,10 +447,11 @@ def plot_all(doc: dict[str, Any], out: Path) -> tuple[list[str], str | None]:
 
     fig = Figure(figsize=(7, 4), layout="constrained")
     ax = fig.add_subplot(1, 1, 1)
-    buckets = [str(b) for b in doc["buckets"]]
+    buckets = [str(b) for b in rep.meta["buckets"]]
     for n, e in quant.items():
-        ax.plot(range(len(buckets)), [_pos(e["buckets"].get(b, {}).get("kl")) for b in buckets], marker="o", label=n)
-    ax.axhline(doc["thresholds"]["max_kl"], color="red", linestyle="--", label="threshold")
+        ax.plot(range(len(buckets)), [_pos(e.buckets[b].kl if b in e.buckets else None) for b in buckets], marker="o",
+                label=n)
+    ax.axhline(rep.thresholds.max_kl, color="red", linestyle="--", label="threshold")
     ax.set(xticks=range(len(buckets)), xticklabels=[f"<= {b}" for b in buckets], yscale="log",
            xlabel="context length (tokens)", ylabel=f"mean KL to {ref_name} (nats)", title="KL by length bucket")
     ax.legend(fontsize=6)

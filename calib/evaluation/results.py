@@ -10,9 +10,8 @@ protocol defines (calib/engine/run.py); `calib.engine.verdict.decisive` reads bo
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
 from typing import Any
 
 
@@ -94,6 +93,10 @@ class Seconds:
 
     def to_dict(self) -> dict[str, float]:
         return {"metrics": self.metrics, **({} if self.passkey is None else {"passkey": self.passkey})}
+
+    @property
+    def total(self) -> float:
+        return sum(self.to_dict().values())
 
 
 @dataclass(frozen=True)
@@ -203,14 +206,3 @@ def _extras(out: dict[str, Any], e: Reference | ArmMetrics) -> dict[str, Any]:
 def with_passkey(e: Any, rows: Mapping[str, PasskeyRow], seconds: float) -> Any:
     """`e` (Reference or ArmMetrics) with its passkey rows and their seconds."""
     return replace(e, passkey=rows, seconds=replace(e.seconds, passkey=seconds))
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    """A finished evaluation: where its report is, the typed numbers, the verdict and report.json's document."""
-    out: Path
-    reference: Reference
-    arms: Mapping[str, ArmMetrics]
-    verdict: dict[str, Any]
-    report: dict[str, Any]
-    seconds: float

@@ -24,7 +24,7 @@ from . import report
 from .config import EvalConfig, check_eval
 from .fakequant import Arm, EvalError, Geometry, arms_for, fake_quant_kv, read_stats, reference_arm
 from .measure import measure
-from .results import ArmMetrics, EvalResult, Reference, with_passkey
+from .results import ArmMetrics, Reference, with_passkey
 from .retrieval import passkey_stage, run_passkey
 from .samples import Sample, calibration_windows, select_samples, usable_buckets
 from .session import Session, open_session
@@ -37,6 +37,17 @@ def load_causal_lm(source: str, device: str | None = None, trust_remote_code: bo
     """`model.load` with the LM head: evaluation needs logits. `LoadedModel.model` is the causal LM."""
     return model_mod.load(source, placement=model_mod.Placement(device=device, cpu_dtype=cpu_dtype),
                           trust_remote_code=trust_remote_code, lm_head=True)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """A finished evaluation: where its report is, the typed numbers and verdict, report.json's document."""
+    out: Path
+    reference: Reference
+    arms: dict[str, ArmMetrics]
+    verdict: report.Verdict
+    report: dict[str, Any]
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -70,10 +81,11 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             s, note = open_session(lm, hook, p.loaded.tokenizer, p.samples, p.buckets, cfg.batch_size, cfg.failures)
             ref, results, engine = measure_arms(cfg, p, s, progress)
             results.update(skip_trials(cfg, p, s, ref, results, engine, log, progress))
-        doc = report.document(_meta(cfg, p, [note] if note else [], time.perf_counter() - t_start), ref, results,
-                              cfg.thresholds)
-        report.write(Path(cfg.out), doc, force=cfg.force, plots=cfg.plots)
-    return EvalResult(Path(cfg.out), ref, results, doc["verdict"], doc, time.perf_counter() - t_start)
+        decided = report.verdict(ref, results, cfg.thresholds, p.reference.name)
+        meta = _meta(cfg, p, [note] if note else [], time.perf_counter() - t_start)
+        doc = report.write(Path(cfg.out), report.Report(meta, ref, results, cfg.thresholds, decided), force=cfg.force,
+                           plots=cfg.plots)
+    return EvalResult(Path(cfg.out), ref, results, decided, doc, time.perf_counter() - t_start)
 
 
 def prepare(cfg: EvalConfig, log: Log) -> Prepared:

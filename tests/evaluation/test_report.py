@@ -47,6 +47,10 @@ def _arm(buckets: dict[str, float], ppl_rel: float, passkey: tuple[int, int] | N
     return ArmMetrics(info, rows, replace(total, ppl_rel=ppl_rel), (), (), layers or {}, (), Seconds(1.0), pk)
 
 
+def _report(meta, ref, results) -> report.Report:
+    return report.Report(meta, ref, results, Thresholds(), report.verdict(ref, results, Thresholds(), "fp32"))
+
+
 def test_failures_name_every_miss_with_its_number():
     entry = _arm({"64": 0.005, "256": 0.0234}, 0.0213, passkey=(3, 5))
     _, ref, _ = _known(10.0)
@@ -66,23 +70,22 @@ def test_dominant_layers_are_those_far_above_the_median():
 
 def test_verdict_text_carries_the_deciding_numbers():
     meta, ref, results = _known(ppl=10.2)
-    doc = report.document(meta, ref, results, Thresholds())
+    doc = _report(meta, ref, results).to_dict()
     assert doc["arms"]["default"]["misses"] == ["perplexity +2.00% > +1%"]
     assert doc["verdict"]["action"] == "keep_reference" and doc["verdict"]["text"] == (
         "Keep FP32 KV for this model: no arm is within the threshold (best: `default`, perplexity +2.00% > +1%). "
         "No small set of layers dominates the error, so skipping layers would not help. Decided on emulated "
         "numbers (no engine run; `--engine vllm` measures the real engine).")
     meta, ref, results = _known(ppl=10.05)
-    v = report.document(meta, ref, results, Thresholds())["verdict"]
-    assert v["action"] == "ship" and v["text"].startswith(
+    v = report.verdict(ref, results, Thresholds(), "fp32")
+    assert v.action == "ship" and v.text.startswith(
         "Ship `default` (emulated: worst-bucket KL 0.004, ppl +0.50%): serve with FP8 KV and no scales "
         "(vLLM: `--kv-cache-dtype fp8`); calibration is not needed.")
 
 
 def test_report_files_hold_the_known_numbers(tmp_path):
     meta, ref, results = _known(ppl=10.2)
-    doc = report.document(meta, ref, results, Thresholds())
-    report.write(tmp_path / "r", doc, force=False, plots=False)
+    doc = report.write(tmp_path / "r", _report(meta, ref, results), force=False, plots=False)
     md = (tmp_path / "r" / "report.md").read_text().splitlines()
     assert "| fp32 | reference | fp32 | – | 0 | 0 | 100% | 10 | – | – | reference | 1 |" in md
     assert "| default | default | fp8_e4m3 | tensor | 0.004 | 0.004 | 98% | 10.2 | 2% | – | no | 2 |" in md

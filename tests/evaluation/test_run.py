@@ -79,9 +79,9 @@ def test_default_scale_saturates_and_calibrated_wins(k1000):
     assert default["summary"]["top1"] < cal["summary"]["top1"]
     assert not default["within_threshold"] and cal["within_threshold"]
     v = res.verdict
-    assert v["action"] == "ship" and v["arm"] in {f"calibrated:{ckpt}", *(n for n in arms if n.startswith("per-"))}
-    assert arms[v["arm"]]["shippable"] and "default" not in v["within_threshold"]
-    assert v["text"].startswith(f"Ship `{v['arm']}`")
+    assert v.action == "ship" and v.arm in {f"calibrated:{ckpt}", *(n for n in arms if n.startswith("per-"))}
+    assert arms[v.arm]["shippable"] and "default" not in v.within_threshold
+    assert v.text.startswith(f"Ship `{v.arm}`")
 
 
 def test_identical_scales_give_identical_numbers(k1000):
@@ -115,9 +115,9 @@ def test_report_files_are_well_formed(k1000):
     res, _, _, _, _ = k1000
     out = res.out
     doc = json.loads((out / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
-    assert doc["verdict"] == json.loads(json.dumps(res.verdict))
+    assert doc["verdict"] == json.loads(json.dumps(res.verdict.to_dict()))
     md = (out / "report.md").read_text()
-    assert "## Verdict" in md and res.verdict["text"] in md
+    assert "## Verdict" in md and res.verdict.text in md
     blocks, current = [], []
     for line in md.splitlines() + [""]:
         if line.startswith("|"):
@@ -172,8 +172,8 @@ def test_model_within_range_both_arms_close(tmp_path):
     assert 0 < default["kl"] < 0.01 and 0 < cal["kl"] < 0.01
     assert 0.5 < default["kl"] / cal["kl"] < 2
     v = res.verdict
-    assert v["action"] == "ship" and set(v["within_threshold"]) == {"default", f"calibrated:{ckpt}"}
-    assert "Also within the threshold" in v["text"] and all(f"`{n}`" in v["text"] for n in v["within_threshold"])
+    assert v.action == "ship" and set(v.within_threshold) == {"default", f"calibrated:{ckpt}"}
+    assert "Also within the threshold" in v.text and all(f"`{n}`" in v.text for n in v.within_threshold)
     assert not (tmp_path / "report" / "scales.png").exists()
 
 
@@ -187,12 +187,12 @@ def test_pathological_layer_is_named_with_the_skip_flag(tmp_path):
     assert cal["layers"]["1"]["v_flushed"] > 0.4 and cal["layers"]["0"]["v_flushed"] < 0.01
     assert not cal["within_threshold"]
     # measured in the emulation only: named with its flag, but not recommended until an engine confirms it
-    assert v["action"] == "skip_unconfirmed" and v["skip_layers"] == [1] and v["dominant_layers"] == [1]
-    assert "unconfirmed" in v["text"] and v["text"].startswith(f"Keep {res.report['reference'].upper()} KV for now")
-    assert v["flag"] == "--kv-cache-dtype-skip-layers 1" and v["flag"] in v["text"]
-    measured = arms[f"{v['arm']} skip 1"]                  # the skip was measured, not guessed
+    assert v.action == "skip_unconfirmed" and v.skip_layers == (1,) and v.dominant_layers == (1,)
+    assert "unconfirmed" in v.text and v.text.startswith(f"Keep {res.report['reference'].upper()} KV for now")
+    assert v.flag == "--kv-cache-dtype-skip-layers 1" and v.flag in v.text
+    measured = arms[f"{v.arm} skip 1"]                  # the skip was measured, not guessed
     assert measured["skip"] == [1] and "1" not in measured["layers"]
-    assert measured["summary"]["max_bucket_kl"] <= 0.01 < arms[v["arm"]]["summary"]["max_bucket_kl"]
+    assert measured["summary"]["max_bucket_kl"] <= 0.01 < arms[v.arm]["summary"]["max_bucket_kl"]
     md = (tmp_path / "report" / "report.md").read_text()
     assert "--kv-cache-dtype-skip-layers 1" in md
     assert _shape(res.out) == SHAPES["patho"]
