@@ -112,19 +112,32 @@ def _absmax_torch(x: Tensor, mask: Tensor | None, amax: Tensor, over: Tensor | N
 
 if triton is not None:
     @triton.jit
-    def _absmax_kernel(x_ptr, m_ptr, amax_ptr, over_ptr, total_ptr, S, D, H, sxb, sxh, sxs, sxd, smb, sms, limit,
-                       HAS_MASK: tl.constexpr, COUNT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
+    def _rows(m_ptr, b, offs_s, S, smb, sms, HAS_MASK: tl.constexpr):
+        """Which of these token positions hold a real token of batch row b."""
+        rows = offs_s < S
+        if HAS_MASK:
+            rows = rows & (tl.load(m_ptr + b * smb + offs_s * sms, mask=offs_s < S, other=0) != 0)
+        return rows
+
+    @triton.jit
+    def _abs_tile(x_ptr, m_ptr, S, D, H, sxb, sxh, sxs, sxd, smb, sms,
+                  HAS_MASK: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
+        """This program's tile: |x| in float32 for BS tokens of one (batch, head) — 0 outside the tensor and
+        on padding — with the tile's validity, its head, token and channel offsets."""
         bh = tl.program_id(0)
         b = bh // H
         h = bh % H
         offs_s = tl.program_id(1) * BS + tl.arange(0, BS)
         offs_d = tl.arange(0, BD)
-        rows = offs_s < S
-        if HAS_MASK:
-            rows = rows & (tl.load(m_ptr + b * smb + offs_s * sms, mask=offs_s < S, other=0) != 0)
-        valid = rows[:, None] & (offs_d[None, :] < D)
+        valid = _rows(m_ptr, b, offs_s, S, smb, sms, HAS_MASK)[:, None] & (offs_d[None, :] < D)
         ptrs = x_ptr + b * sxb + h * sxh + offs_s[:, None] * sxs + offs_d[None, :] * sxd
         a = tl.abs(tl.load(ptrs, mask=valid, other=0.0).to(tl.float32))
+        return a, valid, h, offs_s, offs_d
+
+    @triton.jit
+    def _absmax_kernel(x_ptr, m_ptr, amax_ptr, over_ptr, total_ptr, S, D, H, sxb, sxh, sxs, sxd, smb, sms, limit,
+                       HAS_MASK: tl.constexpr, COUNT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
+        a, valid, h, offs_s, offs_d = _abs_tile(x_ptr, m_ptr, S, D, H, sxb, sxh, sxs, sxd, smb, sms, HAS_MASK, BS, BD)
         tl.atomic_max(amax_ptr + h, tl.max(tl.max(tl.where(a == a, a, float("inf")), axis=1), axis=0),
                       sem="relaxed")
         if COUNT:
@@ -183,9 +196,7 @@ if triton is not None:
         b = bh // H
         h = bh % H
         offs_s = tl.program_id(1) * BS + tl.arange(0, BS)
-        rows = offs_s < S
-        if HAS_MASK:
-            rows = rows & (tl.load(m_ptr + b * smb + offs_s * sms, mask=offs_s < S, other=0) != 0)
+        rows = _rows(m_ptr, b, offs_s, S, smb, sms, HAS_MASK)
         base = x_ptr + b * sxb + h * sxh + offs_s[:, None] * sxs
         p = tl.arange(0, BP)
         if INTERLEAVED:
@@ -280,19 +291,9 @@ if triton is not None:
     def _hist_kernel(x_ptr, m_ptr, amax_ptr, counts_ptr, sum0_ptr, S, D, H, BINS, sxb, sxh, sxs, sxd, smb, sms,
                      e_min, e_max, HAS_MASK: tl.constexpr, LANES: tl.constexpr, BS: tl.constexpr,
                      BD: tl.constexpr):
-        bh = tl.program_id(0)
-        b = bh // H
-        h = bh % H
+        a, valid, h, offs_s, offs_d = _abs_tile(x_ptr, m_ptr, S, D, H, sxb, sxh, sxs, sxd, smb, sms, HAS_MASK, BS, BD)
         e = _range_exponent(tl.load(amax_ptr + h), e_min, e_max)
         base = ((e + 127) << 7) - BINS
-        offs_s = tl.program_id(1) * BS + tl.arange(0, BS)
-        offs_d = tl.arange(0, BD)
-        rows = offs_s < S
-        if HAS_MASK:
-            rows = rows & (tl.load(m_ptr + b * smb + offs_s * sms, mask=offs_s < S, other=0) != 0)
-        valid = rows[:, None] & (offs_d[None, :] < D)
-        ptrs = x_ptr + b * sxb + h * sxh + offs_s[:, None] * sxs + offs_d[None, :] * sxd
-        a = tl.abs(tl.load(ptrs, mask=valid, other=0.0).to(tl.float32))
         idx = tl.minimum(tl.maximum((a.to(tl.int32, bitcast=True) >> 16) - base, 0), BINS - 1)
         lane = (offs_s[:, None] + offs_d[None, :] // 8) % LANES
         tl.atomic_add(counts_ptr + (lane * H + h) * BINS + idx, 1, mask=valid, sem="relaxed")
