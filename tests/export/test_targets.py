@@ -14,6 +14,22 @@ from calib.verify import verify
 from helpers import made_up_scales
 
 
+@pytest.mark.parametrize("name", list(export.TARGETS))
+def test_failure_mid_export_leaves_nothing(name, tiny_llama_dir, tmp_path, monkeypatch):
+    """Every target writes through the one write_variant: a failed write leaves no output and no temp folder."""
+    import safetensors.torch
+
+    from calib.outputs import OutputError
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    scales = made_up_scales(3, amax_per_layer=(4.48, 8.96))
+    with pytest.raises(OutputError, match=r"writing failed \(disk full\); nothing was written"):
+        export.TARGETS[name].write(tiny_llama_dir, tmp_path / "out", scales, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
+
+
 def test_targets_in_order_and_the_recipe_takes_their_names():
     assert list(export.TARGETS) == ["vllm", "trtllm"] == list(R.TARGETS)
 

@@ -158,19 +158,6 @@ def test_sharded_source_keeps_its_shards_and_index_entries(tmp_path):
     assert verify(out) == []
 
 
-def test_failure_mid_export_leaves_nothing(tiny_llama_dir, tmp_path, monkeypatch):
-    import safetensors.torch
-
-    def boom(*a, **k):
-        raise OSError("disk full")
-    monkeypatch.setattr(safetensors.torch, "save_file", boom)
-    from calib.outputs import OutputError
-
-    with pytest.raises(OutputError, match=r"writing failed \(disk full\); nothing was written"):
-        trtllm.export_trtllm(tiny_llama_dir, tmp_path / "out", _scales(3), {})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
-
-
 def test_existing_output_is_refused_unless_forced(tiny_llama_dir, tmp_path):
     from calib.outputs import OutputError
 
