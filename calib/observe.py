@@ -119,6 +119,8 @@ class OverflowCounter:
         if self._over is None:
             self._over = torch.zeros((), dtype=torch.int64, device=x.device)
             self._total = torch.zeros((), dtype=torch.int64, device=x.device)
+        elif self._over.device != x.device:           # loaded from a file (resume): follow the batches
+            self._over, self._total = self._over.to(x.device), self._total.to(x.device)
         return self._over, self._total
 
     def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:

@@ -10,8 +10,8 @@ request can push a channel beyond anything a short calibration text produced. Th
 All share one interface: `update(x [b, h, s, d], mask [b, s] | None)` folds a batch in (padding
 ignored, state stays on x's device, no host sync), `merge(other)` adds an observer of disjoint data,
 `update` may be handed `amax`, the caller's running max |x| per head over the same data including this
-batch, which the histogram observers then need not compute again; `amax()` is a pure read of the clip per head (`[h]` float32 on the CPU), and `state_dict()` /
-`load_state_dict()` carry plain tensors (for checkpointing and cross-process reduction).
+batch, which the histogram observers then need not compute again; `amax()` is a pure read of the clip
+per head (`[h]` float32 on the CPU), and `state_dict()` / `load_state_dict()` carry plain tensors (for checkpointing and cross-process reduction).
 Histogram-based observers keep bounded memory: 16 bytes per bin and head (2048 bins → 32 KiB per head).
 """
 
@@ -52,6 +52,14 @@ def _masked_abs(x: Tensor, mask: Tensor | None) -> Tensor:
 def _check_like(name: str, have: dict[str, Tensor], want: dict[str, Tensor]) -> None:
     if have.keys() != want.keys() or any(have[k].shape != want[k].shape for k in want):
         raise ValueError(f"{name}: state {_shapes(have)} does not match {_shapes(want)}")
+
+
+def _on(state: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    """The state on `device`: a state loaded from a file (resume) sits on the CPU while batches arrive on
+    the GPU, and calib.reduce folds into the state in place."""
+    if all(v.device == device for v in state.values()):
+        return state
+    return {k: v.to(device) for k, v in state.items()}
 
 
 def _shapes(state: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
@@ -108,13 +116,14 @@ class AbsMaxObserver(_MaxState):
         |x| >= 0, and padding adds 0)."""
         if not self._state:
             self._state = {"amax": torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)}
+        self._state = _on(self._state, x.device)
         return self._state["amax"]
 
     def update(self, x: Tensor, mask: Tensor | None, amax: Tensor | None = None) -> None:
-        amax = self.running(x)
-        if amax.shape[0] != x.shape[1]:
-            raise ValueError(f"AbsMaxObserver: {x.shape[1]} heads, state has {amax.shape[0]}")
-        reduce.absmax_(x, mask, amax)
+        state = self.running(x)                      # (amax is for the histogram observers: this is the max)
+        if state.shape[0] != x.shape[1]:
+            raise ValueError(f"AbsMaxObserver: {x.shape[1]} heads, state has {state.shape[0]}")
+        reduce.absmax_(x, mask, state)
 
     def amax(self) -> Tensor:
         return self._read()["amax"].detach().cpu().clone()
@@ -162,7 +171,7 @@ class RopeBoundObserver(_MaxState):
         if not self._state:   # zeros before any data: norms are >= 0, and padding adds 0
             self._state = {"pair_max": torch.zeros(h, rot // 2, device=x.device),
                            "pass_max": torch.zeros(h, d - rot, device=x.device)}
-        s = self._state
+        s = self._state = _on(self._state, x.device)
         if s["pair_max"].shape != (h, rot // 2) or s["pass_max"].shape != (h, d - rot):
             raise ValueError(f"RopeBoundObserver: x has {h} heads of {d} channels, state {_shapes(s)}")
         reduce.pair_max_(x, mask, rot, self.rotary.interleaved, s["pair_max"], s["pass_max"])
@@ -268,6 +277,7 @@ class _HistogramObserver:
                            "amax": torch.zeros(h, dtype=torch.float32, device=x.device)}
         if self._state["counts"].shape[0] != h:
             raise ValueError(f"histogram: x has {h} heads, state {_shapes(self._state)}")
+        self._state = _on(self._state, x.device)
         scratch = reduce.scratch_for(x.device, h, self.bins)
         new = reduce.histogram_(x, mask, self._state, scratch, E_MIN, E_MAX, amax)
         if new is None:                          # no working Triton here: the torch path, same result

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from calib.observers import (EmptyObserverError, MSEObserver, PercentileObserver, RopeBoundObserver,
+from calib.observers import (AbsMaxObserver, EmptyObserverError, MSEObserver, PercentileObserver, RopeBoundObserver,
                              RotaryLayout, make_observer)
 from calib.quant import FP8_E4M3, INT8, fake_quant
 
@@ -412,3 +412,19 @@ def test_rope_bound_on_a_real_llama_layer() -> None:
     assert torch.allclose(bound_short, bound_long, rtol=1e-5)
     assert (absmax_long <= bound_short * (1 + 1e-5)).all()
     assert (absmax_short < absmax_long).all()
+
+
+def test_state_loaded_on_another_device_follows_the_batches() -> None:
+    """Resume loads states on the CPU while batches arrive on the GPU; the in-place folds of calib.reduce
+    need the state where the batch is. The 'meta' device stands in for the GPU (shapes only)."""
+    from calib.observe import OverflowCounter
+
+    x = torch.randn(2, 3, 5, 8)
+    exact, rope, over = AbsMaxObserver(), RopeBoundObserver(RotaryLayout(8)), OverflowCounter()
+    for obs in (exact, rope, over):
+        obs.update(x, None)
+    loaded = [type(o)() if o is not rope else RopeBoundObserver(RotaryLayout(8)) for o in (exact, rope, over)]
+    for fresh, obs in zip(loaded, (exact, rope, over)):
+        fresh.load_state_dict(obs.state_dict())
+        fresh.update(x.to("meta"), None)
+        assert {t.device.type for t in fresh.state_dict().values()} == {"meta"}, type(fresh).__name__
