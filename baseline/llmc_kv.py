@@ -2,7 +2,7 @@
 
 Why a separate script in a separate venv (`make baseline-llmc`): llm-compressor 0.14 pins
 transformers <= 5.17 and compressed-tensors 0.19, which kvcalib's own environment does not share. It
-imports only `calib.data` (pure Python) so both tools see the same token sequences; everything else here
+imports only `calib.data.sources` (pure Python) so both tools see the same token sequences; everything else here
 is llm-compressor's own API. Each observer writes one checkpoint that `kvcalib eval --scales` reads.
 
     python baseline/llmc_kv.py --model M --data D --out-dir out/llmc [--samples 128 --seq-len 512]
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from calib import data as data_mod  # noqa: E402  (pure Python: no torch, no transformers)
+from calib.data import sources as data_mod  # noqa: E402  (pure Python: no torch, no transformers)
 
 
 def main() -> None:

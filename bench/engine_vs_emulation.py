@@ -5,7 +5,7 @@ scale 1.0, per emulation mode, against real vLLM on exactly the same token ids.
         [--vllm-venv DIR] [--out DIR]
 
 Emulated side (this venv): the model in its checkpoint dtype, every token's K and V through each mode's cache
-write (`calib/emulate.py`; `vllm-fa3` also runs FlashAttention-3-style FP8 attention), perplexity over every
+write (`calib/evaluation/emulate.py`; `vllm-fa3` also runs FlashAttention-3-style FP8 attention), perplexity over every
 position after the first, against the same model unquantised.
 
 Engine side (`bench/vllm_ppl.py` in the vLLM venv, when one is given or found): vLLM with a BF16 cache; the
@@ -14,7 +14,7 @@ attention kernel on the emulated cache contents); and vLLM's own FP8 cache. vLLM
 only on x86 with AVX-512 or AMX: on other CPUs that column holds the engine's refusal, and the script says so.
 
 Writes OUT/results.json and OUT/results.md (a table: mode, emulated rise, engine-with-injected-cache rise,
-real engine FP8 rise). Token ids come from `calib.data.samples` with packing (every sample exactly --seq-len
+real engine FP8 rise). Token ids come from `calib.data.sources.samples` with packing (every sample exactly --seq-len
 tokens), seed 0, so a run is reproducible and the ids can be handed to any engine.
 """
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 def token_ids(model: str, data: str, samples: int, seq_len: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from calib import data as data_mod
+    from calib.data import sources as data_mod
 
     tok = AutoTokenizer.from_pretrained(model)
     seqs = list(data_mod.samples(data, tok, seq_len=seq_len, max_samples=samples, min_tokens=seq_len, pack=True,
@@ -50,10 +50,10 @@ def emulated(model: str, ids: list[list[int]], modes: list[str], cpu_dtype: str 
     """{"reference": {"ppl", "nll", "tokens"}, mode: {...}} with the default arm (scale 1.0) per mode."""
     import torch
 
-    from calib import emulate
+    from calib.evaluation import emulate
     from calib.evaluation.fakequant import Geometry, default_arm, fake_quant_kv
     from calib.evaluation.run import load_causal_lm
-    from calib.quant import FP8_E4M3
+    from calib.scales.quant import FP8_E4M3
 
     loaded = load_causal_lm(model, "cpu", False, cpu_dtype)
     lm = loaded.model
@@ -122,7 +122,7 @@ def table(emu: dict, eng: dict, modes: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from calib import emulate
+    from calib.evaluation import emulate
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory (default: `kvcalib default-model`)")

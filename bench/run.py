@@ -31,8 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from calib import model as model_mod, pipeline, scales as scales_mod  # noqa: E402
-from calib.recipe import Recipe  # noqa: E402
+from calib import pipeline
+from calib.model import load as model_mod
+from calib.recipe.recipe import Recipe  # noqa: E402
+from calib.scales import fold as scales_mod  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
@@ -232,7 +234,7 @@ def main() -> None:
                     help=f"comma list of llm-compressor arms, run when llmcompressor is importable ('' for none); "
                          f"known: {', '.join(LLMC_ARMS)}")
     ap.add_argument("--also-unfused", default="", help="comma list of arms to time again with KVCALIB_FUSED=0 "
-                    "(calib.reduce's torch reference instead of its kernels), in the same process")
+                    "(calib.capture.kernels's torch reference instead of its kernels), in the same process")
     ap.add_argument("--device")
     ap.add_argument("--export", action="store_true", help="also time the export against a file copy")
     ap.add_argument("--workdir", type=Path, help="where --export writes (default: a temp dir)")
@@ -248,7 +250,7 @@ def main() -> None:
     device = loaded.device
     g = torch.Generator().manual_seed(0)
     if args.model and args.data:
-        from calib import data as data_mod
+        from calib.data import sources as data_mod
         seqs = list(data_mod.samples(args.data, loaded.tokenizer, seq_len=args.seq_len, max_samples=args.samples,
                                      min_tokens=16, pack=False, seed=0, vocab_size=loaded.config.vocab_size,
                                      report=data_mod.DataReport()))

@@ -8,7 +8,7 @@ token with `kvcalib eval` on the same ids.
 
 Runs, in one engine start each (prefix caching off, so no run reuses another's cache):
 - `--kv-cache-dtype auto` (the model dtype), then each `--inject MODE`: the same engine, but every K and V
-  written to the cache first goes through MODE's FP8 cache write (`calib/emulate.py`, `calib/fp8.py`) and back
+  written to the cache first goes through MODE's FP8 cache write (`calib/evaluation/emulate.py`, `calib/scales/fp8.py`) and back
   to BF16. The rest — RoPE, attention kernel, chunked prefill — is vLLM's own, so the difference from the `auto`
   run isolates the cache rounding. Exact for scale 1.0 (every e4m3 value is a BF16 value); on vLLM's CPU build
   the FP8 path dequantises exactly and scales in float32, so this is its arithmetic up to float32 rounding order.
@@ -39,7 +39,8 @@ def _injector(mode_name: str):
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from calib import emulate, fp8            # torch-only modules: the arithmetic under test, from its one home
+    from calib.evaluation import emulate
+    from calib.scales import fp8            # torch-only modules: the arithmetic under test, from its one home
     from vllm import _custom_ops as ops
 
     mode = emulate.by_name(mode_name)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import click
 
-from . import __version__
-from . import emulate as emulate_mod
-from . import recipe as recipe_mod
+from calib import __version__
+from calib.evaluation import emulate as emulate_mod
+from calib.recipe import recipe as recipe_mod
 
-from . import resources
-from .vocab import FP8_E4M3
+from calib import resources
+from calib.recipe.dtypes import FP8_E4M3
 
 DEFAULT_DATA = resources.default_data()
 BUILD_DIR = resources.build_dir()
@@ -39,14 +39,20 @@ CPU_DTYPES = ("float32", "bfloat16")
 
 def _default_model() -> str:
     """The embedded default model's directory, built on first use (build messages go to stderr)."""
-    from .default_model import ensure_default_model
+    from calib.model.default_model import ensure_default_model
 
     return str(ensure_default_model(BUILD_DIR, log=lambda m: click.echo(m, err=True)))
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from . import data, export, integrity, model, observe, options, outputs, statsfile
-    from .default_model import DefaultModelError
+    from calib import export
+    from calib.capture import hook as observe
+    from calib.capture import statsfile
+    from calib.ckpt import integrity
+    from calib.data import sources as data
+    from calib.model import load as model
+    from calib.model.default_model import DefaultModelError
+    from calib.safety import options, outputs
 
     return (recipe_mod.RecipeError, data.DataError, model.ModelError, observe.CaptureError, export.ExportError,
             statsfile.StatsError, outputs.OutputError, options.OptionError, integrity.IntegrityError,
@@ -135,7 +141,9 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
                           q_scale=q_scale, skip_layers=skip_layers, targets=targets)
     from tqdm import tqdm
 
-    from . import distributed, options, pipeline
+    from calib import pipeline
+    from calib.capture import distributed
+    from calib.safety import options
 
     placement = _placement(device, device_map, max_memory, offload_folder, cpu_dtype)
     try:
@@ -205,14 +213,14 @@ def _terminate_as_interrupt():
 def _checkpointing(out: Path, every: int | None, resume: bool, pipeline):
     if not every and not resume:
         return None
-    from .outputs import resume_path
+    from calib.safety.outputs import resume_path
 
     path = resume_path(Path(out))
     return pipeline.Checkpointing(path=path, every=every or 0, resume=resume)
 
 
 def _placement(device, device_map, max_memory, offload_folder, cpu_dtype="float32"):
-    from .model import Placement
+    from calib.model.load import Placement
 
     if (max_memory or offload_folder) and not device_map:
         raise click.ClickException("--max-memory and --offload-folder need --device-map (e.g. --device-map auto)")
@@ -284,7 +292,7 @@ def inspect(ckpt: Path) -> None:
 
 
 def _inspect_one(ckpt: Path) -> None:
-    from .ckpt.kvinfo import read_kv_info
+    from calib.ckpt.kvinfo import read_kv_info
 
     try:
         info = read_kv_info(ckpt)
@@ -328,7 +336,7 @@ def _inspect_one(ckpt: Path) -> None:
 @click.option("--force", is_flag=True, help="Replace OUT if it is a kvcalib statistics file (never any other file).")
 def merge(stats: tuple[Path, ...], out: Path, force: bool) -> None:
     """Combine statistics files of one model (other data, shards, days) exactly as one run over all of it."""
-    from . import statsfile
+    from calib.capture import statsfile
 
     try:
         statsfile.merge(list(stats), out, force=force)
@@ -351,7 +359,7 @@ def merge(stats: tuple[Path, ...], out: Path, force: bool) -> None:
 @click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never other files).")
 def export_cmd(stats_path, model_src, recipe_path, dtype, granularity, headroom, skip_layers, targets, out, force):
     """Turn statistics into a checkpoint for a recipe, without running the model again."""
-    from . import pipeline
+    from calib import pipeline
 
     recipe = _load_recipe(recipe_path, dtype=dtype, granularity=granularity, headroom=headroom,
                           skip_layers=skip_layers, targets=targets)
@@ -412,11 +420,11 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
              seed, passkey_trials, failures, plots, progress, max_kl, max_ppl_increase, passkey_drop, max_skip, device,
              cpu_dtype, trust_remote_code, engine, vllm_venv, engine_top_k, engine_kv_gib, engine_timeout, out, force) -> None:
     """Compare BF16, default-scale and calibrated FP8 KV by layer and context length; write a report + verdict."""
-    from .evaluation.config import EvalConfig
-    from .evaluation.fakequant import EvalError
-    from .evaluation.report import Thresholds
-    from .evaluation.run import run_eval
-    from .progress import Progress
+    from calib.evaluation.config import EvalConfig
+    from calib.evaluation.fakequant import EvalError
+    from calib.evaluation.report import Thresholds
+    from calib.evaluation.run import run_eval
+    from calib.progress import Progress
 
     small = DEFAULT_MODEL_EVAL if model_src is None else EVAL_DEFAULTS
     if model_src is None and None in (buckets, samples, passkey_trials):
@@ -429,11 +437,11 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
         bucket_list = tuple(int(b) for b in buckets.split(",") if b.strip())
     except ValueError:
         raise click.ClickException(f"--buckets {buckets!r}: give token lengths like 512,2048,8192") from None
-    from . import options
+    from calib.safety import options
 
     engine_spec = None
     if engine:
-        from .engine.driver import EngineSpec
+        from calib.engine.driver import EngineSpec
 
         if vllm_venv is None:
             raise click.ClickException("--engine vllm needs --vllm-venv PATH (or KVCALIB_VLLM_VENV): the virtual "
@@ -470,7 +478,7 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
               help="Check the rules of this engine (all: the engines the checkpoint declares).")
 def verify(ckpt: Path, engine: str) -> None:
     """Check CKPT against each engine's loader rules; one line per problem, non-zero exit on errors."""
-    from .verify import ENGINES, verify as run_verify
+    from calib.verify import ENGINES, verify as run_verify
 
     if engine != "all" and engine not in ENGINES:   # a target whose engine has no checks in calib.verify
         raise click.ClickException(f"kvcalib knows no loader rules for {engine}; it checks {', '.join(ENGINES)}")
@@ -518,7 +526,7 @@ def recipes_show(name: str) -> None:
         click.echo(f"{key}: {json.dumps(value)}    # {docs[key]}")
 
 
-from .tune.cli import tune as _tune  # noqa: E402  (the command lives in its own module: cli.py stays short)
+from calib.tune.cli import tune as _tune  # noqa: E402  (the command lives in its own module: cli.py stays short)
 
 main.add_command(_tune)
 

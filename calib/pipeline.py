@@ -20,20 +20,26 @@ from typing import Any
 
 import torch
 
-from . import data as data_mod
-from . import export, model as model_mod, observe, options as opts, outputs, scales as scales_mod, statsfile
-from .batching import PaddingStats, batches, prefetch
-from .ckpt.names import PROVENANCE_FILE, STATS_FILE
-from .distributed import Dist, barrier, merge_all, shard
-from .recipe import Recipe
-from .spec import TOKEN_QUANTILES, capture_spec  # noqa: F401  (re-exported: pipeline.capture_spec)
+from calib import export
+from calib.capture import hook as observe
+from calib.capture import statsfile
+from calib.capture.distributed import Dist, barrier, merge_all, shard
+from calib.capture.spec import TOKEN_QUANTILES, capture_spec  # noqa: F401  (re-exported: pipeline.capture_spec)
+from calib.capture.stats import Stats
+from calib.ckpt.names import PROVENANCE_FILE, STATS_FILE
+from calib.data import sources as data_mod
+from calib.data.batching import PaddingStats, batches, prefetch
+from calib.model import load as model_mod
+from calib.recipe.recipe import Recipe
+from calib.safety import options as opts, outputs
+from calib.scales import fold as scales_mod
 
 
 @dataclass
 class Result:
     out: Path
     scales: scales_mod.Scales       # empty when the recipe has no targets (statistics only)
-    stats: observe.Stats
+    stats: Stats
     skipped: list[int]
     data: data_mod.DataReport
     padding: float                  # share of computed positions that were padding
@@ -73,7 +79,7 @@ class Observed:
     """What the capture stage hands on: the merged capture (what a statistics file saves), its statistics
     (what scales are computed from) and the forward loop's seconds."""
     capture: observe.KVCapture
-    stats: observe.Stats
+    stats: Stats
     seconds: float
 
 
@@ -159,7 +165,7 @@ def data_record(data_src: str | Path, report: data_mod.DataReport) -> dict[str, 
     return {"source": str(data_src), **report.to_dict()}
 
 
-def provenance(recipe: Recipe, model_src: str, data: dict[str, Any], stats: observe.Stats,
+def provenance(recipe: Recipe, model_src: str, data: dict[str, Any], stats: Stats,
                scales: scales_mod.Scales, skipped: list[int], dtype: str, *, rotary_dim: int | None,
                into: str | None = None, selected_by: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run's record (kvcalib.json), complete when built: everything it names is computed by the caller
@@ -398,7 +404,7 @@ def _prepare(job: CalibrateJob, checked: _Checked) -> _Prepared:
     return _Prepared(loaded, skipped, report, seqs, options)
 
 
-def _fold(recipe: Recipe, stats: observe.Stats) -> scales_mod.Scales:
+def _fold(recipe: Recipe, stats: Stats) -> scales_mod.Scales:
     """The recipe's scales from the statistics (none for a statistics-only recipe)."""
     if not recipe.targets:
         return {}

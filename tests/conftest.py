@@ -11,7 +11,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # calib.reduce's Triton kernels are checked under the interpreter (tests/test_reduce.py); Triton reads
+    # calib.capture.kernels's Triton kernels are checked under the interpreter (tests/capture/test_kernels.py); Triton reads
     # this when it is first imported. On a CUDA machine the kernels run for real.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

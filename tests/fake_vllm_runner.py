@@ -36,10 +36,10 @@ def measure(req: dict) -> dict:
         time.sleep(3600)
     import torch
 
-    from calib import emulate, passkey
+    from calib.evaluation import emulate, passkey
     from calib.evaluation.fakequant import Geometry, checkpoint_arms, default_arm, fake_quant_kv
     from calib.evaluation.run import load_causal_lm
-    from calib.quant import by_name
+    from calib.scales.quant import by_name
 
     t0 = time.perf_counter()
     loaded = load_causal_lm(arm["model"], "cpu")

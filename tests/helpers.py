@@ -11,10 +11,12 @@ from pathlib import Path
 
 import torch
 
-from calib import data as D
-from calib import passkey, pipeline, recipe as recipe_mod
+from calib import pipeline
+from calib.data import sources as D
+from calib.evaluation import passkey
 from calib.evaluation.config import EvalConfig
-from calib.scales import LayerScales
+from calib.recipe import recipe as recipe_mod
+from calib.scales.fold import LayerScales
 from tiny import random_sequences, tiny_causal_lm
 
 

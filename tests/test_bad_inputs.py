@@ -254,9 +254,9 @@ def _real_stats(tmp: Path, name: str = "real.safetensors", edit: Callable[[dict,
     metadata)` rewrites its safetensors header, `cut` drops trailing bytes."""
     import struct
 
-    from calib import observe, statsfile
-    from calib.spec import capture_spec
-    from calib.recipe import Recipe
+    from calib.capture import hook as observe, statsfile
+    from calib.capture.spec import capture_spec
+    from calib.recipe.recipe import Recipe
 
     cap = observe.KVCapture([0, 1], capture_spec(Recipe(), rotary_dim=16))
     g = torch.Generator().manual_seed(0)
@@ -283,7 +283,7 @@ def _header_field(**fields) -> Callable[[dict, dict], None]:
 
 def _doubled_range(header: dict, meta: dict) -> None:
     """Point the stored k_amax of layer 0 at the v_amax bytes (another value), checksum removed."""
-    from calib import statsfile
+    from calib.capture import statsfile
 
     meta.pop(statsfile.CHECKSUM)
     k, v = header["stats.layers.0.k_amax"], header["stats.layers.0.v_amax"]
@@ -294,7 +294,7 @@ def _exported(tmp: Path, target: str = "vllm", edit: Callable[[Path], None] | No
     """The tiny model exported with made-up scales (no calibration), then `edit`ed."""
     from calib import export
     from calib.export import trtllm
-    from calib.scales import LayerScales
+    from calib.scales.fold import LayerScales
 
     scales = {i: LayerScales(torch.tensor(0.1), torch.tensor(0.1), torch.ones(2), torch.ones(2)) for i in range(3)}
     out = tmp / f"ckpt-{target}"
@@ -603,7 +603,7 @@ def test_bad_input(row: Row, tmp_path: Path):
 
 
 def test_disk_too_small_is_refused_before_writing(tmp_path, monkeypatch):
-    import calib.outputs as outputs
+    import calib.safety.outputs as outputs
     monkeypatch.setattr(outputs.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12, 1000))
     code, output, left, changed = run_row(Row("disk", _base, ""), tmp_path)
     assert code == 1 and "GiB free but the output needs" in output and left == [] and changed == []

@@ -132,7 +132,7 @@ def test_cpu_dtype_sets_the_model_dtype_on_cpu(tmp_path, token_data):
     the K/V ranges differ only by bf16 rounding."""
     import torch
 
-    from calib.model import Placement, load
+    from calib.model.load import Placement, load
     from tiny import tiny_causal_lm
 
     src = tmp_path / "bf16"

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from calib import pipeline
-from calib.recipe import Recipe
+from calib.recipe.recipe import Recipe
 from tiny import tiny_causal_lm
 from helpers import reference_amax, used_sequences
 
@@ -32,7 +32,7 @@ def test_scales_equal_amax_over_exactly_the_tokens_used(tiny_llama_dir, token_da
 
 def test_observe_kv_returns_its_capture(tiny_llama_dir, token_data):
     """The capture stage hands its result on: the merged capture, its statistics, the loop's seconds."""
-    from calib import model as model_mod
+    from calib.model import load as model_mod
     recipe = Recipe(samples=6, seq_len=24, min_tokens=12, batch_size=2, seed=3)
     seqs, _ = used_sequences(token_data, recipe, 257)
     loaded = model_mod.load(tiny_llama_dir, device="cpu")
@@ -47,8 +47,8 @@ def test_observe_kv_returns_its_capture(tiny_llama_dir, token_data):
 def test_provenance_of_a_calibrate_run_is_complete(tiny_llama_dir, token_data, tmp_path):
     """kvcalib.json holds every field of the run as written, rotary_dim and --into included, none patched in
     later: `provenance` alone, given its inputs, builds the same record."""
-    from calib import model as model_mod
     from calib.ckpt.names import PROVENANCE_FILE
+    from calib.model import load as model_mod
     recipe = Recipe(samples=4, seq_len=24, min_tokens=12, batch_size=2, seed=1)
     res = pipeline.calibrate(tiny_llama_dir, token_data, recipe, tmp_path / "a", device="cpu")
     written = json.loads((res.out / PROVENANCE_FILE).read_text())
@@ -100,14 +100,14 @@ def test_same_inputs_give_the_same_scales_across_batch_sizes(tiny_llama_dir, tok
 
 
 def test_seq_len_beyond_context_is_refused_before_running(tiny_llama_dir, token_data, tmp_path):
-    from calib.model import ModelError
+    from calib.model.load import ModelError
     with pytest.raises(ModelError, match="max_position_embeddings = 256"):
         pipeline.calibrate(tiny_llama_dir, token_data, Recipe(seq_len=1024), tmp_path / "out", device="cpu")
     assert not (tmp_path / "out").exists()
 
 
 def test_model_with_non_plain_kv_cache_is_refused(tmp_path, token_data):
-    from calib.model import ModelError, check_cache_kind
+    from calib.model.load import ModelError, check_cache_kind
     from transformers import DeepseekV3Config, LlamaConfig
     with pytest.raises(ModelError, match="latent"):
         check_cache_kind(DeepseekV3Config(), "MODEL x")
@@ -130,7 +130,7 @@ def test_check_calibrate_reads_every_field_from_the_job(tiny_llama_dir, token_da
     """`check_calibrate` takes the job itself: a bad field of the job is a one-line error naming it, and a sound
     job comes back checked (model and output folders resolved) with nothing written."""
     import dataclasses
-    from calib import options as opts, outputs
+    from calib.safety import options as opts, outputs
     recipe = Recipe(samples=4, seq_len=24, min_tokens=12, batch_size=2)
     job = pipeline.CalibrateJob(tiny_llama_dir, token_data, recipe, tmp_path / "out", device="cpu")
     checked = pipeline.check_calibrate(job)
@@ -148,7 +148,7 @@ def test_check_calibrate_reads_every_field_from_the_job(tiny_llama_dir, token_da
 def test_one_pass_with_several_captures_equals_one_pass_each(tiny_llama_dir, token_data):
     """observe_kv_each (what tune's single pass uses): every capture nested around one forward pass records
     bit for bit what a pass of its own records, for observers of different kinds."""
-    from calib import model as model_mod
+    from calib.model import load as model_mod
     recipe = Recipe(samples=8, seq_len=24, min_tokens=12, batch_size=3, seed=4)
     loaded = model_mod.load(tiny_llama_dir, device="cpu")
     specs = [pipeline.capture_spec(recipe.replace(observer=o, q_scale=o == "absmax"), loaded.config)

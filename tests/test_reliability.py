@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from calib import pipeline
-from calib.recipe import Recipe
+from calib.recipe.recipe import Recipe
 
 # Runs the real CLI with one stage slowed down, so a signal can land inside it.
 SLOW = """

@@ -4,8 +4,8 @@ import pytest
 from safetensors.torch import load_file
 
 from calib import pipeline
-from calib.recipe import Recipe
-from calib.statsfile import StatsError
+from calib.capture.statsfile import StatsError
+from calib.recipe.recipe import Recipe
 
 
 class Boom(RuntimeError):
@@ -50,7 +50,7 @@ def test_resume_refuses_state_of_another_run(tiny_llama_dir, token_data, tmp_pat
     r = Recipe(samples=8, seq_len=32, min_tokens=8, batch_size=2)
     with pytest.raises(StatsError, match="no saved state"):
         pipeline.calibrate(tiny_llama_dir, token_data, r, tmp_path / "a", device="cpu", options=_opts(state, resume=True))
-    from calib import observe, statsfile
+    from calib.capture import hook as observe, statsfile
     cap = observe.KVCapture([0, 1, 2])
     import torch
     for i in range(3):

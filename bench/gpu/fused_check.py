@@ -1,4 +1,4 @@
-"""On a CUDA machine: calib.reduce's kernels against the torch reference, and where each arm's time goes.
+"""On a CUDA machine: calib.capture.kernels's kernels against the torch reference, and where each arm's time goes.
 
 Why a separate script: the tests check the kernels under Triton's interpreter on the CPU; only a GPU shows
 whether the compiled kernels give the same bits (hypot, atomics, strided V) and what they cost. Three parts:
@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from calib import observe, observers, reduce  # noqa: E402
-from calib.quant import FP8_E4M3  # noqa: E402
+from calib.capture import hook as observe, observers, kernels  # noqa: E402
+from calib.scales.quant import FP8_E4M3  # noqa: E402
 
 
 def _tensors(b=4, h=8, s=2048, d=128, seed=0):
@@ -58,9 +58,9 @@ def equality() -> dict:
                 total = torch.zeros((), dtype=torch.int64, device="cuda")
                 if off:
                     with _unfused():
-                        reduce.absmax_(x, m, amax, over, total, 100.0)
+                        kernels.absmax_(x, m, amax, over, total, 100.0)
                 else:
-                    reduce.absmax_(x, m, amax, over, total, 100.0)
+                    kernels.absmax_(x, m, amax, over, total, 100.0)
                 res.append((amax, over, total))
             out[f"absmax {name} mask={m is not None}"] = all(torch.equal(a, b) for a, b in zip(*res))
     for inter in (False, True):
@@ -70,9 +70,9 @@ def equality() -> dict:
                 p, r = torch.zeros(8, rot // 2, device="cuda"), torch.zeros(8, 128 - rot, device="cuda")
                 if off:
                     with _unfused():
-                        reduce.pair_max_(k, mask, rot, inter, p, r)
+                        kernels.pair_max_(k, mask, rot, inter, p, r)
                 else:
-                    reduce.pair_max_(k, mask, rot, inter, p, r)
+                    kernels.pair_max_(k, mask, rot, inter, p, r)
                 res.append((p, r))
             out[f"rope pairs rot={rot} interleaved={inter}"] = all(torch.equal(a, b) for a, b in zip(*res))
             (p1, r1), (p2, r2) = res
@@ -128,8 +128,9 @@ def profile(batches: int) -> dict:
     """Kernel time by name over `batches` batches of the 8B shape, per arm (torch.profiler)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import run as bench  # bench/run.py
-    from calib import pipeline, spec as spec_mod
-    from calib.recipe import Recipe
+    from calib import pipeline
+    from calib.capture import spec as spec_mod
+    from calib.recipe.recipe import Recipe
     from torch.profiler import ProfilerActivity, profile as prof
 
     loaded = bench.build("llama-3.1-8b", torch.device("cuda"))

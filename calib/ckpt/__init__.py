@@ -6,7 +6,8 @@
 - `reader`: a written checkpoint read once (configs, index, shard headers, provenance, scale values),
   shared by verify, inspect and eval;
 - `kvinfo`: what a checkpoint says about its KV cache (inspect, eval --scales);
-- `source`: a source model folder checked for export (weight map, carried scales) before anything is written.
+- `source`: a source model folder checked for export (weight map, carried scales) before anything is written;
+- `integrity`: safetensors files checked before they are read (headers, sizes, index agreement).
 
 The engines' writers (calib.export) and rules (calib.verify) build on these; none of them imports torch.
 """

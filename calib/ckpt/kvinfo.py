@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import formats
-from .reader import CheckpointFiles
+from calib.ckpt import formats
+from calib.ckpt.reader import CheckpointFiles
 
 
 @dataclass

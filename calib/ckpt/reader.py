@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import integrity
-from . import weightmap
-from .names import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, parse_scale_name
+from calib.ckpt import integrity
+from calib.ckpt import weightmap
+from calib.ckpt.names import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, parse_scale_name
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def parse_scale(t: TensorEntry) -> ScaleTensor | None:
 
 
 def read_json_soft(path: Path) -> tuple[Any, str | None]:
-    """Strict JSON (calib.integrity: no duplicate keys, no NaN, size-capped); (value, None) or (None, why)."""
+    """Strict JSON (calib.ckpt.integrity: no duplicate keys, no NaN, size-capped); (value, None) or (None, why)."""
     try:
         return integrity.read_json(path, path.name, kind=None), None
     except integrity.IntegrityError as e:
@@ -102,7 +102,7 @@ def provenance_problem(doc: Any) -> str | None:
         if data.get(key) is not None and not _is_count(data[key]):
             return f"field 'data.{key}' must be a count"
     if "recipe" in doc:
-        from ..recipe import RecipeError, from_dict
+        from calib.recipe.recipe import RecipeError, from_dict
 
         try:
             from_dict(doc["recipe"], source="field 'recipe'")

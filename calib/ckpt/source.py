@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import integrity
-from .names import CONFIG_FILE, INDEX_FILE
+from calib.ckpt import integrity
+from calib.ckpt.names import CONFIG_FILE, INDEX_FILE
 
 
 class ExportError(RuntimeError):
@@ -37,7 +37,7 @@ def check_out_is_not_source(source: Path, out: Path) -> None:
 
 
 def scan_source(src: Path) -> integrity.Checkpoint:
-    """The source's weight files and tensors, every header checked (calib/integrity.py), as an ExportError."""
+    """The source's weight files and tensors, every header checked (calib/ckpt/integrity.py), as an ExportError."""
     if not any(Path(src).glob("*.safetensors")) and not (Path(src) / INDEX_FILE).exists():
         raise ExportError(f"{src} has no .safetensors weights; engines' checkpoints are written beside "
                           "safetensors weights only: convert the model, or calibrate with --target '' for "

@@ -1,9 +1,9 @@
 """The safetensors index, `model.safetensors.index.json`: which shard file holds each tensor.
 
 Why a module of its own: the index is read by the model folder's checks before a load or an export
-(calib.integrity.scan: an error stops the run), by the written-checkpoint reader (verify, inspect, eval: a
+(calib.ckpt.integrity.scan: an error stops the run), by the written-checkpoint reader (verify, inspect, eval: a
 problem to report) and written by the exporter. One parser and one writer keep them agreeing on what an
-index holds. Works on parsed JSON (strict JSON reading is calib.integrity's); imports nothing.
+index holds. Works on parsed JSON (strict JSON reading is calib.ckpt.integrity's); imports nothing.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import protocol
+from calib.engine import protocol
 
 RUNNERS = {"vllm": Path(__file__).resolve().parent / "vllm_runner.py"}
 RUNNER_ENV = "KVCALIB_ENGINE_RUNNER"       # another runner script speaking the protocol (tests use a fake one)

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import passkey
-from ..progress import SILENT, Progress
-from . import driver, metrics, protocol
+from calib.engine import driver, metrics, protocol
+from calib.evaluation import passkey
+from calib.progress import SILENT, Progress
 
 KV_DTYPES = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}      # kvcalib dtype -> vLLM --kv-cache-dtype
 INT8_SERVED_BY = ("vLLM has no INT8 KV cache; TensorRT-LLM serves it (hf_quant_config.json kv_cache_quant_algo "

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..evaluation.results import ArmInfo, ArmMetrics, BucketRow, Reference, Summary, passkey_correct
+from calib.evaluation.results import ArmInfo, ArmMetrics, BucketRow, Reference, Summary, passkey_correct
 
 ENGINE, EMULATION = "engine", "emulation"
 SKIP_FLAG = "--kv-cache-dtype-skip-layers"

@@ -14,4 +14,6 @@ comparison); each lives in one short module, and callers import each name from t
 - fakequant.py   the fake-quant hook and the arms (ways of storing the cache) it applies
 - report.py      the verdict, report.json, report.md and the plots
 - run.py         `run_eval`: checks, lock, load, measure, skip trials, engine, report
+- emulate.py     what each engine computes when its KV cache is FP8 (one registry of modes, torch-free)
+- passkey.py     the passkey prompts (generated, no dataset) and their exact-match scoring
 """

@@ -10,17 +10,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import data as data_mod
-from .. import emulate, options, outputs
-from .fakequant import EvalError
-from .report import Thresholds
+from calib.data import sources as data_mod
+from calib.evaluation import emulate
+from calib.evaluation.fakequant import EvalError
+from calib.evaluation.report import Thresholds
+from calib.safety import options, outputs
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     """One `kvcalib eval` run. `scales`: checkpoint directories (any tool's layout); `stats`: a kvcalib
     statistics-only output (directory or its stats.safetensors) for per-tensor/head/channel/token arms.
-    `emulate`: whose FP8 arithmetic the quantised arms follow (`calib/emulate.py`; default vLLM's CPU build)."""
+    `emulate`: whose FP8 arithmetic the quantised arms follow (`calib/evaluation/emulate.py`; default vLLM's CPU build)."""
     model: str
     data: str
     out: Path

@@ -7,8 +7,8 @@ replaces K and V by what the cache would give back (`fake_quant`: divide by the 
 multiply back) for every token attention reads, prompt included, and then calls the model's own attention.
 Perplexity measured with full-precision prompt K/V would hide exactly the damage we look for.
 
-Which engine's arithmetic: `calib/emulate.py` names what each engine does to Q, K, V and the softmax
-probabilities (the hook's `emulation`); the conversions are `calib/fp8.py`'s, exact to the bit. For
+Which engine's arithmetic: `calib/evaluation/emulate.py` names what each engine does to Q, K, V and the softmax
+probabilities (the hook's `emulation`); the conversions are `calib/scales/fp8.py`'s, exact to the bit. For
 FlashAttention-3's FP8 path (Q and P in FP8 too) the hook runs `fp8.fp8_attention` instead of the model's
 attention function.
 
@@ -29,11 +29,15 @@ from typing import Any
 
 import torch
 
-from .. import emulate, fp8, observe
-from ..ckpt.kvinfo import KVInfo, read_kv_info
-from ..quant import FP8_E4M3, INT8, KVDtype, by_name, quantize
-from ..scales import MIN_SCALE, amax_to_scale
-from .results import ArmInfo
+from calib.capture import hook as observe
+from calib.capture.stats import LayerStats, Stats
+from calib.ckpt.kvinfo import KVInfo, read_kv_info
+from calib.evaluation import emulate
+from calib.evaluation.results import ArmInfo
+from calib.model.attention import route_attention
+from calib.scales import fp8
+from calib.scales.fold import MIN_SCALE, amax_to_scale
+from calib.scales.quant import FP8_E4M3, INT8, KVDtype, by_name, quantize
 
 TOKEN = "token"            # an arm's scale for a layer may be this: dynamic, each token's own max|x| / qmax
 
@@ -182,10 +186,10 @@ def checkpoint_arms(path: str, geo: Geometry, per_head_kv: bool = True) -> list[
                     notes=("the per-head scales folded to their max: what vLLM applies outside FlashAttention-3",))]
 
 
-def read_stats(path: str) -> tuple[observe.Stats, dict[str, Any] | None]:
+def read_stats(path: str) -> tuple[Stats, dict[str, Any] | None]:
     """The per-layer ranges of a kvcalib statistics file (a statistics-only output directory or its
-    stats.safetensors) and its header (recipe, data), through calib.statsfile's one reader."""
-    from .. import statsfile
+    stats.safetensors) and its header (recipe, data), through calib.capture.statsfile's one reader."""
+    from calib.capture import statsfile
 
     try:
         sf = statsfile.load_output(Path(path), "--stats")
@@ -201,7 +205,7 @@ def stats_arms(path: str, geo: Geometry, default_dtype: str) -> list[Arm]:
         raise EvalError(f"--stats {path} covers layers {sorted(stats)}, the model has {list(geo.layers)}")
     dtype = by_name((header or {}).get("recipe", {}).get("dtype", default_dtype))
 
-    def arm(gran: str, pick: Callable[[observe.LayerStats, str], Any] | None, shippable: bool) -> Arm:
+    def arm(gran: str, pick: Callable[[LayerStats, str], Any] | None, shippable: bool) -> Arm:
         def scales(kind):
             if pick is None:
                 return {i: TOKEN for i in geo.layers}
@@ -319,7 +323,7 @@ class FakeQuantKV:
     """Switches of the installed hook. `arm` None: pass K/V through untouched (bit-identical outputs).
     `token_mask` ([batch, seq], True = real token) keeps padding out of every metric; `meter` receives the
     per-layer sums (None: do not measure, e.g. during generation); `ranges` records per-head max |K|, |V|;
-    `emulation` is the engine whose arithmetic quantised arms follow (`calib/emulate.py`). The switches are
+    `emulation` is the engine whose arithmetic quantised arms follow (`calib/evaluation/emulate.py`). The switches are
     set for one batch (or one generation) by `applying` and are all off outside it."""
 
     def __init__(self, emulation: emulate.Emulation | None = None) -> None:
@@ -392,5 +396,5 @@ def fake_quant_kv(model: torch.nn.Module, emulation: emulate.Emulation | None = 
             return state.attend(delegate, module, query, key, value, attention_mask, **kwargs)
         return attention
 
-    with observe.route_attention(model, make, "fakequant"):
+    with route_attention(model, make, "fakequant"):
         yield state

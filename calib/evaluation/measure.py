@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from .. import observe
-from ..batching import pad
-from ..progress import Stage
-from .fakequant import Arm, Meter
-from .head import Head
-from .results import ArmMetrics, BucketRow, Failure, KVRange, Position, Reference, Seconds, Summary
-from .samples import Sample
-from .session import Session, clock
+from calib.capture import hook as observe
+from calib.data.batching import pad
+from calib.evaluation.fakequant import Arm, Meter
+from calib.evaluation.head import Head
+from calib.evaluation.results import ArmMetrics, BucketRow, Failure, KVRange, Position, Reference, Seconds, Summary
+from calib.evaluation.samples import Sample
+from calib.evaluation.session import Session, clock
+from calib.progress import Stage
 
 FAILURE_CONTEXT = 24       # tokens of text shown before a failure position
 

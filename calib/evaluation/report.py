@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..engine import report as engine_report
-from ..engine import verdict as honest
-from ..engine.verdict import SKIP_FLAG, decisive
-from .results import ArmMetrics, Reference, passkey_correct
+from calib.engine import report as engine_report
+from calib.engine import verdict as honest
+from calib.engine.verdict import SKIP_FLAG, decisive
+from calib.evaluation.results import ArmMetrics, Reference, passkey_correct
 
 PLOTS = ("scales.png", "layer_error.png", "kl_by_bucket.png")
 
@@ -258,7 +258,7 @@ def finite(x: Any) -> Any:
 def write(out: Path, rep: Report, *, force: bool, plots: bool = True) -> dict[str, Any]:
     """report.json, report.md and the plots into `out`, atomically (refuses an existing `out` unless force);
     returns report.json's document."""
-    from ..outputs import atomic_dir
+    from calib.safety.outputs import atomic_dir
 
     with atomic_dir(out, force, kind="eval report") as tmp:
         made, note = plot_all(rep, tmp) if plots else ([], "plots not requested")

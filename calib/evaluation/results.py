@@ -73,7 +73,7 @@ class PasskeyRow:
 
 
 def passkey_rows(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, PasskeyRow]:
-    """`calib.passkey.summarize`'s table as typed rows."""
+    """`calib.evaluation.passkey.summarize`'s table as typed rows."""
     return {b: PasskeyRow(r["correct"], r["total"], {d: Count(c["correct"], c["total"]) for d, c in r["by_depth"].items()},
                           r["accuracy"]) for b, r in summary.items()}
 

@@ -1,18 +1,18 @@
 """Passkey retrieval under one arm: generation with the cache stored as the arm would store it.
 
 Why separate from `measure`: retrieval generates (no per-token metrics, no padding mask) and is scored by
-`calib/passkey.py`; only the hook's arm is set, for the whole generation.
+`calib/evaluation/passkey.py`; only the hook's arm is set, for the whole generation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .. import passkey
-from ..progress import Progress, Stage
-from .fakequant import Arm
-from .results import PasskeyRow, passkey_rows
-from .session import Session, clock
+from calib.evaluation import passkey
+from calib.evaluation.fakequant import Arm
+from calib.evaluation.results import PasskeyRow, passkey_rows
+from calib.evaluation.session import Session, clock
+from calib.progress import Progress, Stage
 
 
 def run_passkey(s: Session, arm: Arm | None, prompts: Sequence[passkey.Prompt],

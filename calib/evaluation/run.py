@@ -15,19 +15,21 @@ from typing import Any
 
 import torch
 
-from .. import data as data_mod
-from .. import emulate, outputs, passkey
-from .. import model as model_mod
-from ..ckpt.kvinfo import read_kv_info
-from ..progress import SILENT, Progress, Stage
-from . import report
-from .config import EvalConfig, check_eval
-from .fakequant import Arm, EvalError, Geometry, arms_for, fake_quant_kv, read_stats, reference_arm
-from .measure import measure
-from .results import ArmMetrics, Reference, with_passkey
-from .retrieval import passkey_stage, run_passkey
-from .samples import Sample, calibration_windows, select_samples, usable_buckets
-from .session import Session, open_session
+from calib.ckpt.kvinfo import read_kv_info
+from calib.data import sources as data_mod
+from calib.evaluation import emulate
+from calib.evaluation import passkey
+from calib.evaluation import report
+from calib.evaluation.config import EvalConfig, check_eval
+from calib.evaluation.fakequant import Arm, EvalError, Geometry, arms_for, fake_quant_kv, read_stats, reference_arm
+from calib.evaluation.measure import measure
+from calib.evaluation.results import ArmMetrics, Reference, with_passkey
+from calib.evaluation.retrieval import passkey_stage, run_passkey
+from calib.evaluation.samples import Sample, calibration_windows, select_samples, usable_buckets
+from calib.evaluation.session import Session, open_session
+from calib.model import load as model_mod
+from calib.progress import SILENT, Progress, Stage
+from calib.safety import outputs
 
 Log = Callable[[str], Any]
 
@@ -133,7 +135,7 @@ def measure_arms(cfg: EvalConfig, p: Prepared, s: Session,
                 results[a.name] = with_passkey(results[a.name], *run_passkey(s, a, p.prompts, stage))
     engine = None
     if cfg.engine is not None:
-        from ..engine.run import EngineRun
+        from calib.engine.run import EngineRun
 
         config = p.loaded.config
         engine = EngineRun(cfg.engine, p.engine_version, str(cfg.model), str(p.loaded.dtype).removeprefix("torch."),
@@ -206,7 +208,7 @@ def _engine_check(cfg: EvalConfig) -> str | None:
     """The engine's version, checked before any long work; an unusable engine is an EvalError (one line)."""
     if cfg.engine is None:
         return None
-    from ..engine import driver
+    from calib.engine import driver
 
     try:
         return driver.check(cfg.engine)

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import data as data_mod
-from .. import model as model_mod
-from .config import EvalConfig
-from .fakequant import EvalError
+from calib.data import sources as data_mod
+from calib.evaluation.config import EvalConfig
+from calib.evaluation.fakequant import EvalError
+from calib.model import load as model_mod
 
 OVERLAP_WINDOW = 16        # tokens compared to recognise a calibration sample among the eval samples
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .fakequant import FakeQuantKV
-from .head import Head
-from .samples import Sample
+from calib.evaluation.fakequant import FakeQuantKV
+from calib.evaluation.head import Head
+from calib.evaluation.samples import Sample
 
 
 @dataclass(frozen=True)

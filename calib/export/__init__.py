@@ -9,19 +9,20 @@ torch: the writers import it when they write.
 
 from __future__ import annotations
 
-from .. import plugins
-from ..ckpt.names import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, trtllm_scale_names, vllm_scale_name
-from ..ckpt.source import ExportError, PreparedSource, read_source_config, scan_source
-from ..outputs import atomic_dir, check_room
-from .target import Target, WriteOptions
-from .trtllm import export_trtllm, saturation_report
-from .vllm import export_vllm, prepare_source, vllm_quantization_config
-from .write import carry_files, link_or_copy, write_variant
+from calib import discovery
+from calib.ckpt.names import (HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, trtllm_scale_names,
+                              vllm_scale_name)
+from calib.ckpt.source import ExportError, PreparedSource, read_source_config, scan_source
+from calib.export.target import Target, WriteOptions
+from calib.export.trtllm import export_trtllm, saturation_report
+from calib.export.vllm import export_vllm, prepare_source, vllm_quantization_config
+from calib.export.write import carry_files, link_or_copy, write_variant
+from calib.safety.outputs import atomic_dir, check_room
 
 
 def discover(path: list[str] | None = None, package: str = __name__) -> dict[str, Target]:
     """The `TARGET` of every module of this package (or of `package` at `path`), in their `order`."""
-    found = plugins.collect(__path__ if path is None else path, package, "TARGET", Target)
+    found = discovery.collect(__path__ if path is None else path, package, "TARGET", Target)
     return {t.name: t for t in sorted(found, key=lambda t: (t.order, t.name))}
 
 

@@ -12,18 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..granularity import Granularity, PerTensor
-from ..vocab import FP8_E4M3, KVDtype
+from calib.recipe.dtypes import FP8_E4M3, KVDtype
+from calib.recipe.granularity import Granularity, PerTensor
 
 if TYPE_CHECKING:
-    from ..scales import Scales
+    from calib.scales.fold import Scales
 
 
 @dataclass(frozen=True)
 class WriteOptions:
     """What a target needs from the recipe and the command line to write its variant."""
-    dtype: KVDtype = FP8_E4M3              # the recipe's KV dtype (calib.vocab)
-    granularity: Granularity = PerTensor()  # the recipe's granularity (calib.granularity)
+    dtype: KVDtype = FP8_E4M3              # the recipe's KV dtype (calib.recipe.dtypes)
+    granularity: Granularity = PerTensor()  # the recipe's granularity (calib.recipe.granularity)
     force: bool = False                    # replace an earlier kvcalib output at OUT
     overwrite_kv: bool = False             # the source carries KV scales already: replace them
     extra_files: dict[str, str] | None = None   # {name: text} written beside the checkpoint in the same step

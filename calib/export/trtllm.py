@@ -46,23 +46,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import __version__
-from ..ckpt import formats
-from ..ckpt.names import (CONFIG_FILE, HF_QUANT_CONFIG, TRTLLM_CARRIED_SUFFIXES, trtllm_scale_names)
-from ..ckpt.source import ExportError, check_out_is_not_source, read_json, read_source_config, scan_weights
-from ..vocab import FP8_E4M3, INT8
-from .target import Target, WriteOptions
-from .write import write_variant
+from calib import __version__
+from calib.ckpt import formats
+from calib.ckpt.names import CONFIG_FILE, HF_QUANT_CONFIG, TRTLLM_CARRIED_SUFFIXES, trtllm_scale_names
+from calib.ckpt.source import ExportError, check_out_is_not_source, read_json, read_source_config, scan_weights
+from calib.export.target import Target, WriteOptions
+from calib.export.write import write_variant
+from calib.recipe.dtypes import FP8_E4M3, INT8
 
 if TYPE_CHECKING:
     import torch
 
-    from ..scales import Scales
+    from calib.scales.fold import Scales
 
 FP8_E4M3_MAX = FP8_E4M3.qmax
 
 KV_ALGOS = ("FP8", "INT8")
-# KV dtype (calib.vocab) -> TensorRT-LLM's kv_cache_quant_algo
+# KV dtype (calib.recipe.dtypes) -> TensorRT-LLM's kv_cache_quant_algo
 ALGO_OF_DTYPE = {FP8_E4M3: "FP8", INT8: "INT8"}
 
 

@@ -11,18 +11,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..ckpt import formats
-from ..ckpt.names import is_kv_scale, vllm_scale_name
-from ..ckpt.source import (ExportError, PreparedSource, check_out_is_not_source, read_source_config,
-                           scan_weights)
-from ..vocab import FP8_E4M3
-from .target import Target, WriteOptions
-from .write import write_variant
+from calib.ckpt import formats
+from calib.ckpt.names import is_kv_scale, vllm_scale_name
+from calib.ckpt.source import ExportError, PreparedSource, check_out_is_not_source, read_source_config, scan_weights
+from calib.export.target import Target, WriteOptions
+from calib.export.write import write_variant
+from calib.recipe.dtypes import FP8_E4M3
 
 if TYPE_CHECKING:
     import torch
 
-    from ..scales import Scales
+    from calib.scales.fold import Scales
 
 
 def vllm_quantization_config(strategy: str = "tensor") -> dict[str, Any]:
@@ -91,7 +90,7 @@ class VllmTarget(Target):
     dtype_note = "vLLM reads only FP8 KV-cache scales; use dtype fp8_e4m3, or targets [trtllm] for INT8"
     reads_q_scale = True
     q_note = "only vLLM's FP8 attention reads q_scale"
-    # calib.granularity name -> compressed-tensors kv_cache_scheme strategy
+    # calib.recipe.granularity name -> compressed-tensors kv_cache_scheme strategy
     strategies = {"tensor": "tensor", "head": "attn_head"}
 
     def write(self, source: Path, out: Path, scales: Scales, provenance: dict[str, Any],

@@ -18,11 +18,11 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import integrity
-from ..ckpt import weightmap
-from ..ckpt.names import CONFIG_FILE, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE
-from ..ckpt.source import ExportError, PreparedSource
-from ..outputs import atomic_dir, check_room
+from calib.ckpt import integrity
+from calib.ckpt import weightmap
+from calib.ckpt.names import CONFIG_FILE, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE
+from calib.ckpt.source import ExportError, PreparedSource
+from calib.safety.outputs import atomic_dir, check_room
 
 if TYPE_CHECKING:
     import torch

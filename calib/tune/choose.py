@@ -17,10 +17,10 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from ..evaluation import report
-from ..engine.verdict import ENGINE, decisive
-from ..evaluation.results import ArmMetrics
-from . import score, space
+from calib.engine.verdict import ENGINE, decisive
+from calib.evaluation import report
+from calib.evaluation.results import ArmMetrics
+from calib.tune import score, space
 
 
 def kl(entry: ArmMetrics) -> float:

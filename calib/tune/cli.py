@@ -10,9 +10,9 @@ from pathlib import Path
 
 import click
 
-from .. import recipe as recipe_mod
-from .. import resources
-from .space import OBSERVERS, TARGETS
+from calib import resources
+from calib.recipe import recipe as recipe_mod
+from calib.tune.space import OBSERVERS, TARGETS
 
 # The embedded default model: a first look that finishes in minutes on a 2-core CPU (measured in the README).
 DEFAULT_MODEL_TUNE = {"samples": 8, "seq_len": 128, "eval_samples": 8, "buckets": "64,128", "sensitivity_samples": 4}
@@ -20,11 +20,17 @@ TUNE_DEFAULTS = {"samples": 128, "seq_len": 512, "eval_samples": 32, "buckets": 
 
 
 def _errors() -> tuple[type[BaseException], ...]:
-    from .. import data, export, integrity, model, observe, options, outputs, statsfile
-    from ..default_model import DefaultModelError
-    from ..evaluation.fakequant import EvalError
-    from .search import TuneError
-    from .space import SpaceError
+    from calib import export
+    from calib.capture import hook as observe
+    from calib.capture import statsfile
+    from calib.ckpt import integrity
+    from calib.data import sources as data
+    from calib.evaluation.fakequant import EvalError
+    from calib.model import load as model
+    from calib.model.default_model import DefaultModelError
+    from calib.safety import options, outputs
+    from calib.tune.search import TuneError
+    from calib.tune.space import SpaceError
 
     return (recipe_mod.RecipeError, data.DataError, model.ModelError, observe.CaptureError, export.ExportError,
             statsfile.StatsError, outputs.OutputError, options.OptionError, integrity.IntegrityError,
@@ -78,9 +84,9 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
          budget_minutes, engine, vllm_venv, confirm, plots, progress, device, cpu_dtype, trust_remote_code, out,
          force) -> None:
     """Search the recipes the target engine can load; score each on held-out text; write the best checkpoint."""
-    from ..default_model import DIR_NAME
-    from ..progress import Progress
-    from . import run, search, space
+    from calib.model.default_model import DIR_NAME
+    from calib.progress import Progress
+    from calib.tune import run, search, space
 
     small = DEFAULT_MODEL_TUNE if model_src is None else TUNE_DEFAULTS
     if model_src is None:
@@ -97,7 +103,7 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
                                            batch_size=batch_size, seed=seed, targets=target)
         engine_spec = None
         if engine:
-            from ..engine.driver import EngineSpec
+            from calib.engine.driver import EngineSpec
 
             if vllm_venv is None:
                 raise click.ClickException("--engine vllm needs --vllm-venv PATH (or KVCALIB_VLLM_VENV): the virtual "
@@ -117,7 +123,7 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
             engine=engine_spec, confirm=confirm)
         search.check(cfg)             # before the default model is built or any model loads
         if model_src is None:
-            from ..default_model import ensure_default_model
+            from calib.model.default_model import ensure_default_model
 
             model_src = ensure_default_model(resources.build_dir(), log=lambda m: click.echo(m, err=True))
             cfg = dataclasses.replace(cfg, model=str(model_src))

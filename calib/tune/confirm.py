@@ -16,12 +16,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..evaluation import report
-from ..evaluation.fakequant import Arm, reference_arm
-from ..quant import by_name
-from . import choose as choose_mod
-from .output import write_checkpoint
-from .search import BASELINE, TuneError
+from calib.evaluation import report
+from calib.evaluation.fakequant import Arm, reference_arm
+from calib.scales.quant import by_name
+from calib.tune import choose as choose_mod
+from calib.tune.output import write_checkpoint
+from calib.tune.search import BASELINE, TuneError
 
 
 def shortlist(found: Any, th: report.Thresholds, n: int) -> list[Any]:
@@ -45,8 +45,8 @@ def shortlist(found: Any, th: report.Thresholds, n: int) -> list[Any]:
 
 def confirm(cfg: Any, found: Any, st: Any, source: Path, loaded: Any, samples: Any, buckets: Any, log: Any,
             progress: Any) -> None:
-    from ..engine import driver
-    from ..engine.run import EngineRun
+    from calib.engine import driver
+    from calib.engine.run import EngineRun
 
     try:
         version = driver.check(cfg.engine)

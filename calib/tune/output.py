@@ -19,12 +19,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, outputs, pipeline
-from .. import model as model_mod
-from .. import scales as scales_mod
-from ..evaluation import report
-from . import choose as choose_mod
-from .search import BASELINE, Search, TuneConfig, ranking
+from calib import __version__
+from calib import pipeline
+from calib.evaluation import report
+from calib.model import load as model_mod
+from calib.safety import outputs
+from calib.scales import fold as scales_mod
+from calib.tune import choose as choose_mod
+from calib.tune.search import BASELINE, Search, TuneConfig, ranking
 
 _REF_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 JSON, MD, SVG = "tune.json", "tune.md", "tune.svg"

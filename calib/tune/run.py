@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import outputs
-from .. import model as model_mod
-from ..evaluation.run import load_causal_lm
-from ..progress import SILENT, Progress
-from . import output
-from .confirm import confirm
-from .search import Clock, Log, TuneConfig, TuneError, check, search
+from calib.evaluation.run import load_causal_lm
+from calib.model import load as model_mod
+from calib.progress import SILENT, Progress
+from calib.safety import outputs
+from calib.tune import output
+from calib.tune.confirm import confirm
+from calib.tune.search import Clock, Log, TuneConfig, TuneError, check, search
 
 
 def run(cfg: TuneConfig, log: Log = lambda _m: None, progress: Progress = SILENT) -> output.Outcome:

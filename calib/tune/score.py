@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from .. import emulate
-from .. import scales as scales_mod
-from ..evaluation.fakequant import Arm, Geometry
-from ..evaluation.results import ArmMetrics
-from ..quant import FP8_E4M3, by_name
-from .space import Candidate
+from calib.evaluation import emulate
+from calib.evaluation.fakequant import Arm, Geometry
+from calib.evaluation.results import ArmMetrics
+from calib.scales import fold as scales_mod
+from calib.scales.quant import FP8_E4M3, by_name
+from calib.tune.space import Candidate
 
 NOISE_SE = 2.0          # a difference is measurable when it exceeds this many standard errors
 

@@ -24,21 +24,22 @@ from typing import Any
 
 import torch
 
-from .. import data as data_mod
-from .. import emulate, options, outputs
-from .. import model as model_mod
-from ..evaluation import report
-from ..evaluation.config import EvalConfig
-from ..evaluation.fakequant import Geometry, default_arm, fake_quant_kv
-from ..evaluation.measure import measure
-from ..evaluation.results import ArmMetrics, Reference
-from ..evaluation.samples import calibration_windows, select_samples, usable_buckets
-from ..evaluation.session import Session, open_session
-from ..progress import SILENT, Progress
-from ..quant import FP8_E4M3
-from ..recipe import Recipe
-from . import score, space
-from . import stats as stats_mod
+from calib.data import sources as data_mod
+from calib.evaluation import emulate
+from calib.evaluation import report
+from calib.evaluation.config import EvalConfig
+from calib.evaluation.fakequant import Geometry, default_arm, fake_quant_kv
+from calib.evaluation.measure import measure
+from calib.evaluation.results import ArmMetrics, Reference
+from calib.evaluation.samples import calibration_windows, select_samples, usable_buckets
+from calib.evaluation.session import Session, open_session
+from calib.model import load as model_mod
+from calib.progress import SILENT, Progress
+from calib.recipe.recipe import Recipe
+from calib.safety import options, outputs
+from calib.scales.quant import FP8_E4M3
+from calib.tune import score, space
+from calib.tune import stats as stats_mod
 
 Log = Callable[[str], Any]
 MAX_SKIP = 64

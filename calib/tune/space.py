@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .. import recipe as recipe_mod
+from calib.recipe import recipe as recipe_mod
 
 TARGETS = ("vllm", "trtllm")            # the engines whose candidate rules `generate` knows (a subset of export's)
 OBSERVERS = tuple(recipe_mod.OBSERVERS)  # every observer the recipe vocabulary has, in its order

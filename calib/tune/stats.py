@@ -5,7 +5,7 @@ of the search (absmax is kept by all of them; `mse` depends on the dtype it mini
 own capture, and the captures are nested around the same forward pass (pipeline.observe_kv_each, the
 calibration's own capture stage: each wraps the attention function the previous one installed, so all of them
 see exactly the K/V the cache would store). The result is one
-ordinary statistics file per observer (`calib/statsfile.py`, the format `calibrate --stats-out` writes and
+ordinary statistics file per observer (`calib/capture/statsfile.py`, the format `calibrate --stats-out` writes and
 `kvcalib export --stats` reads): `tune --stats-out DIR` keeps them, `tune --stats DIR|FILE` reuses them
 and skips the pass — a file from `calibrate --stats-out` works too.
 """
@@ -18,10 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import model as model_mod
-from .. import observe, outputs, pipeline, spec, statsfile
-from ..recipe import Recipe
-from .space import Candidate
+from calib import pipeline
+from calib.capture import spec, statsfile
+from calib.capture.stats import Stats
+from calib.model import load as model_mod
+from calib.recipe.recipe import Recipe
+from calib.safety import outputs
+from calib.tune.space import Candidate
 
 
 def stats_key(observer: str, dtype: str) -> str:
@@ -51,7 +54,7 @@ class StatsSet:
     def has(self, c: Candidate) -> bool:
         return c.observer == "absmax" or stats_key(c.observer, c.dtype) in self.files
 
-    def stats_for(self, c: Candidate, base: Recipe) -> observe.Stats:
+    def stats_for(self, c: Candidate, base: Recipe) -> Stats:
         """The per-layer ranges the candidate's recipe turns into scales (statsfile.stats_for_recipe)."""
         key = stats_key(c.observer, c.dtype) if c.observer != "absmax" else next(iter(self.files))
         sf = self.files[key]

@@ -22,18 +22,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import plugins
-from ..ckpt.names import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE
-from ..ckpt.reader import CheckpointFiles, Problem
-from ..export import TARGETS
-from .checker import Checker
-from .trtllm import (TRT_KV_ALGOS, TRT_RULES, trt_config_json_quantization, trt_hf_quant_config,
-                     trt_int8_needs_unquantized_weights, trt_no_skipped_layers, trt_scale_names,
-                     trt_scale_shapes_dtypes_values, trt_scales_present, trt_view)
-from .vllm import (VLLM_RULES, vllm_ct_config_groups, vllm_ct_kv_cache_scheme, vllm_declared_without_scales,
-                   vllm_index_consistent, vllm_one_scale_per_layer, vllm_quark_kv_config, vllm_reads_a_quant_config,
-                   vllm_scale_dtypes, vllm_scale_names, vllm_scale_shapes, vllm_scale_values, vllm_config,
-                   vllm_method, vllm_view)
+from calib import discovery
+from calib.ckpt.names import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE
+from calib.ckpt.reader import CheckpointFiles, Problem
+from calib.export import TARGETS
+from calib.verify.checker import Checker
+from calib.verify.trtllm import (TRT_KV_ALGOS, TRT_RULES, trt_config_json_quantization, trt_hf_quant_config,
+                                 trt_int8_needs_unquantized_weights, trt_no_skipped_layers, trt_scale_names,
+                                 trt_scale_shapes_dtypes_values, trt_scales_present, trt_view)
+from calib.verify.vllm import (VLLM_RULES, vllm_ct_config_groups, vllm_ct_kv_cache_scheme, vllm_declared_without_scales,
+                               vllm_index_consistent, vllm_one_scale_per_layer, vllm_quark_kv_config,
+                               vllm_reads_a_quant_config, vllm_scale_dtypes, vllm_scale_names, vllm_scale_shapes,
+                               vllm_scale_values, vllm_config, vllm_method, vllm_view)
 
 # The rule functions and file-name constants stay importable from `calib.verify`, as before the split.
 
@@ -42,7 +42,7 @@ def discover(path: list[str] | None = None, package: str = __name__) -> dict[str
     """The `CHECKER` of every module of this package (or of `package` at `path`), in the export targets' order
     (engines without a target after them, by name)."""
     rank = {name: i for i, name in enumerate(TARGETS)}
-    found = plugins.collect(__path__ if path is None else path, package, "CHECKER", Checker)
+    found = discovery.collect(__path__ if path is None else path, package, "CHECKER", Checker)
     return {c.name: c for c in sorted(found, key=lambda c: (rank.get(c.name, len(rank)), c.name))}
 
 

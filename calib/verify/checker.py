@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..ckpt.reader import CheckpointFiles, Problem
+from calib.ckpt.reader import CheckpointFiles, Problem
 
 
 @dataclass(frozen=True)

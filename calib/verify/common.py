@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from ..ckpt.reader import Problem, ScaleTensor
+from calib.ckpt.reader import Problem, ScaleTensor
 
 _EXACT_DTYPES = ("F32", "F64")
 _ROUNDING_DTYPES = ("BF16", "F16")

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from ..ckpt.formats import ct_declared_kv_scheme, is_compressed_tensors, is_modelopt, modelopt_quantization
-from ..ckpt.names import HF_QUANT_CONFIG, PROVENANCE_FILE
-from ..ckpt.reader import CheckpointFiles, Problem, ScaleTensor
-from .checker import Checker
-from .common import dtype_problems, first_bad
+from calib.ckpt.formats import ct_declared_kv_scheme, is_compressed_tensors, is_modelopt, modelopt_quantization
+from calib.ckpt.names import HF_QUANT_CONFIG, PROVENANCE_FILE
+from calib.ckpt.reader import CheckpointFiles, Problem, ScaleTensor
+from calib.verify.checker import Checker
+from calib.verify.common import dtype_problems, first_bad
 
 # tensorrt_llm/quantization/mode.py: KV_CACHE_QUANT_ALGO_LIST
 TRT_KV_ALGOS = ("FP8", "INT8", "NVFP4")

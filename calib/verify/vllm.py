@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from ..ckpt import formats
-from ..ckpt.formats import producer_name
-from ..ckpt.names import HF_QUANT_CONFIG, INDEX_FILE
-from ..ckpt.reader import CheckpointFiles, Problem, ScaleTensor
-from .checker import Checker
-from .common import dtype_problems, first_bad
+from calib.ckpt import formats
+from calib.ckpt.formats import producer_name
+from calib.ckpt.names import HF_QUANT_CONFIG, INDEX_FILE
+from calib.ckpt.reader import CheckpointFiles, Problem, ScaleTensor
+from calib.verify.checker import Checker
+from calib.verify.common import dtype_problems, first_bad
 
 # vllm/transformers_utils/model_arch_config_convertor.py: _normalize_quantization_config
 _VLLM_MODELOPT_ALGOS = {"FP8": "modelopt", "FP8_PER_CHANNEL_PER_TOKEN": "modelopt", "FP8_PB_WO": "modelopt",

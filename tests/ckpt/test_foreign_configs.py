@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from calib import export
-from calib.export import trtllm
 from calib.ckpt.kvinfo import read_kv_info
 from calib.cli import main
 from calib.evaluation.fakequant import EvalError, Geometry, checkpoint_arms
+from calib.export import trtllm
 from calib.verify import verify
 from tiny import tiny_causal_lm
 from helpers import made_up_scales

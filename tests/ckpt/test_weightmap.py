@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from calib import export, integrity
+from calib import export
+from calib.ckpt import integrity
 from calib.ckpt import weightmap
 from calib.ckpt.names import INDEX_FILE, SCALES_FILE
 from calib.ckpt.reader import CheckpointFiles

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from calib import emulate
 from calib.engine import verdict as honest
+from calib.evaluation import emulate
 from calib.evaluation.fakequant import (TOKEN, Arm, EvalError, FakeQuantKV, Geometry, Meter, checkpoint_arms,
                                         default_arm, fake_quant_kv, fake_quant_terms, reference_arm)
-from calib.quant import FP8_E4M3, INT8, fake_quant
+from calib.scales.quant import FP8_E4M3, INT8, fake_quant
 from tiny import random_sequences, tiny_causal_lm
 
 

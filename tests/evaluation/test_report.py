@@ -11,8 +11,7 @@ import pytest
 
 from calib.evaluation import report
 from calib.evaluation.report import Thresholds
-from calib.evaluation.results import (ArmInfo, ArmMetrics, BucketRow, KVRange, PasskeyRow, Reference, Seconds,
-                                      Summary)
+from calib.evaluation.results import ArmInfo, ArmMetrics, BucketRow, KVRange, PasskeyRow, Reference, Seconds, Summary
 
 
 def test_markdown_table_rejects_ragged_rows():

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from calib import passkey
+from calib.evaluation import passkey
 from calib.evaluation.results import (ArmInfo, ArmMetrics, BucketRow, Failure, PasskeyRow, Position, Seconds, Summary,
                                       passkey_correct, passkey_rows, with_passkey)
 

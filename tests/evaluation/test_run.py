@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from calib.capture.hook import capture_kv
 from calib.evaluation import report
 from calib.evaluation.config import EvalConfig
 from calib.evaluation.run import run_eval
-from calib.model import find_attention_layers
-from calib.observe import capture_kv
+from calib.model.load import find_attention_layers
 from tiny import random_sequences, tiny_causal_lm
 from helpers import (SAMPLE_TEXT, boosted, calibrate_small, eval_config, json_shape, k_beyond_fp8_model, save_model_and_data,
                      train_tokenizer)
@@ -156,7 +156,7 @@ def test_tokenizer_less_model_runs_on_input_ids_without_passkey(k1000):
 
 def test_existing_output_is_refused_unless_forced(k1000):
     res, _, _, src, data = k1000
-    from calib.outputs import OutputError
+    from calib.safety.outputs import OutputError
 
     with pytest.raises(OutputError, match="already exists"):
         run_eval(eval_config(src, data, res.out))

@@ -8,8 +8,9 @@ import textwrap
 
 import pytest
 
-from calib import export, recipe as R, vocab
+from calib import export
 from calib.ckpt.kvinfo import read_kv_info
+from calib.recipe import recipe as R, dtypes
 from calib.verify import verify
 from helpers import made_up_scales
 
@@ -19,7 +20,7 @@ def test_failure_mid_export_leaves_nothing(name, tiny_llama_dir, tmp_path, monke
     """Every target writes through the one write_variant: a failed write leaves no output and no temp folder."""
     import safetensors.torch
 
-    from calib.outputs import OutputError
+    from calib.safety.outputs import OutputError
 
     def boom(*a, **k):
         raise OSError("disk full")
@@ -37,7 +38,7 @@ def test_targets_in_order_and_the_recipe_takes_their_names():
 @pytest.mark.parametrize("name", list(export.TARGETS))
 def test_recipe_rules_are_the_targets_declarations(name):
     t = export.TARGETS[name]
-    for d in vocab.KV_DTYPES.values():
+    for d in dtypes.KV_DTYPES.values():
         data = {"dtype": d.name, "targets": [name]}
         if d in t.dtypes:
             R.from_dict(data)
@@ -65,7 +66,7 @@ def test_a_new_engine_is_one_module(tmp_path, tiny_llama_dir, monkeypatch):
     (pkg / "sglang.py").write_text(textwrap.dedent('''
         from calib.export.target import Target
         from calib.export.vllm import export_vllm
-        from calib.vocab import FP8_E4M3
+        from calib.recipe.dtypes import FP8_E4M3
 
 
         class SGLangTarget(Target):

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from calib import __version__, export
 from calib.export import trtllm
-from calib.scales import LayerScales
+from calib.scales.fold import LayerScales
 from calib.verify import verify
 from helpers import made_up_scales, sha256_file
 
@@ -159,7 +159,7 @@ def test_sharded_source_keeps_its_shards_and_index_entries(tmp_path):
 
 
 def test_existing_output_is_refused_unless_forced(tiny_llama_dir, tmp_path):
-    from calib.outputs import OutputError
+    from calib.safety.outputs import OutputError
 
     out = tmp_path / "out"
     out.mkdir()

@@ -51,7 +51,7 @@ def test_sharded_source_keeps_its_index_entries(tmp_path):
 
 
 def test_existing_output_is_refused_unless_forced(tiny_llama_dir, tmp_path):
-    from calib.outputs import MARKER, OutputError
+    from calib.safety.outputs import MARKER, OutputError
 
     out = tmp_path / "out"
     out.mkdir()

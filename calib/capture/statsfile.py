@@ -1,0 +1,309 @@
+"""Statistics as a file: calibrate once, merge runs, try recipes without running the model again.
+
+Why: the forward pass is the expensive part; folding statistics into scales is not. A statistics file
+holds every observer's full state (exact maxima, histograms, counts), not just the final ranges, so
+  - `merge` combines runs over different data (domains, shards, days) exactly as one run over all of it
+    would have (maxima and histogram counts merge exactly);
+  - `export --stats` forms scales for another dtype, granularity, headroom or target from the same pass.
+
+Layout (safetensors): `stats.layers.{i}.{field}` — the readable ranges (`capture.hook.LayerStats` fields) —
+and `state.layers.{i}.{observer}.{key}` — the observer states; metadata `kvcalib` holds a JSON header
+(recipe, rotary_dim, layers, model, model_config_sha256, data report) and `kvcalib_sha256` a checksum over
+the header and every tensor.
+
+Reading (`read`, `load`, `build_capture`) is the one way in for statistics files, the resume file and
+eval --stats: the safetensors header is checked (calib.ckpt.integrity), the kvcalib header field by field (its
+recipe with the recipe's own bounds), the checksum, every tensor's name against the layers listed, and the
+observer states against the readable ranges stored beside them. A damaged or edited file is one StatsError
+naming it — never a traceback, never statistics that differ from what was saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from calib.capture import hook as observe
+from calib.capture.spec import capture_spec
+from calib.capture.stats import LayerStats, Stats, stats_to_tensors
+from calib.ckpt.names import STATS_FILE
+from calib.recipe.recipe import Recipe, RecipeError, from_dict
+from calib.safety import outputs
+
+# Recipe fields that decide what the observers recorded; runs must agree on them to be merged.
+OBSERVED = ("dtype", "granularity", "observer", "observer_params", "q_scale")
+
+
+class StatsError(ValueError):
+    """A statistics file cannot be read, merged or exported as asked; the message says why."""
+
+
+@dataclass
+class StatsFile:
+    header: dict[str, Any]
+    capture: observe.KVCapture
+
+    @property
+    def recipe(self) -> Recipe:
+        return from_dict(self.header["recipe"], source="statistics file recipe")
+
+    def stats(self) -> Stats:
+        return self.capture.stats()
+
+
+def config_sha256(model_dir: Path) -> str:
+    return "sha256:" + hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
+
+
+def save(path: Path, capture: observe.KVCapture, header: dict[str, Any]) -> Path:
+    """Write `capture`'s statistics and observer states to `path` (a .safetensors file)."""
+    from safetensors.torch import save_file
+
+    stats = capture.stats()
+    tensors = {f"stats.{k}": v for k, v in stats_to_tensors(stats).items()}
+    tensors.update({f"state.{k}": v.contiguous() for k, v in capture.state_dict().items()})
+    header = {**header, "layers": capture.layers}
+    text = json.dumps(header)
+    path = Path(path)
+    with outputs.atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"kvcalib": text, CHECKSUM: _checksum(text, tensors)})
+    return path
+
+
+CHECKSUM = "kvcalib_sha256"   # over the header text and every tensor: an edited or damaged file is refused
+
+
+def _checksum(header_text: str, tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256(header_text.encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + h.hexdigest()
+
+
+MAX_LAYERS = 4096                   # calib.model.geometry's bound on num_hidden_layers
+EXACT_FIELDS = ("k_amax", "v_amax", "q_amax", "k_channel", "v_channel", "k_over", "v_over")
+
+
+@dataclass(frozen=True)
+class RawFile:
+    """A statistics (or resume) file as stored, its structure checked: header, ranges, observer states."""
+    path: Path
+    header: dict[str, Any]
+    recipe: Recipe
+    stats: dict[str, torch.Tensor]      # `layers.{i}.{field}` readable ranges
+    state: dict[str, torch.Tensor]      # `layers.{i}.{observer}.{key}` observer states
+
+
+def read(path: Path, what: str = "statistics file") -> RawFile:
+    """The one reader of kvcalib statistics files (`--stats-out`, merge, export --stats, eval --stats and the
+    resume file). Every problem is a StatsError naming the file: not safetensors, no kvcalib header, a
+    header field of the wrong kind, a recipe out of bounds, tensors of layers the header does not list."""
+    from safetensors import safe_open
+
+    from calib.ckpt import integrity
+
+    path = Path(path)
+    where = f"{what} {path}"
+    if not path.is_file():
+        raise StatsError(f"{where} not found")
+    try:
+        shard = integrity.read_header(path, where)
+    except integrity.IntegrityError as e:
+        raise StatsError(str(e)) from None
+    if "kvcalib" not in shard.metadata:
+        raise StatsError(f"{where} is not a kvcalib statistics file (no kvcalib header); "
+                         "write one with `kvcalib calibrate --stats-out FILE`")
+    try:
+        header = integrity.parse_json(shard.metadata["kvcalib"].encode(), f"{where}: its kvcalib header")
+    except integrity.IntegrityError as e:
+        raise StatsError(str(e)) from None
+    recipe = _check_header(header, where)
+    bad = [k for k, t in shard.tensors.items() if t.dtype not in ("F32", "F64", "I64", "I32")]
+    if bad:
+        raise StatsError(f"{where}: tensor {bad[0]!r} has dtype {shard.tensors[bad[0]].dtype}; statistics are "
+                         "float32/float64/int64 — the file was not written by kvcalib")
+    layers = set(header["layers"])
+    stats, state, every = {}, {}, {}
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            group, _, rest = key.partition(".")
+            parts = rest.split(".")
+            if group not in ("stats", "state") or len(parts) < 3 or parts[0] != "layers" or \
+                    not parts[1].isdigit() or int(parts[1]) not in layers:
+                raise StatsError(f"{where}: tensor {key!r} is not stats/state of a layer the header lists "
+                                 f"({sorted(layers)[:8]}...); the file was edited or is not kvcalib's")
+            every[key] = (stats if group == "stats" else state)[rest] = f.get_tensor(key)
+    stored = shard.metadata.get(CHECKSUM)   # files of kvcalib versions before the checksum have none
+    if stored is not None and stored != _checksum(shard.metadata["kvcalib"], every):
+        raise StatsError(f"{where}: its content does not match its checksum; the file was edited or damaged — "
+                         "write it again with kvcalib")
+    return RawFile(path, header, recipe, stats, state)
+
+
+def _check_header(header: Any, where: str) -> Recipe:
+    def fail(msg: str) -> StatsError:
+        return StatsError(f"{where}: kvcalib header {msg}; the file was edited or is not kvcalib's")
+
+    if not isinstance(header, dict):
+        raise fail("is not a JSON object")
+    layers = header.get("layers")
+    if not (isinstance(layers, list) and 0 < len(layers) <= MAX_LAYERS and
+            all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_LAYERS for i in layers) and
+            layers == sorted(set(layers))):
+        raise fail(f"field 'layers' must list distinct ascending layer indices in [0, {MAX_LAYERS})")
+    rot = header.get("rotary_dim")
+    if rot is not None and not (isinstance(rot, int) and not isinstance(rot, bool) and 0 <= rot <= 1 << 16):
+        raise fail(f"field 'rotary_dim' = {rot!r} must be a non-negative integer")
+    data = header.get("data", {})
+    if not isinstance(data, dict) or any(not (isinstance(data[k], int) and not isinstance(data[k], bool)
+                                              and data[k] >= 0) for k in ("samples", "tokens", "skipped_short")
+                                         if k in data):
+        raise fail("field 'data' must be an object whose samples/tokens/skipped_short are counts")
+    done = header.get("batches_done")
+    if done is not None and not (isinstance(done, int) and not isinstance(done, bool) and done >= 0):
+        raise fail(f"field 'batches_done' = {done!r} must be a count")
+    if not isinstance(header.get("recipe"), dict):
+        raise fail("has no 'recipe' object")
+    try:
+        recipe = from_dict(header["recipe"], source=f"{where}: recipe")
+    except RecipeError as e:
+        msg = str(e)
+        raise StatsError(msg if msg.startswith(where) else f"{where}: kvcalib header {msg}") from None
+    if recipe.observer_spec.k_only and not rot:
+        raise fail(f"has observer {recipe.observer} but no rotary_dim")
+    return recipe
+
+
+def build_capture(raw: RawFile) -> observe.KVCapture:
+    """Observers of `raw.recipe` holding the file's state, checked: every state tensor is one these observers
+    keep, every layer has data, and the readable ranges stored beside the states are what the states give."""
+    where = f"{raw.path}"
+    capture = observe.KVCapture(raw.header["layers"], capture_spec(raw.recipe, rotary_dim=raw.header.get("rotary_dim")))
+    try:
+        capture.load_state_dict(raw.state)
+        kept = capture.state_dict()
+        stats = capture.stats()
+        derived = stats_to_tensors(stats)
+    except (ValueError, RuntimeError, TypeError, KeyError, IndexError, AttributeError, observe.CaptureError) as e:
+        raise StatsError(f"{where}: the observer states do not fit recipe observer {raw.recipe.observer!r} "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); the file was edited or is "
+                         "not kvcalib's") from None
+    stray = sorted(set(raw.state) - set(kept))
+    if stray:
+        raise StatsError(f"{where}: state tensor {stray[0]!r} belongs to no observer of this recipe; the file was "
+                         "edited or is not kvcalib's")
+    _check_ranges(derived, raw.stats, where)
+    return capture
+
+
+def _check_ranges(derived: dict[str, torch.Tensor], stored: dict[str, torch.Tensor], where: str) -> None:
+    """Stored readable ranges must be the states' own (exact fields: equal; recipe observer ranges: same shape,
+    close — a histogram search may land one step apart on another device); all finite and non-negative."""
+    if stored.keys() != derived.keys():
+        diff = sorted(set(stored) ^ set(derived))
+        raise StatsError(f"{where}: range tensor {diff[0]!r} is missing or extra for these observer states; the "
+                         "file was edited or is not kvcalib's")
+    for key, want in derived.items():
+        got = stored[key]
+        if got.shape != want.shape or not bool(torch.isfinite(got).all()) or bool((got < 0).any()):
+            raise StatsError(f"{where}: range tensor {key!r} is not a finite non-negative {tuple(want.shape)} "
+                             "tensor; the file was edited or is corrupt")
+        exact = key.rsplit(".", 1)[-1] in EXACT_FIELDS
+        if not torch.allclose(got.double(), want.double(), rtol=1e-6 if exact else 5e-2, atol=0):
+            raise StatsError(f"{where}: range tensor {key!r} disagrees with the observer states it was computed "
+                             "from; the file was edited or is corrupt")
+
+
+def load(path: Path, what: str = "statistics file") -> StatsFile:
+    raw = read(path, what)
+    if not raw.state:
+        raise StatsError(f"{what} {path} holds no observer states (an older kvcalib wrote it); it can be read by "
+                         "eval --stats only — recalibrate with --stats-out to merge or export it")
+    return StatsFile(raw.header, build_capture(raw))
+
+
+def load_output(path: Path, what: str = "--stats") -> StatsFile:
+    """A statistics file, or a statistics-only output folder (its stats.safetensors), through `load`."""
+    p = Path(path)
+    file = p / STATS_FILE if p.is_dir() else p
+    if not file.is_file():
+        raise StatsError(f"{what} {path}: no {STATS_FILE} (write one with a statistics-only recipe, targets: [])")
+    return load(file, what)
+
+
+def resume_into(capture: observe.KVCapture, path: Path, run: dict[str, Any]) -> int:
+    """Load the resume file at `path` into `capture` (checked like any statistics file, and against `run`, the
+    header of the run resuming); returns how many batches it covers."""
+    if not Path(path).is_file():
+        raise StatsError(f"--resume: no saved state at {path}; run without --resume")
+    raw = read(path, "--resume: the saved state")
+    for key in ("recipe", "model_config_sha256", "data_source"):
+        if raw.header.get(key) != run.get(key):
+            raise StatsError(f"--resume: the saved state at {path} is from another run ({key} "
+                             "differs); remove it or run without --resume")
+    if raw.header["layers"] != capture.layers or raw.header.get("batches_done") is None:
+        raise StatsError(f"--resume: the saved state at {path} does not cover this model's "
+                         "attention layers or has no batch count; remove it or run without --resume")
+    build_capture(raw)          # every consistency check, on a scratch capture
+    capture.load_state_dict(raw.state)
+    return raw.header["batches_done"]
+
+
+def merge(paths: list[Path], out: Path, *, force: bool = False) -> Path:
+    """Combine statistics files of the same model and observers into one, exactly. `out` replaces only a
+    statistics file of ours, with `force`, and never one of the inputs."""
+    if len(paths) < 2:
+        raise StatsError("merge needs at least two statistics files")
+    inputs = [("an input statistics file", p) for p in paths]
+    outputs.check_file(Path(out), inputs=inputs, option="--out", force=force)
+    with outputs.lock(Path(out)):
+        return _merge(paths, out)
+
+
+def _merge(paths: list[Path], out: Path) -> Path:
+    files = [load(p) for p in paths]
+    first = files[0]
+    for p, f in zip(paths[1:], files[1:]):
+        for key in ("model_config_sha256", "rotary_dim", "layers"):
+            if f.header.get(key) != first.header.get(key):
+                raise StatsError(f"{p}: {key} differs from {paths[0]}; only runs of the same model can be merged")
+        mine, theirs = first.header["recipe"], f.header["recipe"]
+        diff = [k for k in OBSERVED if mine.get(k) != theirs.get(k)]
+        if diff:
+            raise StatsError(f"{p}: recipe field(s) {diff} differ from {paths[0]}; runs must record the same "
+                             "statistics to be merged")
+        first.capture.merge_from(f.capture)
+    datas = [f.header.get("data", {}) for f in files]
+    joined = hashlib.sha256("".join(str(d.get("fingerprint")) for d in datas).encode()).hexdigest()
+    data = {"sources": [d.get("source") for d in datas],
+            "samples": sum(d.get("samples", 0) for d in datas), "tokens": sum(d.get("tokens", 0) for d in datas),
+            "skipped_short": sum(d.get("skipped_short", 0) for d in datas), "fingerprint": f"sha256:{joined}",
+            "merged_from": [str(p) for p in paths]}
+    return save(out, first.capture, {**first.header, "data": data})
+
+
+def stats_for_recipe(sf: StatsFile, recipe: Recipe, where: str) -> Stats:
+    """The statistics `recipe` needs from this file; errors say what the file lacks."""
+    have = sf.recipe
+    if not (recipe.observer_spec.exact or recipe.observer == have.observer) or (
+            recipe.observer == have.observer and recipe.observer_params != have.observer_params):
+        raise StatsError(f"{where} was recorded with observer {have.observer} {have.observer_params or ''}; "
+                         f"it cannot give {recipe.observer} ranges (absmax is always available)")
+    if recipe.q_scale and not have.q_scale:
+        raise StatsError(f"{where} has no Q statistics; calibrate with q_scale to export q_scale")
+    stats = sf.stats()
+    if recipe.observer_spec.exact and not have.observer_spec.exact:  # fall back to the exact maxima
+        stats = {i: LayerStats(k_amax=s.k_amax, v_amax=s.v_amax, q_amax=s.q_amax, k_over=s.k_over,
+                                       v_over=s.v_over) for i, s in stats.items()}
+    return stats
+
+
+def tensor_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

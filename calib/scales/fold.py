@@ -1,0 +1,79 @@
+"""Fold observed K/V ranges into the scales an engine multiplies its FP8 cache by.
+
+Semantics (both vLLM and TensorRT-LLM): the stored scale is the *dequantisation* multiplier. The engine
+writes `fp8 = saturate(x / scale)` and reads `x ≈ fp8 * scale`, so `scale = amax * headroom / 448` maps the
+largest observed |x| onto FP8 e4m3's largest finite value (448). A scale of 1.0 — what the engines use
+when a checkpoint carries none — saturates every |x| > 448 and flushes every |x| < 2^-9 to zero.
+
+Scales are float32: a bf16 scale keeps only ~3 significant digits.
+A layer whose range is exactly zero (all-zero K or V) gets the smallest normal float32 as its scale:
+any scale represents zeros exactly, and a zero or infinite scale would break the engine's division.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from calib.capture.stats import Stats
+from calib.recipe.granularity import Granularity, by_name as granularity_by_name
+from calib.scales.quant import FP8_E4M3, KVDtype, by_name
+
+FP8_E4M3_MAX = FP8_E4M3.qmax
+MIN_SCALE = float(torch.finfo(torch.float32).tiny)
+
+
+@dataclass(frozen=True)
+class LayerScales:
+    """Scales of one layer (float32; shape [] per tensor, [kv_heads] per head; q: [] or [heads]) plus the
+    exact per-head ranges they came from."""
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_amax: torch.Tensor      # [kv_heads]
+    v_amax: torch.Tensor      # [kv_heads]
+    q_scale: torch.Tensor | None = None
+
+
+Scales = dict[int, LayerScales]
+
+
+def amax_to_scale(amax: torch.Tensor, headroom: float = 1.0, qmax: float = FP8_E4M3_MAX) -> torch.Tensor:
+    """float32 scale(s) for the given range(s); never zero, negative or non-finite."""
+    amax = amax.to(torch.float32)
+    if not torch.isfinite(amax).all() or (amax < 0).any():
+        raise ValueError(f"ranges must be finite and >= 0, got {amax.tolist()}")
+    scale = amax * torch.tensor(headroom, dtype=torch.float32) / torch.tensor(qmax, dtype=torch.float32)
+    scale = scale.clamp_min(MIN_SCALE)
+    if not torch.isfinite(scale).all():
+        raise ValueError(f"headroom {headroom} makes a scale overflow float32 for ranges {amax.tolist()}")
+    return scale
+
+
+def per_tensor_fp8(stats: Stats, headroom: float = 1.0) -> Scales:
+    """One K and one V FP8 scale per layer: the max over KV heads of the observed range."""
+    return compute(stats, dtype="fp8_e4m3", granularity="tensor", headroom=headroom)
+
+
+def compute(stats: Stats, *, dtype: str | KVDtype, granularity: str | Granularity, headroom: float = 1.0) -> Scales:
+    """Scales of every layer at `granularity` (`tensor`: max over heads; `head`: one per KV head) for `dtype`
+    (registry values, or their names). K and V use the recipe observer's range; Q (when observed) its exact max."""
+    gran = granularity_by_name(granularity) if isinstance(granularity, str) else granularity
+    qmax = (by_name(dtype) if isinstance(dtype, str) else dtype).qmax
+    if not gran.exportable:
+        raise ValueError(f"granularity {gran.name!r} is statistics only; no engine reads its scales")
+    return {
+        layer: LayerScales(
+            k_scale=amax_to_scale(gran.fold(s.clip("k")), headroom, qmax),
+            v_scale=amax_to_scale(gran.fold(s.clip("v")), headroom, qmax),
+            k_amax=s.k_amax,
+            v_amax=s.v_amax,
+            q_scale=None if s.q_amax is None else amax_to_scale(gran.fold(s.q_amax), headroom, qmax),
+        )
+        for layer, s in sorted(stats.items())
+    }
+
+
+def per_tensor(s: LayerScales) -> tuple[float, float]:
+    """(k, v) folded to one scale each — what engines that read a single scale per layer get."""
+    return float(s.k_scale.max()), float(s.v_scale.max())

@@ -1,0 +1,94 @@
+"""Passkey generator and scorer: the key sits at the asked depth, prompts land in their bucket, scoring is exact."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from calib.evaluation import passkey
+from tiny import tiny_causal_lm
+from helpers import train_tokenizer
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer()
+
+
+@pytest.mark.parametrize("depth", passkey.DEPTHS)
+def test_key_sits_at_the_requested_depth(tokenizer, depth):
+    p = passkey.build(tokenizer, 400, depth, "40718", bucket=512)
+    text = tokenizer.decode(p.ids, skip_special_tokens=True)
+    needle = passkey.NEEDLE.format(key="40718")
+    assert text.count(needle) == 1 and text.count("40718") == 1
+    before, after = text.split(needle)
+    assert before.startswith(passkey.INTRO) and after.endswith(passkey.QUESTION)
+    lines_before = before.count(passkey.FILLER)
+    assert lines_before == round(depth * p.filler_lines)
+    assert lines_before + after.count(passkey.FILLER) == p.filler_lines
+    # in tokens: the needle starts where its depth puts it within the filler span
+    intro = len(tokenizer(passkey.INTRO)["input_ids"])
+    filler_tokens = len(p.ids) - intro - len(tokenizer(needle + passkey.QUESTION)["input_ids"])
+    assert abs((p.needle_token - intro) / filler_tokens - depth) < 0.03
+    assert tuple(tokenizer(text)["input_ids"]) == p.ids
+
+
+def test_prompt_is_the_longest_that_fits(tokenizer):
+    per_line = len(tokenizer(passkey.FILLER * 10)["input_ids"]) / 10
+    for target in (130, 250, 400):
+        p = passkey.build(tokenizer, target, 0.5, "55555", bucket=target)
+        assert target - 2 * per_line < len(p.ids) <= target
+    assert passkey.build(tokenizer, 20, 0.5, "55555", bucket=32) is None     # not even the question fits
+    with pytest.raises(ValueError, match="depth"):
+        passkey.build(tokenizer, 200, 1.5, "55555", bucket=256)
+
+
+def test_prompts_land_in_their_bucket_and_are_deterministic(tokenizer):
+    buckets = (40, 160, 256)
+    ps, notes = passkey.prompts(tokenizer, buckets, trials=2, seed=3)
+    assert len(notes) == 1 and "bucket 40" in notes[0]          # too small for intro + needle + question
+    assert {p.bucket for p in ps} == {160, 256}
+    for p in ps:
+        lower = max(b for b in (0, *buckets) if b < p.bucket)
+        assert lower < len(p.ids) <= p.bucket - passkey.MAX_NEW_TOKENS
+        assert len(p.key) == 5 and p.key.isdigit()
+    assert sorted({p.depth for p in ps}) == sorted(passkey.DEPTHS)
+    assert len(ps) == 2 * len(passkey.DEPTHS) * 2
+    again, _ = passkey.prompts(tokenizer, buckets, trials=2, seed=3)
+    assert again == ps
+    other, _ = passkey.prompts(tokenizer, buckets, trials=2, seed=4)
+    assert [p.key for p in other] != [p.key for p in ps]
+
+
+@pytest.mark.parametrize("text,ok", [
+    (" 40718. Remember it.", True), ("40718", True), (" 40718 is the key", True),
+    (" 407180", False), (" 4071", False), (" 12345 40718", False), (" the key", False), ("40 718", False),
+])
+def test_scoring_is_exact_match_of_the_first_number(text, ok):
+    assert passkey.correct(text, "40718") is ok
+
+
+def test_answer_extraction():
+    assert passkey.answer("no digits here") is None
+    assert passkey.answer(" 0042x") == "0042"
+
+
+def test_summary_counts_per_bucket_and_depth():
+    o = [passkey.Outcome(128, 0.0, "11111", "11111", True), passkey.Outcome(128, 0.5, "22222", "2", False),
+         passkey.Outcome(256, 0.5, "33333", "33333", True)]
+    s = passkey.summarize(o)
+    assert s["128"] == {"correct": 1, "total": 2, "accuracy": 0.5,
+                        "by_depth": {"0": {"correct": 1, "total": 1}, "0.5": {"correct": 0, "total": 1}}}
+    assert s["256"]["accuracy"] == 1.0
+
+
+def test_greedy_with_cache_equals_recomputing_every_step():
+    model = tiny_causal_lm("llama")
+    prompt = list(range(3, 40))
+    got = passkey.greedy(model, prompt, max_new_tokens=6)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    assert got == ids[len(prompt):]
+    assert passkey.greedy(model, prompt, max_new_tokens=6, eos_id=got[0]) == got[:1]

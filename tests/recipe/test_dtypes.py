@@ -1,0 +1,74 @@
+"""calib.recipe.dtypes: one typed vocabulary. The recipe, the CLI's choices, the observer factory and the stages read
+the same registries, so a name accepted in one place is accepted everywhere, with the same bounds."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from calib.capture import observers
+from calib.cli import main
+from calib.export.trtllm import ALGO_OF_DTYPE
+from calib.export.vllm import VllmTarget
+from calib.recipe import granularity
+from calib.recipe import recipe as R, dtypes
+
+
+def _choices(command: str, option: str) -> list[str]:
+    cmd = main.commands[command]
+    return list(next(p for p in cmd.params if p.name == option).type.choices)
+
+
+def test_cli_choices_are_the_registries():
+    assert _choices("calibrate", "dtype") == list(dtypes.KV_DTYPES) == _choices("eval", "dtype")
+    assert _choices("calibrate", "granularity") == list(granularity.GRANULARITIES)
+    assert _choices("export", "granularity") == [n for n, g in granularity.GRANULARITIES.items() if g.exportable]
+    assert _choices("calibrate", "observer") == list(dtypes.OBSERVERS)
+
+
+def test_recipe_hands_out_registry_values():
+    r = R.Recipe(dtype="int8", granularity="head", observer="mse", targets=("trtllm",))
+    assert r.kv_dtype is dtypes.INT8 and r.kv_dtype.qmax == 127.0
+    assert r.scale_granularity is granularity.GRANULARITIES["head"]
+    assert r.observer_spec is dtypes.OBSERVERS["mse"]
+    stats = R.Recipe(granularity="token", targets=())
+    assert not stats.scale_granularity.exportable
+
+
+# Per observer parameter: values the shared bounds accept and refuse (edges included).
+EDGES = {("percentile", "p"): ([1e-9, 50, 100], [0, -1, 100.5]),
+         ("mse", "grid"): ([2, dtypes.MSE_GRID_MAX], [1, dtypes.MSE_GRID_MAX + 1]),
+         ("mse", "min_ratio"): ([1e-6, 1], [0, 1.5])}
+
+
+@pytest.mark.parametrize("name, key", sorted(EDGES))
+def test_recipe_and_observer_factory_accept_and_refuse_the_same_values(name, key):
+    good, bad = EDGES[(name, key)]
+    for value in good:
+        R.from_dict({"observer": name, "observer_params": {key: value}})
+        assert observers.make_observer(name, {key: value}, dtypes.FP8_E4M3, None) is not None
+    for value in bad:
+        with pytest.raises(R.RecipeError, match=f"'observer_params.{key}' = "):
+            R.from_dict({"observer": name, "observer_params": {key: value}})
+        with pytest.raises(ValueError, match=f"{name} {key} = "):
+            observers.make_observer(name, {key: value}, dtypes.FP8_E4M3, None)
+
+
+def test_every_spec_parameter_is_an_observer_constructor_parameter():
+    classes = {"percentile": observers.PercentileObserver, "mse": observers.MSEObserver}
+    for name, spec in dtypes.OBSERVERS.items():
+        if name in classes:
+            assert set(spec.params) <= set(inspect.signature(classes[name]).parameters), name
+        else:
+            assert spec.params == {}, name
+    # bins: the observers take it (tests build small histograms), a recipe does not (files must merge)
+    assert observers.make_observer("percentile", {"bins": 256}, dtypes.FP8_E4M3, None).bins == 256
+    with pytest.raises(R.RecipeError, match="'bins', which a recipe does not set .*2048 bins"):
+        R.from_dict({"observer": "percentile", "observer_params": {"bins": 256}})
+    assert observers.PercentileObserver().bins == dtypes.HISTOGRAM_BINS == observers.MSEObserver(dtypes.INT8).bins
+
+
+def test_engine_targets_map_registry_values():
+    assert set(ALGO_OF_DTYPE) == set(dtypes.KV_DTYPES.values())
+    assert set(VllmTarget.strategies) == {n for n, g in granularity.GRANULARITIES.items() if g.exportable}
