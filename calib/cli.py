@@ -16,11 +16,10 @@ from pathlib import Path
 
 import click
 
-from calib import __version__
+from calib import __version__, resources
+from calib.errors import KvcalibError
 from calib.evaluation import emulate as emulate_mod
 from calib.recipe import recipe as recipe_mod
-
-from calib import resources
 from calib.recipe.dtypes import FP8_E4M3
 
 DEFAULT_DATA = resources.default_data()
@@ -42,21 +41,6 @@ def _default_model() -> str:
     from calib.model.default_model import ensure_default_model
 
     return str(ensure_default_model(BUILD_DIR, log=lambda m: click.echo(m, err=True)))
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from calib import export
-    from calib.capture import hook as observe
-    from calib.capture import statsfile
-    from calib.ckpt import integrity
-    from calib.data import sources as data
-    from calib.model import load as model
-    from calib.model.default_model import DefaultModelError
-    from calib.safety import options, outputs
-
-    return (recipe_mod.RecipeError, data.DataError, model.ModelError, observe.CaptureError, export.ExportError,
-            statsfile.StatsError, outputs.OutputError, options.OptionError, integrity.IntegrityError,
-            DefaultModelError)
 
 
 def _recipe_file(recipe_path: str | None) -> Path | None:
@@ -169,7 +153,7 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
                     stats_out=stats_out, into=into, overwrite_kv=overwrite_kv_scales, allow_pickle=allow_pickle,
                     recipe_file=_recipe_file(recipe_path))
                 result = pipeline.run(job, progress=bar)
-    except _user_errors() as e:
+    except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     if dist.is_main:
         _report(result, recipe)
@@ -340,7 +324,7 @@ def merge(stats: tuple[Path, ...], out: Path, force: bool) -> None:
 
     try:
         statsfile.merge(list(stats), out, force=force)
-    except _user_errors() as e:
+    except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {out} (merged {len(stats)} files)")
 
@@ -366,7 +350,7 @@ def export_cmd(stats_path, model_src, recipe_path, dtype, granularity, headroom,
     try:
         path, scales, skipped = pipeline.export_from_stats(stats_path, model_src, recipe, out, force=force,
                                                            recipe_file=_recipe_file(recipe_path))
-    except _user_errors() as e:
+    except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     click.echo(_scale_table({i: (float(s.k_amax.max()), float(s.k_scale.max()), float(s.v_amax.max()),
                                  float(s.v_scale.max())) for i, s in scales.items()}))
@@ -421,7 +405,6 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
              cpu_dtype, trust_remote_code, engine, vllm_venv, engine_top_k, engine_kv_gib, engine_timeout, out, force) -> None:
     """Compare BF16, default-scale and calibrated FP8 KV by layer and context length; write a report + verdict."""
     from calib.evaluation.config import EvalConfig
-    from calib.evaluation.fakequant import EvalError
     from calib.evaluation.report import Thresholds
     from calib.evaluation.run import run_eval
     from calib.progress import Progress
@@ -466,7 +449,7 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
         with _terminate_as_interrupt():
             result = run_eval(cfg, log=lambda m: click.echo(m, err=True),
                               progress=Progress((lambda m: click.echo(m, err=True)) if progress else None))
-    except (*_user_errors(), EvalError) as e:
+    except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     click.echo(result.verdict.text)
     click.echo(f"report: {result.out / 'report.md'} ({result.seconds:.1f} s)")
@@ -497,7 +480,7 @@ def default_model_cmd() -> None:
     """Build (once) and print the path of the embedded default model (SmolLM2-135M-Instruct)."""
     try:
         path = _default_model()
-    except _user_errors() as e:
+    except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     click.echo(path)
 

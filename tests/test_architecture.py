@@ -207,3 +207,28 @@ def test_the_fake_quant_hooks_switches_change_only_through_applying():
                                                                  t.attr == "token_mask" and mod.startswith("calib.evaluation")):
                     switched.append(f"{mod}:{node.lineno} sets .{t.attr}")
     assert switched == []
+
+
+# Modules that run outside the calib package (the engine runner imports them by file path, standard library
+# only), so their errors cannot derive from calib.errors; the caller converts them (engine.driver: not_run).
+STANDALONE = {"calib.engine.protocol", "calib.engine.vllm_runner"}
+
+
+def test_every_error_class_derives_from_the_one_base():
+    """The command line catches `KvcalibError` once: an error class that does not derive from it would reach
+    the user as a traceback. Every exception class defined under calib/ is imported and checked."""
+    import importlib
+
+    from calib.errors import KvcalibError
+
+    loose, seen = [], 0
+    for mod in sorted(set(MODULES) - STANDALONE):
+        module = importlib.import_module(mod)
+        for name, value in vars(module).items():
+            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == mod:
+                seen += 1
+                if not issubclass(value, KvcalibError):
+                    loose.append(f"{mod}.{name}")
+    assert seen >= 21                                   # the walk sees the classes (there were 21 when it was written)
+    assert loose == []
+

@@ -25,10 +25,11 @@ import torch
 from calib.capture import kernels
 from calib.capture.observers import AbsMaxObserver
 from calib.capture.stats import LayerStats, Stats
+from calib.errors import KvcalibError
 from calib.model.attention import route_attention
 from calib.scales.quant import FP8_E4M3
 
-class CaptureError(RuntimeError):
+class CaptureError(KvcalibError, RuntimeError):
     """K/V capture did not see what it must (missing layers, shape mismatch, non-finite values)."""
 
 

@@ -23,13 +23,14 @@ from typing import Protocol
 import torch
 
 from calib.capture import kernels
+from calib.errors import KvcalibError
 from calib.recipe.dtypes import HISTOGRAM_BINS, observer as observer_spec
 from calib.scales.quant import KVDtype, fake_quant
 
 Tensor = torch.Tensor
 
 
-class EmptyObserverError(RuntimeError):
+class EmptyObserverError(KvcalibError, RuntimeError):
     """amax() of an observer that has seen no data."""
 
 

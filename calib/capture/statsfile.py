@@ -32,6 +32,7 @@ from calib.capture import hook as observe
 from calib.capture.spec import capture_spec
 from calib.capture.stats import LayerStats, Stats, stats_to_tensors
 from calib.ckpt.names import STATS_FILE
+from calib.errors import KvcalibError
 from calib.recipe.recipe import Recipe, RecipeError, from_dict
 from calib.safety import outputs
 
@@ -39,7 +40,7 @@ from calib.safety import outputs
 OBSERVED = ("dtype", "granularity", "observer", "observer_params", "q_scale")
 
 
-class StatsError(ValueError):
+class StatsError(KvcalibError, ValueError):
     """A statistics file cannot be read, merged or exported as asked; the message says why."""
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from calib.ckpt import weightmap
 from calib.ckpt.names import INDEX_FILE
+from calib.errors import KvcalibError
 
 MAX_JSON_BYTES = 64 << 20          # config/index/provenance files are kilobytes; 64 MiB is a broken file
 MAX_HEADER_BYTES = 100_000_000     # the safetensors library's own limit
@@ -35,7 +36,7 @@ PACKED_DTYPES = frozenset({"I8", "U8", "I16", "U16", "I32", "U32", "F8_E4M3", "F
                            "F8_E5M2FNUZ", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"})
 
 
-class IntegrityError(ValueError):
+class IntegrityError(KvcalibError, ValueError):
     """A file of the model folder is unreadable, inconsistent or names something outside the folder."""
 
 

@@ -15,9 +15,10 @@ from typing import Any
 
 from calib.ckpt import integrity
 from calib.ckpt.names import CONFIG_FILE, INDEX_FILE
+from calib.errors import KvcalibError
 
 
-class ExportError(RuntimeError):
+class ExportError(KvcalibError, RuntimeError):
     """The checkpoint cannot be written; nothing was left at the output path."""
 
 

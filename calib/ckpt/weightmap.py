@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from calib.errors import KvcalibError
 
-class WeightMapError(ValueError):
+
+class WeightMapError(KvcalibError, ValueError):
     """An index's content is not a weight map; the message says what is wrong (the caller names the file)."""
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from calib.errors import KvcalibError
+
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 NON_TEXT_PARTS = frozenset({"image_url", "image", "input_image", "input_audio", "audio", "video", "video_url",
                             "file", "input_file"})
 
 
-class ChatError(ValueError):
+class ChatError(KvcalibError, ValueError):
     """A conversation cannot be rendered as text; the message names the message (and part) and the fix."""
 
 

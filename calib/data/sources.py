@@ -32,14 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from calib.data import chat
-from calib.errors import first_line
+from calib.errors import KvcalibError, first_line
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 COLUMNS = ("input_ids", "messages", "text")
 SHUFFLE_BUFFER = 1024
 
 
-class DataError(ValueError):
+class DataError(KvcalibError, ValueError):
     """Bad calibration data; the message names the file/record and what to do."""
 
 

@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from calib.engine import protocol
+from calib.errors import KvcalibError
 
 RUNNERS = {"vllm": Path(__file__).resolve().parent / "vllm_runner.py"}
 RUNNER_ENV = "KVCALIB_ENGINE_RUNNER"       # another runner script speaking the protocol (tests use a fake one)
 
 
-class EngineError(ValueError):
+class EngineError(KvcalibError, ValueError):
     """The engine environment cannot be used at all; the message says what to change."""
 
 

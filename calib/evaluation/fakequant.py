@@ -32,6 +32,7 @@ import torch
 from calib.capture import hook as observe
 from calib.capture.stats import LayerStats, Stats
 from calib.ckpt.kvinfo import KVInfo, read_kv_info
+from calib.errors import KvcalibError
 from calib.evaluation import emulate
 from calib.evaluation.results import ArmInfo
 from calib.model.attention import route_attention
@@ -42,7 +43,7 @@ from calib.scales.quant import FP8_E4M3, INT8, KVDtype, by_name, quantize
 TOKEN = "token"            # an arm's scale for a layer may be this: dynamic, each token's own max|x| / qmax
 
 
-class EvalError(ValueError):
+class EvalError(KvcalibError, ValueError):
     """The evaluation cannot run as asked; the message says what to change."""
 
 

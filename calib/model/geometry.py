@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from calib.errors import KvcalibError
+
 # field -> (aliases older architectures use, upper bound). Bounds sit far above any released model.
 SIZES: dict[str, tuple[tuple[str, ...], int]] = {
     "num_hidden_layers": (("n_layer", "num_layers"), 4096),
@@ -28,7 +30,7 @@ SIZES: dict[str, tuple[tuple[str, ...], int]] = {
 ROPE_KEYS = ("rope_theta", "rope_parameters", "rope_scaling")
 
 
-class GeometryError(ValueError):
+class GeometryError(KvcalibError, ValueError):
     """config.json describes a model that cannot exist; the message names the field and value."""
 
 

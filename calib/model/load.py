@@ -22,7 +22,7 @@ import torch
 
 from calib.ckpt import integrity
 from calib.ckpt.names import is_kv_scale
-from calib.errors import first_line
+from calib.errors import KvcalibError, first_line
 from calib.model import geometry
 
 KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
@@ -33,7 +33,7 @@ NOT_PLAIN_KV = frozenset({
 })
 
 
-class ModelError(ValueError):
+class ModelError(KvcalibError, ValueError):
     """The model cannot be calibrated; the message says which and what to do."""
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from calib import export
+from calib.errors import KvcalibError
 from calib.recipe import granularity as granularity_mod, safeyaml, dtypes
 from calib.recipe.dtypes import MSE_GRID_MAX  # noqa: F401  (re-exported)
 
@@ -41,7 +42,7 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-class RecipeError(ValueError):
+class RecipeError(KvcalibError, ValueError):
     """A recipe field has a bad value; the message names the field, the value and what is accepted."""
 
 

@@ -15,16 +15,18 @@ from typing import Any
 
 import yaml
 
+from calib.errors import KvcalibError
+
 MAX_BYTES = 64 * 1024
 MAX_DEPTH = 16
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
-class SafeYAMLError(ValueError):
+class SafeYAMLError(KvcalibError, ValueError):
     """The file is not a plain YAML document we accept; the message names the file, line and fix."""
 
 
-class _Refused(yaml.YAMLError):
+class _Refused(KvcalibError, yaml.YAMLError):
     def __init__(self, mark: Any, message: str) -> None:
         super().__init__(f"line {mark.line + 1}: {message}" if mark is not None else message)
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from calib.errors import KvcalibError
 
-class OptionError(ValueError):
+
+class OptionError(KvcalibError, ValueError):
     """An option's value cannot work; the message names the option and what to give instead."""
 
 

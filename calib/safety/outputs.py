@@ -31,6 +31,8 @@ import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from calib.errors import KvcalibError
+
 MARKER = ".kvcalib-output.json"
 TMP_TAG = ".kvcalib-tmp-"
 OLD_TAG = ".kvcalib-old-"
@@ -40,7 +42,7 @@ _MAX_HEADER = 100 << 20          # a safetensors header larger than this is not 
 Inputs = Iterable[tuple[str, "str | Path | None"]]   # (what it is, path) — e.g. ("the model", "m/")
 
 
-class OutputError(ValueError):
+class OutputError(KvcalibError, ValueError):
     """An output path cannot be written as asked; nothing was written or removed."""
 
 

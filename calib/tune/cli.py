@@ -11,30 +11,13 @@ from pathlib import Path
 import click
 
 from calib import resources
+from calib.errors import KvcalibError
 from calib.recipe import recipe as recipe_mod
 from calib.tune.space import OBSERVERS, TARGETS
 
 # The embedded default model: a first look that finishes in minutes on a 2-core CPU (measured in the README).
 DEFAULT_MODEL_TUNE = {"samples": 8, "seq_len": 128, "eval_samples": 8, "buckets": "64,128", "sensitivity_samples": 4}
 TUNE_DEFAULTS = {"samples": 128, "seq_len": 512, "eval_samples": 32, "buckets": "512,2048", "sensitivity_samples": None}
-
-
-def _errors() -> tuple[type[BaseException], ...]:
-    from calib import export
-    from calib.capture import hook as observe
-    from calib.capture import statsfile
-    from calib.ckpt import integrity
-    from calib.data import sources as data
-    from calib.evaluation.fakequant import EvalError
-    from calib.model import load as model
-    from calib.model.default_model import DefaultModelError
-    from calib.safety import options, outputs
-    from calib.tune.search import TuneError
-    from calib.tune.space import SpaceError
-
-    return (recipe_mod.RecipeError, data.DataError, model.ModelError, observe.CaptureError, export.ExportError,
-            statsfile.StatsError, outputs.OutputError, options.OptionError, integrity.IntegrityError,
-            DefaultModelError, EvalError, TuneError, SpaceError)
 
 
 @click.command("tune")
@@ -129,7 +112,7 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
             cfg = dataclasses.replace(cfg, model=str(model_src))
         write = (lambda m: click.echo(m, err=True)) if progress else None
         result = run.run(cfg, log=lambda m: click.echo(m, err=True), progress=Progress(write))
-    except _errors() as e:
+    except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     click.echo(result.doc["scales_matter"]["text"])
     if result.doc["budget"]["stopped"]:

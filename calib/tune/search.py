@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from calib.data import sources as data_mod
+from calib.errors import KvcalibError
 from calib.evaluation import emulate
 from calib.evaluation import report
 from calib.evaluation.config import EvalConfig
@@ -47,7 +48,7 @@ DEFAULT_EMULATION = {"vllm": "vllm-cpu", "trtllm": "trtllm"}
 BASELINE = "default (scale 1.0)"
 
 
-class TuneError(ValueError):
+class TuneError(KvcalibError, ValueError):
     """The search cannot run as asked; the message names the option and what to change."""
 
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from calib.errors import KvcalibError
 from calib.recipe import recipe as recipe_mod
 
 TARGETS = ("vllm", "trtllm")            # the engines whose candidate rules `generate` knows (a subset of export's)
@@ -25,7 +26,7 @@ MAX_HEADROOMS = 8
 _SHORT = {"fp8_e4m3": "fp8", "int8": "int8"}
 
 
-class SpaceError(ValueError):
+class SpaceError(KvcalibError, ValueError):
     """The search space asked for cannot be built; the message names the option and the fix."""
 
 
