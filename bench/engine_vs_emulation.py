@@ -53,7 +53,7 @@ def emulated(model: str, ids: list[list[int]], modes: list[str], cpu_dtype: str 
     from calib.evaluation import emulate
     from calib.evaluation.fakequant import Geometry, default_arm, fake_quant_kv
     from calib.evaluation.run import load_causal_lm
-    from calib.scales.quant import FP8_E4M3
+    from calib.recipe.dtypes import FP8_E4M3
 
     loaded = load_causal_lm(model, "cpu", False, cpu_dtype)
     lm = loaded.model

@@ -31,8 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from calib import pipeline
-from calib.model import load as model_mod
+from calib import pipeline  # noqa: E402
+from calib.capture.spec import capture_spec  # noqa: E402
+from calib.model import load as model_mod  # noqa: E402
 from calib.recipe.recipe import Recipe  # noqa: E402
 from calib.scales import fold as scales_mod  # noqa: E402
 
@@ -288,7 +289,7 @@ def main() -> None:
         def arm(part: list[list[int]] = seqs) -> None:
             nonlocal stats_for_export
             stats = pipeline.observe_kv(loaded, part, args.batch_size, None,
-                                        pipeline.capture_spec(recipe, loaded.config), opts).stats
+                                        capture_spec(recipe, loaded.config), opts).stats
             scales_mod.compute(stats, dtype=recipe.dtype, granularity=recipe.granularity)
             stats_for_export = stats
         label = f"kvcalib {name}" + (" (unfused)" if unfused else "")

@@ -24,7 +24,7 @@ from calib import export
 from calib.capture import hook as observe
 from calib.capture import statsfile
 from calib.capture.distributed import Dist, barrier, merge_all, shard
-from calib.capture.spec import TOKEN_QUANTILES, capture_spec  # noqa: F401  (re-exported: pipeline.capture_spec)
+from calib.capture.spec import capture_spec
 from calib.capture.stats import Stats
 from calib.ckpt.names import PROVENANCE_FILE, STATS_FILE
 from calib.data import sources as data_mod

@@ -39,7 +39,7 @@ def measure(req: dict) -> dict:
     from calib.evaluation import emulate, passkey
     from calib.evaluation.fakequant import Geometry, checkpoint_arms, default_arm, fake_quant_kv
     from calib.evaluation.run import load_causal_lm
-    from calib.scales.quant import by_name
+    from calib.recipe.dtypes import kv_dtype
 
     t0 = time.perf_counter()
     loaded = load_causal_lm(arm["model"], "cpu")
@@ -47,13 +47,13 @@ def measure(req: dict) -> dict:
     geo = Geometry.of(config, loaded.attention_layers)
     q = None
     if fp8:
-        dtype = by_name("fp8_e5m2" if arm["kv_cache_dtype"] == "fp8_e5m2" else "fp8_e4m3")
+        dtype = kv_dtype("fp8_e5m2" if arm["kv_cache_dtype"] == "fp8_e5m2" else "fp8_e4m3")
         kv_info = Path(arm["model"], "kvcalib.json")
         q = checkpoint_arms(arm["model"], geo)[0] if kv_info.is_file() else default_arm(geo, dtype)
         q = q.skipping(arm["skip_layers"]) if arm["skip_layers"] else q
     k, cont = req["top_k"], req["continuation_tokens"]
     samples, continuations, answers, tokens = [], [], [], 0
-    with fake_quant_kv(lm, emulate.by_name(emulate.DEFAULT)) as hook, torch.inference_mode(), hook.applying(q):
+    with fake_quant_kv(lm, emulate.kv_dtype(emulate.DEFAULT)) as hook, torch.inference_mode(), hook.applying(q):
         for ids in req["samples"]:
             lp = torch.log_softmax(lm(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float(), -1)[:-1]
             top = lp.topk(k, dim=-1)

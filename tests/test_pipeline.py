@@ -7,6 +7,7 @@ import torch
 from safetensors import safe_open
 
 from calib import pipeline
+from calib.capture.spec import capture_spec
 from calib.recipe.recipe import Recipe
 from tiny import tiny_causal_lm
 from helpers import reference_amax, used_sequences
@@ -36,7 +37,7 @@ def test_observe_kv_returns_its_capture(tiny_llama_dir, token_data):
     recipe = Recipe(samples=6, seq_len=24, min_tokens=12, batch_size=2, seed=3)
     seqs, _ = used_sequences(token_data, recipe, 257)
     loaded = model_mod.load(tiny_llama_dir, device="cpu")
-    seen = pipeline.observe_kv(loaded, seqs, recipe.batch_size, spec=pipeline.capture_spec(recipe, loaded.config))
+    seen = pipeline.observe_kv(loaded, seqs, recipe.batch_size, spec=capture_spec(recipe, loaded.config))
     assert seen.seconds > 0 and sorted(seen.stats) == sorted(seen.capture.stats())
     ref = reference_amax(tiny_causal_lm("llama"), seqs)
     for i, (k_amax, v_amax) in ref.items():
@@ -151,7 +152,7 @@ def test_one_pass_with_several_captures_equals_one_pass_each(tiny_llama_dir, tok
     from calib.model import load as model_mod
     recipe = Recipe(samples=8, seq_len=24, min_tokens=12, batch_size=3, seed=4)
     loaded = model_mod.load(tiny_llama_dir, device="cpu")
-    specs = [pipeline.capture_spec(recipe.replace(observer=o, q_scale=o == "absmax"), loaded.config)
+    specs = [capture_spec(recipe.replace(observer=o, q_scale=o == "absmax"), loaded.config)
              for o in ("absmax", "mse", "percentile")]
     seqs, report = pipeline.token_stream(token_data, loaded, recipe)
     together = pipeline.observe_kv_each(loaded, seqs, recipe.batch_size, specs)

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from calib.capture import hook as observe, observers, kernels  # noqa: E402
-from calib.scales.quant import FP8_E4M3  # noqa: E402
+from calib.recipe.dtypes import FP8_E4M3  # noqa: E402
 
 
 def _tensors(b=4, h=8, s=2048, d=128, seed=0):

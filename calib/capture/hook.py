@@ -27,7 +27,7 @@ from calib.capture.observers import AbsMaxObserver
 from calib.capture.stats import LayerStats, Stats
 from calib.errors import KvcalibError
 from calib.model.attention import route_attention
-from calib.scales.quant import FP8_E4M3
+from calib.recipe.dtypes import FP8_E4M3
 
 class CaptureError(KvcalibError, RuntimeError):
     """K/V capture did not see what it must (missing layers, shape mismatch, non-finite values)."""
@@ -102,7 +102,8 @@ class OverflowCounter:
             self._over = other._over if self._over is None else self._over + other._over.to(self._over.device)
             self._total = other._total if self._total is None else self._total + other._total.to(self._total.device)
 
-    def amax(self) -> torch.Tensor:
+    def fraction(self) -> torch.Tensor:
+        """The fraction (0-dim float32, on the CPU) of the values seen with |x| > limit."""
         return (self._over.double() / self._total.clamp_min(1).double()).float().cpu()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -212,8 +213,8 @@ class _LayerObservers:
         def get(o):
             return None if o is None else o.amax()
         return LayerStats(self.k.amax(), self.v.amax(), get(self.k_clip), get(self.v_clip), get(self.q),
-                          get(self.k_ch), get(self.v_ch), get(self.k_tok), get(self.v_tok), get(self.k_over),
-                          get(self.v_over))
+                          get(self.k_ch), get(self.v_ch), get(self.k_tok), get(self.v_tok), self.k_over.fraction(),
+                          self.v_over.fraction())
 
 
 class KVCapture:

@@ -25,7 +25,8 @@ import torch
 from calib.capture import kernels
 from calib.errors import KvcalibError
 from calib.recipe.dtypes import HISTOGRAM_BINS, observer as observer_spec
-from calib.scales.quant import KVDtype, fake_quant
+from calib.recipe.dtypes import KVDtype
+from calib.scales.quant import fake_quant
 
 Tensor = torch.Tensor
 

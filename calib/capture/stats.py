@@ -55,13 +55,3 @@ def stats_to_tensors(stats: Stats) -> dict[str, torch.Tensor]:
             if t is not None:
                 out[f"layers.{i}.{name}"] = t.to(torch.float32).contiguous()
     return out
-
-
-def stats_from_tensors(tensors: dict[str, torch.Tensor]) -> Stats:
-    """Inverse of `stats_to_tensors`."""
-    per_layer: dict[int, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        _, i, name = key.split(".", 2)
-        if name in _STAT_FIELDS:
-            per_layer.setdefault(int(i), {})[name] = t
-    return {i: LayerStats(**fields) for i, fields in sorted(per_layer.items())}

@@ -21,8 +21,6 @@ PROVENANCE_FILE = "kvcalib.json"              # what kvcalib measured and how
 HF_QUANT_CONFIG = "hf_quant_config.json"      # ModelOpt / TensorRT-LLM quantization config
 STATS_FILE = "stats.safetensors"              # a statistics-only output's observer states
 
-SCALE_KINDS = ("k", "v", "q")
-
 
 def vllm_scale_name(layer: int, kind: str) -> str:
     """`kind` is k, v or q; vLLM remaps `self_attn.{kind}_scale` onto its attention layer."""

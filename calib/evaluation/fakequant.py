@@ -36,9 +36,10 @@ from calib.errors import KvcalibError
 from calib.evaluation import emulate
 from calib.evaluation.results import ArmInfo
 from calib.model.attention import route_attention
+from calib.recipe.dtypes import FP8_E4M3, INT8, KVDtype, kv_dtype
 from calib.scales import fp8
 from calib.scales.fold import MIN_SCALE, amax_to_scale
-from calib.scales.quant import FP8_E4M3, INT8, KVDtype, by_name, quantize
+from calib.scales.quant import quantize
 
 TOKEN = "token"            # an arm's scale for a layer may be this: dynamic, each token's own max|x| / qmax
 
@@ -204,7 +205,7 @@ def stats_arms(path: str, geo: Geometry, default_dtype: str) -> list[Arm]:
     stats, header = read_stats(path)
     if sorted(stats) != sorted(geo.layers):
         raise EvalError(f"--stats {path} covers layers {sorted(stats)}, the model has {list(geo.layers)}")
-    dtype = by_name((header or {}).get("recipe", {}).get("dtype", default_dtype))
+    dtype = kv_dtype((header or {}).get("recipe", {}).get("dtype", default_dtype))
 
     def arm(gran: str, pick: Callable[[LayerStats, str], Any] | None, shippable: bool) -> Arm:
         def scales(kind):
@@ -229,7 +230,7 @@ def arms_for(geo: Geometry, dtype: str, scales: Sequence[str] = (), stats: str |
              per_head_kv: bool = True) -> list[Arm]:
     """The default arm, every checkpoint's arms, then the statistics file's arms, under distinct names.
     `per_head_kv`: whether the emulated engine applies per-head scales per head (see `checkpoint_arms`)."""
-    arms = [default_arm(geo, by_name(dtype))]
+    arms = [default_arm(geo, kv_dtype(dtype))]
     for path in scales:
         arms += checkpoint_arms(path, geo, per_head_kv)
     if stats:
@@ -328,7 +329,7 @@ class FakeQuantKV:
     set for one batch (or one generation) by `applying` and are all off outside it."""
 
     def __init__(self, emulation: emulate.Emulation | None = None) -> None:
-        self.emulation = emulation or emulate.by_name(emulate.DEFAULT)
+        self.emulation = emulation or emulate.kv_dtype(emulate.DEFAULT)
         self.arm: Arm | None = None
         self.token_mask: torch.Tensor | None = None
         self.meter: Meter | None = None

@@ -18,7 +18,6 @@ from typing import Any
 from calib import export
 from calib.errors import KvcalibError
 from calib.recipe import granularity as granularity_mod, safeyaml, dtypes
-from calib.recipe.dtypes import MSE_GRID_MAX  # noqa: F401  (re-exported)
 
 # The choices come from the typed registries (calib.recipe.dtypes, calib.recipe.granularity); the recipe keeps their names
 # (what YAML, the CLI and kvcalib.json spell) and hands out the values (`kv_dtype`, `scale_granularity`,

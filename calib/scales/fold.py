@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from calib.capture.stats import Stats
+from calib.recipe.dtypes import FP8_E4M3, KVDtype, kv_dtype
 from calib.recipe.granularity import Granularity, by_name as granularity_by_name
-from calib.scales.quant import FP8_E4M3, KVDtype, by_name
 
 FP8_E4M3_MAX = FP8_E4M3.qmax
 MIN_SCALE = float(torch.finfo(torch.float32).tiny)
@@ -59,7 +59,7 @@ def compute(stats: Stats, *, dtype: str | KVDtype, granularity: str | Granularit
     """Scales of every layer at `granularity` (`tensor`: max over heads; `head`: one per KV head) for `dtype`
     (registry values, or their names). K and V use the recipe observer's range; Q (when observed) its exact max."""
     gran = granularity_by_name(granularity) if isinstance(granularity, str) else granularity
-    qmax = (by_name(dtype) if isinstance(dtype, str) else dtype).qmax
+    qmax = (kv_dtype(dtype) if isinstance(dtype, str) else dtype).qmax
     if not gran.exportable:
         raise ValueError(f"granularity {gran.name!r} is statistics only; no engine reads its scales")
     return {

@@ -114,12 +114,6 @@ def vllm_cpu_e4m3(v: torch.Tensor) -> torch.Tensor:
     return round_fp8(v, E4M3, RZ)
 
 
-def vllm_cpu_e5m2(v: torch.Tensor) -> torch.Tensor:
-    """vLLM CPU's e5m2 cache write (`float_to_fp8e5m2_scalar`): clamp to +-57344, truncate the mantissa
-    (subnormals by shifting the float32 significand: also truncation)."""
-    return round_fp8(v, E5M2, RZ)
-
-
 def cache_write(x: torch.Tensor, scale: torch.Tensor | float, rounding: str, scale_op: str) -> torch.Tensor:
     """The e4m3 codes an engine's cache write stores for `x` (`calib/evaluation/emulate.py`'s Cast vocabulary):
     `rounding` rne | rz | rz-cpu (vLLM CPU's truncation with its subnormal double rounding), `scale_op`

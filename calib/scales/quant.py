@@ -16,11 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from calib.recipe.dtypes import FP8_E4M3, INT8, KV_DTYPES, KVDtype, kv_dtype  # noqa: F401
-
-
-# The dtype registry lives in calib.recipe.dtypes (torch-free, so recipes validate against it); re-exported here.
-by_name = kv_dtype
+from calib.recipe.dtypes import FP8_E4M3, INT8, KVDtype
 
 
 def _round_fp8(q: torch.Tensor) -> torch.Tensor:

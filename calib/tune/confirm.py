@@ -18,7 +18,7 @@ from typing import Any
 
 from calib.evaluation import report
 from calib.evaluation.fakequant import Arm, reference_arm
-from calib.scales.quant import by_name
+from calib.recipe.dtypes import kv_dtype
 from calib.tune import choose as choose_mod
 from calib.tune.output import write_checkpoint
 from calib.tune.search import BASELINE, TuneError
@@ -60,9 +60,9 @@ def confirm(cfg: Any, found: Any, st: Any, source: Path, loaded: Any, samples: A
         arms = []
         for j, c in enumerate(short):
             path = write_checkpoint(cfg, loaded, source, st, c, {}, out=root / f"candidate-{j}")
-            arms.append(Arm(c.name, by_name(c.dtype), kind="checkpoint", source=str(path), serve_skip=c.skip))
+            arms.append(Arm(c.name, kv_dtype(c.dtype), kind="checkpoint", source=str(path), serve_skip=c.skip))
         base = found.entries.get(BASELINE)
-        default = [Arm(BASELINE, by_name("fp8_e4m3"), kind="default")] if base is not None else []
+        default = [Arm(BASELINE, kv_dtype("fp8_e4m3"), kind="default")] if base is not None else []
         ref_arm = reference_arm(loaded.dtype)
         engine = EngineRun(cfg.engine, version, str(source), str(loaded.dtype).removeprefix("torch."), samples,
                            buckets, (), loaded.tokenizer, getattr(loaded.config, "max_position_embeddings", None),

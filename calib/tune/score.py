@@ -25,8 +25,8 @@ import torch
 from calib.evaluation import emulate
 from calib.evaluation.fakequant import Arm, Geometry
 from calib.evaluation.results import ArmMetrics
+from calib.recipe.dtypes import FP8_E4M3, kv_dtype
 from calib.scales import fold as scales_mod
-from calib.scales.quant import FP8_E4M3, by_name
 from calib.tune.space import Candidate
 
 NOISE_SE = 2.0          # a difference is measurable when it exceeds this many standard errors
@@ -34,7 +34,7 @@ NOISE_SE = 2.0          # a difference is measurable when it exceeds this many s
 
 def arm_for(c: Candidate, stats: Any, geo: Geometry, emulation: emulate.Emulation) -> Arm:
     """The arm that stores the KV cache as the target engine would with this candidate's checkpoint."""
-    dtype = by_name(c.dtype)
+    dtype = kv_dtype(c.dtype)
     sc = scales_mod.compute(stats, dtype=c.dtype, granularity=c.granularity, headroom=c.headroom)
     fa3 = emulation.attention == "fa3"
     notes = []

@@ -36,9 +36,9 @@ from calib.evaluation.samples import calibration_windows, select_samples, usable
 from calib.evaluation.session import Session, open_session
 from calib.model import load as model_mod
 from calib.progress import SILENT, Progress
+from calib.recipe.dtypes import FP8_E4M3
 from calib.recipe.recipe import Recipe
 from calib.safety import options, outputs
-from calib.scales.quant import FP8_E4M3
 from calib.tune import score, space
 from calib.tune import stats as stats_mod
 

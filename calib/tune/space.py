@@ -129,10 +129,6 @@ def parse_list(text: str, option: str, kind: type = str) -> tuple:
         raise SpaceError(f"{option} {text!r}: give a comma list of {'numbers' if kind is float else 'names'}") from None
 
 
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_value: float) -> float:
-    return 2 * layers * kv_heads * head_dim * bytes_per_value
-
-
 def memory_saved(candidate: Candidate | None, layers: int, ref_bytes: int) -> float:
     """Share of the model-dtype KV cache this candidate saves (None: the reference, 0). FP8 and INT8 store one
     byte per value; skipped layers keep `ref_bytes`."""

@@ -23,19 +23,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from calib import discovery
-from calib.ckpt.names import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE
 from calib.ckpt.reader import CheckpointFiles, Problem
 from calib.export import TARGETS
 from calib.verify.checker import Checker
-from calib.verify.trtllm import (TRT_KV_ALGOS, TRT_RULES, trt_config_json_quantization, trt_hf_quant_config,
-                                 trt_int8_needs_unquantized_weights, trt_no_skipped_layers, trt_scale_names,
-                                 trt_scale_shapes_dtypes_values, trt_scales_present, trt_view)
-from calib.verify.vllm import (VLLM_RULES, vllm_ct_config_groups, vllm_ct_kv_cache_scheme, vllm_declared_without_scales,
-                               vllm_index_consistent, vllm_one_scale_per_layer, vllm_quark_kv_config,
-                               vllm_reads_a_quant_config, vllm_scale_dtypes, vllm_scale_names, vllm_scale_shapes,
-                               vllm_scale_values, vllm_config, vllm_method, vllm_view)
-
-# The rule functions and file-name constants stay importable from `calib.verify`, as before the split.
 
 
 def discover(path: list[str] | None = None, package: str = __name__) -> dict[str, Checker]:
@@ -78,4 +68,4 @@ def verify(ckpt: str | Path, engine: str = "all") -> list[Problem]:
     return list(dict.fromkeys(problems))
 
 
-__all__ = ["CHECKERS", "ENGINES", "Checker", "Problem", "VLLM_RULES", "TRT_RULES", "verify"]
+__all__ = ["CHECKERS", "ENGINES", "discover", "verify"]

@@ -19,7 +19,7 @@ import torch
 from calib.capture import hook as observe, observers, kernels
 from calib.model.load import find_attention_layers
 from calib.pipeline import batches
-from calib.scales.quant import FP8_E4M3
+from calib.recipe.dtypes import FP8_E4M3
 from tiny import random_sequences, tiny_causal_lm
 
 pytest.importorskip("triton")

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from calib.capture.observers import (AbsMaxObserver, EmptyObserverError, MSEObserver, PercentileObserver,
                                      RopeBoundObserver, RotaryLayout, make_observer)
-from calib.scales.quant import FP8_E4M3, INT8, fake_quant
+from calib.recipe.dtypes import FP8_E4M3, INT8
+from calib.scales.quant import fake_quant
 
 NAMES = ["absmax", "percentile", "mse", "rope_bound"]
 H, D = 3, 16

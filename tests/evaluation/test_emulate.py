@@ -17,7 +17,8 @@ from calib.evaluation import emulate
 from calib.scales import fp8
 from calib.evaluation.fakequant import (Arm, FakeQuantKV, Geometry, cache_codes, checkpoint_arms, default_arm,
                                         fake_quant_kv)
-from calib.scales.quant import FP8_E4M3, INT8, fake_quant
+from calib.recipe.dtypes import FP8_E4M3, INT8
+from calib.scales.quant import fake_quant
 from tiny import random_sequences, tiny_causal_lm
 
 TORCH_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

@@ -10,7 +10,7 @@ from calib.evaluation.head import Head
 from calib.evaluation.measure import measure
 from calib.evaluation.samples import Sample
 from calib.evaluation.session import Session
-from calib.scales.quant import FP8_E4M3
+from calib.recipe.dtypes import FP8_E4M3
 from tiny import random_sequences, tiny_causal_lm
 from helpers import boosted
 

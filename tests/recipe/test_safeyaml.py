@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from calib.recipe import recipe as R
+from calib.recipe.dtypes import MSE_GRID_MAX
 from calib.recipe import safeyaml
 from calib.recipe.safeyaml import SafeYAMLError
 
@@ -119,7 +120,7 @@ def test_recipe_values_are_bounded_or_refused(data):
         return
     assert 1 <= r.samples <= R.LIMITS["samples"] and 1 <= r.batch_size <= R.LIMITS["batch_size"]
     assert 1 <= r.seq_len <= R.LIMITS["seq_len"] and 0 < r.headroom <= R.LIMITS["headroom"]
-    assert r.observer_params.get("grid", 2) <= R.MSE_GRID_MAX and "bins" not in r.observer_params
+    assert r.observer_params.get("grid", 2) <= MSE_GRID_MAX and "bins" not in r.observer_params
 
 
 @pytest.mark.parametrize("data, words", [

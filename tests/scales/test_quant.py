@@ -8,7 +8,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from calib.scales.quant import FP8_E4M3, INT8, by_name, fake_quant, quantize, saturation_fraction, underflow_fraction
+from calib.recipe.dtypes import FP8_E4M3, INT8, kv_dtype
+from calib.scales.quant import fake_quant, quantize, saturation_fraction, underflow_fraction
 
 
 def _e4m3_table() -> tuple[np.ndarray, np.ndarray]:
@@ -143,7 +144,7 @@ def test_underflow_fraction_fp8_edges() -> None:
 
 
 def test_by_name() -> None:
-    assert by_name("fp8_e4m3") is FP8_E4M3 and by_name("int8") is INT8
+    assert kv_dtype("fp8_e4m3") is FP8_E4M3 and kv_dtype("int8") is INT8
     assert (FP8_E4M3.qmax, INT8.qmax) == (448.0, 127.0)
     with pytest.raises(ValueError, match="fp16.*fp8_e4m3.*int8"):
-        by_name("fp16")
+        kv_dtype("fp16")

@@ -18,7 +18,7 @@ from calib.evaluation.measure import measure
 from calib.evaluation.samples import Sample
 from calib.evaluation.session import open_session
 from calib.recipe import recipe as recipe_mod
-from calib.scales.quant import FP8_E4M3
+from calib.recipe.dtypes import FP8_E4M3
 from calib.tune import run, score, search, space
 from calib.tune import stats as stats_mod
 from tiny import random_sequences, tiny_causal_lm

@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from calib import export
+from calib.ckpt.reader import Problem
 from calib.export import trtllm
-from calib.verify import Problem, verify
+from calib.verify import verify
 from helpers import made_up_scales
 
 N_LAYERS, KV_HEADS, HEADS = 3, 2, 4
