@@ -53,7 +53,7 @@ def measure(req: dict) -> dict:
         q = q.skipping(arm["skip_layers"]) if arm["skip_layers"] else q
     k, cont = req["top_k"], req["continuation_tokens"]
     samples, continuations, answers, tokens = [], [], [], 0
-    with fake_quant_kv(lm, emulate.kv_dtype(emulate.DEFAULT)) as hook, torch.inference_mode(), hook.applying(q):
+    with fake_quant_kv(lm, emulate.by_name(emulate.DEFAULT)) as hook, torch.inference_mode(), hook.applying(q):
         for ids in req["samples"]:
             lp = torch.log_softmax(lm(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float(), -1)[:-1]
             top = lp.topk(k, dim=-1)

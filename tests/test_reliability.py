@@ -31,7 +31,7 @@ main()
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("module, owner, attr", [("export.write", "", "link_or_copy"),
-                                                 ("reduce", "", "absmax_")],
+                                                 ("capture.kernels", "", "absmax_")],
                          ids=["mid-export", "mid-calibration"])
 def test_signal_leaves_no_output_and_no_temp_dir(tiny_llama_dir, token_data, tmp_path, sig, module, owner, attr):
     out = tmp_path / "outdir" / "ckpt"

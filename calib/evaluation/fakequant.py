@@ -329,7 +329,7 @@ class FakeQuantKV:
     set for one batch (or one generation) by `applying` and are all off outside it."""
 
     def __init__(self, emulation: emulate.Emulation | None = None) -> None:
-        self.emulation = emulation or emulate.kv_dtype(emulate.DEFAULT)
+        self.emulation = emulation or emulate.by_name(emulate.DEFAULT)
         self.arm: Arm | None = None
         self.token_mask: torch.Tensor | None = None
         self.meter: Meter | None = None

@@ -207,7 +207,7 @@ def test_fifo_needing_a_seekable_file_is_refused_without_opening_it(tmp_path):
 def test_process_substitution_of_a_gzip_file(tmp_path):
     gz = tmp_path / "d.jsonl.gz"
     gz.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in ROWS).encode()))
-    code = ("import sys; from calib import data as D; r = D.DataReport(); "
+    code = ("import sys; from calib.data import sources as D; r = D.DataReport(); "
             "s = list(D.samples(sys.argv[1], None, seq_len=64, max_samples=99, min_tokens=1, pack=False, seed=0, "
             "vocab_size=None, report=r)); print(r.used, r.fingerprint)")
     out = subprocess.run(["bash", "-c", f'"{sys.executable}" -c "{code}" <(gzip -dc "{gz}")'],

@@ -181,7 +181,7 @@ def test_leftovers_of_dead_runs_are_cleaned_and_a_moved_aside_output_restored(tm
 KILLED = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from calib import outputs
+    from calib.safety import outputs
     out, stage = Path(sys.argv[1]), sys.argv[2]
     real_rename = os.rename
     def rename(a, b):
