@@ -1,0 +1,339 @@
+"""calib.evaluation.fa3: FlashAttention-3's blockwise FP8 forward.
+
+Checked against independent computations: without FP8 the reference is plain softmax attention (float64);
+with FP8 it is a slow per-row loop of the same algorithm written from the description (numpy float32 scalars,
+e4m3 rounding from the format's definition), on inputs whose Q . K sums are exact in any order; against the
+global-max `fp8_attention` it stays inside the bound that e4m3 rounding of P allows both of them, and equals
+it (up to float32 rounding) when one key block covers every key. The Triton kernel runs under the
+interpreter on CPU (TRITON_INTERPRET=1, set by conftest before Triton is imported); there its dots run in
+float32 on the same codes (the interpreter's bf16 dot is broken), so kernel and reference agree up to float32
+summation order. The CUDA tests (bf16 tensor cores, FA3's real block sizes, the hardware P cast) skip here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from calib.evaluation import fa3
+
+try:                                            # the fp8 arithmetic moves into calib.scales
+    from calib.scales import fp8
+except ImportError:
+    from calib import fp8
+
+LOG2E = math.log2(math.e)
+CUDA = torch.cuda.is_available()
+
+
+def e4m3(v: float) -> float:
+    """Nearest e4m3fn value (ties to even, saturating at 448) from the format's definition."""
+    a = abs(v)
+    if a == 0:
+        return 0.0
+    if a >= 448:
+        return math.copysign(448.0, v)
+    step = 2.0 ** (max(math.floor(math.log2(a)), -6) - 3)
+    return math.copysign(round(a / step) * step, v)
+
+
+def _grid_codes(shape, g, lo=1.0, hi=15.0, zeros=0.1) -> torch.Tensor:
+    """Random e4m3 values with |x| in [lo, hi] (random signs, some zeros)."""
+    grid = fp8.E4M3.grid()
+    grid = grid[(grid >= lo) & (grid <= hi)]
+    x = grid[torch.randint(len(grid), shape, generator=g)] * (torch.randint(2, shape, generator=g) * 2 - 1)
+    return torch.where(torch.rand(shape, generator=g) < zeros, 0.0, x)
+
+
+def _cache(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What vLLM's CUDA cache gives back: x / scale rounded to e4m3, times the scale (float32)."""
+    s = scale.reshape(1, -1, 1, 1)
+    return fp8.quantize(x, s, fp8.E4M3, fp8.RNE, "divide") * s
+
+
+def _inputs(seed, b=2, h=4, kvh=2, s=45, t=45, d=16, dv=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, s, d, generator=g) * 2
+    k = torch.randn(b, kvh, t, d, generator=g) * 3
+    v = torch.randn(b, kvh, t, dv or d, generator=g)
+    ks, vs = torch.rand(kvh, generator=g) * 0.05 + 0.01, torch.rand(kvh, generator=g) * 0.01 + 0.002
+    return q, _cache(k, ks), _cache(v, vs), ks, vs
+
+
+def _padding(b, s, t, cut=9):
+    """transformers' 4-D mask for right padding: causal, and the last `cut` keys of batch row 1 are padding."""
+    m = torch.ones(s, t, dtype=torch.bool).tril(t - s)[None, None].repeat(b, 1, 1, 1)
+    m[1, :, :, t - cut:] = False
+    return m
+
+
+def _rows_with_keys(mask: torch.Tensor | None, b, h, s) -> torch.Tensor:
+    """[b, s, h] True where a query row attends to at least one key (an empty row is 0 in FA3)."""
+    if mask is None:
+        return torch.ones(b, s, h, dtype=torch.bool)
+    return mask.expand(b, h, s, -1).any(-1).transpose(1, 2)
+
+
+# ------------------------------------------------------------------------------- the reference
+
+def _softmax_attention(q, k, v, scaling, mask=None, causal=True, window_left=None, softcap=None):
+    """Plain attention in float64: [b, s, h, dv]."""
+    rep = q.shape[1] // k.shape[1]
+    s, t = q.shape[2], k.shape[2]
+    sc = q.double() @ k.double().repeat_interleave(rep, 1).transpose(-1, -2) * scaling
+    if softcap:
+        sc = torch.tanh(sc / softcap) * softcap
+    rows = torch.arange(s)[:, None] + t - s
+    cols = torch.arange(t)[None, :]
+    keep = torch.ones(s, t, dtype=torch.bool)
+    if causal:
+        keep &= cols <= rows
+    if window_left is not None:
+        keep &= cols >= rows - window_left
+    if mask is not None and mask.dtype == torch.bool:
+        keep = keep & mask
+    elif mask is not None:
+        sc = sc + mask.double()
+    sc = sc.masked_fill(~keep, -math.inf)
+    return (sc.softmax(-1) @ v.double().repeat_interleave(rep, 1)).transpose(1, 2)
+
+
+CASES = {
+    "causal-gqa": dict(),
+    "bidirectional": dict(causal=False),
+    "padding": dict(mask="bool"),
+    "additive": dict(mask="additive", causal=False),
+    "prefill-chunk": dict(s=19),                                  # fewer queries than keys: bottom-right
+    "window-softcap": dict(window_left=12, softcap=4.0),
+}
+
+
+def _case(cfg, seed=0, d=16):
+    cfg = dict(cfg)
+    s = cfg.pop("s", 45)
+    q, k, v, ks, vs = _inputs(seed, s=s, d=d)
+    kind = cfg.pop("mask", None)
+    if kind == "bool":
+        cfg["mask"] = _padding(2, s, 45)
+    elif kind == "additive":
+        m = torch.zeros(2, 1, s, 45)
+        m[0, :, :, 30:] = torch.finfo(torch.float32).min
+        m[1] = torch.randn(1, s, 45, generator=torch.Generator().manual_seed(seed)) * 0.5   # a real bias
+        cfg["mask"] = m
+    return q, k, v, ks, vs, cfg
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_reference_without_fp8_is_softmax_attention(name):
+    q, k, v, _, _, cfg = _case(CASES[name])
+    got = fa3.blockwise_reference(q, k, v, scaling=0.25, quant_q=False, quant_p=False, block_n=16, chunk=16,
+                                  **cfg)
+    want = _softmax_attention(q, k, v, 0.25, **cfg)
+    live = _rows_with_keys(cfg.get("mask") if isinstance(cfg.get("mask"), torch.Tensor)
+                           and cfg["mask"].dtype == torch.bool else None, 2, 4, q.shape[2])
+    err = (got.double() - want).abs().amax(-1)[live].max().item()
+    assert err < 2e-6 * want.abs().max().item(), err
+
+
+def _slow_fa3(qc, kc, vc, qd, kd, vd, scaling, block_n, mask):
+    """The algorithm of FA3's FP8 forward, one query row at a time in numpy float32 scalars: every key block
+    from the last to the first, running max, P = exp2(x - (max - 8)) rounded by `e4m3`, row sum of the
+    unrounded P, accumulator rescaled by exp2(old max - new max)."""
+    f = np.float32
+    b, h, s, _ = qc.shape
+    kvh, t, dv = kc.shape[1], kc.shape[2], vc.shape[-1]
+    out = np.zeros((b, s, h, dv), dtype=np.float32)
+    for bi in range(b):
+        for hi in range(h):
+            kh = hi // (h // kvh)
+            c = f(f(scaling * LOG2E) * f(f(qd) * f(kd[kh])))
+            for i in range(s):
+                m, l, acc = f(-np.inf), f(0), np.zeros(dv, dtype=np.float32)
+                for j in reversed(range(-(-t // block_n))):
+                    cols = [n for n in range(j * block_n, min(t, (j + 1) * block_n))]
+                    x = [f(f(float(qc[bi, hi, i].double() @ kc[bi, kh, n].double())) * c)
+                         if mask[bi, 0, i, n] else f(-np.inf) for n in cols]
+                    m_new = max(m, max(x))
+                    alpha = np.exp2(f(m - (f(0) if m_new == -np.inf else m_new)))
+                    off = f(0) if m_new == -np.inf else f(m_new - f(8))
+                    p = [np.exp2(f(xi - off)) for xi in x]
+                    l = f(l * alpha)
+                    for pi in p:
+                        l = f(l + pi)
+                    acc = (acc * alpha).astype(np.float32)
+                    for pi, n in zip(p, cols):
+                        acc = (acc + f(e4m3(float(pi))) * vc[bi, kh, n].numpy()).astype(np.float32)
+                    m = m_new
+                out[bi, i, hi] = acc * f(f(1) / l) * f(vd[kh]) if l > 0 else 0
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_is_the_per_row_algorithm(causal):
+    """Q and K codes in [1, 15] (quantum >= 2^-3): every Q . K sum is exact in float32, in any order."""
+    g = torch.Generator().manual_seed(1)
+    b, h, kvh, s, t, d = 1, 2, 1, 21, 21, 8
+    qd, kd, vd = 0.25, torch.tensor([0.21]), torch.tensor([0.013])
+    qc, kc = _grid_codes((b, h, s, d), g), _grid_codes((b, kvh, t, d), g)
+    vc = _grid_codes((b, kvh, t, d), g, lo=2.0 ** -9, hi=448.0)
+    mask = _padding(b + 1, s, t, cut=4)[1:] if causal else torch.ones(b, 1, s, t, dtype=torch.bool)
+    got = fa3.blockwise_reference(qc * qd, kc * kd, vc * vd, scaling=d ** -0.5, q_scale=qd, k_scale=kd,
+                                  v_scale=vd, mask=mask, causal=causal, block_n=6, chunk=8)
+    want = _slow_fa3(qc, kc, vc, qd, kd, vd, d ** -0.5, 6, mask)
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+def test_fp8_inputs_are_codes_times_scales():
+    """prepare() recovers the cache's codes exactly from codes x per-head scale (bf16-exact, so the kernel can
+    use tensor cores) and keeps other values as they are (per-channel scales: float32 dots)."""
+    q, k, v, ks, vs = _inputs(2)
+    x = fa3.prepare(q, k, v, q_scale=0.05, k_scale=ks, v_scale=vs)
+    assert x.bf16_exact
+    assert torch.equal(x.k * ks.reshape(1, -1, 1, 1), k) and torch.equal(x.k, fp8.round_fp8(x.k))
+    assert torch.equal(x.q, fp8.quantize(q, 0.05, fp8.E4M3, fp8.RNE, "reciprocal"))
+    assert torch.equal(x.q_descale, torch.full((2, 2), 0.05))
+    chan = torch.rand(1, 2, 1, 16) + 0.5
+    assert not fa3.prepare(q, k * chan, v, q_scale=0.05, k_scale=ks, v_scale=vs).bf16_exact
+    with pytest.raises(ValueError, match="k_scale has 3 values"):
+        fa3.prepare(q, k, v, k_scale=torch.ones(3))
+    with pytest.raises(ValueError, match="mask"):
+        fa3.prepare(q, k, v, mask=torch.ones(2, 1, 7, 45, dtype=torch.bool))
+
+
+def _p_rounding_bound(q, k, v, scaling, q_scale, mask):
+    """Per output element, how far e4m3 rounding of P can move either implementation from exact attention:
+    (2^-4 sum_k p_k |v_k| + 2^-10 sum_k |v_k|) / sum_k p_k with p = 2^8 exp(x - max) (half an e4m3 step is at
+    most 2^-4 of a normal value and 2^-10 below 2^-6; a running max only scales P down, by alpha <= 1)."""
+    rep = q.shape[1] // k.shape[1]
+    qf = fp8.quantize(q, q_scale, fp8.E4M3, fp8.RNE, "reciprocal").double() * q_scale
+    sc = qf @ k.double().repeat_interleave(rep, 1).transpose(-1, -2) * scaling
+    sc = sc.masked_fill(~mask, -math.inf)
+    p = torch.exp(sc - sc.amax(-1, keepdim=True)) * 256
+    va = v.double().abs().repeat_interleave(rep, 1)
+    bound = (2 ** -4 * (p @ va) + 2 ** -10 * (mask.double() @ va)) / p.sum(-1, keepdim=True)
+    return bound.transpose(1, 2)
+
+
+@pytest.mark.parametrize("block_n", [6, 16, 64])
+def test_reference_against_global_max_fp8_attention(block_n):
+    """The running max changes which e4m3 values P takes (round then rescale by a non-power of two is not
+    round the rescaled value): both stay within the rounding bound of exact attention, so they differ by at
+    most twice it. One block holding every key (block_n 64 >= 45) is the global max: equal up to float32."""
+    q, k, v, ks, vs = _inputs(3)
+    mask = _padding(2, 45, 45)
+    ours = fa3.blockwise_reference(q, k, v, scaling=0.25, q_scale=0.05, k_scale=ks, v_scale=vs, mask=mask,
+                                   block_n=block_n)
+    glob = fp8.fp8_attention(q, k, v, scaling=0.25, q_scale=0.05, mask=mask)
+    diff = (ours - glob).abs()
+    bound = _p_rounding_bound(q, k, v, 0.25, 0.05, mask)
+    assert (diff <= 2 * bound * 1.001 + 1e-6).all()
+    if block_n >= 45:
+        assert diff.max() <= 1e-5 * glob.abs().max()
+    else:
+        assert diff.max() > 1e-4 * glob.abs().max()        # the running max is visible
+
+
+# ------------------------------------------------------------------------------- the Triton kernel
+
+needs_interpreter = pytest.mark.skipif(fa3.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="needs Triton's interpreter (TRITON_INTERPRET=1 before import)")
+
+
+@needs_interpreter
+def test_kernel_rounds_p_like_the_format():
+    edges = [0.0, 2.0 ** -10, 1.5 * 2 ** -10, 2.0 ** -9, 2.5 * 2 ** -9, 3 * 2 ** -10, 2.0 ** -6, 1.0625, 1.1875,
+             17.0, 19.0, 255.0, 256.0, 440.0, 447.9]
+    x = torch.cat([torch.tensor(edges), torch.rand(3000, generator=torch.Generator().manual_seed(0)) *
+                   2.0 ** torch.randint(-14, 9, (3000,), generator=torch.Generator().manual_seed(1))])
+    got = fa3.round_e4m3_triton(x)
+    assert torch.equal(got, fp8.round_fp8(x))
+    assert got[:len(edges)].tolist() == [e4m3(e) for e in edges]
+
+
+KERNEL_CASES = {
+    "causal-gqa-padding": dict(mask="bool"),
+    "additive-bidirectional": dict(mask="additive", causal=False),
+    "prefill-chunk": dict(s=19),
+    "window-softcap": dict(window_left=12, softcap=4.0),
+}
+
+
+@needs_interpreter
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")     # finfo.min * log2(e) is -inf
+@pytest.mark.parametrize("block_n", [16, 28])                  # 28 = 16 + 8 + 4: three tiles, 45 = 28 + 17
+@pytest.mark.parametrize("name", KERNEL_CASES)
+def test_kernel_equals_reference_under_the_interpreter(name, block_n):
+    q, k, v, ks, vs, cfg = _case(KERNEL_CASES[name], seed=4)
+    q, k, v = q[:, :2], k[:, :1], v[:, :1]                        # 2 query heads on 1 KV head
+    cfg = {**cfg, "mask": cfg["mask"][:, :1]} if "mask" in cfg else cfg
+    kw = dict(scaling=0.25, q_scale=0.05, k_scale=ks[:1], v_scale=vs[:1], block_n=block_n, **cfg)
+    want = fa3.blockwise_reference(q, k, v, **kw)
+    got = fa3.fa3_attention_triton(q, k, v, block_m=16, **kw)
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+
+
+@needs_interpreter
+def test_kernel_float32_path_without_scales():
+    """K/V that are not codes times a per-head scale (k_scale None, values off the grid), no FP8 at all:
+    plain softmax attention up to float32 rounding."""
+    q, k, v, _, _ = _inputs(5, b=1, h=2, kvh=1, s=37, t=37, d=24, dv=8)
+    got = fa3.fa3_attention_triton(q, k * 1.1, v, scaling=0.2, quant_q=False, quant_p=False, block_n=16,
+                                   block_m=16)
+    want = _softmax_attention(q, k * 1.1, v, 0.2)
+    assert (got.double() - want).abs().max() <= 2e-6 * want.abs().max()
+
+
+@needs_interpreter
+def test_dispatcher_takes_the_kernel_only_where_it_can(monkeypatch, capsys):
+    q, k, v, ks, vs = _inputs(6, b=1, h=2, kvh=1, s=20, t=20)
+    kw = dict(scaling=0.25, q_scale=0.05, k_scale=ks, v_scale=vs, block_n=16)
+    want = fa3.blockwise_reference(q, k, v, **kw)
+    assert not fa3.fused(q) and torch.equal(fa3.fa3_attention(q, k, v, **kw), want)      # CPU tensors
+    monkeypatch.setattr(fa3, "KERNELS_ON_CPU", True)
+    monkeypatch.setattr(fa3, "_failed", {})
+    reference = fa3._reference
+    calls = []
+    monkeypatch.setattr(fa3, "_reference", lambda *a: calls.append("reference") or reference(*a))
+    got = fa3.fa3_attention(q, k, v, **kw)
+    assert not calls and (got - want).abs().max() <= 2e-6 * want.abs().max()
+
+    def broken(*a):                           # what Triton does where it cannot build or fit the kernel
+        calls.append("kernel")
+        raise RuntimeError("out of resources: shared memory")
+    monkeypatch.setattr(fa3, "_kernel", broken)
+    for _ in range(2):
+        assert torch.equal(fa3.fa3_attention(q, k, v, **kw), want)
+    assert calls == ["kernel", "reference", "reference"]           # one try per configuration, said once
+    assert capsys.readouterr().err.count("unavailable") == 1
+
+
+# ------------------------------------------------------------------------------- on a GPU
+
+needs_cuda = pytest.mark.skipif(not CUDA or fa3.triton is None, reason="needs CUDA and Triton")
+
+
+@needs_cuda
+@pytest.mark.parametrize("d,block_n", [(64, 160), (128, 224), (256, 128)])
+@pytest.mark.parametrize("name", ["causal-gqa-padding", "window-softcap", "prefill-chunk"])
+def test_kernel_equals_reference_on_cuda(name, d, block_n):
+    q, k, v, ks, vs, cfg = _case(KERNEL_CASES[name], seed=7, d=d)
+    dev = torch.device("cuda")
+    q, k, v = q.to(dev, torch.bfloat16), k.to(dev), v.to(dev)
+    cfg = {n: (x.to(dev) if isinstance(x, torch.Tensor) else x) for n, x in cfg.items()}
+    kw = dict(scaling=d ** -0.5, q_scale=0.05, k_scale=ks, v_scale=vs, block_n=block_n, **cfg)
+    assert fa3.prepare(q, k, v, q_scale=0.05, k_scale=ks, v_scale=vs).bf16_exact          # tensor-core path
+    want = fa3.blockwise_reference(q, k, v, **kw)
+    got = fa3.fa3_attention_triton(q, k, v, **kw)
+    # float32 summation order, and the GPU's approximate exp2 moving an occasional P across an e4m3 midpoint
+    diff, scale = (got - want).abs(), want.abs().max()
+    assert (diff > 1e-4 * scale).float().mean() < 0.02 and diff.max() < 0.05 * scale
+
+
+@needs_cuda
+def test_hardware_p_cast_rounds_like_the_arithmetic_one():
+    x = torch.rand(1 << 20, device="cuda") * 2.0 ** torch.randint(-14, 9, (1 << 20,), device="cuda")
+    assert torch.equal(fa3.round_e4m3_triton(x), x.to(torch.float8_e4m3fn).float())
