@@ -6,11 +6,9 @@ Every known failure surfaces as one line `Error: ...` and a non-zero exit, never
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import shlex
-import signal
 import sys
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from calib.errors import KvcalibError
 from calib.evaluation import emulate as emulate_mod
 from calib.recipe import recipe as recipe_mod
 from calib.recipe.dtypes import FP8_E4M3
+from calib.safety import outputs
 
 DEFAULT_DATA = resources.default_data()
 BUILD_DIR = resources.build_dir()
@@ -133,8 +132,9 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
     try:
         # options first: a bad value fails in milliseconds, before the default model is built or a model loads
         options.calibrate(device_name=device, max_batch_tokens=max_batch_tokens, seq_len=recipe.seq_len,
-                          checkpoint_every=checkpoint_every)
-        with _terminate_as_interrupt():
+                          checkpoint_every=checkpoint_every, device_map=placement.device_map,
+                          max_memory=placement.max_memory)
+        with outputs.terminate_as_interrupt():
             if model_src is None and into is not None:
                 model_src = str(into)
             if model_src is None:
@@ -176,22 +176,6 @@ class _LazyBar:
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.close()
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM unwinds like Ctrl-C, so the temporary output directory is removed on the way out."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread (e.g. embedded use): leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _checkpointing(out: Path, every: int | None, resume: bool, pipeline):
@@ -446,7 +430,7 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
             model_src = _default_model()
         cfg = dataclasses.replace(cfg, model=str(model_src),
                                   out=out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-eval")
-        with _terminate_as_interrupt():
+        with outputs.terminate_as_interrupt():
             result = run_eval(cfg, log=lambda m: click.echo(m, err=True),
                               progress=Progress((lambda m: click.echo(m, err=True)) if progress else None))
     except KvcalibError as e:

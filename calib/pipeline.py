@@ -31,7 +31,7 @@ from calib.data import sources as data_mod
 from calib.data.batching import PaddingStats, batches, prefetch
 from calib.model import load as model_mod
 from calib.recipe.recipe import Recipe
-from calib.safety import options as opts, outputs
+from calib.safety import files, options as opts, outputs
 from calib.scales import fold as scales_mod
 
 
@@ -219,7 +219,7 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCa
     if not targets:
         with outputs.atomic_dir(out, force, kind="statistics") as tmp:
             statsfile.save(tmp / STATS_FILE, capture, stats_header(prov, source))
-            (tmp / PROVENANCE_FILE).write_text(json.dumps({**prov, "target": None}, indent=2) + "\n")
+            files.write_text(tmp / PROVENANCE_FILE, json.dumps({**prov, "target": None}, indent=2) + "\n")
         return out
 
     if extra_files and len(targets) != 1:
@@ -318,7 +318,8 @@ def check_calibrate(job: CalibrateJob) -> _Checked:
     ckpt = options.checkpoint
     place = job.placement or model_mod.Placement(device=job.device)
     opts.calibrate(device_name=place.device, max_batch_tokens=options.max_batch_tokens, seq_len=recipe.seq_len,
-                   checkpoint_every=(ckpt.every or None) if ckpt is not None else None)
+                   checkpoint_every=(ckpt.every or None) if ckpt is not None else None,
+                   device_map=place.device_map, max_memory=place.max_memory)
     if ckpt is not None and options.dist.world > 1:
         raise statsfile.StatsError("--checkpoint-every/--resume run in a single process, not under torchrun")
     data_mod.check_source(job.data)
@@ -417,10 +418,12 @@ def _write(job: CalibrateJob, checked: _Checked, prep: _Prepared, seen: Observed
     """The checkpoint(s) and the statistics file, from the main process only; then every rank meets."""
     path, options = Path(job.out), prep.options
     if options.dist.is_main:
-        path = write_outputs(checked.target_dir, Path(job.out), job.recipe, seen.capture, scales, prov,
-                             force=job.force, overwrite_kv=job.overwrite_kv)
-        if job.stats_out is not None:
-            statsfile.save(Path(job.stats_out), seen.capture, stats_header(prov, prep.loaded.source_dir))
+        with contextlib.ExitStack() as stack:    # --stats-out lands only with OUT: a failed OUT leaves neither
+            if job.stats_out is not None:
+                tmp = stack.enter_context(outputs.atomic_file(Path(job.stats_out), "--stats-out"))
+                statsfile.write(tmp, seen.capture, stats_header(prov, prep.loaded.source_dir))
+            path = write_outputs(checked.target_dir, Path(job.out), job.recipe, seen.capture, scales, prov,
+                                 force=job.force, overwrite_kv=job.overwrite_kv)
         if options.checkpoint is not None:
             options.checkpoint.path.unlink(missing_ok=True)  # the run completed: nothing to resume
     barrier(options.dist)

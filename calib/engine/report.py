@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from calib.safety import files
+
 PLOT = "engine_vs_emulation.png"
 
 
@@ -97,5 +99,6 @@ def plot(doc: dict[str, Any], out: Path) -> str | None:
     ax.set_xticklabels([n if len(n) < 28 else "…" + n[-27:] for n in names], rotation=20, ha="right", fontsize=7)
     ax.legend(fontsize=7)
     FigureCanvasAgg(fig)
-    fig.savefig(out / PLOT, dpi=90, format="png")
+    with files.open_new(out / PLOT, "wb") as f:
+        fig.savefig(f, dpi=90, format="png")
     return PLOT

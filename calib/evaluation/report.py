@@ -28,6 +28,7 @@ from calib.engine import report as engine_report
 from calib.engine import verdict as honest
 from calib.engine.verdict import SKIP_FLAG, decisive
 from calib.evaluation.results import ArmMetrics, Reference, passkey_correct
+from calib.safety import files
 
 PLOTS = ("scales.png", "layer_error.png", "kl_by_bucket.png")
 
@@ -267,8 +268,8 @@ def write(out: Path, rep: Report, *, force: bool, plots: bool = True) -> dict[st
         doc = rep.to_dict()
         extra = engine_report.plot(doc, tmp) if plots and made else None
         made = [*made, extra] if extra else made
-        (tmp / "report.json").write_text(json.dumps(finite(doc), indent=2, allow_nan=False) + "\n")
-        (tmp / "report.md").write_text(markdown(rep, doc, made))
+        files.write_text(tmp / "report.json", json.dumps(finite(doc), indent=2, allow_nan=False) + "\n")
+        files.write_text(tmp / "report.md", markdown(rep, doc, made))
     return doc
 
 
@@ -411,7 +412,8 @@ def plot_all(rep: Report, out: Path) -> tuple[list[str], str | None]:
 
     def save(fig: Any, name: str) -> None:
         FigureCanvasAgg(fig)
-        fig.savefig(out / name, dpi=90, format="png")
+        with files.open_new(out / name, "wb") as f:
+            fig.savefig(f, dpi=90, format="png")
 
     fig = Figure(figsize=(12, 8), layout="constrained")
     for j, kind in enumerate(("k", "v")):

@@ -13,6 +13,7 @@ import click
 from calib import resources
 from calib.errors import KvcalibError
 from calib.recipe import recipe as recipe_mod
+from calib.safety import outputs
 from calib.tune.space import OBSERVERS, TARGETS
 
 # The embedded default model: a first look that finishes in minutes on a 2-core CPU (measured in the README).
@@ -111,7 +112,8 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
             model_src = ensure_default_model(resources.build_dir(), log=lambda m: click.echo(m, err=True))
             cfg = dataclasses.replace(cfg, model=str(model_src))
         write = (lambda m: click.echo(m, err=True)) if progress else None
-        result = run.run(cfg, log=lambda m: click.echo(m, err=True), progress=Progress(write))
+        with outputs.terminate_as_interrupt():     # SIGTERM: temporary folders removed, engine runners killed
+            result = run.run(cfg, log=lambda m: click.echo(m, err=True), progress=Progress(write))
     except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     click.echo(result.doc["scales_matter"]["text"])

@@ -23,7 +23,7 @@ from calib import __version__
 from calib import pipeline
 from calib.evaluation import report
 from calib.model import load as model_mod
-from calib.safety import outputs
+from calib.safety import files as new_file, outputs
 from calib.scales import fold as scales_mod
 from calib.tune import choose as choose_mod
 from calib.tune.search import BASELINE, Search, TuneConfig, ranking
@@ -215,7 +215,7 @@ def finish(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any, h
     if row is None:
         with outputs.atomic_dir(out, cfg.force, kind="tune report") as tmp:
             for name, text in files.items():
-                (tmp / name).write_text(text)
+                new_file.write_text(tmp / name, text)
         return Outcome(out, None, None, headline(doc), doc, seconds)
     cand = next(c for c in found.candidates if c.name == row["name"])
     write_checkpoint(cfg, loaded, source, st, cand, files)
