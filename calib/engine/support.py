@@ -359,6 +359,7 @@ class Outcome:
     engine: str
     version: Version
     per_backend: tuple[Consequence, ...]
+    calibrated: Calibrated
 
     @property
     def refused(self) -> bool:
@@ -450,7 +451,7 @@ def outcome(engine_name: str, cal: Calibrated, version: str | Version | None = N
     e = engine(engine_name)
     v = version_of(engine_name, version)
     backends = list(e.backends) if backend is None else [backend] if isinstance(backend, str) else list(backend)
-    return Outcome(engine_name, v, tuple(_consequence(engine_name, v, b, cal) for b in backends))
+    return Outcome(engine_name, v, tuple(_consequence(engine_name, v, b, cal) for b in backends), cal)
 
 
 # ------------------------------------------------------------------------------------------ the README table
