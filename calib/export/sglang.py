@@ -20,12 +20,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from calib.vocab import FP8_E4M3
+from calib.recipe.dtypes import FP8_E4M3
 from calib.export.target import Target, WriteOptions
 from calib.export.vllm import export_vllm
 
 if TYPE_CHECKING:
-    from calib.scales import Scales
+    from calib.scales.fold import Scales
 
 
 def per_tensor(scales: Scales) -> Scales:
@@ -46,7 +46,6 @@ class SglangTarget(Target):
     order = 2
     dtypes = (FP8_E4M3,)
     dtype_note = "SGLang has no INT8 KV cache (not a --kv-cache-dtype choice); use dtype fp8_e4m3"
-    skips_layers = False
     skip_note = ("SGLang has no per-layer KV cache dtype: every layer is quantized; drop skip_layers or serve the "
                  "skipping variant with vLLM (--kv-cache-dtype-skip-layers)")
     folds_heads = True

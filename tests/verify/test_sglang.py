@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from calib import export
 from calib.export import sglang, trtllm
-from calib.scales import LayerScales
+from calib.scales.fold import LayerScales
 from calib.verify import Problem, verify
 from helpers import made_up_scales
 
