@@ -13,7 +13,7 @@ import dataclasses
 import datetime as dt
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from calib import export
+from calib.export import serve
 from calib.capture import hook as observe
 from calib.capture import statsfile
 from calib.capture.distributed import Dist, barrier, merge_all, shard
@@ -239,11 +240,13 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCa
 
 
 def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, out: Path, *,
-                      force: bool = False, recipe_file: Path | None = None) -> tuple[Path, scales_mod.Scales, list[int]]:
+                      force: bool = False, recipe_file: Path | None = None,
+                      engine_versions: Mapping[str, str] | None = None) -> tuple[Path, scales_mod.Scales, list[int]]:
     """Scales for `recipe` from a statistics file, written against the model's checkpoint — no forward pass.
     Checks (output path, statistics file, model files, room), then OUT's lock, then the export."""
     if not recipe.targets:
-        raise statsfile.StatsError("export needs at least one target (vllm, trtllm)")
+        raise statsfile.StatsError(f"export needs at least one target ({', '.join(export.TARGETS)})")
+    serve.check(recipe, versions=engine_versions)
     inputs = [("the statistics file", stats_path), ("the model folder", model_src), ("the recipe", recipe_file)]
     outputs.check_folder(Path(out), force=force, inputs=inputs)
     sf = statsfile.load(Path(stats_path))
@@ -255,11 +258,12 @@ def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, o
                        copies=len(recipe.targets))
     with outputs.lock(Path(out)):
         outputs.check_folder(Path(out), force=force, inputs=inputs)     # taking the lock may restore an output
-        return _export_from_stats(sf, stats_path, source, model_src, recipe, Path(out), force)
+        return _export_from_stats(sf, stats_path, source, model_src, recipe, Path(out), force, engine_versions or {})
 
 
 def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, source: Path, model_src: str | Path,
-                       recipe: Recipe, out: Path, force: bool) -> tuple[Path, scales_mod.Scales, list[int]]:
+                       recipe: Recipe, out: Path, force: bool,
+                       engine_versions: Mapping[str, str]) -> tuple[Path, scales_mod.Scales, list[int]]:
     from transformers import AutoConfig
 
     stats = statsfile.stats_for_recipe(sf, recipe, str(stats_path))
@@ -267,6 +271,7 @@ def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, source: Path, 
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, config, sf.capture.layers)
     scales = scales_mod.compute(stats, dtype=recipe.kv_dtype, granularity=recipe.scale_granularity,
                                 headroom=recipe.headroom)
+    serve.check(recipe, scales, skipped, engine_versions)
     data = {**sf.header.get("data", {}), "statistics_file": str(stats_path)}
     prov = provenance(recipe, str(model_src), data, stats, scales, skipped, "from statistics file",
                       rotary_dim=sf.header.get("rotary_dim"))
@@ -309,6 +314,7 @@ class CalibrateJob:
     overwrite_kv: bool = False
     allow_pickle: bool = False
     recipe_file: Path | None = None
+    engine_versions: Mapping[str, str] = field(default_factory=dict)   # --engine-version: {target: version}
 
 
 def check_calibrate(job: CalibrateJob) -> _Checked:
@@ -319,6 +325,8 @@ def check_calibrate(job: CalibrateJob) -> _Checked:
     place = job.placement or model_mod.Placement(device=job.device)
     opts.calibrate(device_name=place.device, max_batch_tokens=options.max_batch_tokens, seq_len=recipe.seq_len,
                    checkpoint_every=(ckpt.every or None) if ckpt is not None else None)
+    # an engine that would run these scales at 1.0 whatever the data (INT8 on TensorRT-LLM) refuses before any work
+    serve.check(recipe, versions=job.engine_versions)
     if ckpt is not None and options.dist.world > 1:
         raise statsfile.StatsError("--checkpoint-every/--resume run in a single process, not under torchrun")
     data_mod.check_source(job.data)
@@ -435,6 +443,7 @@ def _calibrate(job: CalibrateJob, checked: _Checked, t_start: float, progress: A
     seen = observe_kv(loaded, prep.seqs, recipe.batch_size, progress, capture_spec(recipe, loaded.config),
                       prep.options, padding)
     scales = _fold(recipe, seen.stats)
+    serve.check(recipe, scales, prep.skipped, job.engine_versions)    # now with the data's range: before any output
     dtype = str(loaded.dtype).removeprefix("torch.")
     prov = provenance(recipe, str(job.model), data_record(job.data, prep.report), seen.stats, scales, prep.skipped,
                       dtype, rotary_dim=model_mod.rotary_dim(loaded.config),

@@ -424,8 +424,9 @@ def _consequence(name: str, v: Version, backend: str, cal: Calibrated) -> Conseq
                          f"{cal.amax_ratio:.3g}x the {cal.dtype} range saturate")
             bump(REFUSE)
         else:
-            inside = " (no K/V value past the range, so close to the default scale)" if cal.amax_ratio is not None else ""
-            lines.append(f"{what} ignored, the cache runs at scale 1.0{inside} ({kv.note})")
+            inside = ("; no K/V value lies past the range, so it behaves like the default scale"
+                      if cal.amax_ratio is not None else "")
+            lines.append(f"{what} ignored, the cache runs at scale 1.0 ({kv.note}){inside}")
             bump(DIFFERS)
     elif kv.effect is E.MAX_OVER_HEADS:
         lines.append(f"{what} applied as one max over heads per layer ({kv.note})")

@@ -87,7 +87,8 @@ def instead(name: str, outcome: support.Outcome) -> str:
     elif cal.dtype != "fp8_e4m3":
         parts.append("calibrate fp8_e4m3 for vLLM or SGLang")
     parts += [f"state a build that applies them with --engine-version {name}={b}" for b in builds]
-    return "; or ".join(parts).capitalize() if parts else ""
+    text = "; or ".join(parts)
+    return text[:1].upper() + text[1:]
 
 
 def check(recipe: Any, scales: Mapping[int, Any] | None = None, skipped: Iterable[int | str] | None = None,
@@ -100,9 +101,25 @@ def check(recipe: Any, scales: Mapping[int, Any] | None = None, skipped: Iterabl
     return found
 
 
-def serve_lines(target: Any, path: str, outcome: support.Outcome | None, skipped: Sequence[int | str] = ()) -> list[str]:
-    """The serve command for `target`'s variant at `path`, then what the engine does with its scales."""
+def fold_note(target: Any, recipe: Any, outcome: support.Outcome) -> str | None:
+    """One line when `target` writes per-head scales as their max per layer, saying what its engine would do
+    with per-head scales (the matrix's `head` cell) — e.g. SGLang runs them at 1.0."""
+    if not (getattr(target, "folds_heads", False) and recipe.scale_granularity.name == "head"):
+        return None
+    e = support.ENGINES[target.name]
+    c = support.cell(target.name, outcome.version, next(iter(e.backends)), recipe.kv_dtype.name, "head")
+    return (f"per-head scales on {e.title} {outcome.version}: {c.effect.value} ({c.note}); the {target.name} variant "
+            "carries their max per layer instead")
+
+
+def serve_lines(target: Any, path: str, outcome: support.Outcome, skipped: Sequence[int | str] = ()) -> list[str]:
+    """The serve command for `target`'s variant at `path`, and (when the engine applies the scales as
+    calibrated) that it does; what differs is `warnings`'."""
     lines = [f"serve it with {support.ENGINES[target.name].title}:", f"  {target.serve_command(path, tuple(skipped))}"]
-    if outcome is not None:
-        lines += [f"  {line}" for line in (outcome.lines() or [outcome.summary()])]
-    return lines
+    return lines + ([f"  {outcome.summary()}"] if outcome.severity == support.SAME else [])
+
+
+def warnings(target: Any, recipe: Any, outcome: support.Outcome) -> list[str]:
+    """One line per way the engine serves the result differently from what was calibrated."""
+    folded = fold_note(target, recipe, outcome)
+    return [*(outcome.lines() if outcome.severity != support.SAME else []), *([folded] if folded else [])]

@@ -120,7 +120,7 @@ def test_fp8_on_tensorrt_llm_is_refused_only_past_the_range():
     assert past.refused and "1.7x the fp8_e4m3 range saturate" in past.refusal()
     inside = s.outcome("trtllm", Calibrated("fp8_e4m3", amax_ratio=0.4))
     assert not inside.refused and inside.severity == s.DIFFERS
-    assert "runs at scale 1.0" in inside.summary() and "no K/V value past the range" in inside.summary()
+    assert "runs at scale 1.0" in inside.summary() and "no K/V value lies past the range" in inside.summary()
     unknown = s.outcome("trtllm", Calibrated("fp8_e4m3"))
     assert unknown.severity == s.DIFFERS
 
