@@ -455,6 +455,30 @@ def outcome(engine_name: str, cal: Calibrated, version: str | Version | None = N
     return Outcome(engine_name, v, tuple(_consequence(engine_name, v, b, cal) for b in backends), cal)
 
 
+def who_serves(kv_format: str, granularity: str = "tensor") -> str:
+    """One sentence: which engines (newest versions read) serve calibrated `kv_format` scales as calibrated, which
+    run them differently, and which refuse — for advice that must not name an engine that ignores the scales."""
+    groups: dict[str, list[str]] = {}
+    for name, e in ENGINES.items():
+        o = outcome(name, Calibrated(kv_format, granularity))
+        at_one = any(c.cells[0].effect is E.IGNORED for c in o.per_backend)
+        key = "applied" if o.severity == SAME else ("at_one" if at_one else "refused") if o.refused else "differs"
+        groups.setdefault(key, []).append(f"{e.title} {o.version}")
+    parts = []
+    if groups.get("applied"):
+        parts.append(f"applied as calibrated by {', '.join(groups['applied'])}")
+    if groups.get("differs"):
+        parts.append(f"served differently by {', '.join(groups['differs'])}")
+    if groups.get("at_one"):
+        parts.append(f"run at scale 1.0 by {', '.join(groups['at_one'])}")
+    if groups.get("refused"):
+        parts.append(f"not served by {', '.join(groups['refused'])}")
+    builds = sorted({f"{ENGINES[c.engine].title} +{c.build}" for c in CELLS if c.build and kv_format in c.formats
+                     and granularity in c.aspects and c.effect in (E.APPLIED, E.MAX_OVER_HEADS)})
+    text = f"calibrated {kv_format} KV scales are " + "; ".join(parts)
+    return text + (f" (applied by a build: {', '.join(builds)})" if builds else "")
+
+
 # ------------------------------------------------------------------------------------------ the README table
 
 
@@ -481,4 +505,4 @@ def markdown() -> str:
 
 __all__ = ["ASPECTS", "CELLS", "Calibrated", "Cell", "Consequence", "DIFFERS", "DYNAMIC_FORMATS", "ENGINES", "Effect",
            "Engine", "KV_FORMATS", "Measurement", "Outcome", "REFUSE", "SAME", "STATIC_FORMATS", "Source",
-           "SupportError", "Version", "cell", "effect", "engine", "markdown", "outcome", "version_of"]
+           "SupportError", "Version", "cell", "effect", "engine", "markdown", "outcome", "version_of", "who_serves"]
