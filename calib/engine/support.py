@@ -506,3 +506,7 @@ def markdown() -> str:
 __all__ = ["ASPECTS", "CELLS", "Calibrated", "Cell", "Consequence", "DIFFERS", "DYNAMIC_FORMATS", "ENGINES", "Effect",
            "Engine", "KV_FORMATS", "Measurement", "Outcome", "REFUSE", "SAME", "STATIC_FORMATS", "Source",
            "SupportError", "Version", "cell", "effect", "engine", "markdown", "outcome", "version_of", "who_serves"]
+
+
+if __name__ == "__main__":      # `python -m calib.engine.support`: the README's table
+    print(markdown(), end="")

@@ -167,3 +167,13 @@ def test_markdown_has_a_row_per_cell_and_numbers_every_source():
     listed = [int(m) for m in re.findall(r"^(\d+)\. ", text, flags=re.M)]
     assert sorted(cited) == listed == list(range(1, len(listed) + 1))
     assert len(listed) == len({e for c in s.CELLS for e in c.evidence})
+
+
+def test_the_readme_table_is_the_module():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start, end = "<!-- support-matrix:start -->\n", "<!-- support-matrix:end -->"
+    assert readme.count(start) == readme.count(end) == 1
+    block = readme.split(start, 1)[1].split(end, 1)[0]
+    assert block == s.markdown(), "regenerate the README block with `python -m calib.engine.support`"
