@@ -11,8 +11,8 @@ Vocabulary: `Effect` is what happens to the scales; a `Cell` is one fact over a 
 backends, one KV format and one aspect (`tensor` / `head` k/v scales, `q_scale`, `skip_layers`). `effect()`
 looks one cell up; `outcome()` says, for a calibrated result, what the engine will do with the file and
 whether that makes the served result differ from what was calibrated (and whether a command must refuse);
-`markdown()` renders the matrix for the README. Torch-free and calib-free: the recipe, the exporters and
-the CLI import it before anything heavy.
+`markdown()` renders the matrix for the README. Torch-free: the recipe, the exporters and
+the CLI import it before anything heavy (it imports only the error base).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+
+from calib.errors import KvcalibError
 
 
 class Effect(Enum):
@@ -281,7 +283,7 @@ CELLS: tuple[Cell, ...] = (
 )
 
 
-class SupportError(LookupError):
+class SupportError(KvcalibError, LookupError):
     """A lookup outside the matrix: unknown engine, backend, format or aspect (the message names the choices)."""
 
 
