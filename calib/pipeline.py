@@ -212,11 +212,13 @@ def stats_header(prov: dict[str, Any], source: Path) -> dict[str, Any]:
 
 def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCapture, scales: scales_mod.Scales,
                   prov: dict[str, Any], *, force: bool, overwrite_kv: bool = False,
-                  extra_files: dict[str, str] | None = None) -> Path:
+                  extra_files: dict[str, str] | None = None, engine_versions: Mapping[str, str] | None = None) -> Path:
     """One target → OUT is that checkpoint; several → OUT/<target> each (weights hard-linked between them);
     no target → OUT holds the statistics only (stats.safetensors + kvcalib.json). `extra_files` ({name: text},
-    one target only) are written into OUT in the same atomic step."""
+    one target only) are written into OUT in the same atomic step. Before anything is written, a target whose
+    engine (at `engine_versions`) would not serve these scales as calibrated refuses (calib.export.serve)."""
     targets = list(recipe.targets)
+    serve.check(recipe, scales, prov.get("skipped_layers") or (), engine_versions)
     if not targets:
         with outputs.atomic_dir(out, force, kind="statistics") as tmp:
             statsfile.save(tmp / STATS_FILE, capture, stats_header(prov, source))
@@ -271,11 +273,11 @@ def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, source: Path, 
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, config, sf.capture.layers)
     scales = scales_mod.compute(stats, dtype=recipe.kv_dtype, granularity=recipe.scale_granularity,
                                 headroom=recipe.headroom)
-    serve.check(recipe, scales, skipped, engine_versions)
     data = {**sf.header.get("data", {}), "statistics_file": str(stats_path)}
     prov = provenance(recipe, str(model_src), data, stats, scales, skipped, "from statistics file",
                       rotary_dim=sf.header.get("rotary_dim"))
-    return write_outputs(source, Path(out), recipe, sf.capture, scales, prov, force=force), scales, skipped
+    return write_outputs(source, Path(out), recipe, sf.capture, scales, prov, force=force,
+                         engine_versions=engine_versions), scales, skipped
 
 
 def _check_same_model(source: Path, target: Path) -> None:
@@ -426,7 +428,7 @@ def _write(job: CalibrateJob, checked: _Checked, prep: _Prepared, seen: Observed
     path, options = Path(job.out), prep.options
     if options.dist.is_main:
         path = write_outputs(checked.target_dir, Path(job.out), job.recipe, seen.capture, scales, prov,
-                             force=job.force, overwrite_kv=job.overwrite_kv)
+                             force=job.force, overwrite_kv=job.overwrite_kv, engine_versions=job.engine_versions)
         if job.stats_out is not None:
             statsfile.save(Path(job.stats_out), seen.capture, stats_header(prov, prep.loaded.source_dir))
         if options.checkpoint is not None:
@@ -443,7 +445,6 @@ def _calibrate(job: CalibrateJob, checked: _Checked, t_start: float, progress: A
     seen = observe_kv(loaded, prep.seqs, recipe.batch_size, progress, capture_spec(recipe, loaded.config),
                       prep.options, padding)
     scales = _fold(recipe, seen.stats)
-    serve.check(recipe, scales, prep.skipped, job.engine_versions)    # now with the data's range: before any output
     dtype = str(loaded.dtype).removeprefix("torch.")
     prov = provenance(recipe, str(job.model), data_record(job.data, prep.report), seen.stats, scales, prep.skipped,
                       dtype, rotary_dim=model_mod.rotary_dim(loaded.config),
