@@ -13,7 +13,7 @@ import dataclasses
 import datetime as dt
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from calib import export
+from calib.export import serve
 from calib.capture import hook as observe
 from calib.capture import statsfile
 from calib.capture.distributed import Dist, barrier, merge_all, shard
@@ -211,11 +212,13 @@ def stats_header(prov: dict[str, Any], source: Path) -> dict[str, Any]:
 
 def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCapture, scales: scales_mod.Scales,
                   prov: dict[str, Any], *, force: bool, overwrite_kv: bool = False,
-                  extra_files: dict[str, str] | None = None) -> Path:
+                  extra_files: dict[str, str] | None = None, engine_versions: Mapping[str, str] | None = None) -> Path:
     """One target → OUT is that checkpoint; several → OUT/<target> each (weights hard-linked between them);
     no target → OUT holds the statistics only (stats.safetensors + kvcalib.json). `extra_files` ({name: text},
-    one target only) are written into OUT in the same atomic step."""
+    one target only) are written into OUT in the same atomic step. Before anything is written, a target whose
+    engine (at `engine_versions`) would not serve these scales as calibrated refuses (calib.export.serve)."""
     targets = list(recipe.targets)
+    serve.check(recipe, scales, prov.get("skipped_layers") or (), engine_versions)
     if not targets:
         with outputs.atomic_dir(out, force, kind="statistics") as tmp:
             statsfile.save(tmp / STATS_FILE, capture, stats_header(prov, source))
@@ -239,11 +242,13 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCa
 
 
 def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, out: Path, *,
-                      force: bool = False, recipe_file: Path | None = None) -> tuple[Path, scales_mod.Scales, list[int]]:
+                      force: bool = False, recipe_file: Path | None = None,
+                      engine_versions: Mapping[str, str] | None = None) -> tuple[Path, scales_mod.Scales, list[int]]:
     """Scales for `recipe` from a statistics file, written against the model's checkpoint — no forward pass.
     Checks (output path, statistics file, model files, room), then OUT's lock, then the export."""
     if not recipe.targets:
-        raise statsfile.StatsError("export needs at least one target (vllm, trtllm)")
+        raise statsfile.StatsError(f"export needs at least one target ({', '.join(export.TARGETS)})")
+    serve.check(recipe, versions=engine_versions)
     inputs = [("the statistics file", stats_path), ("the model folder", model_src), ("the recipe", recipe_file)]
     outputs.check_folder(Path(out), force=force, inputs=inputs)
     sf = statsfile.load(Path(stats_path))
@@ -255,11 +260,12 @@ def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, o
                        copies=len(recipe.targets))
     with outputs.lock(Path(out)):
         outputs.check_folder(Path(out), force=force, inputs=inputs)     # taking the lock may restore an output
-        return _export_from_stats(sf, stats_path, source, model_src, recipe, Path(out), force)
+        return _export_from_stats(sf, stats_path, source, model_src, recipe, Path(out), force, engine_versions or {})
 
 
 def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, source: Path, model_src: str | Path,
-                       recipe: Recipe, out: Path, force: bool) -> tuple[Path, scales_mod.Scales, list[int]]:
+                       recipe: Recipe, out: Path, force: bool,
+                       engine_versions: Mapping[str, str]) -> tuple[Path, scales_mod.Scales, list[int]]:
     from transformers import AutoConfig
 
     stats = statsfile.stats_for_recipe(sf, recipe, str(stats_path))
@@ -270,7 +276,8 @@ def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, source: Path, 
     data = {**sf.header.get("data", {}), "statistics_file": str(stats_path)}
     prov = provenance(recipe, str(model_src), data, stats, scales, skipped, "from statistics file",
                       rotary_dim=sf.header.get("rotary_dim"))
-    return write_outputs(source, Path(out), recipe, sf.capture, scales, prov, force=force), scales, skipped
+    return write_outputs(source, Path(out), recipe, sf.capture, scales, prov, force=force,
+                         engine_versions=engine_versions), scales, skipped
 
 
 def _check_same_model(source: Path, target: Path) -> None:
@@ -309,6 +316,7 @@ class CalibrateJob:
     overwrite_kv: bool = False
     allow_pickle: bool = False
     recipe_file: Path | None = None
+    engine_versions: Mapping[str, str] = field(default_factory=dict)   # --engine-version: {target: version}
 
 
 def check_calibrate(job: CalibrateJob) -> _Checked:
@@ -320,6 +328,8 @@ def check_calibrate(job: CalibrateJob) -> _Checked:
     opts.calibrate(device_name=place.device, max_batch_tokens=options.max_batch_tokens, seq_len=recipe.seq_len,
                    checkpoint_every=(ckpt.every or None) if ckpt is not None else None,
                    device_map=place.device_map, max_memory=place.max_memory)
+    # an engine that would run these scales at 1.0 whatever the data (INT8 on TensorRT-LLM) refuses before any work
+    serve.check(recipe, versions=job.engine_versions)
     if ckpt is not None and options.dist.world > 1:
         raise statsfile.StatsError("--checkpoint-every/--resume run in a single process, not under torchrun")
     data_mod.check_source(job.data)
@@ -423,7 +433,8 @@ def _write(job: CalibrateJob, checked: _Checked, prep: _Prepared, seen: Observed
                 tmp = stack.enter_context(outputs.atomic_file(Path(job.stats_out), "--stats-out"))
                 statsfile.write(tmp, seen.capture, stats_header(prov, prep.loaded.source_dir))
             path = write_outputs(checked.target_dir, Path(job.out), job.recipe, seen.capture, scales, prov,
-                                 force=job.force, overwrite_kv=job.overwrite_kv)
+                                 force=job.force, overwrite_kv=job.overwrite_kv,
+                                 engine_versions=job.engine_versions)
         if options.checkpoint is not None:
             options.checkpoint.path.unlink(missing_ok=True)  # the run completed: nothing to resume
     barrier(options.dist)

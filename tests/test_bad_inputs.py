@@ -454,7 +454,7 @@ ROWS = [
     Row("SAMPLES negative", lambda t: [*_base(t), "--samples", "-3"], "'samples' = -3"),
     Row("RECIPE with an unknown key", lambda t: _recipe(t, "headrom: 2\n"), "unknown field(s) 'headrom'"),
     Row("RECIPE field of the wrong type", lambda t: _recipe(t, "batch_size: four\n"), "has the wrong type"),
-    Row("RECIPE asks INT8 for vLLM", lambda t: _recipe(t, "dtype: int8\n"), "vLLM reads only FP8"),
+    Row("RECIPE asks INT8 for vLLM", lambda t: _recipe(t, "dtype: int8\n"), "vLLM has no static INT8 KV cache"),
     Row("RECIPE exports a statistics-only granularity", lambda t: _recipe(t, "granularity: channel\n"),
         "cannot be exported"),
     Row("RECIPE is a YAML bomb (anchors and aliases)", lambda t: _recipe(t, _yaml_bomb()),

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from calib.data import sources as data_mod
-from calib.evaluation import emulate
+from calib.evaluation import emulate, served
 from calib.evaluation.fakequant import EvalError
 from calib.evaluation.report import Thresholds
 from calib.safety import options, outputs
@@ -44,6 +44,8 @@ class EvalConfig:
     trust_remote_code: bool = False
     force: bool = False
     engine: Any = None                # calib.engine.driver.EngineSpec: also measure every arm in that engine
+    target: str | None = None         # evaluate calibrated arms as this engine serves them (calib.evaluation.served)
+    engine_version: str | None = None  # the target's version or build (None: the newest the support matrix read)
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as report.json records them (paths as strings, the engine spec as a mapping)."""
@@ -68,3 +70,4 @@ def check_eval(cfg: EvalConfig) -> None:
     except ValueError as e:
         raise EvalError(f"--emulate: {e}") from None
     data_mod.check_source(cfg.data)
+    served.check(cfg.target, cfg.engine_version)

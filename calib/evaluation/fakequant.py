@@ -32,6 +32,7 @@ import torch
 from calib.capture import hook as observe
 from calib.capture.stats import LayerStats, Stats
 from calib.ckpt.kvinfo import KVInfo, read_kv_info
+from calib.engine import support
 from calib.errors import KvcalibError
 from calib.evaluation import emulate
 from calib.evaluation.results import ArmInfo
@@ -169,9 +170,12 @@ def checkpoint_arms(path: str, geo: Geometry, per_head_kv: bool = True) -> list[
     missing = [i for i in k if not {"k", "v"} <= set(info.scales.get(i, {}))]
     if missing:
         notes.append(f"no scales for layers {missing}: engines use 1.0 there, and so does this arm")
-    if "trtllm" in info.targets and "vllm" not in info.targets and dtype is FP8_E4M3:
-        notes.append("TensorRT-LLM's FP8 KV path currently runs with scale 1.0 whatever the checkpoint says "
-                     "(docs/design.md §5): served there, this checkpoint behaves like the 'default' arm")
+    if "trtllm" in info.targets and "vllm" not in info.targets:
+        trt = support.outcome("trtllm", support.Calibrated(dtype.name))
+        if trt.per_backend[0].cells[0].effect is support.Effect.IGNORED:
+            notes.append(f"TensorRT-LLM {trt.version} ignores these scales ({trt.per_backend[0].cells[0].note}): "
+                         "served there, this checkpoint behaves like the 'default' arm (`--target trtllm` "
+                         "evaluates it so)")
     per_head = any(s.dim() == 4 for s in (*k.values(), *v.values()))
     arm = Arm(f"calibrated:{path}", dtype, k, v, kind="checkpoint", granularity="head" if per_head else "tensor",
               source=str(path), serve_skip=serve_skip, notes=tuple(notes), q=q)
@@ -182,8 +186,9 @@ def checkpoint_arms(path: str, geo: Geometry, per_head_kv: bool = True) -> list[
         return [replace(arm, k=fold[0], v=fold[1], granularity="tensor",
                         notes=arm.notes + ("per-head scales folded to their max: the emulated engine applies one "
                                            "scale per layer (vLLM outside FlashAttention-3, TensorRT-LLM)",))]
-    return [replace(arm, notes=arm.notes + ("per-head scales apply per head only on vLLM's FlashAttention-3 "
-                                            "backend; see the '@tensor' arm for other backends",)),
+    head = support.outcome("vllm", support.Calibrated(dtype.name, "head"))
+    return [replace(arm, notes=arm.notes + (f"per-head scales on {'; '.join(head.lines())}; see the '@tensor' "
+                                            "arm for the max over heads",)),
             replace(arm, name=f"{arm.name}@tensor", k=fold[0], v=fold[1], granularity="tensor",
                     notes=("the per-head scales folded to their max: what vLLM applies outside FlashAttention-3",))]
 

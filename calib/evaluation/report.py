@@ -56,6 +56,9 @@ Results = Mapping[str, ArmMetrics]
 def failures(entry: ArmMetrics, ref: Reference, th: Thresholds) -> list[str]:
     """Why `entry` misses the threshold (empty: it is within), on the engine's numbers when the engine
     measured the arm, the emulation's otherwise (calib/engine/verdict.py)."""
+    odd = honest.implausible(entry)
+    if odd:
+        return [odd]
     nums = decisive(entry)
     ref_pk = passkey_correct(ref.engine.get("passkey") if nums.source == honest.ENGINE and honest.engine_ok(ref)
                              else ref.passkey)
@@ -80,7 +83,8 @@ def dominant_layers(entry: ArmMetrics, th: Thresholds) -> list[int]:
 
 
 def _plain(results: Results) -> dict[str, ArmMetrics]:
-    return {n: e for n, e in results.items() if e.info.shippable and not e.info.skip}
+    """The arms a verdict ranks: shippable, no skip trial, and no engine output implausible for their format."""
+    return {n: e for n, e in results.items() if e.info.shippable and not e.info.skip and not honest.implausible(e)}
 
 
 def skip_plan(ref: Reference, results: Results, th: Thresholds) -> list[tuple[str, list[int]]]:
@@ -172,6 +176,7 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str) ->
         action, text = "keep_reference", (f"Keep {reference.upper()} KV for this model: no arm is within the threshold "
                                           f"(best: `{best_any}`, {why}).{extra}")
     noise, saturated, notes = _honest(arm, numbers, ref, results)
+    notes += [f"`{n}`: {honest.implausible(e)}." for n, e in results.items() if honest.implausible(e)]
     return Verdict(action, arm, tuple(layers), flag, tuple(ok), tuple(dominant), best_any, th, numbers,
                    " ".join([text, *notes]), noise, saturated)
 

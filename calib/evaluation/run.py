@@ -19,7 +19,7 @@ from calib.ckpt.kvinfo import read_kv_info
 from calib.data import sources as data_mod
 from calib.evaluation import emulate
 from calib.evaluation import passkey
-from calib.evaluation import report
+from calib.evaluation import report, served
 from calib.evaluation.config import EvalConfig, check_eval
 from calib.evaluation.fakequant import Arm, EvalError, Geometry, arms_for, fake_quant_kv, read_stats, reference_arm
 from calib.evaluation.measure import measure
@@ -97,10 +97,12 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     loaded = load_causal_lm(cfg.model, cfg.device, cfg.trust_remote_code, cfg.cpu_dtype)
     tok, config = loaded.tokenizer, loaded.config
     geo = Geometry.of(config, loaded.attention_layers)
-    arms = arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv)
+    arms, served_note = served.as_served(arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv),
+                                         cfg.target, cfg.engine_version, emulation.name)
     vocab = getattr(config, "vocab_size", None)
     buckets, dropped = usable_buckets(cfg.buckets, getattr(config, "max_position_embeddings", None))
     notes = [f"buckets {dropped} exceed the model's context ({config.max_position_embeddings} tokens): dropped"] if dropped else []
+    notes += [served_note] if served_note else []
     windows, held_out = calibration_windows(_provenances(cfg), cfg.data, tok, vocab)
     samples, used, excluded = select_samples(cfg, tok, vocab, buckets, windows)
     prompts: list[passkey.Prompt] = []

@@ -211,7 +211,7 @@ class TrtllmTarget(Target):
     name = "trtllm"
     order = 1
     dtypes = tuple(ALGO_OF_DTYPE)
-    skips_layers = False
+    folds_heads = True
     skip_note = ("TensorRT-LLM applies one KV cache dtype to every layer and cannot skip any; drop skip_layers or "
                  "the trtllm target")
 
@@ -222,6 +222,9 @@ class TrtllmTarget(Target):
                               f"of {sorted(d.name for d in ALGO_OF_DTYPE)}")
         return export_trtllm(source, out, scales, provenance, kv_algo=ALGO_OF_DTYPE[options.dtype],
                              force=options.force, extra_files=options.extra_files)
+
+    def serve_command(self, path: str, skip: tuple[int | str, ...] = ()) -> str:
+        return f"trtllm-serve {path}"      # the KV algorithm comes from hf_quant_config.json
 
 
 TARGET = TrtllmTarget()

@@ -56,11 +56,10 @@ def _ranges(st: Any) -> dict[str, float]:
 
 
 def serve_command(target: str, out: Path, skip: list[int]) -> str:
-    path = shlex.quote(str(out))
-    if target == "trtllm":
-        return f"trtllm-serve {path}"
-    flag = f" --kv-cache-dtype-skip-layers {' '.join(map(str, skip))}" if skip else ""
-    return f"vllm serve {path} --kv-cache-dtype fp8{flag}"
+    """The target's own serve command (calib.export) for the chosen checkpoint."""
+    from calib.export import TARGETS
+
+    return TARGETS[target].serve_command(shlex.quote(str(out)), tuple(skip))
 
 
 def _pick(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:

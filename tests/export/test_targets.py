@@ -33,7 +33,7 @@ def test_failure_mid_export_leaves_nothing(name, tiny_llama_dir, tmp_path, monke
 
 
 def test_targets_in_order_and_the_recipe_takes_their_names():
-    assert list(export.TARGETS) == ["vllm", "trtllm"] == list(R.TARGETS)
+    assert list(export.TARGETS) == ["vllm", "trtllm", "sglang"] == list(R.TARGETS)
 
 
 @pytest.mark.parametrize("name", list(export.TARGETS))
