@@ -212,6 +212,11 @@ def _report(result, recipe: recipe_mod.Recipe, versions: dict[str, str]) -> None
     click.echo(f"\nsamples: {d.used} used, {d.skipped_short} skipped (shorter than {recipe.min_tokens} tokens); "
                f"{d.tokens} tokens in {result.forward_seconds:.1f} s ({result.tokens_per_second:,.0f} tokens/s, "
                f"{result.model_dtype} on {result.device}, {result.padding:.1%} padding)")
+    from calib.data.sources import pack_hint
+
+    hint = None if recipe.pack else pack_hint(d.used, d.tokens, recipe.seq_len, "--seq-len", result.padding)
+    if hint:
+        click.echo(hint, err=True)
     if result.scales:
         click.echo(f"{recipe.dtype} scales, granularity {recipe.granularity} (max over heads shown), "
                    f"observer {recipe.observer}:")

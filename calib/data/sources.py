@@ -75,6 +75,21 @@ class DataReport:
                 "column": self.column, "fingerprint": f"sha256:{self.fingerprint}"}
 
 
+SHORT_SHARE = 0.5          # unpacked samples averaging under this share of the length they could fill: warn
+
+
+def pack_hint(samples: int, tokens: int, length: int, what: str, padding: float | None = None) -> str | None:
+    """One warning line when unpacked samples average under `SHORT_SHARE` of `length` tokens (`what` names
+    that length: "--seq-len", "the largest bucket") and the data holds enough tokens to fill one sample of
+    it; `padding`: the share of computed positions that were (or will be) padding. None otherwise."""
+    if samples <= 0 or tokens < length or tokens / samples >= SHORT_SHARE * length:
+        return None
+    mean = tokens / samples
+    pad = "" if padding is None else f", {padding:.0%} of the computed positions padding"
+    return (f"warning: samples average {mean:,.0f} tokens, {mean / length:.0%} of {what} ({length:,}){pad}: "
+            f"the records are short; --pack concatenates them into samples that fill it")
+
+
 # ---------------------------------------------------------------- readers (one record at a time)
 
 def _read_jsonl(path: Path) -> Iterator[Record]:

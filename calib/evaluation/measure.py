@@ -16,29 +16,12 @@ import torch
 from calib.capture import hook as observe
 from calib.data.batching import pad
 from calib.evaluation.fakequant import Arm, Meter
-from calib.evaluation.head import Head
 from calib.evaluation.results import ArmMetrics, BucketRow, Failure, KVRange, Position, Reference, Seconds, Summary
 from calib.evaluation.samples import Sample
 from calib.evaluation.session import Session, clock
 from calib.progress import Stage
 
 FAILURE_CONTEXT = 24       # tokens of text shown before a failure position
-
-
-def _chunked(head: Head, h_ref: torch.Tensor, h_arm: torch.Tensor | None, tgt: torch.Tensor) -> list[torch.Tensor]:
-    """Reference only: [nll, top1]; with an arm: [kl(ref || arm), top1 agrees, nll, arm top1]."""
-    parts = []
-    for a in range(0, tgt.numel(), head.rows):
-        sl = slice(a, a + head.rows)
-        lr = head.log_probs(h_ref[sl])
-        if h_arm is None:
-            parts.append((-lr.gather(-1, tgt[sl, None])[:, 0], lr.argmax(-1)))
-            continue
-        la = head.log_probs(h_arm[sl])
-        top = la.argmax(-1)
-        parts.append(((lr.exp() * (lr - la)).sum(-1).clamp_min(0), top == lr.argmax(-1),
-                      -la.gather(-1, tgt[sl, None])[:, 0], top))
-    return [torch.cat(p) for p in zip(*parts)]
 
 
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
@@ -116,7 +99,7 @@ def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
         tgt = ids[:, 1:][valid]
         with s.hook.applying(None, token_mask=mask.bool(), ranges=recorded if ranges else None):
             h_ref = s.head.features(ids, mask)[:, :-1][valid]
-        ref_nll, ref_top = _chunked(s.head, h_ref, None, tgt)
+        ref_nll, ref_top = s.head.losses(h_ref, None, tgt)
         ref_sums.index_add_(1, where, torch.stack([torch.ones_like(ref_nll), ref_nll]).double())
         ref_sample_nll.index_add_(0, which, ref_nll.double())
         ref_seconds += clock(dev) - t0
@@ -126,7 +109,7 @@ def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
             t0, acc = clock(dev), accs[arm.name]
             with s.hook.applying(arm, meter=acc.meter, token_mask=mask.bool()):
                 h_arm = s.head.features(ids, mask)[:, :-1][valid]
-            kl, agree, nll, top = _chunked(s.head, h_ref, h_arm, tgt)
+            kl, agree, nll, top = s.head.losses(h_ref, h_arm, tgt)
             acc.sums.index_add_(1, where, torch.stack([torch.ones_like(kl), kl, agree.to(kl.dtype), nll]).double())
             acc.sample_nll.index_add_(0, which, nll.double())
             acc.sample_kl.index_add_(0, which, kl.double())

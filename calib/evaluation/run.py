@@ -25,7 +25,7 @@ from calib.evaluation.fakequant import Arm, EvalError, Geometry, arms_for, fake_
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference, with_passkey
 from calib.evaluation.retrieval import passkey_stage, run_passkey
-from calib.evaluation.samples import Sample, calibration_windows, select_samples, usable_buckets
+from calib.evaluation.samples import Sample, calibration_windows, pack_warning, select_samples, usable_buckets
 from calib.evaluation.session import Session, open_session
 from calib.model import load as model_mod
 from calib.progress import SILENT, Progress, Stage
@@ -105,6 +105,9 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     notes += [served_note] if served_note else []
     windows, held_out = calibration_windows(_provenances(cfg), cfg.data, tok, vocab)
     samples, used, excluded = select_samples(cfg, tok, vocab, buckets, windows)
+    hint = pack_warning(cfg, samples, buckets)
+    if hint:
+        log(hint)
     prompts: list[passkey.Prompt] = []
     if tok is None:
         notes.append("passkey retrieval skipped: the model has no tokenizer")

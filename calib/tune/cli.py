@@ -40,6 +40,8 @@ TUNE_DEFAULTS = {"samples": 128, "seq_len": 512, "eval_samples": 32, "buckets": 
               help="Keep the pass's statistics in this folder (one file per observer) for --stats.")
 @click.option("--samples", type=int, help="Calibration samples.")
 @click.option("--seq-len", type=int, help="Tokens per calibration sample.")
+@click.option("--pack/--no-pack", default=False, show_default=True,
+              help="Concatenate calibration records into full --seq-len samples (held-out samples are always packed).")
 @click.option("--batch-size", type=int, default=4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--eval-samples", type=int, help="Held-out samples.")
@@ -64,7 +66,7 @@ TUNE_DEFAULTS = {"samples": 128, "seq_len": 512, "eval_samples": 32, "buckets": 
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Output: the chosen checkpoint + tune.json.")
 @click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never other files).")
 def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms, stats, stats_out, samples, seq_len,
-         batch_size, seed, eval_samples, buckets, sensitivity_samples, max_skip, max_kl, max_ppl_increase,
+         pack, batch_size, seed, eval_samples, buckets, sensitivity_samples, max_skip, max_kl, max_ppl_increase,
          budget_minutes, engine, vllm_venv, confirm, plots, progress, device, cpu_dtype, trust_remote_code, out,
          force) -> None:
     """Search the recipes the target engine can load; score each on held-out text; write the best checkpoint."""
@@ -84,7 +86,7 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
         except ValueError:
             raise click.ClickException(f"--buckets {buckets!r}: give token lengths like 512,2048") from None
         base = recipe_mod.Recipe().replace(samples=samples or small["samples"], seq_len=seq_len or small["seq_len"],
-                                           batch_size=batch_size, seed=seed, targets=target)
+                                           pack=pack, batch_size=batch_size, seed=seed, targets=target)
         engine_spec = None
         if engine:
             from calib.engine.driver import EngineSpec
