@@ -407,12 +407,16 @@ def export_cmd(stats_path, model_src, recipe_path, dtype, granularity, headroom,
               "(read from the support matrix; the report says so).")
 @click.option("--engine-version", "engine_version", help="The --target engine's version or build (e.g. 0.5.18, "
               "pr18953). Default: the newest version kvcalib knows.")
+@click.option("--budget-minutes", type=float, help="Bound the whole run, engine included: after a short probe the "
+              "plan drops passkey depths, skip trials, emulated long buckets, then the engine's passkey, and says which.")
+@click.option("--emulate-up-to", type=int, help="Emulate buckets up to this many tokens (default: all; with --engine "
+              "8192, longer buckets measured in the engine only).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Report directory.")
 @click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib report (never other files).")
 def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, samples, min_tokens, pack, batch_size,
              seed, passkey_trials, failures, plots, progress, max_kl, max_ppl_increase, passkey_drop, max_skip, device,
              cpu_dtype, trust_remote_code, engine, vllm_venv, engine_top_k, engine_kv_gib, engine_timeout, target,
-             engine_version, out, force) -> None:
+             engine_version, budget_minutes, emulate_up_to, out, force) -> None:
     """Compare BF16, default-scale and calibrated FP8 KV by layer and context length; write a report + verdict."""
     from calib.evaluation.config import EvalConfig
     from calib.evaluation.report import Thresholds
@@ -450,7 +454,8 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
                                   passkey_drop=passkey_drop, max_skip=max_skip),
             device=device, cpu_dtype=cpu_dtype or (None if engine else "float32"),
             trust_remote_code=trust_remote_code, force=force,
-            engine=engine_spec, target=target, engine_version=engine_version)
+            engine=engine_spec, target=target, engine_version=engine_version,
+            budget_minutes=budget_minutes, emulate_up_to=emulate_up_to)
         options.evaluation(cfg)        # before the default model is built or any model loads
         if model_src is None:
             model_src = _default_model()

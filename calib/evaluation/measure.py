@@ -61,22 +61,24 @@ class _Acc:
             del self.worst[s.failures:]
 
 
-def _bucket_table(s: Session, sums: torch.Tensor, ref_nll: torch.Tensor) -> tuple[dict[str, BucketRow], Summary]:
+def _bucket_table(s: Session, sums: torch.Tensor, ref_nll: torch.Tensor,
+                  measured: Sequence[Sample]) -> tuple[dict[str, BucketRow], Summary]:
     """Per bucket and overall: tokens, KL, top-1 agreement, perplexity and its change against the reference."""
     per = sums.tolist()
-    counts = [sum(1 for x in s.samples if x.bucket == b) for b in s.buckets]
+    counts = [sum(1 for x in measured if x.bucket == b) for b in s.buckets]
     table = {str(b): BucketRow.of(per[0][j], per[1][j], per[2][j], per[3][j], float(ref_nll[j]), counts[j])
              for j, b in enumerate(s.buckets) if per[0][j] > 0}
-    total = BucketRow.of(*(sum(x) for x in per), float(ref_nll.sum()), len(s.samples))
+    total = BucketRow.of(*(sum(x) for x in per), float(ref_nll.sum()), len(measured))
     return table, Summary(**total.to_dict(), max_bucket_kl=max(r.kl for r in table.values()))
 
 
-def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
-            stage: Stage | None = None) -> tuple[Reference, dict[str, ArmMetrics]]:
+def measure(s: Session, arms: Sequence[Arm], ranges: bool = False, stage: Stage | None = None,
+            up_to: int | None = None) -> tuple[Reference, dict[str, ArmMetrics]]:
     """One pass over the samples: per batch the reference once, then every arm. Returns the reference's
     numbers and {arm name: its numbers}: per bucket, overall, per sample, per layer, the worst samples and the
     seconds spent.
-    `stage` (optional) is advanced after every forward pass: tokens, samples done, arms done in the batch."""
+    `stage` (optional) is advanced after every forward pass: tokens, samples done, arms done in the batch.
+    `up_to`: only samples of buckets up to this many tokens (the rest keep 0 in the per-sample sums)."""
     dev, nb = s.device, len(s.buckets)
     arms = [a.to(dev) for a in arms]
     accs = {a.name: _Acc(nb, dev, len(s.samples)) for a in arms}
@@ -84,7 +86,8 @@ def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
     ref_sample_nll = torch.zeros(len(s.samples), dtype=torch.float64, device=dev)
     recorded: dict[int, tuple[observe.AbsMaxObserver, observe.AbsMaxObserver]] = {}
     ref_seconds = 0.0
-    order = sorted(s.samples, key=lambda x: len(x.ids))
+    measured = [x for x in s.samples if up_to is None or x.bucket <= up_to]
+    order = sorted(measured, key=lambda x: len(x.ids))
     groups = [order[i:i + s.batch_size] for i in range(0, len(order), s.batch_size)]
     done = 0
     for group in groups:
@@ -119,7 +122,8 @@ def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
                 stage.advance(n_tok, label, samples=done + (len(group) if j == len(arms) - 1 else 0), arms=j + 2)
         done += len(group)
     zero = torch.zeros_like(ref_sums[0])   # the reference against itself: KL 0, top-1 agreement 1
-    ref_table, ref_total = _bucket_table(s, torch.stack([ref_sums[0], zero, ref_sums[0], ref_sums[1]]), ref_sums[1])
+    ref_table, ref_total = _bucket_table(s, torch.stack([ref_sums[0], zero, ref_sums[0], ref_sums[1]]), ref_sums[1],
+                                        measured)
     ref = Reference(ref_table, ref_total, Seconds(ref_seconds), tuple(ref_sample_nll.tolist()),
                     tuple(len(x.ids) - 1 for x in s.samples),
                     {str(i): KVRange(tuple(o[0].amax().tolist()), tuple(o[1].amax().tolist()))
@@ -127,7 +131,7 @@ def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
     out = {}
     for arm in arms:
         acc = accs[arm.name]
-        table, total = _bucket_table(s, acc.sums, ref_sums[1])
+        table, total = _bucket_table(s, acc.sums, ref_sums[1], measured)
         out[arm.name] = ArmMetrics(arm.info(), table, total, tuple(acc.sample_nll.tolist()),
                                    tuple(acc.sample_kl.tolist()), acc.meter.read(), tuple(acc.worst),
                                    Seconds(acc.seconds))

@@ -52,7 +52,8 @@ TUNE_DEFAULTS = {"samples": 128, "seq_len": 512, "eval_samples": 32, "buckets": 
               "Default: 2 for vllm, 0 for trtllm (it cannot skip).")
 @click.option("--max-kl", type=float, default=0.01, show_default=True, help="Quality bar: mean KL (nats) in every bucket.")
 @click.option("--max-ppl-increase", type=float, default=0.01, show_default=True, help="Quality bar: relative ppl rise.")
-@click.option("--budget-minutes", type=float, help="Stop measuring after this long and choose from what was scored.")
+@click.option("--budget-minutes", type=float, help="Bound the whole run, engine confirmation included: measuring stops "
+              "early (leaving the engine its time) and fewer candidates are confirmed; choose from what was scored.")
 @click.option("--engine", type=click.Choice(["vllm"]), help="Confirm the short list in this real engine.")
 @click.option("--vllm-venv", envvar="KVCALIB_VLLM_VENV", type=click.Path(file_okay=False, path_type=Path),
               help="Virtual environment with vLLM (env KVCALIB_VLLM_VENV); used with --engine vllm.")
