@@ -1,6 +1,7 @@
 """The package's seams, read from the source with `ast`: no module reaches into another module's private
-names, no two modules import each other (directly or round a loop), and the checkpoint layout (calib.ckpt)
-and the checkers built on it import no torch."""
+names, no two modules import each other (directly or round a loop), the stages are layered (the recipe and
+the checkpoint layout load nothing heavy; data, model, capture and scales import no later stage), and the
+checkers built on the checkpoint layout import no torch."""
 
 from __future__ import annotations
 
@@ -79,12 +80,67 @@ def test_no_module_imports_another_modules_private_names():
     assert found == []
 
 
+# What the recipe and the checkpoint layout never load: they run at the command line's start, in `verify` and
+# `inspect` on a machine without a GPU stack. numpy (the checkpoint reader decodes scale values with it),
+# safetensors' numpy reader and yaml (recipes) are light and allowed.
+HEAVY = ("torch", "transformers", "accelerate", "datasets", "pyarrow", "triton", "huggingface_hub", "safetensors.torch")
+LIGHT_PACKAGES = ("calib.recipe", "calib.ckpt")
+
+
+def _in(mod: str, packages) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in packages)
+
+
 def test_checkpoint_layout_readers_and_the_vocabulary_import_no_torch():
-    code = ("import sys; import calib.ckpt.names, calib.ckpt.formats, calib.ckpt.reader, calib.ckpt.kvinfo, "
-            "calib.ckpt.source, calib.ckpt.weightmap, calib.ckpt.integrity, calib.verify, calib.recipe.dtypes, calib.recipe.granularity, calib.recipe.recipe, calib.export; "
-            "print('torch' in sys.modules)")
+    """Every module of recipe/ and ckpt/ (read from disk), the checkers and the targets, imported together in a
+    fresh interpreter, load none of HEAVY."""
+    light = sorted(m for m in MODULES if _in(m, LIGHT_PACKAGES))
+    assert {"calib.ckpt.reader", "calib.recipe.recipe"} <= set(light)
+    code = (f"import sys; import {', '.join(light)}, calib.verify, calib.export; "
+            f"print(sorted(h for h in {HEAVY!r} if h in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "[]"
+
+
+def _type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or \
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+
+
+def heavy_imports(mod: str, source: str) -> list[str]:
+    """Imports of HEAVY packages anywhere in a module, inside functions too (a lazy import still runs when the
+    function does), but not under `if TYPE_CHECKING:` (annotations only)."""
+    found = []
+
+    def walk(node: ast.AST) -> None:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            names = []
+        found.extend(f"{mod}:{node.lineno} imports {n}" for n in [n for n in names if _in(n, HEAVY)][:1])
+        for child in ast.iter_child_nodes(node):
+            if not _type_checking(child):
+                walk(child)
+
+    walk(ast.parse(source))
+    return found
+
+
+def test_the_heavy_import_finder_finds_one():
+    src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\nimport numpy\n"
+           "def f():\n    from safetensors.torch import save_file\n    from safetensors import safe_open\n")
+    assert heavy_imports("m", src) == ["m:6 imports safetensors.torch"]
+    assert heavy_imports("m", "import os, torch.nn\nfrom safetensors import torch\n") == \
+        ["m:1 imports torch.nn", "m:2 imports safetensors.torch"]
+
+
+def test_the_recipe_and_the_checkpoint_layout_import_nothing_heavy_even_lazily():
+    found = [f for mod, path in MODULES.items() if _in(mod, LIGHT_PACKAGES)
+             for f in heavy_imports(mod, path.read_text())]
+    assert found == []
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -145,6 +201,36 @@ def test_no_import_cycles():
     graph = import_graph()
     assert "calib.capture.spec" in graph["calib.capture.statsfile"]          # the graph sees imports (lazy ones too)
     assert cycles(graph) == []
+
+
+# The stages' layering: a package on the left imports (at module level or lazily) nothing from the packages on
+# its right. data, model, capture and scales come before every consumer of their values; the recipe and the
+# checkpoint layout sit under everything, except that the recipe reads the engine targets' names and rules
+# from calib.export's registry (recipe.recipe imports calib.export, which imports no torch).
+LATER = ("calib.export", "calib.verify", "calib.evaluation", "calib.engine", "calib.tune", "calib.pipeline",
+         "calib.cli")
+LAYERS = {**{p: LATER for p in ("calib.data", "calib.model", "calib.capture", "calib.scales")},
+          **{p: tuple(q for q in LATER if q != "calib.export") for p in LIGHT_PACKAGES}}
+
+
+def layer_violations(graph: dict[str, set[str]], layers: dict[str, tuple[str, ...]]) -> list[str]:
+    """`module imports later-module` for every edge of the graph that goes against the layers."""
+    return [f"{mod} imports {dep}" for mod in sorted(graph) for package, later in layers.items()
+            if _in(mod, (package,)) for dep in sorted(graph[mod]) if _in(dep, later)]
+
+
+def test_the_layer_checker_finds_one():
+    graph = {"calib.capture.hook": {"calib.model.attention", "calib.evaluation.fakequant"},
+             "calib.recipe.recipe": {"calib.export", "calib.verify"}, "calib.cli": {"calib.capture"}}
+    assert layer_violations(graph, LAYERS) == ["calib.capture.hook imports calib.evaluation.fakequant",
+                                               "calib.recipe.recipe imports calib.verify"]
+
+
+def test_the_stages_import_no_later_stage():
+    graph = import_graph()
+    assert "calib.model.attention" in graph["calib.capture.hook"]           # the graph sees the stages' own imports
+    assert all(any(_in(m, (p,)) for m in graph) for p in LAYERS)           # every layered package is on disk
+    assert layer_violations(graph, LAYERS) == []
 
 
 @pytest.mark.slow
