@@ -85,6 +85,16 @@ def _nan_layer(tmp: Path) -> Path:
     return path
 
 
+def _overflowing(tmp: Path) -> Path:
+    """A model whose float32 logits overflow (lm_head x 1e38): its perplexities are inf and NaN."""
+    path = tmp / "model"
+    model = tiny_causal_lm("llama", tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e38)
+    model.save_pretrained(path)
+    return path
+
+
 def _sharded_missing(tmp: Path) -> Path:
     path = tmp / "sharded"
     tiny_causal_lm("llama").save_pretrained(path, max_shard_size="100KB")
@@ -553,6 +563,10 @@ ROWS = [
         "--force"], "holds files kvcalib did not write", command="tune"),
     Row("tune OUT inside the model folder", lambda t: [*_tune(t, _model(t) / "tuned")], "inside the model",
         command="tune"),
+    Row("eval of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_eval(_overflowing(t).parent)],
+        "cannot measure: `fp32` (the reference) bucket <= 32", command="eval"),
+    Row("tune of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_tune(_overflowing(t).parent)],
+        "cannot measure: `fp32` (the reference) bucket <= 32", command="tune"),
 ]
 
 

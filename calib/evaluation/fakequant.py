@@ -311,9 +311,12 @@ class Meter:
                 sat, flush, nonzero, n, signal, noise = vals[base:base + len(_TERMS)]
                 row[f"{kind}_saturated"] = sat / max(n, 1)
                 row[f"{kind}_flushed"] = flush / max(nonzero, 1)
-                row[f"{kind}_snr_db"] = 10 * math.log10(signal / noise) if noise > 0 and signal > 0 else math.inf
+                # NaN/inf K or V must read as NaN here, not as "exact" (+inf) or "no error" (0)
+                row[f"{kind}_snr_db"] = (math.nan if not math.isfinite(signal + noise) else
+                                         10 * math.log10(signal / noise) if noise > 0 and signal > 0 else math.inf)
             err, ref = vals[-2:]
-            row["attn_rel_error"] = math.sqrt(err / ref) if ref > 0 else 0.0
+            row["attn_rel_error"] = (math.nan if not math.isfinite(err + ref) else
+                                     math.sqrt(err / ref) if ref > 0 else 0.0)
             out[str(i)] = row
         return out
 

@@ -17,7 +17,7 @@ import torch
 
 from calib.ckpt.kvinfo import read_kv_info
 from calib.data import sources as data_mod
-from calib.evaluation import emulate
+from calib.evaluation import emulate, measurable
 from calib.evaluation import passkey
 from calib.evaluation import report
 from calib.evaluation.config import EvalConfig, check_eval
@@ -82,6 +82,7 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
         with fake_quant_kv(lm, p.emulation) as hook, torch.inference_mode():
             s, note = open_session(lm, hook, p.loaded.tokenizer, p.samples, p.buckets, cfg.batch_size, cfg.failures)
             ref, results, engine = measure_arms(cfg, p, s, progress)
+            measurable.check(ref, results, p.reference.name)     # before skip trials are planned on the numbers
             results.update(skip_trials(cfg, p, s, ref, results, engine, log, progress))
         decided = report.verdict(ref, results, cfg.thresholds, p.reference.name)
         meta = _meta(cfg, p, [note] if note else [], time.perf_counter() - t_start)

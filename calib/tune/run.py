@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from calib.evaluation.fakequant import reference_arm
 from calib.evaluation.run import load_causal_lm
 from calib.model import load as model_mod
 from calib.progress import SILENT, Progress
 from calib.safety import outputs
 from calib.tune import output
+from calib.tune.choose import check_measurable
 from calib.tune.confirm import confirm
 from calib.tune.search import Clock, Log, TuneConfig, TuneError, check, search
 
@@ -29,8 +31,11 @@ def run(cfg: TuneConfig, log: Log = lambda _m: None, progress: Progress = SILENT
             raise TuneError(f"--max-skip {cfg.skips}: the model has {config.num_hidden_layers} layers; give fewer")
         loaded = load_causal_lm(str(source), cfg.device, cfg.trust_remote_code, cfg.cpu_dtype)
         found, st, held = search(cfg, loaded, source, clock, log, progress)
+        ref_name = reference_arm(loaded.dtype).name
+        check_measurable(found, ref_name)     # before the engine is asked to confirm a short list drawn from them
         if cfg.engine is not None:
             confirm(cfg, found, st, source, loaded, held.samples, held.buckets, log, progress)
+            check_measurable(found, ref_name)
         return output.finish(cfg, loaded, Path(source), found, st, held.info, clock.elapsed(), log)
 
 
