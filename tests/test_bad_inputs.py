@@ -328,6 +328,20 @@ def _with_qc(qc) -> Callable[[Path], None]:
     return edit
 
 
+def _renamed_scale(old: str, new: str) -> Callable[[Path], None]:
+    """An exported checkpoint's scale tensor `old` stored under `new` (the index follows)."""
+    def edit(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(folder / "kv_scales.safetensors")
+        tensors[new] = tensors.pop(old)
+        save_file(tensors, str(folder / "kv_scales.safetensors"))
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        index["weight_map"][new] = index["weight_map"].pop(old)
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return edit
+
+
 def _resume_damaged(tmp: Path) -> list[str]:
     out = tmp / "out"
     _real_stats(tmp, "out.kvcalib-resume.safetensors", cut=5)
@@ -563,6 +577,12 @@ ROWS = [
         "--force"], "holds files kvcalib did not write", command="tune"),
     Row("tune OUT inside the model folder", lambda t: [*_tune(t, _model(t) / "tuned")], "inside the model",
         command="tune"),
+    Row("eval --scales checkpoint whose scale name no engine maps (layer '01')", lambda t: [*_eval(t), "--scales", str(
+        _exported(t, edit=_renamed_scale("model.layers.1.self_attn.k_scale", "model.layers.01.self_attn.k_scale")))],
+        "layer index '01' has a leading zero", command="eval"),
+    Row("eval --scales checkpoint whose scale sits under another attention module", lambda t: [*_eval(t), "--scales",
+        str(_exported(t, edit=_renamed_scale("model.layers.0.self_attn.v_scale", "model.layers.0.attn.v_scale")))],
+        "no engine loads it as a KV scale", command="eval"),
     Row("eval of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_eval(_overflowing(t).parent)],
         "cannot measure: `fp32` (the reference) bucket <= 32", command="eval"),
     Row("tune of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_tune(_overflowing(t).parent)],

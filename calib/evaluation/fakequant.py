@@ -141,6 +141,11 @@ def checkpoint_arms(path: str, geo: Geometry, per_head_kv: bool = True) -> list[
         info = read_kv_info(path)
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise EvalError(f"--scales {path}: {e}") from None
+    if info.unmapped:     # the engines would not load it as that layer's scale: no arm may use it as loaded
+        name, why = next(iter(info.unmapped.items()))
+        more = f" (and {len(info.unmapped) - 1} more)" if len(info.unmapped) > 1 else ""
+        raise EvalError(f"--scales {path}: tensor {name!r}{more}: {why}; no engine loads it as a KV scale, so no "
+                        f"arm can use it (`kvcalib verify {path}` lists every problem)")
     if not info.scales:
         raise EvalError(f"--scales {path}: no K/V scale tensors (*.k_scale / *.v_scale) found")
     if info.num_layers is not None and info.num_layers != len(geo.layers):
