@@ -274,14 +274,41 @@ def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, source: Path, 
 
 
 def _check_same_model(source: Path, target: Path) -> None:
-    """The scales of `source` fit `target` only when both have the same attention geometry."""
-    keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
+    """The scales of `source` fit `target` only when it is a checkpoint of the same model: the same
+    architecture and sizes in config.json, and, where both store a tensor alike (a weight-quantized checkpoint
+    keeps embeddings, norms and often the head as they were), the same bytes (calib.ckpt.fingerprint)."""
+    from calib.ckpt import fingerprint, integrity
+
+    keys = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "hidden_size", "intermediate_size", "vocab_size")
     a, b = (model_mod.source_config(p) for p in (source, target))
     a, b = a.get("text_config", a), b.get("text_config", b)
     diff = [k for k in keys if a.get(k) != b.get(k)]
     if diff:
         raise export.ExportError(f"--into {target} is not the same model as {source}: {', '.join(diff)} differ "
                                  f"({[a.get(k) for k in diff]} vs {[b.get(k) for k in diff]})")
+    if source.resolve() == target.resolve():
+        return
+    try:
+        mine, theirs = fingerprint.tensor_prints(source), fingerprint.tensor_prints(target)
+    except integrity.IntegrityError:         # pickle weights (--allow-pickle): no headers to read
+        fingerprint.note(f"--into {target}: its weights could not be compared with {source}'s (no safetensors); "
+                         "not checked that it is a checkpoint of the same model")
+        return
+    differ, shape = fingerprint.same_weights(mine, theirs)
+    if shape:
+        n = shape[0]
+        raise export.ExportError(f"--into {target} is not a checkpoint of {source}: tensor {n!r} is "
+                                 f"{list(theirs[n].shape)} there and {list(mine[n].shape)} here")
+    if differ:
+        raise export.ExportError(f"--into {target} holds other weights than {source}: {len(differ)} of the tensors "
+                                 f"both store alike differ (e.g. {differ[0]!r}, sampled bytes "
+                                 f"{fingerprint.short(theirs[differ[0]].digest)} there vs "
+                                 f"{fingerprint.short(mine[differ[0]].digest)} here); it is a checkpoint of another "
+                                 "model — give --into a checkpoint of this one")
+    if not fingerprint.comparable(mine, theirs):
+        fingerprint.note(f"--into {target}: no tensor is stored alike in it and in {source} (every weight "
+                         "quantized or renamed); not checked that it is a checkpoint of the same model")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 from click.testing import CliRunner
 
 from calib.cli import main
-from tiny import random_sequences, tiny_causal_lm
+from tiny import fp8_weight_checkpoint, random_sequences, tiny_causal_lm
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,9 @@ def _export(tmp: Path, out: Path, *extra: str) -> list[str]:
 
 def _tune(tmp: Path, out: Path | None = None) -> list[str]:
     data = str(_tokens(tmp))
-    return ["--model", str(_model(tmp)), "--data", data, "--eval-data", data, "--samples", "8", "--seq-len", "32",
+    held = _write(tmp, "held-out.jsonl", "".join(json.dumps({"input_ids": s}) + "\n"
+                                                for s in random_sequences(6, lo=20, hi=40, seed=7)))
+    return ["--model", str(_model(tmp)), "--data", data, "--eval-data", str(held), "--samples", "8", "--seq-len", "32",
             "--eval-samples", "4", "--buckets", "32", "--observers", "absmax", "--headrooms", "1.0",
             "--no-plots", "--no-progress", "--out", str(out or tmp / "tuned")]
 
@@ -340,6 +342,26 @@ def _renamed_scale(old: str, new: str) -> Callable[[Path], None]:
         index["weight_map"][new] = index["weight_map"].pop(old)
         (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     return edit
+
+
+def _other_fp8(tmp: Path, **config) -> Path:
+    """A weight-quantized (FP8) checkpoint of another model of the llama architecture (another seed, `config`)."""
+    other = tmp / "other"
+    tiny_causal_lm("llama", seed=1, **config).save_pretrained(other)
+    return fp8_weight_checkpoint(other, tmp / "other-fp8")
+
+
+def _twice(tmp: Path, how: str) -> list[str]:
+    """merge's arguments: one statistics file, then the same file again (as written, a symlink, a hard link)."""
+    first = _real_stats(tmp, "a.safetensors")
+    second = tmp / "b.safetensors"
+    if how == "symlink":
+        second.symlink_to(first)
+    elif how == "hardlink":
+        os.link(first, second)
+    else:
+        second = first
+    return [str(first), str(second), "--out", str(tmp / "m.safetensors")]
 
 
 def _resume_damaged(tmp: Path) -> list[str]:
@@ -583,6 +605,19 @@ ROWS = [
     Row("eval --scales checkpoint whose scale sits under another attention module", lambda t: [*_eval(t), "--scales",
         str(_exported(t, edit=_renamed_scale("model.layers.0.self_attn.v_scale", "model.layers.0.attn.v_scale")))],
         "no engine loads it as a KV scale", command="eval"),
+    Row("merge the same statistics file twice", lambda t: _twice(t, "path"), "are the same path: merging it twice",
+        command="merge"),
+    Row("merge a statistics file and a symlink to it", lambda t: _twice(t, "symlink"),
+        "are one file (through a link): merging it twice", command="merge"),
+    Row("merge a statistics file and a hard link to it", lambda t: _twice(t, "hardlink"),
+        "are one file (through a link): merging it twice", command="merge"),
+    Row("--into a checkpoint of another model (same architecture and sizes, other weights)", lambda t: [
+        *_base(t), "--into", str(_other_fp8(t))], "holds other weights than"),
+    Row("--into a checkpoint of another model (other intermediate_size and vocab)", lambda t: [
+        *_base(t), "--into", str(_other_fp8(t, intermediate_size=96, vocab_size=300))],
+        "intermediate_size, vocab_size differ"),
+    Row("tune --eval-data equal to --data", lambda t: [*_tune(t), "--eval-data", str(_tokens(t))],
+        "is the calibration --data", command="tune"),
     Row("eval of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_eval(_overflowing(t).parent)],
         "cannot measure: `fp32` (the reference) bucket <= 32", command="eval"),
     Row("tune of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_tune(_overflowing(t).parent)],

@@ -262,6 +262,14 @@ def merge(paths: list[Path], out: Path, *, force: bool = False) -> Path:
     statistics file of ours, with `force`, and never one of the inputs."""
     if len(paths) < 2:
         raise StatsError("merge needs at least two statistics files")
+    from calib.safety.options import same_file
+
+    for j, p in enumerate(paths):
+        twin = next((q for q in paths[:j] if same_file(p, q)), None)
+        if twin is not None:
+            how = "the same path" if Path(p).absolute() == Path(twin).absolute() else "one file (through a link)"
+            raise StatsError(f"{twin} and {p} are {how}: merging it twice would count its data twice; give each "
+                             "statistics file once")
     inputs = [("an input statistics file", p) for p in paths]
     outputs.check_file(Path(out), inputs=inputs, option="--out", force=force)
     with outputs.lock(Path(out)):

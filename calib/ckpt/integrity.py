@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,7 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0          # where its bytes start in the file (header included)
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def read_header(path: Path, where: str | None = None) -> Shard:
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for name, e in header.items():
-        tensors[name] = _entry(name, e, where)
+        tensors[name] = replace(_entry(name, e, where), offset=8 + n + e["data_offsets"][0])
         begin, end = e["data_offsets"]
         if end > data_len:
             raise IntegrityError(f"{where}: tensor {name!r} ends at byte {end} of a {data_len}-byte data section; "

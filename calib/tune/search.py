@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from calib import resources
 from calib.data import sources as data_mod
 from calib.errors import KvcalibError
 from calib.evaluation import emulate
@@ -145,6 +146,10 @@ def check(cfg: TuneConfig) -> None:
         outputs.check_folder(Path(cfg.stats_out), force=cfg.force, inputs=[*inputs, ("the --out folder", cfg.out)],
                              option="--stats-out")
         outputs.check_folder(Path(cfg.out), force=cfg.force, inputs=[("the --stats-out folder", cfg.stats_out)])
+    if cfg.data and cfg.eval_data and options.same_file(cfg.data, cfg.eval_data) and \
+            not options.same_file(cfg.eval_data, resources.default_data()):
+        raise TuneError(f"--eval-data {cfg.eval_data} is the calibration --data {cfg.data}: candidates scored on the "
+                        "text they were calibrated on would look better than they are; give held-out text")
     for src in (cfg.data, cfg.eval_data):
         if src:
             data_mod.check_source(src)
