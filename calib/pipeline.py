@@ -209,12 +209,30 @@ def stats_header(prov: dict[str, Any], source: Path) -> dict[str, Any]:
             "versions": prov["versions"]}
 
 
+def write_options(recipe: Recipe, *, force: bool = False, overwrite_kv: bool = False, into: bool = False,
+                  extra_files: dict[str, str] | None = None) -> export.WriteOptions:
+    """What every target is prepared and written with, from the recipe and the command line."""
+    return export.WriteOptions(dtype=recipe.kv_dtype, granularity=recipe.scale_granularity, force=force,
+                               overwrite_kv=overwrite_kv, into=into, extra_files=extra_files)
+
+
+def prepare_targets(source: Path | export.SourceFiles, out: Path, recipe: Recipe, *, overwrite_kv: bool = False,
+                    into: bool = False) -> dict[str, export.PreparedSource]:
+    """Every target of the recipe checks the source checkpoint by its own rules (nothing written): what
+    `write_outputs` writes from. One target writes OUT, several OUT/<target>."""
+    how = write_options(recipe, overwrite_kv=overwrite_kv, into=into)
+    multi = len(recipe.targets) > 1
+    return {t: export.target(t).prepare(source, Path(out) / t if multi else Path(out), how) for t in recipe.targets}
+
+
 def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCapture, scales: scales_mod.Scales,
                   prov: dict[str, Any], *, force: bool, overwrite_kv: bool = False,
-                  extra_files: dict[str, str] | None = None) -> Path:
+                  extra_files: dict[str, str] | None = None,
+                  prepared: dict[str, export.PreparedSource] | None = None) -> Path:
     """One target → OUT is that checkpoint; several → OUT/<target> each (weights hard-linked between them);
     no target → OUT holds the statistics only (stats.safetensors + kvcalib.json). `extra_files` ({name: text},
-    one target only) are written into OUT in the same atomic step."""
+    one target only) are written into OUT in the same atomic step. `prepared` (from `prepare_targets`, run by
+    the checks) is what each target writes from; without it each target checks `source` itself."""
     targets = list(recipe.targets)
     if not targets:
         with outputs.atomic_dir(out, force, kind="statistics") as tmp:
@@ -226,9 +244,8 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCa
         raise export.ExportError("extra files go into a single-target checkpoint only")
 
     def one(target: str, path: Path, force_one: bool, extra: dict[str, str] | None = None) -> Path:
-        how = export.WriteOptions(dtype=recipe.kv_dtype, granularity=recipe.scale_granularity, force=force_one,
-                                  overwrite_kv=overwrite_kv, extra_files=extra)
-        return export.target(target).write(source, path, scales, prov, how)
+        how = write_options(recipe, force=force_one, overwrite_kv=overwrite_kv, extra_files=extra)
+        return export.target(target).write((prepared or {}).get(target, source), path, scales, prov, how)
 
     if len(targets) == 1:
         return one(targets[0], out, force, extra_files)
@@ -241,7 +258,8 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCa
 def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, out: Path, *,
                       force: bool = False, recipe_file: Path | None = None) -> tuple[Path, scales_mod.Scales, list[int]]:
     """Scales for `recipe` from a statistics file, written against the model's checkpoint — no forward pass.
-    Checks (output path, statistics file, model files, room), then OUT's lock, then the export."""
+    Checks (output path, statistics file, model files, each target's rules, room), then OUT's lock, then the
+    export from what the checks read."""
     if not recipe.targets:
         raise statsfile.StatsError("export needs at least one target (vllm, trtllm)")
     inputs = [("the statistics file", stats_path), ("the model folder", model_src), ("the recipe", recipe_file)]
@@ -250,33 +268,35 @@ def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, o
     source = model_mod.resolve_source(model_src)
     if statsfile.config_sha256(source) != sf.header.get("model_config_sha256"):
         raise statsfile.StatsError(f"{stats_path} was recorded on another model than {source} (config.json differs)")
-    prepared = export.prepare_source(source, Path(out))
-    outputs.check_room(Path(out), [source / f for f in sorted(set(prepared.weight_map.values()))],
+    files = export.read_source(source)
+    files = dataclasses.replace(files, weights=export.scan_source(files))
+    prepared = prepare_targets(files, Path(out), recipe)
+    outputs.check_room(Path(out), [source / f for f in sorted(set(files.weights.weight_map.values()))],
                        copies=len(recipe.targets))
     with outputs.lock(Path(out)):
         outputs.check_folder(Path(out), force=force, inputs=inputs)     # taking the lock may restore an output
-        return _export_from_stats(sf, stats_path, source, model_src, recipe, Path(out), force)
+        return _export_from_stats(sf, stats_path, files, model_src, recipe, Path(out), force, prepared)
 
 
-def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, source: Path, model_src: str | Path,
-                       recipe: Recipe, out: Path, force: bool) -> tuple[Path, scales_mod.Scales, list[int]]:
-    from transformers import AutoConfig
-
+def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, files: export.SourceFiles, model_src: str | Path,
+                       recipe: Recipe, out: Path, force: bool,
+                       prepared: dict[str, export.PreparedSource]) -> tuple[Path, scales_mod.Scales, list[int]]:
     stats = statsfile.stats_for_recipe(sf, recipe, str(stats_path))
-    config = model_mod.preflight(source)[0].get_text_config()
+    config = model_mod.preflight(files).text_config
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, config, sf.capture.layers)
     scales = scales_mod.compute(stats, dtype=recipe.kv_dtype, granularity=recipe.scale_granularity,
                                 headroom=recipe.headroom)
     data = {**sf.header.get("data", {}), "statistics_file": str(stats_path)}
     prov = provenance(recipe, str(model_src), data, stats, scales, skipped, "from statistics file",
                       rotary_dim=sf.header.get("rotary_dim"))
-    return write_outputs(source, Path(out), recipe, sf.capture, scales, prov, force=force), scales, skipped
+    path = write_outputs(files.path, Path(out), recipe, sf.capture, scales, prov, force=force, prepared=prepared)
+    return path, scales, skipped
 
 
-def _check_same_model(source: Path, target: Path) -> None:
-    """The scales of `source` fit `target` only when both have the same attention geometry."""
+def _check_same_model(source: Path, a: dict[str, Any], target: Path, b: dict[str, Any]) -> None:
+    """The scales of `source` fit `target` only when both have the same attention geometry (their config.json
+    `a` and `b`, as the checks read them)."""
     keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
-    a, b = (model_mod.source_config(p) for p in (source, target))
     a, b = a.get("text_config", a), b.get("text_config", b)
     diff = [k for k in keys if a.get(k) != b.get(k)]
     if diff:
@@ -285,10 +305,16 @@ def _check_same_model(source: Path, target: Path) -> None:
 
 
 @dataclass(frozen=True)
-class _Checked:
-    source_dir: Path     # the model that runs
-    target_dir: Path     # the checkpoint whose files the output carries (the model, or --into)
-    inputs: tuple        # (what, path) of every input: no output may be, hold or lie inside one
+class Checked:
+    """What the calibrate checks read and computed, handed to the stages so none of it is read again."""
+    model: model_mod.Preflight                      # the model that runs: config, weight headers
+    target_dir: Path                                # the checkpoint whose files the output carries (model or --into)
+    prepared: dict[str, export.PreparedSource]      # target -> its source, checked by that target's rules
+    inputs: tuple                                   # (what, path) of every input: no output may be, hold or lie inside one
+
+    @property
+    def source_dir(self) -> Path:
+        return self.model.path
 
 
 @dataclass(frozen=True)
@@ -311,14 +337,18 @@ class CalibrateJob:
     recipe_file: Path | None = None
 
 
-def check_calibrate(job: CalibrateJob) -> _Checked:
-    """Every check of `job` that needs no weights, in the order a user fixes them: options, inputs, output paths
-    (writable, room, never over an input or a foreign file), the model's config and checkpoint files."""
-    options, recipe, out = job.options, job.recipe, Path(job.out)
+def check_calibrate(job: CalibrateJob, *, options_checked: bool = False) -> Checked:
+    """Every check of `job` that needs no weights, in the order a user fixes them: options (`options_checked`:
+    the caller ran `safety.options.calibrate` on them already), inputs, output paths (writable, room, never
+    over an input or a foreign file), the model's config and checkpoint files, the context length, each
+    target's rules for the checkpoint it writes from. Each file is read once; what was read comes back for
+    the stages."""
+    recipe, out, options = job.recipe, Path(job.out), job.options
     ckpt = options.checkpoint
     place = job.placement or model_mod.Placement(device=job.device)
-    opts.calibrate(device_name=place.device, max_batch_tokens=options.max_batch_tokens, seq_len=recipe.seq_len,
-                   checkpoint_every=(ckpt.every or None) if ckpt is not None else None)
+    if not options_checked:
+        opts.calibrate(device_name=place.device, max_batch_tokens=options.max_batch_tokens, seq_len=recipe.seq_len,
+                       checkpoint_every=(ckpt.every or None) if ckpt is not None else None)
     if ckpt is not None and options.dist.world > 1:
         raise statsfile.StatsError("--checkpoint-every/--resume run in a single process, not under torchrun")
     data_mod.check_source(job.data)
@@ -337,16 +367,20 @@ def check_calibrate(job: CalibrateJob) -> _Checked:
         outputs.check_scratch(Path(place.offload_folder), inputs=[*inputs, *mine], option="--offload-folder")
     source_dir = source_dir or model_mod.resolve_source(job.model)
     target_dir = source_dir if job.into is None else model_mod.resolve_source(job.into)
-    model_mod.preflight(source_dir, trust_remote_code=job.trust_remote_code, allow_pickle=job.allow_pickle)
+    model = model_mod.preflight(source_dir, trust_remote_code=job.trust_remote_code, allow_pickle=job.allow_pickle)
+    model.check_context(recipe.seq_len)
+    files = model.files
     if job.into is not None:
-        _check_same_model(source_dir, target_dir)
+        files = export.SourceFiles(target_dir, model_mod.read_config(target_dir))
+        _check_same_model(source_dir, model.raw, target_dir, files.config)
     weights: list[Path] = []
+    prepared: dict[str, export.PreparedSource] = {}
     if recipe.targets:  # a broken source checkpoint surfaces before anything is loaded
-        prepared = export.prepare_source(target_dir, out, quantized_ok=job.into is not None,
-                                         overwrite_kv=job.overwrite_kv)
-        weights = [target_dir / f for f in sorted(set(prepared.weight_map.values()))]
+        prepared = prepare_targets(files, out, recipe, overwrite_kv=job.overwrite_kv, into=job.into is not None)
+        first = next(iter(prepared.values()))
+        weights = [target_dir / f for f in first.shards]
     outputs.check_room(out, weights, copies=max(1, len(recipe.targets)))
-    return _Checked(source_dir, target_dir, tuple(inputs))
+    return Checked(model, target_dir, prepared, tuple(inputs))
 
 
 def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
@@ -363,10 +397,11 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
                progress)
 
 
-def run(job: CalibrateJob, progress: Any | None = None) -> Result:
-    """Checks first (nothing loaded), then the output locks (a second run into OUT refuses), then the stages."""
+def run(job: CalibrateJob, progress: Any | None = None, *, options_checked: bool = False) -> Result:
+    """Checks first (nothing loaded), then the output locks (a second run into OUT refuses), then the stages.
+    `options_checked`: the caller ran `check_options(job)` already (the CLI does, before it builds a model)."""
     t_start = time.perf_counter()
-    checked = check_calibrate(job)
+    checked = check_calibrate(job, options_checked=options_checked)
     ckpt = job.options.checkpoint
     # the resume file's lock too, checkpointing or not: it clears what a killed save left beside it
     locks = [(job.out, "--out"), (job.stats_out, "--stats-out"),
@@ -386,15 +421,11 @@ class _Prepared:
     options: RunOptions              # with the checkpoint header of this run
 
 
-def _prepare(job: CalibrateJob, checked: _Checked) -> _Prepared:
-    """Load the model, resolve the skipped layers, open the token stream."""
+def _prepare(job: CalibrateJob, checked: Checked) -> _Prepared:
+    """Load the model the checks read, resolve the skipped layers, open the token stream."""
     recipe, options = job.recipe, job.options
-    loaded = model_mod.load(checked.source_dir, device=job.device, trust_remote_code=job.trust_remote_code,
+    loaded = model_mod.load(checked.model, device=job.device, trust_remote_code=job.trust_remote_code,
                             placement=job.placement, allow_pickle=job.allow_pickle)
-    max_pos = getattr(loaded.config, "max_position_embeddings", None)
-    if max_pos and recipe.seq_len > max_pos:
-        raise model_mod.ModelError(f"seq_len {recipe.seq_len} exceeds the model's context "
-                                   f"(max_position_embeddings = {max_pos}); lower SEQ_LEN")
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, loaded.config, loaded.attention_layers)
     seqs, report = token_stream(job.data, loaded, recipe)
     if options.checkpoint is not None:
@@ -412,13 +443,13 @@ def _fold(recipe: Recipe, stats: Stats) -> scales_mod.Scales:
                               headroom=recipe.headroom)
 
 
-def _write(job: CalibrateJob, checked: _Checked, prep: _Prepared, seen: Observed, scales: scales_mod.Scales,
+def _write(job: CalibrateJob, checked: Checked, prep: _Prepared, seen: Observed, scales: scales_mod.Scales,
            prov: dict[str, Any]) -> Path:
     """The checkpoint(s) and the statistics file, from the main process only; then every rank meets."""
     path, options = Path(job.out), prep.options
     if options.dist.is_main:
         path = write_outputs(checked.target_dir, Path(job.out), job.recipe, seen.capture, scales, prov,
-                             force=job.force, overwrite_kv=job.overwrite_kv)
+                             force=job.force, overwrite_kv=job.overwrite_kv, prepared=checked.prepared)
         if job.stats_out is not None:
             statsfile.save(Path(job.stats_out), seen.capture, stats_header(prov, prep.loaded.source_dir))
         if options.checkpoint is not None:
@@ -427,7 +458,7 @@ def _write(job: CalibrateJob, checked: _Checked, prep: _Prepared, seen: Observed
     return path
 
 
-def _calibrate(job: CalibrateJob, checked: _Checked, t_start: float, progress: Any | None) -> Result:
+def _calibrate(job: CalibrateJob, checked: Checked, t_start: float, progress: Any | None) -> Result:
     recipe = job.recipe
     prep = _prepare(job, checked)
     loaded = prep.loaded
