@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as dt
 import json
 import time
 from collections.abc import Iterable, Sequence
@@ -30,6 +29,7 @@ from calib.ckpt.names import PROVENANCE_FILE, STATS_FILE
 from calib.data import sources as data_mod
 from calib.data.batching import PaddingStats, batches, prefetch
 from calib.model import load as model_mod
+from calib.provenance import Provenance
 from calib.recipe.recipe import Recipe
 from calib.safety import options as opts, outputs
 from calib.scales import fold as scales_mod
@@ -58,11 +58,12 @@ class Checkpointing:
     """Long runs save the observers' state every `every` batches to `path` (one safetensors file, replaced
     atomically); `resume` continues after the last saved batch. The data stream is replayed (so the data
     report and fingerprint stay complete) but the model runs only on batches not yet observed; the result
-    is bit-identical to an uninterrupted run. `header` identifies the run (recipe, model, data)."""
+    is bit-identical to an uninterrupted run. `run` identifies it (recipe, model config, data source): the
+    resume header is derived from it."""
     path: Path
     every: int = 0
     resume: bool = False
-    header: dict = field(default_factory=dict)
+    run: Provenance | None = None        # set by the capture stage's caller before the loop
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,8 @@ def observe_kv_each(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], ba
     with contextlib.ExitStack() as stack:
         caps = [stack.enter_context(observe.capture_kv(model, loaded.attention_layers, s)) for s in specs]
         stack.enter_context(torch.inference_mode())
-        done = statsfile.resume_into(caps[0], ckpt.path, ckpt.header) if ckpt is not None and ckpt.resume else 0
+        run = (ckpt.run or Provenance()) if ckpt is not None else None
+        done = statsfile.resume_into(caps[0], ckpt.path, run) if ckpt is not None and ckpt.resume else 0
         for i, (ids, mask) in enumerate(feed):
             n = int(mask.sum())
             if i < done:  # observed before the interruption
@@ -128,7 +130,7 @@ def observe_kv_each(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], ba
             if progress is not None:
                 progress.update(n)
             if ckpt is not None and ckpt.every and (i + 1) % ckpt.every == 0:
-                statsfile.save(ckpt.path, caps[0], {**ckpt.header, "batches_done": i + 1})
+                statsfile.save(ckpt.path, caps[0], run.resume_header(batches_done=i + 1))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         spent = time.perf_counter() - t0
@@ -148,18 +150,6 @@ def token_stream(data: str | Path, loaded: model_mod.LoadedModel,
     return seqs, report
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for pkg in ("kvcalib", "torch", "transformers", "compressed-tensors", "safetensors"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
-
 def data_record(data_src: str | Path, report: data_mod.DataReport) -> dict[str, Any]:
     """The provenance's `data` entry for data read in this run: its source and what was used of it."""
     return {"source": str(data_src), **report.to_dict()}
@@ -167,9 +157,11 @@ def data_record(data_src: str | Path, report: data_mod.DataReport) -> dict[str, 
 
 def provenance(recipe: Recipe, model_src: str, data: dict[str, Any], stats: Stats,
                scales: scales_mod.Scales, skipped: list[int], dtype: str, *, rotary_dim: int | None,
-               into: str | None = None, selected_by: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The run's record (kvcalib.json), complete when built: everything it names is computed by the caller
-    first and passed in, so no stage patches it afterwards. `into` and `selected_by` appear only when given."""
+               into: str | None = None, selected_by: dict[str, Any] | None = None,
+               model_config_sha256: str | None = None) -> Provenance:
+    """The run's record (kvcalib.json, and the statistics header), complete when built: everything it names is
+    computed by the caller first and passed in, so no stage patches it afterwards. `into` and `selected_by`
+    appear only when given."""
     def vec(t):
         return None if t is None else [float(x) for x in t.reshape(-1)]
 
@@ -186,27 +178,10 @@ def provenance(recipe: Recipe, model_src: str, data: dict[str, Any], stats: Stat
             entry = {k: (v[0] if isinstance(v, list) and len(v) == 1 and k.endswith("_scale") else v)
                      for k, v in entry.items() if v is not None}
         layers[str(i)] = entry
-    return {
-        "producer": "kvcalib",
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": str(model_src),
-        "data": dict(data),
-        "recipe": recipe.to_dict(),
-        "skipped_layers": skipped,
-        "calibration_dtype": dtype,
-        "versions": _versions(),
-        "layers": layers,
-        "rotary_dim": rotary_dim,
-        **({"into": into} if into is not None else {}),
-        **({"selected_by": dict(selected_by)} if selected_by is not None else {}),
-    }
-
-
-def stats_header(prov: dict[str, Any], source: Path) -> dict[str, Any]:
-    """What a statistics file records besides the tensors (enough to merge and re-export it)."""
-    return {"producer": "kvcalib", "model": prov["model"], "model_config_sha256": statsfile.config_sha256(source),
-            "rotary_dim": prov["rotary_dim"], "recipe": prov["recipe"], "data": prov["data"],
-            "versions": prov["versions"]}
+    return Provenance(model=str(model_src), model_config_sha256=model_config_sha256, data=dict(data),
+                      recipe=recipe.to_dict(), skipped_layers=tuple(skipped), calibration_dtype=dtype,
+                      layers=layers, rotary_dim=rotary_dim, into=into,
+                      selected_by=None if selected_by is None else dict(selected_by))
 
 
 def write_options(recipe: Recipe, *, force: bool = False, overwrite_kv: bool = False, into: bool = False,
@@ -226,7 +201,7 @@ def prepare_targets(source: Path | export.SourceFiles, out: Path, recipe: Recipe
 
 
 def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCapture, scales: scales_mod.Scales,
-                  prov: dict[str, Any], *, force: bool, overwrite_kv: bool = False,
+                  prov: Provenance, *, force: bool, overwrite_kv: bool = False,
                   extra_files: dict[str, str] | None = None,
                   prepared: dict[str, export.PreparedSource] | None = None) -> Path:
     """One target → OUT is that checkpoint; several → OUT/<target> each (weights hard-linked between them);
@@ -236,8 +211,8 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCa
     targets = list(recipe.targets)
     if not targets:
         with outputs.atomic_dir(out, force, kind="statistics") as tmp:
-            statsfile.save(tmp / STATS_FILE, capture, stats_header(prov, source))
-            (tmp / PROVENANCE_FILE).write_text(json.dumps({**prov, "target": None}, indent=2) + "\n")
+            statsfile.save(tmp / STATS_FILE, capture, prov.stats_header())
+            (tmp / PROVENANCE_FILE).write_text(json.dumps(prov.written_as(None).to_dict(), indent=2) + "\n")
         return out
 
     if extra_files and len(targets) != 1:
@@ -266,7 +241,7 @@ def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, o
     outputs.check_folder(Path(out), force=force, inputs=inputs)
     sf = statsfile.load(Path(stats_path))
     source = model_mod.resolve_source(model_src)
-    if statsfile.config_sha256(source) != sf.header.get("model_config_sha256"):
+    if statsfile.config_sha256(source) != sf.provenance.model_config_sha256:
         raise statsfile.StatsError(f"{stats_path} was recorded on another model than {source} (config.json differs)")
     files = export.read_source(source)
     files = dataclasses.replace(files, weights=export.scan_source(files))
@@ -286,9 +261,10 @@ def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, files: export.
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, config, sf.capture.layers)
     scales = scales_mod.compute(stats, dtype=recipe.kv_dtype, granularity=recipe.scale_granularity,
                                 headroom=recipe.headroom)
-    data = {**sf.header.get("data", {}), "statistics_file": str(stats_path)}
+    recorded = sf.provenance
+    data = {**recorded.data, "statistics_file": str(stats_path)}
     prov = provenance(recipe, str(model_src), data, stats, scales, skipped, "from statistics file",
-                      rotary_dim=sf.header.get("rotary_dim"))
+                      rotary_dim=recorded.rotary_dim, model_config_sha256=recorded.model_config_sha256)
     path = write_outputs(files.path, Path(out), recipe, sf.capture, scales, prov, force=force, prepared=prepared)
     return path, scales, skipped
 
@@ -310,7 +286,7 @@ class Checked:
     model: model_mod.Preflight                      # the model that runs: config, weight headers
     target_dir: Path                                # the checkpoint whose files the output carries (model or --into)
     prepared: dict[str, export.PreparedSource]      # target -> its source, checked by that target's rules
-    inputs: tuple                                   # (what, path) of every input: no output may be, hold or lie inside one
+    inputs: tuple                                   # (what, path) of every input: no output is, holds or is in one
 
     @property
     def source_dir(self) -> Path:
@@ -429,9 +405,10 @@ def _prepare(job: CalibrateJob, checked: Checked) -> _Prepared:
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, loaded.config, loaded.attention_layers)
     seqs, report = token_stream(job.data, loaded, recipe)
     if options.checkpoint is not None:
-        header = {"recipe": recipe.to_dict(), "model_config_sha256": statsfile.config_sha256(checked.source_dir),
-                  "data_source": str(job.data), "rotary_dim": model_mod.rotary_dim(loaded.config)}
-        options = dataclasses.replace(options, checkpoint=dataclasses.replace(options.checkpoint, header=header))
+        run = Provenance(model=str(job.model), model_config_sha256=checked.model.config_sha256,
+                         data={"source": str(job.data)}, recipe=recipe.to_dict(),
+                         rotary_dim=model_mod.rotary_dim(loaded.config))
+        options = dataclasses.replace(options, checkpoint=dataclasses.replace(options.checkpoint, run=run))
     return _Prepared(loaded, skipped, report, seqs, options)
 
 
@@ -444,14 +421,14 @@ def _fold(recipe: Recipe, stats: Stats) -> scales_mod.Scales:
 
 
 def _write(job: CalibrateJob, checked: Checked, prep: _Prepared, seen: Observed, scales: scales_mod.Scales,
-           prov: dict[str, Any]) -> Path:
+           prov: Provenance) -> Path:
     """The checkpoint(s) and the statistics file, from the main process only; then every rank meets."""
     path, options = Path(job.out), prep.options
     if options.dist.is_main:
         path = write_outputs(checked.target_dir, Path(job.out), job.recipe, seen.capture, scales, prov,
                              force=job.force, overwrite_kv=job.overwrite_kv, prepared=checked.prepared)
         if job.stats_out is not None:
-            statsfile.save(Path(job.stats_out), seen.capture, stats_header(prov, prep.loaded.source_dir))
+            statsfile.save(Path(job.stats_out), seen.capture, prov.stats_header())
         if options.checkpoint is not None:
             options.checkpoint.path.unlink(missing_ok=True)  # the run completed: nothing to resume
     barrier(options.dist)
@@ -469,7 +446,8 @@ def _calibrate(job: CalibrateJob, checked: Checked, t_start: float, progress: An
     dtype = str(loaded.dtype).removeprefix("torch.")
     prov = provenance(recipe, str(job.model), data_record(job.data, prep.report), seen.stats, scales, prep.skipped,
                       dtype, rotary_dim=model_mod.rotary_dim(loaded.config),
-                      into=None if job.into is None else str(job.into))
+                      into=None if job.into is None else str(job.into),
+                      model_config_sha256=checked.model.config_sha256)
     path = _write(job, checked, prep, seen, scales, prov)
     return Result(out=path, scales=scales, stats=seen.stats, skipped=prep.skipped, data=prep.report,
                   padding=padding.fraction, seconds=time.perf_counter() - t_start, forward_seconds=seen.seconds,

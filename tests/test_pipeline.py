@@ -61,7 +61,7 @@ def test_provenance_of_a_calibrate_run_is_complete(tiny_llama_dir, token_data, t
     assert written["rotary_dim"] == head_dim                   # the tiny Llama rotates the whole head
     assert written["recipe"] == recipe.to_dict() and written["data"]["tokens"] == res.data.tokens
     built = pipeline.provenance(recipe, str(tiny_llama_dir), pipeline.data_record(token_data, res.data), res.stats,
-                                res.scales, res.skipped, res.model_dtype, rotary_dim=head_dim, into="q")
+                                res.scales, res.skipped, res.model_dtype, rotary_dim=head_dim, into="q").to_dict()
     assert {k for k in built if k != "into"} == fields and built["into"] == "q"
     same = fields - {"created"}                                # the export adds its own (target, weights)
     assert {k: built[k] for k in same} == {k: written[k] for k in same}

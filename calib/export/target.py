@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from calib.ckpt.source import PreparedSource, SourceFiles, check_out_is_not_source, read_source, scan_weights
+from calib.provenance import Provenance
 from calib.recipe.dtypes import FP8_E4M3, KVDtype
 from calib.recipe.granularity import Granularity, PerTensor
 
@@ -56,7 +57,7 @@ class Target:
         check_out_is_not_source(files.path, out)
         return scan_weights(files, files.config, lambda name: False)
 
-    def write(self, source: Path | PreparedSource, out: Path, scales: Scales, provenance: dict[str, Any],
+    def write(self, source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any],
               options: WriteOptions = WriteOptions()) -> Path:
         """Write the variant to `out` from what `prepare` returned (a path is prepared first)."""
         raise NotImplementedError

@@ -54,6 +54,7 @@ from calib.ckpt.source import (ExportError, PreparedSource, SourceFiles, check_o
                                read_source, scan_weights)
 from calib.export.target import Target, WriteOptions
 from calib.export.write import write_variant
+from calib.provenance import Provenance, as_provenance
 from calib.recipe.dtypes import FP8_E4M3, INT8
 
 if TYPE_CHECKING:
@@ -188,7 +189,7 @@ def prepare_trtllm(source: Path | SourceFiles, out: Path, *, kv_algo: str = "FP8
                         quantization=quantization, num_layers=n_layers, kv_algo=kv_algo)
 
 
-def export_trtllm(source: Path | TrtllmSource, out: Path, scales: Scales, provenance: dict[str, Any], *,
+def export_trtllm(source: Path | TrtllmSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any], *,
                   kv_algo: str = "FP8", force: bool = False, extra_files: dict[str, str] | None = None) -> Path:
     """Write the TensorRT-LLM variant of `source` with `scales` to `out`; returns `out`. A `source` already
     prepared (`prepare_trtllm`) is not checked again, and its KV algorithm is the one it was prepared for.
@@ -220,13 +221,13 @@ def export_trtllm(source: Path | TrtllmSource, out: Path, scales: Scales, proven
     quantization = {**quantization, "quant_algo": quantization.get("quant_algo"), "kv_cache_quant_algo": kv_algo,
                     "exclude_modules": list(quantization.get("exclude_modules") or [])}
     hf_quant = formats.hf_quant_config(quantization, __version__)
-    prov: dict[str, Any] = {**provenance, "target": "trtllm", "kv_cache_quant_algo": kv_algo}
     if kv_algo == "FP8":
-        prov["trtllm_fp8_saturation"] = saturation_report(scales)
+        notes: dict[str, Any] = {"trtllm_fp8_saturation": saturation_report(scales)}
     else:
-        prov["trtllm_int8_layer_scale"] = {
+        notes = {"trtllm_int8_layer_scale": {
             str(i): max(float(tensors[trtllm_scale_names(i)[0]]), float(tensors[trtllm_scale_names(i)[1]]))
-            for i in sorted(scales)}
+            for i in sorted(scales)}}
+    prov = as_provenance(provenance).written_as("trtllm", kv_cache_quant_algo=kv_algo, **notes)
     return write_variant(prepared, out, tensors, None, prov, force=force,
                          extra_files={**(extra_files or {}), HF_QUANT_CONFIG: json.dumps(hf_quant, indent=2) + "\n"})
 
@@ -246,7 +247,7 @@ class TrtllmTarget(Target):
                               f"of {sorted(d.name for d in ALGO_OF_DTYPE)}")
         return prepare_trtllm(source, out, kv_algo=ALGO_OF_DTYPE[options.dtype])
 
-    def write(self, source: Path | PreparedSource, out: Path, scales: Scales, provenance: dict[str, Any],
+    def write(self, source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any],
               options: WriteOptions = WriteOptions()) -> Path:
         prepared = source if isinstance(source, TrtllmSource) else self.prepare(getattr(source, "path", source), out,
                                                                                options)

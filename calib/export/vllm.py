@@ -17,6 +17,7 @@ from calib.ckpt.source import (ExportError, PreparedSource, SourceFiles, check_o
                                scan_weights)
 from calib.export.target import Target, WriteOptions
 from calib.export.write import write_variant
+from calib.provenance import Provenance, as_provenance
 from calib.recipe.dtypes import FP8_E4M3
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def _vllm_tensor(scale: torch.Tensor, strategy: str) -> torch.Tensor:
     return t.reshape(()) if strategy == "tensor" else t.reshape(-1, 1, 1)
 
 
-def export_vllm(source: Path | PreparedSource, out: Path, scales: Scales, provenance: dict[str, Any], *,
+def export_vllm(source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any], *,
                 strategy: str = "tensor", force: bool = False, overwrite_kv: bool = False,
                 extra_files: dict[str, str] | None = None) -> Path:
     """Write the vLLM (compressed-tensors) variant of `source` with `scales` to `out`; returns `out`.
@@ -85,7 +86,7 @@ def export_vllm(source: Path | PreparedSource, out: Path, scales: Scales, proven
     qc = prepared.config.get("quantization_config")
     qc = formats.ct_quantization_config(strategy) if qc is None else formats.ct_with_kv_scheme(qc, strategy)
     config = dict(prepared.config, quantization_config=qc)
-    return write_variant(prepared, out, tensors, config, {**provenance, "target": "vllm"}, force=force,
+    return write_variant(prepared, out, tensors, config, as_provenance(provenance).written_as("vllm"), force=force,
                          extra_files=extra_files)
 
 
@@ -103,7 +104,7 @@ class VllmTarget(Target):
         """A weight-quantized source only through --into, and only compressed-tensors (`prepare_source`)."""
         return prepare_source(source, out, quantized_ok=options.into, overwrite_kv=options.overwrite_kv)
 
-    def write(self, source: Path | PreparedSource, out: Path, scales: Scales, provenance: dict[str, Any],
+    def write(self, source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any],
               options: WriteOptions = WriteOptions()) -> Path:
         prepared = source if isinstance(source, PreparedSource) else \
             prepare_source(source, out, quantized_ok=True, overwrite_kv=options.overwrite_kv)

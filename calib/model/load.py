@@ -120,13 +120,18 @@ TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map
 
 def read_config(src: Path) -> dict[str, Any]:
     """config.json as a dict, strict JSON, its geometry checked (no transformers involved)."""
+    return _read_config(src)[0]
+
+
+def _read_config(src: Path) -> tuple[dict[str, Any], str]:
+    """`read_config` and the digest of the bytes read (what a statistics file records of its model)."""
     where = f"MODEL {src}/config.json"
     try:
-        raw = integrity.read_json(src / "config.json", where)
+        raw, sha = integrity.read_json_digest(src / "config.json", where)
         geometry.check(raw, where)
     except (integrity.IntegrityError, geometry.GeometryError) as e:
         raise ModelError(str(e)) from None
-    return raw
+    return raw, sha
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,7 @@ class Preflight:
     config: Any                                # transformers' config (the whole model's)
     pickled: bool                              # the weights are pickle files (--allow-pickle)
     weights: integrity.Checkpoint | None       # every safetensors header, checked (None when pickled)
+    config_sha256: str | None = None           # digest of config.json as read (None: read by another check)
 
     @property
     def text_config(self) -> Any:
@@ -163,8 +169,9 @@ def preflight(src: Path | SourceFiles, *, trust_remote_code: bool = False, allow
 
     files = src if isinstance(src, SourceFiles) else None
     src = Path(files.path if files is not None else src)
+    sha = None
     if files is None:
-        raw = read_config(src)
+        raw, sha = _read_config(src)
     else:
         raw = files.config
         try:
@@ -195,7 +202,7 @@ def preflight(src: Path | SourceFiles, *, trust_remote_code: bool = False, allow
             except integrity.IntegrityError as e:
                 raise ModelError(str(e)) from None
     weights = None if pickled else check_weights(src, raw, files.weights if files is not None else None)
-    return Preflight(src, raw, config, pickled, weights)
+    return Preflight(src, raw, config, pickled, weights, sha)
 
 
 def check_weights(src: Path, raw_config: dict[str, Any],
