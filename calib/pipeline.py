@@ -124,9 +124,10 @@ def observe_kv_each(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], ba
             if pin:
                 ids, mask = ids.pin_memory(), mask.pin_memory()
             ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
-            for cap in caps:
-                cap.token_mask = mask.bool()
-            body(input_ids=ids, attention_mask=mask, use_cache=False)
+            with contextlib.ExitStack() as masked:
+                for cap in caps:
+                    masked.enter_context(cap.masking(mask.bool()))
+                body(input_ids=ids, attention_mask=mask, use_cache=False)
             if progress is not None:
                 progress.update(n)
             if ckpt is not None and ckpt.every and (i + 1) % ckpt.every == 0:
