@@ -33,6 +33,7 @@ from calib.capture.spec import capture_spec
 from calib.capture.stats import LayerStats, Stats, stats_to_tensors
 from calib.ckpt.names import STATS_FILE
 from calib.errors import KvcalibError
+from calib.provenance import RESUME, STATS, Provenance, ProvenanceError
 from calib.recipe.recipe import Recipe, RecipeError, from_dict
 from calib.safety import outputs
 
@@ -46,19 +47,27 @@ class StatsError(KvcalibError, ValueError):
 
 @dataclass
 class StatsFile:
-    header: dict[str, Any]
+    header: dict[str, Any]          # as stored: the run's provenance (`Provenance.stats_header`) and `layers`
     capture: observe.KVCapture
 
     @property
     def recipe(self) -> Recipe:
         return from_dict(self.header["recipe"], source="statistics file recipe")
 
+    @property
+    def provenance(self) -> Provenance:
+        """The run the statistics were recorded in (model, its config digest, data, recipe, rotary_dim)."""
+        return Provenance.from_dict(self.header, "statistics file header", STATS)
+
     def stats(self) -> Stats:
         return self.capture.stats()
 
 
 def config_sha256(model_dir: Path) -> str:
-    return "sha256:" + hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
+    """What a statistics file records of its model: the digest of config.json (calib.ckpt.integrity.digest)."""
+    from calib.ckpt import integrity
+
+    return integrity.digest((Path(model_dir) / "config.json").read_bytes())
 
 
 def save(path: Path, capture: observe.KVCapture, header: dict[str, Any]) -> Path:
@@ -179,6 +188,10 @@ def _check_header(header: Any, where: str) -> Recipe:
         raise StatsError(msg if msg.startswith(where) else f"{where}: kvcalib header {msg}") from None
     if recipe.observer_spec.k_only and not rot:
         raise fail(f"has observer {recipe.observer} but no rotary_dim")
+    try:
+        Provenance.from_dict(header, f"{where}: kvcalib header", STATS)
+    except ProvenanceError as e:
+        raise StatsError(f"{e}; the file was edited or is not kvcalib's") from None
     return recipe
 
 
@@ -186,7 +199,8 @@ def build_capture(raw: RawFile) -> observe.KVCapture:
     """Observers of `raw.recipe` holding the file's state, checked: every state tensor is one these observers
     keep, every layer has data, and the readable ranges stored beside the states are what the states give."""
     where = f"{raw.path}"
-    capture = observe.KVCapture(raw.header["layers"], capture_spec(raw.recipe, rotary_dim=raw.header.get("rotary_dim")))
+    rotary_dim = Provenance.from_dict(raw.header, str(raw.path), STATS).rotary_dim
+    capture = observe.KVCapture(raw.header["layers"], capture_spec(raw.recipe, rotary_dim=rotary_dim))
     try:
         capture.load_state_dict(raw.state)
         kept = capture.state_dict()
@@ -239,14 +253,17 @@ def load_output(path: Path, what: str = "--stats") -> StatsFile:
     return load(file, what)
 
 
-def resume_into(capture: observe.KVCapture, path: Path, run: dict[str, Any]) -> int:
+def resume_into(capture: observe.KVCapture, path: Path, run: Provenance) -> int:
     """Load the resume file at `path` into `capture` (checked like any statistics file, and against `run`, the
-    header of the run resuming); returns how many batches it covers."""
+    run resuming); returns how many batches it covers."""
     if not Path(path).is_file():
         raise StatsError(f"--resume: no saved state at {path}; run without --resume")
     raw = read(path, "--resume: the saved state")
-    for key in ("recipe", "model_config_sha256", "data_source"):
-        if raw.header.get(key) != run.get(key):
+    saved = Provenance.from_dict(raw.header, f"--resume: the saved state at {path}", RESUME)
+    for key, mine, theirs in (("recipe", saved.recipe, run.recipe),
+                              ("model_config_sha256", saved.model_config_sha256, run.model_config_sha256),
+                              ("data_source", saved.data_source, run.data_source)):
+        if mine != theirs:
             raise StatsError(f"--resume: the saved state at {path} is from another run ({key} "
                              "differs); remove it or run without --resume")
     if raw.header["layers"] != capture.layers or raw.header.get("batches_done") is None:
@@ -280,22 +297,25 @@ def _merge(paths: list[Path], out: Path) -> Path:
     files = [load(p) for p in paths]
     first = files[0]
     for p, f in zip(paths[1:], files[1:]):
-        for key in ("model_config_sha256", "rotary_dim", "layers"):
-            if f.header.get(key) != first.header.get(key):
+        a, b = first.provenance, f.provenance
+        for key, mine, theirs in (("model_config_sha256", a.model_config_sha256, b.model_config_sha256),
+                                  ("rotary_dim", a.rotary_dim, b.rotary_dim),
+                                  ("layers", first.header["layers"], f.header["layers"])):
+            if mine != theirs:
                 raise StatsError(f"{p}: {key} differs from {paths[0]}; only runs of the same model can be merged")
-        mine, theirs = first.header["recipe"], f.header["recipe"]
+        mine, theirs = a.recipe, b.recipe
         diff = [k for k in OBSERVED if mine.get(k) != theirs.get(k)]
         if diff:
             raise StatsError(f"{p}: recipe field(s) {diff} differ from {paths[0]}; runs must record the same "
                              "statistics to be merged")
         first.capture.merge_from(f.capture)
-    datas = [f.header.get("data", {}) for f in files]
+    datas = [f.provenance.data for f in files]
     joined = hashlib.sha256("".join(str(d.get("fingerprint")) for d in datas).encode()).hexdigest()
     data = {"sources": [d.get("source") for d in datas],
             "samples": sum(d.get("samples", 0) for d in datas), "tokens": sum(d.get("tokens", 0) for d in datas),
             "skipped_short": sum(d.get("skipped_short", 0) for d in datas), "fingerprint": f"sha256:{joined}",
             "merged_from": [str(p) for p in paths]}
-    return save(out, first.capture, {**first.header, "data": data})
+    return save(out, first.capture, first.provenance.replace(data=data).stats_header())
 
 
 def stats_for_recipe(sf: StatsFile, recipe: Recipe, where: str) -> Stats:

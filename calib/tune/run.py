@@ -26,7 +26,7 @@ def run(cfg: TuneConfig, log: Log = lambda _m: None, progress: Progress = SILENT
     with outputs.locked([(cfg.out, "--out"), (cfg.stats_out, "--stats-out")]):
         check(cfg)        # again under the lock: taking it may have put back an output a killed run moved aside
         source = model_mod.resolve_source(cfg.model)
-        config = model_mod.preflight(source, trust_remote_code=cfg.trust_remote_code)[0].get_text_config()
+        config = model_mod.preflight(source, trust_remote_code=cfg.trust_remote_code).text_config
         if cfg.skips >= config.num_hidden_layers:
             raise TuneError(f"--max-skip {cfg.skips}: the model has {config.num_hidden_layers} layers; give fewer")
         loaded = load_causal_lm(str(source), cfg.device, cfg.trust_remote_code, cfg.cpu_dtype)

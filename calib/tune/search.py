@@ -265,7 +265,8 @@ def search(cfg: TuneConfig, loaded: Any, source: Path, clock: Clock, log: Log,
     ecfg = cfg.eval_config()
     vocab = getattr(loaded.config, "vocab_size", None)
     buckets, dropped = usable_buckets(ecfg.buckets, getattr(loaded.config, "max_position_embeddings", None))
-    cal = [("the calibration pass", {"data": sf.header.get("data", {}), "recipe": sf.header.get("recipe")})]
+    recorded = sf.provenance
+    cal = [("the calibration pass", {"data": dict(recorded.data), "recipe": dict(recorded.recipe)})]
     windows, held_out = calibration_windows(cal, cfg.eval_data, loaded.tokenizer, vocab)
     samples, used, excluded = select_samples(ecfg, loaded.tokenizer, vocab, buckets, windows)
     held = {"source": cfg.eval_data, **used.to_dict(), "held_out": {**held_out, "excluded_samples": excluded},

@@ -82,11 +82,12 @@ def collect(loaded: model_mod.LoadedModel, data_src: str, base: Recipe, keys: Se
                                     [spec.capture_spec(r, loaded.config) for r in recipes.values()])
     seconds = seen[0].seconds
     dtype = str(loaded.dtype).removeprefix("torch.")
+    sha = statsfile.config_sha256(loaded.source_dir)
     files = {}
     for key, got in zip(recipes, seen):
         prov = pipeline.provenance(recipes[key], model_src, pipeline.data_record(data_src, report), got.stats, {},
-                                   [], dtype, rotary_dim=model_mod.rotary_dim(loaded.config))
-        files[key] = statsfile.StatsFile(pipeline.stats_header(prov, loaded.source_dir), got.capture)
+                                   [], dtype, rotary_dim=model_mod.rotary_dim(loaded.config), model_config_sha256=sha)
+        files[key] = statsfile.StatsFile(prov.stats_header(), got.capture)
     if log:
         log(f"tune: statistics of {len(files)} observer set(s) from one pass: {report.used} samples / "
             f"{report.tokens} tokens in {seconds:.1f} s")
@@ -124,7 +125,7 @@ def load(paths: Sequence[str | Path], source: Path) -> StatsSet:
     want = statsfile.config_sha256(source)
     for p in stats_files(paths):
         sf = statsfile.load(p, "--stats")
-        if sf.header.get("model_config_sha256") != want:
+        if sf.provenance.model_config_sha256 != want:
             raise statsfile.StatsError(f"--stats {p} was recorded on another model than {source} "
                                        "(config.json differs)")
         key = stats_key(sf.recipe.observer, sf.recipe.dtype)
