@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Iterable, Sequence
@@ -114,8 +115,17 @@ def observe_kv_each(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], ba
         caps = [stack.enter_context(observe.capture_kv(model, loaded.attention_layers, s)) for s in specs]
         stack.enter_context(torch.inference_mode())
         run = (ckpt.run or Provenance()) if ckpt is not None else None
-        done = statsfile.resume_into(caps[0], ckpt.path, run) if ckpt is not None and ckpt.resume else 0
+        resumed = statsfile.resume_into(caps[0], ckpt.path, run) if ckpt is not None and ckpt.resume else None
+        done = resumed.batches if resumed is not None else 0
+        stream = hashlib.sha256() if ckpt is not None else None      # the token ids and masks fed so far
+        i = -1
         for i, (ids, mask) in enumerate(feed):
+            if stream is not None:
+                stream.update(f"{tuple(ids.shape)}{ids.dtype}".encode())
+                stream.update(ids.numpy().tobytes())
+                stream.update(mask.numpy().tobytes())
+                if resumed is not None and i + 1 == done:
+                    resumed.check_stream("sha256:" + stream.hexdigest())
             n = int(mask.sum())
             if i < done:  # observed before the interruption
                 if progress is not None:
@@ -131,7 +141,10 @@ def observe_kv_each(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], ba
             if progress is not None:
                 progress.update(n)
             if ckpt is not None and ckpt.every and (i + 1) % ckpt.every == 0:
-                statsfile.save(ckpt.path, caps[0], run.resume_header(batches_done=i + 1))
+                statsfile.save(ckpt.path, caps[0], run.resume_header(batches_done=i + 1,
+                                                                     stream_sha256="sha256:" + stream.hexdigest()))
+        if resumed is not None and i + 1 < done:
+            resumed.check_stream(None, batches=i + 1)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         spent = time.perf_counter() - t0
@@ -159,7 +172,7 @@ def data_record(data_src: str | Path, report: data_mod.DataReport) -> dict[str, 
 def provenance(recipe: Recipe, model_src: str, data: dict[str, Any], stats: Stats,
                scales: scales_mod.Scales, skipped: list[int], dtype: str, *, rotary_dim: int | None,
                into: str | None = None, selected_by: dict[str, Any] | None = None,
-               model_config_sha256: str | None = None) -> Provenance:
+               model_config_sha256: str | None = None, model_weights_sha256: str | None = None) -> Provenance:
     """The run's record (kvcalib.json, and the statistics header), complete when built: everything it names is
     computed by the caller first and passed in, so no stage patches it afterwards. `into` and `selected_by`
     appear only when given."""
@@ -179,7 +192,8 @@ def provenance(recipe: Recipe, model_src: str, data: dict[str, Any], stats: Stat
             entry = {k: (v[0] if isinstance(v, list) and len(v) == 1 and k.endswith("_scale") else v)
                      for k, v in entry.items() if v is not None}
         layers[str(i)] = entry
-    return Provenance(model=str(model_src), model_config_sha256=model_config_sha256, data=dict(data),
+    return Provenance(model=str(model_src), model_config_sha256=model_config_sha256,
+                      model_weights_sha256=model_weights_sha256, data=dict(data),
                       recipe=recipe.to_dict(), skipped_layers=tuple(skipped), calibration_dtype=dtype,
                       layers=layers, rotary_dim=rotary_dim, into=into,
                       selected_by=None if selected_by is None else dict(selected_by))
@@ -246,6 +260,13 @@ def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, o
         raise statsfile.StatsError(f"{stats_path} was recorded on another model than {source} (config.json differs)")
     files = export.read_source(source)
     files = dataclasses.replace(files, weights=export.scan_source(files))
+    from calib.ckpt import fingerprint
+
+    mine = fingerprint.of_model(files.weights)
+    why = fingerprint.mismatch(sf.provenance.model_weights_sha256, mine, f"statistics file {stats_path}",
+                               f"--model {source}")
+    if why:
+        raise statsfile.StatsError(f"{why}; export statistics recorded on this model")
     prepared = prepare_targets(files, Path(out), recipe)
     outputs.check_room(Path(out), [source / f for f in sorted(set(files.weights.weight_map.values()))],
                        copies=len(recipe.targets))
@@ -265,7 +286,8 @@ def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, files: export.
     recorded = sf.provenance
     data = {**recorded.data, "statistics_file": str(stats_path)}
     prov = provenance(recipe, str(model_src), data, stats, scales, skipped, "from statistics file",
-                      rotary_dim=recorded.rotary_dim, model_config_sha256=recorded.model_config_sha256)
+                      rotary_dim=recorded.rotary_dim, model_config_sha256=recorded.model_config_sha256,
+                      model_weights_sha256=recorded.model_weights_sha256)
     path = write_outputs(files.path, Path(out), recipe, sf.capture, scales, prov, force=force, prepared=prepared)
     return path, scales, skipped
 
@@ -315,6 +337,7 @@ class Checked:
     target_dir: Path                                # the checkpoint whose files the output carries (model or --into)
     prepared: dict[str, export.PreparedSource]      # target -> its source, checked by that target's rules
     inputs: tuple                                   # (what, path) of every input: no output is, holds or is in one
+    weights_sha256: str | None = None               # calib.ckpt.fingerprint of the model that runs (None: pickle)
 
     @property
     def source_dir(self) -> Path:
@@ -384,7 +407,9 @@ def check_calibrate(job: CalibrateJob, *, options_checked: bool = False) -> Chec
         first = next(iter(prepared.values()))
         weights = [target_dir / f for f in first.shards]
     outputs.check_room(out, weights, copies=max(1, len(recipe.targets)))
-    return Checked(model, target_dir, prepared, tuple(inputs))
+    from calib.ckpt import fingerprint
+
+    return Checked(model, target_dir, prepared, tuple(inputs), fingerprint.of_model(model.weights))
 
 
 def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
@@ -434,6 +459,7 @@ def _prepare(job: CalibrateJob, checked: Checked) -> _Prepared:
     seqs, report = token_stream(job.data, loaded, recipe)
     if options.checkpoint is not None:
         run = Provenance(model=str(job.model), model_config_sha256=checked.model.config_sha256,
+                         model_weights_sha256=checked.weights_sha256,
                          data={"source": str(job.data)}, recipe=recipe.to_dict(),
                          rotary_dim=model_mod.rotary_dim(loaded.config))
         options = dataclasses.replace(options, checkpoint=dataclasses.replace(options.checkpoint, run=run))
@@ -475,7 +501,7 @@ def _calibrate(job: CalibrateJob, checked: Checked, t_start: float, progress: An
     prov = provenance(recipe, str(job.model), data_record(job.data, prep.report), seen.stats, scales, prep.skipped,
                       dtype, rotary_dim=model_mod.rotary_dim(loaded.config),
                       into=None if job.into is None else str(job.into),
-                      model_config_sha256=checked.model.config_sha256)
+                      model_config_sha256=checked.model.config_sha256, model_weights_sha256=checked.weights_sha256)
     path = _write(job, checked, prep, seen, scales, prov)
     return Result(out=path, scales=scales, stats=seen.stats, skipped=prep.skipped, data=prep.report,
                   padding=padding.fraction, seconds=time.perf_counter() - t_start, forward_seconds=seen.seconds,

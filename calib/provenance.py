@@ -118,6 +118,8 @@ class Provenance:
     created: str | None = record_field(None, RECORD, check=text_or_none, factory=now)
     model: str | None = record_field(None, RECORD, STATS, check=text_or_none)
     model_config_sha256: str | None = record_field(None, STATS, RESUME, check=text_or_none, omit_none=True)
+    # calib.ckpt.fingerprint: the model's weights, read in part; binds statistics, resume files, records to them
+    model_weights_sha256: str | None = record_field(None, RECORD, STATS, RESUME, check=text_or_none, omit_none=True)
     data: Mapping[str, Any] = record_field(None, RECORD, STATS, check=_object, factory=dict)  # source, what was used
     recipe: Mapping[str, Any] = record_field(None, RECORD, STATS, RESUME, check=_object, factory=dict)  # to_dict()
     skipped_layers: tuple[int, ...] = record_field((), RECORD, check=_layer_list)
@@ -169,10 +171,14 @@ class Provenance:
     def stats_header(self) -> dict[str, Any]:
         return self.to_dict(STATS)
 
-    def resume_header(self, batches_done: int | None = None) -> dict[str, Any]:
+    def resume_header(self, batches_done: int | None = None, stream_sha256: str | None = None) -> dict[str, Any]:
+        """The resume header after `batches_done` batches whose token ids and masks hash to `stream_sha256`
+        (what a resumed run replays must hash alike: the same data, batching and tokenizer)."""
         out = self.to_dict(RESUME)
         if batches_done is not None:
             out["batches_done"] = batches_done
+        if stream_sha256 is not None:
+            out["stream_sha256"] = stream_sha256
         return out
 
     @classmethod

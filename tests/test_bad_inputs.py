@@ -351,6 +351,55 @@ def _other_fp8(tmp: Path, **config) -> Path:
     return fp8_weight_checkpoint(other, tmp / "other-fp8")
 
 
+def _stats_on_weights(tmp: Path, name: str, seed: int) -> Path:
+    """A statistics file of the tiny model's config.json recorded on the weights of the tiny model of `seed`
+    (its header rewritten, checksum dropped as older files have none)."""
+    from calib.capture import statsfile
+    from calib.ckpt import fingerprint
+
+    other = tmp / f"weights-{seed}"
+    if not other.exists():
+        tiny_causal_lm("llama", seed=seed).save_pretrained(other)
+
+    def edit(header: dict, meta: dict) -> None:
+        meta.pop(statsfile.CHECKSUM)
+        meta["kvcalib"] = json.dumps({**json.loads(meta["kvcalib"]),
+                                      "model_config_sha256": statsfile.config_sha256(_model(tmp)),
+                                      "model_weights_sha256": fingerprint.weights_sha256(other)})
+    return _real_stats(tmp, name, edit=edit)
+
+
+def _resume_after_data_changed(tmp: Path) -> list[str]:
+    """A run saved after its first batch and killed in its second; then DATA changes under the same name."""
+    from calib.capture import hook as observe
+
+    args = [*_base(tmp), "--checkpoint-every", "1", "--target", ""]
+    real, calls = observe.KVCapture.record, [0]
+
+    def failing(self, *a, **k):
+        calls[0] += 1
+        if calls[0] > 3:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+    observe.KVCapture.record = failing
+    try:
+        r = CliRunner().invoke(main, ["calibrate", *args])
+    finally:
+        observe.KVCapture.record = real
+    assert outputs_resume(tmp / "out").is_file(), r.output
+    data = tmp / "tokens.jsonl"
+    records = [json.loads(ln) for ln in data.read_text().splitlines()]
+    for r in records:                       # the first token of every record: the saved batch reads another text
+        r["input_ids"][0] = (r["input_ids"][0] + 1) % 257
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return [*args, "--resume"]
+
+
+def outputs_resume(out: Path) -> Path:
+    from calib.safety import outputs
+    return outputs.resume_path(out)
+
+
 def _twice(tmp: Path, how: str) -> list[str]:
     """merge's arguments: one statistics file, then the same file again (as written, a symlink, a hard link)."""
     first = _real_stats(tmp, "a.safetensors")
@@ -616,6 +665,17 @@ ROWS = [
     Row("--into a checkpoint of another model (other intermediate_size and vocab)", lambda t: [
         *_base(t), "--into", str(_other_fp8(t, intermediate_size=96, vocab_size=300))],
         "intermediate_size, vocab_size differ"),
+    Row("export --stats recorded on another model (same config.json, other weights)", lambda t: [
+        "--stats", str(_stats_on_weights(t, "s.safetensors", 1)), "--model", str(_model(t)), "--out", str(t / "o")],
+        "was recorded on other weights than --model", command="export"),
+    Row("merge statistics of two models (same config.json, other weights)", lambda t: [
+        str(_stats_on_weights(t, "a.safetensors", 1)), str(_stats_on_weights(t, "b.safetensors", 2)), "--out",
+        str(t / "m.safetensors")], "was recorded on other weights than", command="merge"),
+    Row("tune --stats recorded on another model (same config.json, other weights)", lambda t: [
+        *_tune(t), "--stats", str(_stats_on_weights(t, "s.safetensors", 1))], "was recorded on other weights than --model",
+        command="tune"),
+    Row("--resume after DATA changed under the same name", _resume_after_data_changed,
+        "was saved from other batches than this run's first"),
     Row("tune --eval-data equal to --data", lambda t: [*_tune(t), "--eval-data", str(_tokens(t))],
         "is the calibration --data", command="tune"),
     Row("eval of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_eval(_overflowing(t).parent)],

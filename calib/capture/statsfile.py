@@ -253,9 +253,39 @@ def load_output(path: Path, what: str = "--stats") -> StatsFile:
     return load(file, what)
 
 
-def resume_into(capture: observe.KVCapture, path: Path, run: Provenance) -> int:
+@dataclass(frozen=True)
+class Resumed:
+    """A resume file loaded into the capture: the batches it covers and the hash of their token ids and masks
+    (None: written before the stream was hashed). The run resuming replays those batches and checks them."""
+    path: Path
+    batches: int
+    stream_sha256: str | None
+
+    def check_stream(self, replayed: str | None, batches: int | None = None) -> None:
+        """Raise when the batches replayed (hash `replayed`; or only `batches` of them, the stream ran out) are
+        not those the state was saved from: the data, its batching or the tokenizer changed since."""
+        from calib.ckpt.fingerprint import note, short
+
+        if batches is not None:
+            raise StatsError(f"--resume: the saved state at {self.path} covers {self.batches} batches, but this run's "
+                             f"data gives {batches}: the data or its batching changed since; remove it or run without "
+                             "--resume")
+        if self.stream_sha256 is None:
+            note(f"--resume: the saved state at {self.path} carries no hash of its batches (written by an older "
+                 "kvcalib): not checked that this run replays the same data and batching")
+        elif replayed != self.stream_sha256:
+            raise StatsError(f"--resume: the saved state at {self.path} was saved from other batches than this run's "
+                             f"first {self.batches} (token stream {short(self.stream_sha256)} there, "
+                             f"{short(replayed)} now): the data, its batching (batch size, max batch tokens, packing, "
+                             "seq_len, seed) or the tokenizer changed since; remove it or run without --resume")
+
+
+def resume_into(capture: observe.KVCapture, path: Path, run: Provenance) -> Resumed:
     """Load the resume file at `path` into `capture` (checked like any statistics file, and against `run`, the
-    run resuming); returns how many batches it covers."""
+    run resuming: recipe, model config and weights, data source); returns the batches it covers, whose token
+    stream the caller checks as it replays them (`Resumed.check_stream`)."""
+    from calib.ckpt import fingerprint
+
     if not Path(path).is_file():
         raise StatsError(f"--resume: no saved state at {path}; run without --resume")
     raw = read(path, "--resume: the saved state")
@@ -264,14 +294,25 @@ def resume_into(capture: observe.KVCapture, path: Path, run: Provenance) -> int:
                               ("model_config_sha256", saved.model_config_sha256, run.model_config_sha256),
                               ("data_source", saved.data_source, run.data_source)):
         if mine != theirs:
-            raise StatsError(f"--resume: the saved state at {path} is from another run ({key} "
-                             "differs); remove it or run without --resume")
+            if key == "recipe":
+                fields = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+                mine, theirs = ({k: d.get(k) for k in fields} for d in (mine, theirs))
+            raise StatsError(f"--resume: the saved state at {path} is from another run ({key}: {mine!r} there, "
+                             f"{theirs!r} now); remove it or run without --resume")
+    why = fingerprint.mismatch(saved.model_weights_sha256, run.model_weights_sha256,
+                               f"--resume: the saved state at {path}", "this run's model")
+    if why:
+        raise StatsError(f"{why}; remove it or run without --resume")
     if raw.header["layers"] != capture.layers or raw.header.get("batches_done") is None:
         raise StatsError(f"--resume: the saved state at {path} does not cover this model's "
                          "attention layers or has no batch count; remove it or run without --resume")
+    stream = raw.header.get("stream_sha256")
+    if stream is not None and not isinstance(stream, str):
+        raise StatsError(f"--resume: the saved state at {path}: field 'stream_sha256' must be text; the file was "
+                         "edited or is not kvcalib's")
     build_capture(raw)          # every consistency check, on a scratch capture
     capture.load_state_dict(raw.state)
-    return raw.header["batches_done"]
+    return Resumed(Path(path), raw.header["batches_done"], stream)
 
 
 def merge(paths: list[Path], out: Path, *, force: bool = False) -> Path:
@@ -296,6 +337,19 @@ def merge(paths: list[Path], out: Path, *, force: bool = False) -> Path:
 def _merge(paths: list[Path], out: Path) -> Path:
     files = [load(p) for p in paths]
     first = files[0]
+    from calib.ckpt import fingerprint
+
+    weights = [f.provenance.model_weights_sha256 for f in files]
+    unbound = [str(p) for p, w in zip(paths, weights) if w is None]
+    if unbound:
+        fingerprint.note(f"statistics file(s) {', '.join(unbound)} carry no weights fingerprint (written by an older "
+                         "kvcalib): not checked that every input was recorded on the same weights")
+    known = [(p, w) for p, w in zip(paths, weights) if w is not None]
+    for p, w in known[1:]:
+        if w != known[0][1]:
+            raise StatsError(f"statistics file {p} was recorded on other weights than {known[0][0]} (weights "
+                             f"{fingerprint.short(w)} vs {fingerprint.short(known[0][1])}): it belongs to another "
+                             "model; only runs of the same model can be merged")
     for p, f in zip(paths[1:], files[1:]):
         a, b = first.provenance, f.provenance
         for key, mine, theirs in (("model_config_sha256", a.model_config_sha256, b.model_config_sha256),
@@ -315,7 +369,8 @@ def _merge(paths: list[Path], out: Path) -> Path:
             "samples": sum(d.get("samples", 0) for d in datas), "tokens": sum(d.get("tokens", 0) for d in datas),
             "skipped_short": sum(d.get("skipped_short", 0) for d in datas), "fingerprint": f"sha256:{joined}",
             "merged_from": [str(p) for p in paths]}
-    return save(out, first.capture, first.provenance.replace(data=data).stats_header())
+    bound = first.provenance.replace(data=data, model_weights_sha256=known[0][1] if known else None)
+    return save(out, first.capture, bound.stats_header())
 
 
 def stats_for_recipe(sf: StatsFile, recipe: Recipe, where: str) -> Stats:

@@ -43,9 +43,10 @@ def _offsets(name: str, nbytes: int) -> list[int]:
     return sorted({0, span, *keyed})
 
 
-def tensor_prints(root: Path) -> dict[str, TensorPrint]:
-    """{tensor name: dtype, shape and the digest of its sampled bytes} of every weight of a model folder."""
-    ck = integrity.scan(Path(root))
+def tensor_prints(root: Path | integrity.Checkpoint) -> dict[str, TensorPrint]:
+    """{tensor name: dtype, shape and the digest of its sampled bytes} of every weight of a model folder (or of
+    its headers, already read and checked)."""
+    ck = root if isinstance(root, integrity.Checkpoint) else integrity.scan(Path(root))
     out: dict[str, TensorPrint] = {}
     for file, shard in sorted(ck.shards.items()):
         names = sorted(n for n, f in ck.weight_map.items() if f == file and not (is_kv_scale(n) or is_scale_like(n)))
@@ -63,13 +64,32 @@ def tensor_prints(root: Path) -> dict[str, TensorPrint]:
     return out
 
 
-def weights_sha256(root: Path, prints: Mapping[str, TensorPrint] | None = None) -> str:
+def weights_sha256(root: Path | integrity.Checkpoint, prints: Mapping[str, TensorPrint] | None = None) -> str:
     """One digest over every weight's name and print: equal for the same weights, wherever they lie."""
     prints = tensor_prints(root) if prints is None else prints
     h = hashlib.sha256(KEY)
     for name in sorted(prints):
         h.update(f"{name}:{prints[name].digest};".encode())
     return "sha256:" + h.hexdigest()
+
+
+def of_model(weights: integrity.Checkpoint | None) -> str | None:
+    """The weights digest of a model whose headers the checks read (None: pickle weights, nothing to read)."""
+    return None if weights is None else weights_sha256(weights)
+
+
+def mismatch(saved: str | None, mine: str | None, what: str, here: str) -> str | None:
+    """Why `what` (recorded on weights `saved`) does not belong to `here` (weights `mine`): a one-line error
+    naming both sides, or None when they agree. An input written before fingerprints existed (`saved` None)
+    is let through with one line on stderr saying it could not be checked."""
+    if saved is None or mine is None:
+        if saved is None:
+            note(f"{what} carries no weights fingerprint (written by an older kvcalib): not checked against {here}")
+        return None
+    if saved == mine:
+        return None
+    return (f"{what} was recorded on other weights than {here} (weights {short(saved)} there, {short(mine)} "
+            "here): it belongs to another model")
 
 
 def short(digest: str | None) -> str:

@@ -236,6 +236,6 @@ def write_checkpoint(cfg: TuneConfig, loaded: Any, source: Path, st: Any, cand: 
     recorded = sf.provenance
     prov = pipeline.provenance(recipe, str(cfg.model), dict(recorded.data), stats, scales, skipped, dtype,
                                rotary_dim=recorded.rotary_dim, model_config_sha256=recorded.model_config_sha256,
-                               selected_by={"tool": "kvcalib tune", "record": JSON, "candidate": cand.name})
+                               model_weights_sha256=recorded.model_weights_sha256, selected_by={"tool": "kvcalib tune", "record": JSON, "candidate": cand.name})
     return pipeline.write_outputs(source, Path(out or cfg.out), recipe, sf.capture, scales, prov,
                                   force=cfg.force and out is None, extra_files=files)

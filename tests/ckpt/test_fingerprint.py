@@ -76,3 +76,78 @@ def test_the_digest_ignores_sharding_and_kv_scales_and_sees_one_sampled_byte(mod
     other = tmp_path / "other"
     tiny_causal_lm("llama", seed=1).save_pretrained(other)
     assert fingerprint.weights_sha256(other) != base
+
+
+# ------------------------------------------------------------------- statistics bound to their model's weights
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from calib.cli import main
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    """Model A and model B (same config.json, other weights), A's statistics file, B's, and A's written as
+    a kvcalib before fingerprints wrote it."""
+    from calib.capture import statsfile
+    from tiny import random_sequences
+
+    tmp = tmp_path_factory.mktemp("bind")
+    tiny_causal_lm("llama").save_pretrained(tmp / "a")
+    tiny_causal_lm("llama", seed=1).save_pretrained(tmp / "b")
+    assert (tmp / "a" / "config.json").read_bytes() == (tmp / "b" / "config.json").read_bytes()
+    data = tmp / "t.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in random_sequences(8, lo=20, hi=40)))
+    for m in "ab":
+        r = _cli("calibrate", "--model", tmp / m, "--data", data, "--samples", "4", "--seq-len", "32", "--device",
+                 "cpu", "--target", "", "--out", tmp / f"{m}-stats", "--stats-out", tmp / f"{m}.safetensors")
+        assert r.exit_code == 0, r.output
+    raw = statsfile.read(tmp / "a.safetensors")
+    old = {k: v for k, v in raw.header.items() if k not in ("model_weights_sha256", "layers")}
+    statsfile.save(tmp / "a-old.safetensors", statsfile.build_capture(raw), old)
+    return tmp
+
+
+def test_statistics_carry_their_weights_fingerprint(two_models):
+    from calib.capture import statsfile
+
+    got = statsfile.load(two_models / "a.safetensors").provenance.model_weights_sha256
+    assert got == fingerprint.weights_sha256(two_models / "a") != fingerprint.weights_sha256(two_models / "b")
+    record = json.loads((two_models / "a-stats" / "kvcalib.json").read_text())
+    assert record["model_weights_sha256"] == got
+
+
+def test_export_refuses_statistics_of_other_weights_naming_both(two_models, tmp_path):
+    t = two_models
+    a, b = (fingerprint.short(fingerprint.weights_sha256(t / m)) for m in "ab")
+    r = _cli("export", "--stats", t / "a.safetensors", "--model", t / "b", "--target", "vllm", "--out", tmp_path / "o")
+    assert r.exit_code == 1 and not (tmp_path / "o").exists()
+    assert (f"statistics file {t / 'a.safetensors'} was recorded on other weights than --model {t / 'b'} (weights "
+            f"{a} there, {b} here): it belongs to another model") in r.output
+    r = _cli("export", "--stats", t / "a.safetensors", "--model", t / "a", "--target", "vllm", "--out", tmp_path / "o")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "o" / "kvcalib.json").read_text())["model_weights_sha256"] == \
+        fingerprint.weights_sha256(t / "a")
+
+
+def test_merge_refuses_statistics_of_two_models(two_models, tmp_path):
+    t = two_models
+    r = _cli("merge", t / "a.safetensors", t / "b.safetensors", "--out", tmp_path / "m.safetensors")
+    assert r.exit_code == 1 and not (tmp_path / "m.safetensors").exists()
+    assert f"statistics file {t / 'b.safetensors'} was recorded on other weights than {t / 'a.safetensors'}" in r.output
+
+
+def test_old_statistics_are_accepted_with_one_line_saying_they_were_not_checked(two_models, tmp_path):
+    t = two_models
+    r = _cli("export", "--stats", t / "a-old.safetensors", "--model", t / "b", "--target", "vllm", "--out",
+             tmp_path / "o")
+    assert r.exit_code == 0, r.output
+    lines = [ln for ln in r.output.splitlines() if "not checked" in ln]
+    assert lines == [f"statistics file {t / 'a-old.safetensors'} carries no weights fingerprint (written by an older "
+                     f"kvcalib): not checked against --model {t / 'b'}"]
+    r = _cli("merge", t / "a-old.safetensors", t / "a.safetensors", "--out", tmp_path / "m.safetensors")
+    assert r.exit_code == 0, r.output
+    assert sum("not checked that every input was recorded on the same weights" in ln
+               for ln in r.output.splitlines()) == 1
