@@ -157,7 +157,7 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
                     placement=placement,
                     stats_out=stats_out, into=into, overwrite_kv=overwrite_kv_scales, allow_pickle=allow_pickle,
                     recipe_file=_recipe_file(recipe_path), engine_versions=versions)
-                result = pipeline.run(job, progress=bar)
+                result = pipeline.run(job, progress=bar, options_checked=True)
     except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     if dist.is_main:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as dt
+import hashlib
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -31,8 +31,9 @@ from calib.ckpt.names import PROVENANCE_FILE, STATS_FILE
 from calib.data import sources as data_mod
 from calib.data.batching import PaddingStats, batches, prefetch
 from calib.model import load as model_mod
+from calib.provenance import Provenance
 from calib.recipe.recipe import Recipe
-from calib.safety import files, options as opts, outputs
+from calib.safety import files as safefiles, options as opts, outputs
 from calib.scales import fold as scales_mod
 
 
@@ -59,11 +60,12 @@ class Checkpointing:
     """Long runs save the observers' state every `every` batches to `path` (one safetensors file, replaced
     atomically); `resume` continues after the last saved batch. The data stream is replayed (so the data
     report and fingerprint stay complete) but the model runs only on batches not yet observed; the result
-    is bit-identical to an uninterrupted run. `header` identifies the run (recipe, model, data)."""
+    is bit-identical to an uninterrupted run. `run` identifies it (recipe, model config, data source): the
+    resume header is derived from it."""
     path: Path
     every: int = 0
     resume: bool = False
-    header: dict = field(default_factory=dict)
+    run: Provenance | None = None        # set by the capture stage's caller before the loop
 
 
 @dataclass(frozen=True)
@@ -113,8 +115,18 @@ def observe_kv_each(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], ba
     with contextlib.ExitStack() as stack:
         caps = [stack.enter_context(observe.capture_kv(model, loaded.attention_layers, s)) for s in specs]
         stack.enter_context(torch.inference_mode())
-        done = statsfile.resume_into(caps[0], ckpt.path, ckpt.header) if ckpt is not None and ckpt.resume else 0
+        run = (ckpt.run or Provenance()) if ckpt is not None else None
+        resumed = statsfile.resume_into(caps[0], ckpt.path, run) if ckpt is not None and ckpt.resume else None
+        done = resumed.batches if resumed is not None else 0
+        stream = hashlib.sha256() if ckpt is not None else None      # the token ids and masks fed so far
+        i = -1
         for i, (ids, mask) in enumerate(feed):
+            if stream is not None:
+                stream.update(f"{tuple(ids.shape)}{ids.dtype}".encode())
+                stream.update(ids.numpy().tobytes())
+                stream.update(mask.numpy().tobytes())
+                if resumed is not None and i + 1 == done:
+                    resumed.check_stream("sha256:" + stream.hexdigest())
             n = int(mask.sum())
             if i < done:  # observed before the interruption
                 if progress is not None:
@@ -123,13 +135,17 @@ def observe_kv_each(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], ba
             if pin:
                 ids, mask = ids.pin_memory(), mask.pin_memory()
             ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
-            for cap in caps:
-                cap.token_mask = mask.bool()
-            body(input_ids=ids, attention_mask=mask, use_cache=False)
+            with contextlib.ExitStack() as masked:
+                for cap in caps:
+                    masked.enter_context(cap.masking(mask.bool()))
+                body(input_ids=ids, attention_mask=mask, use_cache=False)
             if progress is not None:
                 progress.update(n)
             if ckpt is not None and ckpt.every and (i + 1) % ckpt.every == 0:
-                statsfile.save(ckpt.path, caps[0], {**ckpt.header, "batches_done": i + 1})
+                statsfile.save(ckpt.path, caps[0], run.resume_header(batches_done=i + 1,
+                                                                     stream_sha256="sha256:" + stream.hexdigest()))
+        if resumed is not None and i + 1 < done:
+            resumed.check_stream(None, batches=i + 1)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         spent = time.perf_counter() - t0
@@ -149,18 +165,6 @@ def token_stream(data: str | Path, loaded: model_mod.LoadedModel,
     return seqs, report
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for pkg in ("kvcalib", "torch", "transformers", "compressed-tensors", "safetensors"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
-
 def data_record(data_src: str | Path, report: data_mod.DataReport) -> dict[str, Any]:
     """The provenance's `data` entry for data read in this run: its source and what was used of it."""
     return {"source": str(data_src), **report.to_dict()}
@@ -168,9 +172,11 @@ def data_record(data_src: str | Path, report: data_mod.DataReport) -> dict[str, 
 
 def provenance(recipe: Recipe, model_src: str, data: dict[str, Any], stats: Stats,
                scales: scales_mod.Scales, skipped: list[int], dtype: str, *, rotary_dim: int | None,
-               into: str | None = None, selected_by: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The run's record (kvcalib.json), complete when built: everything it names is computed by the caller
-    first and passed in, so no stage patches it afterwards. `into` and `selected_by` appear only when given."""
+               into: str | None = None, selected_by: dict[str, Any] | None = None,
+               model_config_sha256: str | None = None, model_weights_sha256: str | None = None) -> Provenance:
+    """The run's record (kvcalib.json, and the statistics header), complete when built: everything it names is
+    computed by the caller first and passed in, so no stage patches it afterwards. `into` and `selected_by`
+    appear only when given."""
     def vec(t):
         return None if t is None else [float(x) for x in t.reshape(-1)]
 
@@ -187,51 +193,54 @@ def provenance(recipe: Recipe, model_src: str, data: dict[str, Any], stats: Stat
             entry = {k: (v[0] if isinstance(v, list) and len(v) == 1 and k.endswith("_scale") else v)
                      for k, v in entry.items() if v is not None}
         layers[str(i)] = entry
-    return {
-        "producer": "kvcalib",
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": str(model_src),
-        "data": dict(data),
-        "recipe": recipe.to_dict(),
-        "skipped_layers": skipped,
-        "calibration_dtype": dtype,
-        "versions": _versions(),
-        "layers": layers,
-        "rotary_dim": rotary_dim,
-        **({"into": into} if into is not None else {}),
-        **({"selected_by": dict(selected_by)} if selected_by is not None else {}),
-    }
+    return Provenance(model=str(model_src), model_config_sha256=model_config_sha256,
+                      model_weights_sha256=model_weights_sha256, data=dict(data),
+                      recipe=recipe.to_dict(), skipped_layers=tuple(skipped), calibration_dtype=dtype,
+                      layers=layers, rotary_dim=rotary_dim, into=into,
+                      selected_by=None if selected_by is None else dict(selected_by))
 
 
-def stats_header(prov: dict[str, Any], source: Path) -> dict[str, Any]:
-    """What a statistics file records besides the tensors (enough to merge and re-export it)."""
-    return {"producer": "kvcalib", "model": prov["model"], "model_config_sha256": statsfile.config_sha256(source),
-            "rotary_dim": prov["rotary_dim"], "recipe": prov["recipe"], "data": prov["data"],
-            "versions": prov["versions"]}
+def write_options(recipe: Recipe, *, force: bool = False, overwrite_kv: bool = False, into: bool = False,
+                  extra_files: dict[str, str] | None = None) -> export.WriteOptions:
+    """What every target is prepared and written with, from the recipe and the command line."""
+    return export.WriteOptions(dtype=recipe.kv_dtype, granularity=recipe.scale_granularity, force=force,
+                               overwrite_kv=overwrite_kv, into=into, extra_files=extra_files)
+
+
+def prepare_targets(source: Path | export.SourceFiles, out: Path, recipe: Recipe, *, overwrite_kv: bool = False,
+                    into: bool = False) -> dict[str, export.PreparedSource]:
+    """Every target of the recipe checks the source checkpoint by its own rules (nothing written): what
+    `write_outputs` writes from. One target writes OUT, several OUT/<target>."""
+    how = write_options(recipe, overwrite_kv=overwrite_kv, into=into)
+    multi = len(recipe.targets) > 1
+    return {t: export.target(t).prepare(source, Path(out) / t if multi else Path(out), how) for t in recipe.targets}
 
 
 def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCapture, scales: scales_mod.Scales,
-                  prov: dict[str, Any], *, force: bool, overwrite_kv: bool = False,
-                  extra_files: dict[str, str] | None = None, engine_versions: Mapping[str, str] | None = None) -> Path:
+                  prov: Provenance, *, force: bool, overwrite_kv: bool = False,
+                  extra_files: dict[str, str] | None = None,
+                  prepared: dict[str, export.PreparedSource] | None = None,
+                  engine_versions: Mapping[str, str] | None = None) -> Path:
     """One target → OUT is that checkpoint; several → OUT/<target> each (weights hard-linked between them);
     no target → OUT holds the statistics only (stats.safetensors + kvcalib.json). `extra_files` ({name: text},
-    one target only) are written into OUT in the same atomic step. Before anything is written, a target whose
-    engine (at `engine_versions`) would not serve these scales as calibrated refuses (calib.export.serve)."""
+    one target only) are written into OUT in the same atomic step. `prepared` (from `prepare_targets`, run by
+    the checks) is what each target writes from; without it each target checks `source` itself. Before anything
+    is written, a target whose engine (at `engine_versions`) would not serve these scales as calibrated refuses
+    (calib.export.serve)."""
     targets = list(recipe.targets)
-    serve.check(recipe, scales, prov.get("skipped_layers") or (), engine_versions)
+    serve.check(recipe, scales, prov.skipped_layers, engine_versions)
     if not targets:
         with outputs.atomic_dir(out, force, kind="statistics") as tmp:
-            statsfile.save(tmp / STATS_FILE, capture, stats_header(prov, source))
-            files.write_text(tmp / PROVENANCE_FILE, json.dumps({**prov, "target": None}, indent=2) + "\n")
+            statsfile.save(tmp / STATS_FILE, capture, prov.stats_header())
+            safefiles.write_text(tmp / PROVENANCE_FILE, json.dumps(prov.written_as(None).to_dict(), indent=2) + "\n")
         return out
 
     if extra_files and len(targets) != 1:
         raise export.ExportError("extra files go into a single-target checkpoint only")
 
     def one(target: str, path: Path, force_one: bool, extra: dict[str, str] | None = None) -> Path:
-        how = export.WriteOptions(dtype=recipe.kv_dtype, granularity=recipe.scale_granularity, force=force_one,
-                                  overwrite_kv=overwrite_kv, extra_files=extra)
-        return export.target(target).write(source, path, scales, prov, how)
+        how = write_options(recipe, force=force_one, overwrite_kv=overwrite_kv, extra_files=extra)
+        return export.target(target).write((prepared or {}).get(target, source), path, scales, prov, how)
 
     if len(targets) == 1:
         return one(targets[0], out, force, extra_files)
@@ -245,7 +254,8 @@ def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, o
                       force: bool = False, recipe_file: Path | None = None,
                       engine_versions: Mapping[str, str] | None = None) -> tuple[Path, scales_mod.Scales, list[int]]:
     """Scales for `recipe` from a statistics file, written against the model's checkpoint — no forward pass.
-    Checks (output path, statistics file, model files, room), then OUT's lock, then the export."""
+    Checks (output path, statistics file, model files, each target's rules, room), then OUT's lock, then the
+    export from what the checks read."""
     if not recipe.targets:
         raise statsfile.StatsError(f"export needs at least one target ({', '.join(export.TARGETS)})")
     serve.check(recipe, versions=engine_versions)
@@ -253,49 +263,94 @@ def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, o
     outputs.check_folder(Path(out), force=force, inputs=inputs)
     sf = statsfile.load(Path(stats_path))
     source = model_mod.resolve_source(model_src)
-    if statsfile.config_sha256(source) != sf.header.get("model_config_sha256"):
+    if statsfile.config_sha256(source) != sf.provenance.model_config_sha256:
         raise statsfile.StatsError(f"{stats_path} was recorded on another model than {source} (config.json differs)")
-    prepared = export.prepare_source(source, Path(out))
-    outputs.check_room(Path(out), [source / f for f in sorted(set(prepared.weight_map.values()))],
+    files = export.read_source(source)
+    files = dataclasses.replace(files, weights=export.scan_source(files))
+    from calib.ckpt import fingerprint
+
+    mine = fingerprint.of_model(files.weights)
+    why = fingerprint.mismatch(sf.provenance.model_weights_sha256, mine, f"statistics file {stats_path}",
+                               f"--model {source}")
+    if why:
+        raise statsfile.StatsError(f"{why}; export statistics recorded on this model")
+    prepared = prepare_targets(files, Path(out), recipe)
+    outputs.check_room(Path(out), [source / f for f in sorted(set(files.weights.weight_map.values()))],
                        copies=len(recipe.targets))
     with outputs.lock(Path(out)):
         outputs.check_folder(Path(out), force=force, inputs=inputs)     # taking the lock may restore an output
-        return _export_from_stats(sf, stats_path, source, model_src, recipe, Path(out), force, engine_versions or {})
+        return _export_from_stats(sf, stats_path, files, model_src, recipe, Path(out), force, prepared,
+                                  engine_versions or {})
 
 
-def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, source: Path, model_src: str | Path,
-                       recipe: Recipe, out: Path, force: bool,
+def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, files: export.SourceFiles, model_src: str | Path,
+                       recipe: Recipe, out: Path, force: bool, prepared: dict[str, export.PreparedSource],
                        engine_versions: Mapping[str, str]) -> tuple[Path, scales_mod.Scales, list[int]]:
-    from transformers import AutoConfig
-
     stats = statsfile.stats_for_recipe(sf, recipe, str(stats_path))
-    config = model_mod.preflight(source)[0].get_text_config()
+    config = model_mod.preflight(files).text_config
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, config, sf.capture.layers)
     scales = scales_mod.compute(stats, dtype=recipe.kv_dtype, granularity=recipe.scale_granularity,
                                 headroom=recipe.headroom)
-    data = {**sf.header.get("data", {}), "statistics_file": str(stats_path)}
+    recorded = sf.provenance
+    data = {**recorded.data, "statistics_file": str(stats_path)}
     prov = provenance(recipe, str(model_src), data, stats, scales, skipped, "from statistics file",
-                      rotary_dim=sf.header.get("rotary_dim"))
-    return write_outputs(source, Path(out), recipe, sf.capture, scales, prov, force=force,
-                         engine_versions=engine_versions), scales, skipped
+                      rotary_dim=recorded.rotary_dim, model_config_sha256=recorded.model_config_sha256,
+                      model_weights_sha256=recorded.model_weights_sha256)
+    path = write_outputs(files.path, Path(out), recipe, sf.capture, scales, prov, force=force, prepared=prepared,
+                         engine_versions=engine_versions)
+    return path, scales, skipped
 
 
-def _check_same_model(source: Path, target: Path) -> None:
-    """The scales of `source` fit `target` only when both have the same attention geometry."""
-    keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
-    a, b = (model_mod.source_config(p) for p in (source, target))
+def _check_same_model(source: Path, a: dict[str, Any], target: Path, b: dict[str, Any]) -> None:
+    """The scales of `source` fit `target` only when it is a checkpoint of the same model: the same
+    architecture and sizes in their config.json (`a` and `b`, as the checks read them), and, where both store a
+    tensor alike (a weight-quantized checkpoint keeps embeddings, norms and often the head as they were), the
+    same bytes (calib.ckpt.fingerprint)."""
+    from calib.ckpt import fingerprint, integrity
+
+    keys = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "hidden_size", "intermediate_size", "vocab_size")
     a, b = a.get("text_config", a), b.get("text_config", b)
     diff = [k for k in keys if a.get(k) != b.get(k)]
     if diff:
         raise export.ExportError(f"--into {target} is not the same model as {source}: {', '.join(diff)} differ "
                                  f"({[a.get(k) for k in diff]} vs {[b.get(k) for k in diff]})")
+    if source.resolve() == target.resolve():
+        return
+    try:
+        mine, theirs = fingerprint.tensor_prints(source), fingerprint.tensor_prints(target)
+    except integrity.IntegrityError:         # pickle weights (--allow-pickle): no headers to read
+        fingerprint.note(f"--into {target}: its weights could not be compared with {source}'s (no safetensors); "
+                         "not checked that it is a checkpoint of the same model")
+        return
+    differ, shape = fingerprint.same_weights(mine, theirs)
+    if shape:
+        n = shape[0]
+        raise export.ExportError(f"--into {target} is not a checkpoint of {source}: tensor {n!r} is "
+                                 f"{list(theirs[n].shape)} there and {list(mine[n].shape)} here")
+    if differ:
+        raise export.ExportError(f"--into {target} holds other weights than {source}: {len(differ)} of the tensors "
+                                 f"both store alike differ (e.g. {differ[0]!r}, sampled bytes "
+                                 f"{fingerprint.short(theirs[differ[0]].digest)} there vs "
+                                 f"{fingerprint.short(mine[differ[0]].digest)} here); it is a checkpoint of another "
+                                 "model — give --into a checkpoint of this one")
+    if not fingerprint.comparable(mine, theirs):
+        fingerprint.note(f"--into {target}: no tensor is stored alike in it and in {source} (every weight "
+                         "quantized or renamed); not checked that it is a checkpoint of the same model")
 
 
 @dataclass(frozen=True)
-class _Checked:
-    source_dir: Path     # the model that runs
-    target_dir: Path     # the checkpoint whose files the output carries (the model, or --into)
-    inputs: tuple        # (what, path) of every input: no output may be, hold or lie inside one
+class Checked:
+    """What the calibrate checks read and computed, handed to the stages so none of it is read again."""
+    model: model_mod.Preflight                      # the model that runs: config, weight headers
+    target_dir: Path                                # the checkpoint whose files the output carries (model or --into)
+    prepared: dict[str, export.PreparedSource]      # target -> its source, checked by that target's rules
+    inputs: tuple                                   # (what, path) of every input: no output is, holds or is in one
+    weights_sha256: str | None = None               # calib.ckpt.fingerprint of the model that runs (None: pickle)
+
+    @property
+    def source_dir(self) -> Path:
+        return self.model.path
 
 
 @dataclass(frozen=True)
@@ -319,15 +374,19 @@ class CalibrateJob:
     engine_versions: Mapping[str, str] = field(default_factory=dict)   # --engine-version: {target: version}
 
 
-def check_calibrate(job: CalibrateJob) -> _Checked:
-    """Every check of `job` that needs no weights, in the order a user fixes them: options, inputs, output paths
-    (writable, room, never over an input or a foreign file), the model's config and checkpoint files."""
-    options, recipe, out = job.options, job.recipe, Path(job.out)
+def check_calibrate(job: CalibrateJob, *, options_checked: bool = False) -> Checked:
+    """Every check of `job` that needs no weights, in the order a user fixes them: options (`options_checked`:
+    the caller ran `safety.options.calibrate` on them already), inputs, output paths (writable, room, never
+    over an input or a foreign file), the model's config and checkpoint files, the context length, each
+    target's rules for the checkpoint it writes from. Each file is read once; what was read comes back for
+    the stages."""
+    recipe, out, options = job.recipe, Path(job.out), job.options
     ckpt = options.checkpoint
     place = job.placement or model_mod.Placement(device=job.device)
-    opts.calibrate(device_name=place.device, max_batch_tokens=options.max_batch_tokens, seq_len=recipe.seq_len,
-                   checkpoint_every=(ckpt.every or None) if ckpt is not None else None,
-                   device_map=place.device_map, max_memory=place.max_memory)
+    if not options_checked:
+        opts.calibrate(device_name=place.device, max_batch_tokens=options.max_batch_tokens, seq_len=recipe.seq_len,
+                       checkpoint_every=(ckpt.every or None) if ckpt is not None else None,
+                       device_map=place.device_map, max_memory=place.max_memory)
     # an engine that would run these scales at 1.0 whatever the data (INT8 on TensorRT-LLM) refuses before any work
     serve.check(recipe, versions=job.engine_versions)
     if ckpt is not None and options.dist.world > 1:
@@ -348,16 +407,22 @@ def check_calibrate(job: CalibrateJob) -> _Checked:
         outputs.check_scratch(Path(place.offload_folder), inputs=[*inputs, *mine], option="--offload-folder")
     source_dir = source_dir or model_mod.resolve_source(job.model)
     target_dir = source_dir if job.into is None else model_mod.resolve_source(job.into)
-    model_mod.preflight(source_dir, trust_remote_code=job.trust_remote_code, allow_pickle=job.allow_pickle)
+    model = model_mod.preflight(source_dir, trust_remote_code=job.trust_remote_code, allow_pickle=job.allow_pickle)
+    model.check_context(recipe.seq_len)
+    files = model.files
     if job.into is not None:
-        _check_same_model(source_dir, target_dir)
+        files = export.SourceFiles(target_dir, model_mod.read_config(target_dir))
+        _check_same_model(source_dir, model.raw, target_dir, files.config)
     weights: list[Path] = []
+    prepared: dict[str, export.PreparedSource] = {}
     if recipe.targets:  # a broken source checkpoint surfaces before anything is loaded
-        prepared = export.prepare_source(target_dir, out, quantized_ok=job.into is not None,
-                                         overwrite_kv=job.overwrite_kv)
-        weights = [target_dir / f for f in sorted(set(prepared.weight_map.values()))]
+        prepared = prepare_targets(files, out, recipe, overwrite_kv=job.overwrite_kv, into=job.into is not None)
+        first = next(iter(prepared.values()))
+        weights = [target_dir / f for f in first.shards]
     outputs.check_room(out, weights, copies=max(1, len(recipe.targets)))
-    return _Checked(source_dir, target_dir, tuple(inputs))
+    from calib.ckpt import fingerprint
+
+    return Checked(model, target_dir, prepared, tuple(inputs), fingerprint.of_model(model.weights))
 
 
 def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
@@ -376,10 +441,11 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
                progress)
 
 
-def run(job: CalibrateJob, progress: Any | None = None) -> Result:
-    """Checks first (nothing loaded), then the output locks (a second run into OUT refuses), then the stages."""
+def run(job: CalibrateJob, progress: Any | None = None, *, options_checked: bool = False) -> Result:
+    """Checks first (nothing loaded), then the output locks (a second run into OUT refuses), then the stages.
+    `options_checked`: the caller ran `check_options(job)` already (the CLI does, before it builds a model)."""
     t_start = time.perf_counter()
-    checked = check_calibrate(job)
+    checked = check_calibrate(job, options_checked=options_checked)
     ckpt = job.options.checkpoint
     # the resume file's lock too, checkpointing or not: it clears what a killed save left beside it
     locks = [(job.out, "--out"), (job.stats_out, "--stats-out"),
@@ -399,21 +465,19 @@ class _Prepared:
     options: RunOptions              # with the checkpoint header of this run
 
 
-def _prepare(job: CalibrateJob, checked: _Checked) -> _Prepared:
-    """Load the model, resolve the skipped layers, open the token stream."""
+def _prepare(job: CalibrateJob, checked: Checked) -> _Prepared:
+    """Load the model the checks read, resolve the skipped layers, open the token stream."""
     recipe, options = job.recipe, job.options
-    loaded = model_mod.load(checked.source_dir, device=job.device, trust_remote_code=job.trust_remote_code,
+    loaded = model_mod.load(checked.model, device=job.device, trust_remote_code=job.trust_remote_code,
                             placement=job.placement, allow_pickle=job.allow_pickle)
-    max_pos = getattr(loaded.config, "max_position_embeddings", None)
-    if max_pos and recipe.seq_len > max_pos:
-        raise model_mod.ModelError(f"seq_len {recipe.seq_len} exceeds the model's context "
-                                   f"(max_position_embeddings = {max_pos}); lower SEQ_LEN")
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, loaded.config, loaded.attention_layers)
     seqs, report = token_stream(job.data, loaded, recipe)
     if options.checkpoint is not None:
-        header = {"recipe": recipe.to_dict(), "model_config_sha256": statsfile.config_sha256(checked.source_dir),
-                  "data_source": str(job.data), "rotary_dim": model_mod.rotary_dim(loaded.config)}
-        options = dataclasses.replace(options, checkpoint=dataclasses.replace(options.checkpoint, header=header))
+        run = Provenance(model=str(job.model), model_config_sha256=checked.model.config_sha256,
+                         model_weights_sha256=checked.weights_sha256,
+                         data={"source": str(job.data)}, recipe=recipe.to_dict(),
+                         rotary_dim=model_mod.rotary_dim(loaded.config))
+        options = dataclasses.replace(options, checkpoint=dataclasses.replace(options.checkpoint, run=run))
     return _Prepared(loaded, skipped, report, seqs, options)
 
 
@@ -425,17 +489,17 @@ def _fold(recipe: Recipe, stats: Stats) -> scales_mod.Scales:
                               headroom=recipe.headroom)
 
 
-def _write(job: CalibrateJob, checked: _Checked, prep: _Prepared, seen: Observed, scales: scales_mod.Scales,
-           prov: dict[str, Any]) -> Path:
+def _write(job: CalibrateJob, checked: Checked, prep: _Prepared, seen: Observed, scales: scales_mod.Scales,
+           prov: Provenance) -> Path:
     """The checkpoint(s) and the statistics file, from the main process only; then every rank meets."""
     path, options = Path(job.out), prep.options
     if options.dist.is_main:
         with contextlib.ExitStack() as stack:    # --stats-out lands only with OUT: a failed OUT leaves neither
             if job.stats_out is not None:
                 tmp = stack.enter_context(outputs.atomic_file(Path(job.stats_out), "--stats-out"))
-                statsfile.write(tmp, seen.capture, stats_header(prov, prep.loaded.source_dir))
+                statsfile.write(tmp, seen.capture, prov.stats_header())
             path = write_outputs(checked.target_dir, Path(job.out), job.recipe, seen.capture, scales, prov,
-                                 force=job.force, overwrite_kv=job.overwrite_kv,
+                                 force=job.force, overwrite_kv=job.overwrite_kv, prepared=checked.prepared,
                                  engine_versions=job.engine_versions)
         if options.checkpoint is not None:
             options.checkpoint.path.unlink(missing_ok=True)  # the run completed: nothing to resume
@@ -443,7 +507,7 @@ def _write(job: CalibrateJob, checked: _Checked, prep: _Prepared, seen: Observed
     return path
 
 
-def _calibrate(job: CalibrateJob, checked: _Checked, t_start: float, progress: Any | None) -> Result:
+def _calibrate(job: CalibrateJob, checked: Checked, t_start: float, progress: Any | None) -> Result:
     recipe = job.recipe
     prep = _prepare(job, checked)
     loaded = prep.loaded
@@ -454,7 +518,8 @@ def _calibrate(job: CalibrateJob, checked: _Checked, t_start: float, progress: A
     dtype = str(loaded.dtype).removeprefix("torch.")
     prov = provenance(recipe, str(job.model), data_record(job.data, prep.report), seen.stats, scales, prep.skipped,
                       dtype, rotary_dim=model_mod.rotary_dim(loaded.config),
-                      into=None if job.into is None else str(job.into))
+                      into=None if job.into is None else str(job.into),
+                      model_config_sha256=checked.model.config_sha256, model_weights_sha256=checked.weights_sha256)
     path = _write(job, checked, prep, seen, scales, prov)
     return Result(out=path, scales=scales, stats=seen.stats, skipped=prep.skipped, data=prep.report,
                   padding=padding.fraction, seconds=time.perf_counter() - t_start, forward_seconds=seen.seconds,

@@ -277,8 +277,9 @@ def test_the_provenance_is_built_complete_not_patched():
 
 def test_the_fake_quant_hooks_switches_change_only_through_applying():
     """Callers set the hook's arm, meter and range recorder (and, in the evaluation, its padding mask) for one
-    batch with `FakeQuantKV.applying`, which switches them all off after; never by assignment, where a switch
-    left on leaks into the next pass (an object's own attributes, `self.meter`, are its own business)."""
+    batch with `FakeQuantKV.applying`, and the capture's padding mask with `KVCapture.masking`, which switch
+    them all off after; never by assignment, where a switch left on leaks into the next pass (an object's own
+    attributes, `self.meter`, are its own business)."""
     bench = {f"bench.{p.stem}": p for p in sorted((ROOT.parent / "bench").glob("*.py"))}
     switched = []
     for mod, path in {**MODULES, **bench}.items():
@@ -290,7 +291,7 @@ def test_the_fake_quant_hooks_switches_change_only_through_applying():
             for t in (e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])):
                 own = isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
                 if isinstance(t, ast.Attribute) and not own and (t.attr in ("arm", "meter", "ranges") or
-                                                                 t.attr == "token_mask" and mod.startswith("calib.evaluation")):
+                                                                 t.attr == "token_mask"):
                     switched.append(f"{mod}:{node.lineno} sets .{t.attr}")
     assert switched == []
 

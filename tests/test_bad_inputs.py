@@ -24,7 +24,7 @@ import torch
 from click.testing import CliRunner
 
 from calib.cli import main
-from tiny import random_sequences, tiny_causal_lm
+from tiny import fp8_weight_checkpoint, random_sequences, tiny_causal_lm
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,16 @@ def _nan_layer(tmp: Path) -> Path:
     model = tiny_causal_lm("llama")
     with torch.no_grad():
         model.model.layers[1].self_attn.k_proj.weight[0, 0] = math.nan
+    model.save_pretrained(path)
+    return path
+
+
+def _overflowing(tmp: Path) -> Path:
+    """A model whose float32 logits overflow (lm_head x 1e38): its perplexities are inf and NaN."""
+    path = tmp / "model"
+    model = tiny_causal_lm("llama", tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e38)
     model.save_pretrained(path)
     return path
 
@@ -274,7 +284,9 @@ def _export(tmp: Path, out: Path, *extra: str) -> list[str]:
 
 def _tune(tmp: Path, out: Path | None = None) -> list[str]:
     data = str(_tokens(tmp))
-    return ["--model", str(_model(tmp)), "--data", data, "--eval-data", data, "--samples", "8", "--seq-len", "32",
+    held = _write(tmp, "held-out.jsonl", "".join(json.dumps({"input_ids": s}) + "\n"
+                                                for s in random_sequences(6, lo=20, hi=40, seed=7)))
+    return ["--model", str(_model(tmp)), "--data", data, "--eval-data", str(held), "--samples", "8", "--seq-len", "32",
             "--eval-samples", "4", "--buckets", "32", "--observers", "absmax", "--headrooms", "1.0",
             "--no-plots", "--no-progress", "--out", str(out or tmp / "tuned")]
 
@@ -352,6 +364,89 @@ def _with_qc(qc) -> Callable[[Path], None]:
         cfg["quantization_config"] = qc
         (folder / "config.json").write_text(json.dumps(cfg))
     return edit
+
+
+def _renamed_scale(old: str, new: str) -> Callable[[Path], None]:
+    """An exported checkpoint's scale tensor `old` stored under `new` (the index follows)."""
+    def edit(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(folder / "kv_scales.safetensors")
+        tensors[new] = tensors.pop(old)
+        save_file(tensors, str(folder / "kv_scales.safetensors"))
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        index["weight_map"][new] = index["weight_map"].pop(old)
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return edit
+
+
+def _other_fp8(tmp: Path, **config) -> Path:
+    """A weight-quantized (FP8) checkpoint of another model of the llama architecture (another seed, `config`)."""
+    other = tmp / "other"
+    tiny_causal_lm("llama", seed=1, **config).save_pretrained(other)
+    return fp8_weight_checkpoint(other, tmp / "other-fp8")
+
+
+def _stats_on_weights(tmp: Path, name: str, seed: int) -> Path:
+    """A statistics file of the tiny model's config.json recorded on the weights of the tiny model of `seed`
+    (its header rewritten, checksum dropped as older files have none)."""
+    from calib.capture import statsfile
+    from calib.ckpt import fingerprint
+
+    other = tmp / f"weights-{seed}"
+    if not other.exists():
+        tiny_causal_lm("llama", seed=seed).save_pretrained(other)
+
+    def edit(header: dict, meta: dict) -> None:
+        meta.pop(statsfile.CHECKSUM)
+        meta["kvcalib"] = json.dumps({**json.loads(meta["kvcalib"]),
+                                      "model_config_sha256": statsfile.config_sha256(_model(tmp)),
+                                      "model_weights_sha256": fingerprint.weights_sha256(other)})
+    return _real_stats(tmp, name, edit=edit)
+
+
+def _resume_after_data_changed(tmp: Path) -> list[str]:
+    """A run saved after its first batch and killed in its second; then DATA changes under the same name."""
+    from calib.capture import hook as observe
+
+    args = [*_base(tmp), "--checkpoint-every", "1", "--target", ""]
+    real, calls = observe.KVCapture.record, [0]
+
+    def failing(self, *a, **k):
+        calls[0] += 1
+        if calls[0] > 3:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+    observe.KVCapture.record = failing
+    try:
+        r = CliRunner().invoke(main, ["calibrate", *args])
+    finally:
+        observe.KVCapture.record = real
+    assert outputs_resume(tmp / "out").is_file(), r.output
+    data = tmp / "tokens.jsonl"
+    records = [json.loads(ln) for ln in data.read_text().splitlines()]
+    for r in records:                       # the first token of every record: the saved batch reads another text
+        r["input_ids"][0] = (r["input_ids"][0] + 1) % 257
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return [*args, "--resume"]
+
+
+def outputs_resume(out: Path) -> Path:
+    from calib.safety import outputs
+    return outputs.resume_path(out)
+
+
+def _twice(tmp: Path, how: str) -> list[str]:
+    """merge's arguments: one statistics file, then the same file again (as written, a symlink, a hard link)."""
+    first = _real_stats(tmp, "a.safetensors")
+    second = tmp / "b.safetensors"
+    if how == "symlink":
+        second.symlink_to(first)
+    elif how == "hardlink":
+        os.link(first, second)
+    else:
+        second = first
+    return [str(first), str(second), "--out", str(tmp / "m.safetensors")]
 
 
 def _resume_damaged(tmp: Path) -> list[str]:
@@ -615,6 +710,40 @@ ROWS = [
         "--force"], "holds files kvcalib did not write", command="tune"),
     Row("tune OUT inside the model folder", lambda t: [*_tune(t, _model(t) / "tuned")], "inside the model",
         command="tune"),
+    Row("eval --scales checkpoint whose scale name no engine maps (layer '01')", lambda t: [*_eval(t), "--scales", str(
+        _exported(t, edit=_renamed_scale("model.layers.1.self_attn.k_scale", "model.layers.01.self_attn.k_scale")))],
+        "layer index '01' has a leading zero", command="eval"),
+    Row("eval --scales checkpoint whose scale sits under another attention module", lambda t: [*_eval(t), "--scales",
+        str(_exported(t, edit=_renamed_scale("model.layers.0.self_attn.v_scale", "model.layers.0.attn.v_scale")))],
+        "no engine loads it as a KV scale", command="eval"),
+    Row("merge the same statistics file twice", lambda t: _twice(t, "path"), "are the same path: merging it twice",
+        command="merge"),
+    Row("merge a statistics file and a symlink to it", lambda t: _twice(t, "symlink"),
+        "are one file (through a link): merging it twice", command="merge"),
+    Row("merge a statistics file and a hard link to it", lambda t: _twice(t, "hardlink"),
+        "are one file (through a link): merging it twice", command="merge"),
+    Row("--into a checkpoint of another model (same architecture and sizes, other weights)", lambda t: [
+        *_base(t), "--into", str(_other_fp8(t))], "holds other weights than"),
+    Row("--into a checkpoint of another model (other intermediate_size and vocab)", lambda t: [
+        *_base(t), "--into", str(_other_fp8(t, intermediate_size=96, vocab_size=300))],
+        "intermediate_size, vocab_size differ"),
+    Row("export --stats recorded on another model (same config.json, other weights)", lambda t: [
+        "--stats", str(_stats_on_weights(t, "s.safetensors", 1)), "--model", str(_model(t)), "--out", str(t / "o")],
+        "was recorded on other weights than --model", command="export"),
+    Row("merge statistics of two models (same config.json, other weights)", lambda t: [
+        str(_stats_on_weights(t, "a.safetensors", 1)), str(_stats_on_weights(t, "b.safetensors", 2)), "--out",
+        str(t / "m.safetensors")], "was recorded on other weights than", command="merge"),
+    Row("tune --stats recorded on another model (same config.json, other weights)", lambda t: [
+        *_tune(t), "--stats", str(_stats_on_weights(t, "s.safetensors", 1))], "was recorded on other weights than --model",
+        command="tune"),
+    Row("--resume after DATA changed under the same name", _resume_after_data_changed,
+        "was saved from other batches than this run's first"),
+    Row("tune --eval-data equal to --data", lambda t: [*_tune(t), "--eval-data", str(_tokens(t))],
+        "is the calibration --data", command="tune"),
+    Row("eval of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_eval(_overflowing(t).parent)],
+        "cannot measure: `fp32` (the reference) bucket <= 32", command="eval"),
+    Row("tune of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_tune(_overflowing(t).parent)],
+        "cannot measure: `fp32` (the reference) bucket <= 32", command="tune"),
 ]
 
 

@@ -61,7 +61,7 @@ def test_provenance_of_a_calibrate_run_is_complete(tiny_llama_dir, token_data, t
     assert written["rotary_dim"] == head_dim                   # the tiny Llama rotates the whole head
     assert written["recipe"] == recipe.to_dict() and written["data"]["tokens"] == res.data.tokens
     built = pipeline.provenance(recipe, str(tiny_llama_dir), pipeline.data_record(token_data, res.data), res.stats,
-                                res.scales, res.skipped, res.model_dtype, rotary_dim=head_dim, into="q")
+                                res.scales, res.skipped, res.model_dtype, rotary_dim=head_dim, into="q").to_dict()
     assert {k for k in built if k != "into"} == fields and built["into"] == "q"
     same = fields - {"created"}                                # the export adds its own (target, weights)
     assert {k: built[k] for k in same} == {k: written[k] for k in same}
@@ -105,6 +105,57 @@ def test_seq_len_beyond_context_is_refused_before_running(tiny_llama_dir, token_
     with pytest.raises(ModelError, match="max_position_embeddings = 256"):
         pipeline.calibrate(tiny_llama_dir, token_data, Recipe(seq_len=1024), tmp_path / "out", device="cpu")
     assert not (tmp_path / "out").exists()
+
+
+def test_seq_len_beyond_context_is_refused_before_any_weight_loads(tiny_llama_dir, token_data, tmp_path, monkeypatch):
+    """The context check is one of the checks (config.json only): on a 70B model a load takes minutes."""
+    from calib.model import load as model_mod
+
+    def no_load(*a, **k):
+        raise AssertionError("weights loaded before the context check")
+    monkeypatch.setattr(model_mod, "load", no_load)
+    job = pipeline.CalibrateJob(tiny_llama_dir, token_data, Recipe(seq_len=1024), tmp_path / "out", device="cpu")
+    with pytest.raises(model_mod.ModelError, match="seq_len 1024 exceeds the model's context"):
+        pipeline.check_calibrate(job)
+
+
+def test_the_checks_read_each_file_once_and_the_stages_take_what_they_read(tiny_llama_dir, token_data, tmp_path,
+                                                                           monkeypatch):
+    """One resolve, one preflight (one transformers config), one header scan per shard and one `prepare` per
+    target for a whole calibrate run into two targets: the stages take the checks' values, never re-read."""
+    from collections import Counter
+
+    import transformers
+
+    from calib import export
+    from calib.ckpt import integrity
+    from calib.model import load as model_mod
+
+    calls: Counter = Counter()
+
+    def counted(owner, name, key=None):
+        orig = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            calls[key or name] += 1
+            return orig(*a, **k)
+        monkeypatch.setattr(owner, name, wrapper)
+
+    counted(model_mod, "resolve_source")
+    counted(model_mod, "preflight")
+    read_header = integrity.read_header
+    monkeypatch.setattr(integrity, "read_header",
+                        lambda path, *a, **k: (calls.update([f"header {path.name}"]), read_header(path, *a, **k))[1])
+    for name, target in export.TARGETS.items():
+        counted(target, "prepare", f"prepare {name}")
+    auto_config = transformers.AutoConfig.from_pretrained
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda *a, **k: (calls.update(["AutoConfig"]), auto_config(*a, **k))[1])
+    recipe = Recipe(samples=4, seq_len=24, min_tokens=12, batch_size=2, targets=("vllm", "trtllm"))
+    res = pipeline.calibrate(tiny_llama_dir, token_data, recipe, tmp_path / "out", device="cpu")
+    assert sorted(p.name for p in res.out.iterdir()) == [".kvcalib-output.json", "trtllm", "vllm"]
+    assert dict(calls) == {"resolve_source": 1, "preflight": 1, "AutoConfig": 1, "header model.safetensors": 1,
+                           "prepare vllm": 1, "prepare trtllm": 1}
 
 
 def test_model_with_non_plain_kv_cache_is_refused(tmp_path, token_data):

@@ -95,6 +95,31 @@ def fp8_weight_checkpoint(src, dst):
     return dst
 
 
+def modelopt_checkpoint(src, dst, *, hf_quant_config: bool = True):
+    """`src` as NVIDIA ModelOpt's Hugging Face export lays out an FP8 checkpoint: config.json gains the flat
+    `quantization_config` (`quant_method: modelopt`, config_groups, `ignore`, quant_algo, producer), the shape
+    `convert_hf_quant_config_format` writes (modelopt/torch/export/convert_hf_config.py), and
+    hf_quant_config.json keeps the legacy `{"producer", "quantization"}` shape beside it. The weight bytes are
+    `src`'s (the configs are what kvcalib reads of them)."""
+    import json
+    import shutil
+
+    dst, src = Path(dst), Path(src)
+    shutil.copytree(src, dst)
+    producer = {"name": "modelopt", "version": "0.37.0"}
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "config_groups": {"group_0": {"input_activations": {"dynamic": False, "num_bits": 8, "type": "float"},
+                                      "weights": {"dynamic": False, "num_bits": 8, "type": "float"},
+                                      "targets": ["Linear"]}},
+        "ignore": ["lm_head"], "quant_algo": "FP8", "producer": producer, "quant_method": "modelopt"}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    if hf_quant_config:
+        (dst / "hf_quant_config.json").write_text(json.dumps({"producer": producer, "quantization": {
+            "quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}, indent=4))
+    return dst
+
+
 
 # --------------------------------------------------------------------------------- a tiny GGUF file
 

@@ -225,6 +225,17 @@ class KVCapture:
         self.token_mask: torch.Tensor | None = None
         self._obs = {i: _LayerObservers(spec or CaptureSpec()) for i in self.layers}
 
+    @contextlib.contextmanager
+    def masking(self, token_mask: torch.Tensor | None) -> Iterator["KVCapture"]:
+        """Record the attention calls inside over the real tokens of `token_mask` ([batch, seq], True = real);
+        the mask is cleared after, whatever happens inside, so it never leaks into the next pass (like the
+        evaluation hook's `FakeQuantKV.applying`)."""
+        self.token_mask = token_mask
+        try:
+            yield self
+        finally:
+            self.token_mask = None
+
     def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         if layer not in self._obs:
             raise CaptureError(f"attention layer {layer} is not among the model's attention layers {self.layers}")
@@ -271,8 +282,7 @@ def capture_kv(model: torch.nn.Module, layers: list[int], spec: CaptureSpec | No
     """Route every attention call of `model` through a recording wrapper; always restores the model.
 
     Usage:
-        with capture_kv(model, layers) as cap, torch.inference_mode():
-            cap.token_mask = attention_mask.bool()
+        with capture_kv(model, layers) as cap, torch.inference_mode(), cap.masking(attention_mask.bool()):
             model(input_ids=ids, attention_mask=attention_mask, use_cache=False)
         stats = cap.stats()
     """

@@ -11,20 +11,23 @@ All share one interface: `update(x [b, h, s, d], mask [b, s] | None)` folds a ba
 ignored, state stays on x's device, no host sync), `merge(other)` adds an observer of disjoint data,
 `update` may be handed `amax`, the caller's running max |x| per head over the same data including this
 batch, which the histogram observers then need not compute again; `amax()` is a pure read of the clip
-per head (`[h]` float32 on the CPU), and `state_dict()` / `load_state_dict()` carry plain tensors (for checkpointing and cross-process reduction).
+per head (`[h]` float32 on the CPU), and `state_dict()` / `load_state_dict()` carry plain tensors (for checkpointing
+and cross-process reduction). Each class names its recipe entry (`spec`, from calib.recipe.dtypes.OBSERVERS, which
+declares the names and the parameters a recipe may set) and builds itself from them (`build`); `REGISTRY` maps
+recipe names to classes and `make_observer` is the one way a recipe's observer is made.
 Histogram-based observers keep bounded memory: 16 bytes per bin and head (2048 bins → 32 KiB per head).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from calib.capture import kernels
 from calib.errors import KvcalibError
-from calib.recipe.dtypes import HISTOGRAM_BINS, observer as observer_spec
+from calib.recipe.dtypes import HISTOGRAM_BINS, OBSERVERS, ObserverSpec, observer as observer_spec
 from calib.recipe.dtypes import KVDtype
 from calib.scales.quant import fake_quant
 
@@ -36,6 +39,12 @@ class EmptyObserverError(KvcalibError, RuntimeError):
 
 
 class Observer(Protocol):
+    """A range observer. `spec` is its entry of calib.recipe.dtypes.OBSERVERS (name, the parameters a recipe
+    may set, what it needs from the capture); `build` makes one from checked parameters."""
+    spec: ClassVar[ObserverSpec]
+
+    @classmethod
+    def build(cls, params: dict[str, Any], dtype: KVDtype, rotary: RotaryLayout | None) -> Observer: ...
     @property
     def seen(self) -> bool: ...
     def update(self, x: Tensor, mask: Tensor | None, amax: Tensor | None = None) -> None: ...
@@ -112,6 +121,11 @@ class AbsMaxObserver(_MaxState):
     """Exact running max of |x| per KV head over real tokens. State: {'amax': [h] float32}."""
 
     KEYS = ("amax",)
+    spec = observer_spec("absmax")
+
+    @classmethod
+    def build(cls, params: dict[str, Any], dtype: KVDtype, rotary: RotaryLayout | None) -> AbsMaxObserver:
+        return cls()
 
     def running(self, x: Tensor) -> Tensor:
         """The state tensor that `calib.capture.kernels` folds batches of x into, in place (zeros before any data:
@@ -161,10 +175,17 @@ class RopeBoundObserver(_MaxState):
     """
 
     KEYS = ("pair_max", "pass_max")
+    spec = observer_spec("rope_bound")
 
     def __init__(self, rotary: RotaryLayout) -> None:
         super().__init__()
         self.rotary = rotary
+
+    @classmethod
+    def build(cls, params: dict[str, Any], dtype: KVDtype, rotary: RotaryLayout | None) -> RopeBoundObserver:
+        if rotary is None:
+            raise ValueError("observer 'rope_bound' needs the model's rotary layout (rotary_dim, interleaved)")
+        return cls(rotary)
 
     def update(self, x: Tensor, mask: Tensor | None, amax: Tensor | None = None) -> None:
         rot, (h, d) = self.rotary.rotary_dim, (x.shape[1], x.shape[-1])
@@ -339,11 +360,17 @@ class PercentileObserver(_HistogramObserver):
     relative 0.8% for anything above the underflow bin, whatever outliers set the range.
     """
 
+    spec = observer_spec("percentile")
+
     def __init__(self, p: float = 99.99, bins: int = HISTOGRAM_BINS) -> None:
         if not 0 < p <= 100:
             raise ValueError(f"percentile p must be in (0, 100], got {p}")
         super().__init__(bins)
         self.p = p
+
+    @classmethod
+    def build(cls, params: dict[str, Any], dtype: KVDtype, rotary: RotaryLayout | None) -> PercentileObserver:
+        return cls(**params)
 
     def amax(self) -> Tensor:
         counts, starts, ends, amax = self._read()
@@ -372,6 +399,12 @@ class MSEObserver(_HistogramObserver):
     For FP8 (a float format, error proportional to |x|) the optimum is usually amax or close to it; for
     INT8 (uniform steps) a large bulk below a few outliers pulls it down.
     """
+
+    spec = observer_spec("mse")
+
+    @classmethod
+    def build(cls, params: dict[str, Any], dtype: KVDtype, rotary: RotaryLayout | None) -> MSEObserver:
+        return cls(dtype, **params)
 
     def __init__(self, dtype: KVDtype, grid: int = 100, min_ratio: float = 0.3, bins: int = HISTOGRAM_BINS) -> None:
         if grid < 2:
@@ -406,10 +439,18 @@ def _coerce(observer: str, key: str, value: object, kind: type) -> int | float:
     return kind(value)
 
 
+# The one registry: recipe name -> observer class. Names, parameters and bounds are declared once, in
+# calib.recipe.dtypes.OBSERVERS (the recipe validates against it without importing torch); each class names its
+# entry (`spec`), and the registry is keyed by it, so a name without a class (or the reverse) fails on import.
+REGISTRY: dict[str, type[Observer]] = {c.spec.name: c for c in (AbsMaxObserver, PercentileObserver, MSEObserver,
+                                                               RopeBoundObserver)}
+if set(REGISTRY) != set(OBSERVERS):
+    raise ImportError(f"observers declared {sorted(OBSERVERS)} but implemented {sorted(REGISTRY)}")
+
+
 def make_observer(name: str, params: dict, dtype: KVDtype, rotary: RotaryLayout | None) -> Observer:
-    """A fresh observer by recipe name. `dtype` matters for `mse`; `rotary` is required by `rope_bound`.
-    Names, parameters and their bounds are calib.recipe.dtypes.OBSERVERS', the table the recipe validates against
-    (`bins` is accepted here but not in a recipe: see calib.recipe.dtypes)."""
+    """A fresh observer by recipe name, its parameters checked against its spec. `dtype` matters for `mse`;
+    `rotary` is required by `rope_bound` (`bins` is accepted here but not in a recipe: see calib.recipe.dtypes)."""
     spec = observer_spec(name)
     unknown = sorted(set(params) - set(spec.params))
     if unknown:
@@ -418,12 +459,4 @@ def make_observer(name: str, params: dict, dtype: KVDtype, rotary: RotaryLayout 
     for key, value in kw.items():
         if not spec.params[key].check(value):
             raise ValueError(f"{name} {key} = {value!r}: must be {spec.params[key].want}")
-    if spec.exact:
-        return AbsMaxObserver()
-    if name == "percentile":
-        return PercentileObserver(**kw)
-    if name == "mse":
-        return MSEObserver(dtype, **kw)
-    if rotary is None:
-        raise ValueError("observer 'rope_bound' needs the model's rotary layout (rotary_dim, interleaved)")
-    return RopeBoundObserver(rotary)
+    return REGISTRY[spec.name].build(kw, dtype, rotary)

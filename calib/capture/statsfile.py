@@ -33,6 +33,7 @@ from calib.capture.spec import capture_spec
 from calib.capture.stats import LayerStats, Stats, stats_to_tensors
 from calib.ckpt.names import STATS_FILE
 from calib.errors import KvcalibError
+from calib.provenance import RESUME, STATS, Provenance, ProvenanceError
 from calib.recipe.recipe import Recipe, RecipeError, from_dict
 from calib.safety import files, outputs
 
@@ -46,19 +47,27 @@ class StatsError(KvcalibError, ValueError):
 
 @dataclass
 class StatsFile:
-    header: dict[str, Any]
+    header: dict[str, Any]          # as stored: the run's provenance (`Provenance.stats_header`) and `layers`
     capture: observe.KVCapture
 
     @property
     def recipe(self) -> Recipe:
         return from_dict(self.header["recipe"], source="statistics file recipe")
 
+    @property
+    def provenance(self) -> Provenance:
+        """The run the statistics were recorded in (model, its config digest, data, recipe, rotary_dim)."""
+        return Provenance.from_dict(self.header, "statistics file header", STATS)
+
     def stats(self) -> Stats:
         return self.capture.stats()
 
 
 def config_sha256(model_dir: Path) -> str:
-    return "sha256:" + hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
+    """What a statistics file records of its model: the digest of config.json (calib.ckpt.integrity.digest)."""
+    from calib.ckpt import integrity
+
+    return integrity.digest((Path(model_dir) / "config.json").read_bytes())
 
 
 def save(path: Path, capture: observe.KVCapture, header: dict[str, Any], option: str = "--out") -> Path:
@@ -182,6 +191,10 @@ def _check_header(header: Any, where: str) -> Recipe:
         raise StatsError(msg if msg.startswith(where) else f"{where}: kvcalib header {msg}") from None
     if recipe.observer_spec.k_only and not rot:
         raise fail(f"has observer {recipe.observer} but no rotary_dim")
+    try:
+        Provenance.from_dict(header, f"{where}: kvcalib header", STATS)
+    except ProvenanceError as e:
+        raise StatsError(f"{e}; the file was edited or is not kvcalib's") from None
     return recipe
 
 
@@ -189,7 +202,8 @@ def build_capture(raw: RawFile) -> observe.KVCapture:
     """Observers of `raw.recipe` holding the file's state, checked: every state tensor is one these observers
     keep, every layer has data, and the readable ranges stored beside the states are what the states give."""
     where = f"{raw.path}"
-    capture = observe.KVCapture(raw.header["layers"], capture_spec(raw.recipe, rotary_dim=raw.header.get("rotary_dim")))
+    rotary_dim = Provenance.from_dict(raw.header, str(raw.path), STATS).rotary_dim
+    capture = observe.KVCapture(raw.header["layers"], capture_spec(raw.recipe, rotary_dim=rotary_dim))
     try:
         capture.load_state_dict(raw.state)
         kept = capture.state_dict()
@@ -242,22 +256,66 @@ def load_output(path: Path, what: str = "--stats") -> StatsFile:
     return load(file, what)
 
 
-def resume_into(capture: observe.KVCapture, path: Path, run: dict[str, Any]) -> int:
+@dataclass(frozen=True)
+class Resumed:
+    """A resume file loaded into the capture: the batches it covers and the hash of their token ids and masks
+    (None: written before the stream was hashed). The run resuming replays those batches and checks them."""
+    path: Path
+    batches: int
+    stream_sha256: str | None
+
+    def check_stream(self, replayed: str | None, batches: int | None = None) -> None:
+        """Raise when the batches replayed (hash `replayed`; or only `batches` of them, the stream ran out) are
+        not those the state was saved from: the data, its batching or the tokenizer changed since."""
+        from calib.ckpt.fingerprint import note, short
+
+        if batches is not None:
+            raise StatsError(f"--resume: the saved state at {self.path} covers {self.batches} batches, but this run's "
+                             f"data gives {batches}: the data or its batching changed since; remove it or run without "
+                             "--resume")
+        if self.stream_sha256 is None:
+            note(f"--resume: the saved state at {self.path} carries no hash of its batches (written by an older "
+                 "kvcalib): not checked that this run replays the same data and batching")
+        elif replayed != self.stream_sha256:
+            raise StatsError(f"--resume: the saved state at {self.path} was saved from other batches than this run's "
+                             f"first {self.batches} (token stream {short(self.stream_sha256)} there, "
+                             f"{short(replayed)} now): the data, its batching (batch size, max batch tokens, packing, "
+                             "seq_len, seed) or the tokenizer changed since; remove it or run without --resume")
+
+
+def resume_into(capture: observe.KVCapture, path: Path, run: Provenance) -> Resumed:
     """Load the resume file at `path` into `capture` (checked like any statistics file, and against `run`, the
-    header of the run resuming); returns how many batches it covers."""
+    run resuming: recipe, model config and weights, data source); returns the batches it covers, whose token
+    stream the caller checks as it replays them (`Resumed.check_stream`)."""
+    from calib.ckpt import fingerprint
+
     if not Path(path).is_file():
         raise StatsError(f"--resume: no saved state at {path}; run without --resume")
     raw = read(path, "--resume: the saved state")
-    for key in ("recipe", "model_config_sha256", "data_source"):
-        if raw.header.get(key) != run.get(key):
-            raise StatsError(f"--resume: the saved state at {path} is from another run ({key} "
-                             "differs); remove it or run without --resume")
+    saved = Provenance.from_dict(raw.header, f"--resume: the saved state at {path}", RESUME)
+    for key, mine, theirs in (("recipe", saved.recipe, run.recipe),
+                              ("model_config_sha256", saved.model_config_sha256, run.model_config_sha256),
+                              ("data_source", saved.data_source, run.data_source)):
+        if mine != theirs:
+            if key == "recipe":
+                fields = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+                mine, theirs = ({k: d.get(k) for k in fields} for d in (mine, theirs))
+            raise StatsError(f"--resume: the saved state at {path} is from another run ({key}: {mine!r} there, "
+                             f"{theirs!r} now); remove it or run without --resume")
+    why = fingerprint.mismatch(saved.model_weights_sha256, run.model_weights_sha256,
+                               f"--resume: the saved state at {path}", "this run's model")
+    if why:
+        raise StatsError(f"{why}; remove it or run without --resume")
     if raw.header["layers"] != capture.layers or raw.header.get("batches_done") is None:
         raise StatsError(f"--resume: the saved state at {path} does not cover this model's "
                          "attention layers or has no batch count; remove it or run without --resume")
+    stream = raw.header.get("stream_sha256")
+    if stream is not None and not isinstance(stream, str):
+        raise StatsError(f"--resume: the saved state at {path}: field 'stream_sha256' must be text; the file was "
+                         "edited or is not kvcalib's")
     build_capture(raw)          # every consistency check, on a scratch capture
     capture.load_state_dict(raw.state)
-    return raw.header["batches_done"]
+    return Resumed(Path(path), raw.header["batches_done"], stream)
 
 
 def merge(paths: list[Path], out: Path, *, force: bool = False) -> Path:
@@ -265,6 +323,14 @@ def merge(paths: list[Path], out: Path, *, force: bool = False) -> Path:
     statistics file of ours, with `force`, and never one of the inputs."""
     if len(paths) < 2:
         raise StatsError("merge needs at least two statistics files")
+    from calib.safety.options import same_file
+
+    for j, p in enumerate(paths):
+        twin = next((q for q in paths[:j] if same_file(p, q)), None)
+        if twin is not None:
+            how = "the same path" if Path(p).absolute() == Path(twin).absolute() else "one file (through a link)"
+            raise StatsError(f"{twin} and {p} are {how}: merging it twice would count its data twice; give each "
+                             "statistics file once")
     inputs = [("an input statistics file", p) for p in paths]
     outputs.check_file(Path(out), inputs=inputs, option="--out", force=force)
     with outputs.lock(Path(out)):
@@ -274,23 +340,40 @@ def merge(paths: list[Path], out: Path, *, force: bool = False) -> Path:
 def _merge(paths: list[Path], out: Path) -> Path:
     files = [load(p) for p in paths]
     first = files[0]
+    from calib.ckpt import fingerprint
+
+    weights = [f.provenance.model_weights_sha256 for f in files]
+    unbound = [str(p) for p, w in zip(paths, weights) if w is None]
+    if unbound:
+        fingerprint.note(f"statistics file(s) {', '.join(unbound)} carry no weights fingerprint (written by an older "
+                         "kvcalib): not checked that every input was recorded on the same weights")
+    known = [(p, w) for p, w in zip(paths, weights) if w is not None]
+    for p, w in known[1:]:
+        if w != known[0][1]:
+            raise StatsError(f"statistics file {p} was recorded on other weights than {known[0][0]} (weights "
+                             f"{fingerprint.short(w)} vs {fingerprint.short(known[0][1])}): it belongs to another "
+                             "model; only runs of the same model can be merged")
     for p, f in zip(paths[1:], files[1:]):
-        for key in ("model_config_sha256", "rotary_dim", "layers"):
-            if f.header.get(key) != first.header.get(key):
+        a, b = first.provenance, f.provenance
+        for key, mine, theirs in (("model_config_sha256", a.model_config_sha256, b.model_config_sha256),
+                                  ("rotary_dim", a.rotary_dim, b.rotary_dim),
+                                  ("layers", first.header["layers"], f.header["layers"])):
+            if mine != theirs:
                 raise StatsError(f"{p}: {key} differs from {paths[0]}; only runs of the same model can be merged")
-        mine, theirs = first.header["recipe"], f.header["recipe"]
+        mine, theirs = a.recipe, b.recipe
         diff = [k for k in OBSERVED if mine.get(k) != theirs.get(k)]
         if diff:
             raise StatsError(f"{p}: recipe field(s) {diff} differ from {paths[0]}; runs must record the same "
                              "statistics to be merged")
         first.capture.merge_from(f.capture)
-    datas = [f.header.get("data", {}) for f in files]
+    datas = [f.provenance.data for f in files]
     joined = hashlib.sha256("".join(str(d.get("fingerprint")) for d in datas).encode()).hexdigest()
     data = {"sources": [d.get("source") for d in datas],
             "samples": sum(d.get("samples", 0) for d in datas), "tokens": sum(d.get("tokens", 0) for d in datas),
             "skipped_short": sum(d.get("skipped_short", 0) for d in datas), "fingerprint": f"sha256:{joined}",
             "merged_from": [str(p) for p in paths]}
-    return save(out, first.capture, {**first.header, "data": data})
+    bound = first.provenance.replace(data=data, model_weights_sha256=known[0][1] if known else None)
+    return save(out, first.capture, bound.stats_header())
 
 
 def stats_for_recipe(sf: StatsFile, recipe: Recipe, where: str) -> Stats:

@@ -14,10 +14,11 @@ This module imports neither torch nor transformers.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,11 @@ def parse_json(raw: bytes, where: str) -> Any:
 
 def read_json(path: Path, what: str | None = None, *, kind: type | None = dict) -> Any:
     """Read a small JSON file; `kind` (default dict) is the required top-level type."""
+    return read_json_digest(path, what, kind=kind)[0]
+
+
+def read_json_digest(path: Path, what: str | None = None, *, kind: type | None = dict) -> tuple[Any, str]:
+    """`read_json`, and `sha256:<hex>` of the bytes it parsed (one read serves both)."""
     path = Path(path)
     where = what or str(path)
     try:
@@ -88,7 +94,12 @@ def read_json(path: Path, what: str | None = None, *, kind: type | None = dict) 
     if kind is not None and not isinstance(value, kind):
         raise IntegrityError(f"{where} must hold a JSON {'object' if kind is dict else kind.__name__}, "
                              f"not {type(value).__name__}")
-    return value
+    return value, digest(raw)
+
+
+def digest(raw: bytes) -> str:
+    """How kvcalib names a file's content: `sha256:<hex>` (statistics files name their model's config.json so)."""
+    return "sha256:" + hashlib.sha256(raw).hexdigest()
 
 
 # ---------------------------------------------------------------- names inside the folder
@@ -125,6 +136,7 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0          # where its bytes start in the file (header included)
 
 
 @dataclass(frozen=True)
@@ -173,7 +185,7 @@ def read_header(path: Path, where: str | None = None) -> Shard:
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for name, e in header.items():
-        tensors[name] = _entry(name, e, where)
+        tensors[name] = replace(_entry(name, e, where), offset=8 + n + e["data_offsets"][0])
         begin, end = e["data_offsets"]
         if end > data_len:
             raise IntegrityError(f"{where}: tensor {name!r} ends at byte {end} of a {data_len}-byte data section; "

@@ -26,6 +26,7 @@ class KVInfo:
     provenance: dict[str, Any] | None = None
     num_layers: int | None = None
     kv_cache_quant_algo: str | None = None       # hf_quant_config.json's (TensorRT-LLM), when it declares one
+    unmapped: dict[str, str] = field(default_factory=dict)   # scale-like tensor -> why no engine loads it as a scale
 
 
 def read_kv_info(path: str | Path) -> KVInfo:
@@ -52,11 +53,17 @@ def read_kv_info(path: str | Path) -> KVInfo:
     if kv_algo:
         targets.append("trtllm")
     files = ck.named_files()
+    unmapped = {u.tensor.name: u.why for u in ck.unmapped(files) if u.known}
     scales: dict[int, dict[str, list[float]]] = {}
     for sc in ck.scales(files):
+        if isinstance(ck.num_layers, int) and sc.layer >= ck.num_layers:
+            unmapped[sc.tensor.name] = f"layer {sc.layer} does not exist (num_hidden_layers = {ck.num_layers})"
+            continue
+        if sc.tensor.name in unmapped:
+            continue
         values = ck.values(sc.tensor)
         if values is not None:
             scales.setdefault(sc.layer, {})[sc.kind] = [float(x) for x in values]
     return KVInfo(path=path, targets=targets, kv_scheme=scheme, scales=dict(sorted(scales.items())),
                   provenance=ck.provenance, num_layers=ck.num_layers,
-                  kv_cache_quant_algo=kv_algo if isinstance(kv_algo, str) else None)
+                  kv_cache_quant_algo=kv_algo if isinstance(kv_algo, str) else None, unmapped=unmapped)

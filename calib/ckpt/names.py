@@ -34,10 +34,22 @@ def trtllm_scale_names(layer: int) -> tuple[str, str]:
 
 # Text-model KV scale names. form "attn": `self_attn.k_scale` (compressed-tensors / vLLM), "proj":
 # `self_attn.k_proj.k_scale` (ModelOpt / TRT-LLM), "quark": `self_attn.k_proj.output_scale` (AMD Quark).
+# The layer index is the engines' module name, matched as a string: vLLM walks the weight name one dotted part
+# at a time to the child module of that name (vllm/model_executor/models/utils.py: AutoWeightsLoader.
+# _groupby_prefix, _load_module), TensorRT-LLM selects a module's tensors by the prefix `name.`
+# (tensorrt_llm/_torch/models/modeling_utils.py: filter_weights). Layer i's module is named str(i): ASCII
+# digits, no leading zero ("01", "١" name no module: `\d` would accept both).
+PREFIXES = ("", "model.", "model.language_model.", "language_model.model.", "language_model.")
+LAYER_RE = r"(?P<layer>0|[1-9][0-9]*)"
 SCALE_RE = re.compile(
-    r"^(?:model\.|model\.language_model\.|language_model\.model\.|language_model\.)?layers\.(?P<layer>\d+)\."
+    r"^(?:model\.|model\.language_model\.|language_model\.model\.|language_model\.)?layers\." + LAYER_RE + r"\."
     r"self_attn\.(?:(?P<akind>[qkv])_scale|(?P<proj>[qkv])_proj\.(?P<pkind>[qkv])_scale"
     r"|(?P<qproj>[qkv])_proj\.output_scale)$")
+# Any tensor an engine would take for a KV-cache scale, whatever precedes it: the suffixes vLLM remaps onto an
+# attention layer (vllm/model_executor/model_loader/weight_utils.py: maybe_remap_kv_scale_name;
+# layers/quantization/base_config.py: QuantizationConfig.get_cache_scale_mapper) and Quark's output scale.
+SCALE_LEAF_RE = re.compile(r"(?:\.[qkv]_proj)?\.(?:[qkv]_scale|kv_scale|output_scale|[kv]_cache\.scale|q\.scale)$")
+_LOOSE_RE = re.compile(r"^(?P<prefix>(?:[^.]*\.)*?)layers\.(?P<layer>[^.]*)\.(?P<module>[^.]*)\.")
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,38 @@ def parse_scale_name(name: str) -> ScaleName | None:
     if m["pkind"]:
         return ScaleName(int(m["layer"]), m["pkind"], "proj", m["proj"])
     return ScaleName(int(m["layer"]), m["qproj"], "quark", m["qproj"])
+
+
+def is_scale_like(name: str) -> bool:
+    """Whether an engine would take `name` for a KV-cache scale (and try to map it onto an attention layer)."""
+    m = SCALE_LEAF_RE.search(name)
+    return bool(m) and (".output_scale" not in m.group(0) or "_proj." in m.group(0))
+
+
+def scale_module(name: str) -> str:
+    """The attention module a scale-like name hangs under (its scale leaf and projection cut off):
+    `model.layers.0.self_attn.k_proj.k_scale` -> `model.layers.0.self_attn`."""
+    m = SCALE_LEAF_RE.search(name)
+    return name[:m.start()] if m else name
+
+
+def unparsed_reason(name: str) -> str:
+    """Why a scale-like name is none of kvcalib's layouts (`parse_scale_name` gives None), as the engines see
+    it: a layer index that is no module's name, a prefix or attention module other than the layouts'."""
+    m = _LOOSE_RE.match(name)
+    if m is None:
+        return "it is not under a `layers.{i}.` module"
+    layer = m["layer"]
+    if not (layer.isascii() and layer.isdigit()):
+        kind = "is not written in ASCII digits" if layer.isdecimal() else "is not a number"
+        return f"layer index {layer!r} {kind} (the engines name layer modules 0, 1, 2, ...)"
+    if layer != str(int(layer)):
+        return f"layer index {layer!r} has a leading zero (the engines' module for that layer is named {str(int(layer))!r})"
+    if m["prefix"] not in PREFIXES:
+        return f"prefix {m['prefix']!r} (the layouts' layers sit under {', '.join(repr(p) for p in PREFIXES[1:])})"
+    if m["module"] != "self_attn":
+        return f"attention module {m['module']!r} (the scale layouts hang under 'self_attn')"
+    return "its leaf is none of self_attn.{k,v,q}_scale, self_attn.{k,v}_proj.{k,v}_scale, {k,v}_proj.output_scale"
 
 
 # Leaf names of KV-cache quantization tensors under `.self_attn.` in any producer's layout

@@ -9,6 +9,7 @@ represent, are decoded from the file's raw bytes); never unpickles, never import
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ import numpy as np
 
 from calib.ckpt import integrity
 from calib.ckpt import weightmap
-from calib.ckpt.names import HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, parse_scale_name
+from calib.ckpt.names import (HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, is_scale_like, parse_scale_name,
+                              scale_module, unparsed_reason)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,15 @@ class ScaleTensor:
     form: str                # attn | proj | quark
     proj: str | None
     tensor: TensorEntry
+
+
+@dataclass(frozen=True)
+class Unmapped:
+    """A scale-like tensor no engine maps onto an attention layer, and why; `known` False: a layout kvcalib
+    does not know whose module exists (not checked)."""
+    tensor: TensorEntry
+    why: str
+    known: bool = True
 
 
 def parse_scale(t: TensorEntry) -> ScaleTensor | None:
@@ -205,6 +216,48 @@ class CheckpointFiles:
                 if s is not None:
                     out.append(s)
         return out
+
+    @cached_property
+    def weight_modules(self) -> frozenset[str]:
+        """Every module path the checkpoint's other tensors sit under (`model`, `model.layers`,
+        `model.layers.0`, `model.layers.0.self_attn`, ...): the modules an engine builds for this model."""
+        out: set[str] = set()
+        for shard in self.keys.values():
+            for name in shard:
+                if not is_scale_like(name):
+                    parts = name.split(".")
+                    out.update(".".join(parts[:j]) for j in range(1, len(parts)))
+        return frozenset(out)
+
+    def unmapped(self, files: Iterable[str]) -> list[Unmapped]:
+        """Scale-like tensors of `files` no engine maps onto an attention layer of this model: a name outside
+        kvcalib's layouts (a layer index with a leading zero or in other digits, another prefix or attention
+        module), or one whose attention module holds none of the checkpoint's weights. `known`: False when
+        the name is outside the layouts but its module does hold weights (another architecture's layout,
+        which kvcalib cannot check). Layers beyond num_hidden_layers are the range checks' and left out."""
+        mods = self.weight_modules
+        out = []
+        for name in files:
+            for t in self.keys.get(name, {}).values():
+                if not is_scale_like(t.name):
+                    continue
+                parsed, module = parse_scale_name(t.name), scale_module(t.name)
+                if parsed is None:
+                    out.append(Unmapped(t, unparsed_reason(t.name), module not in mods or not mods))
+                elif isinstance(self.num_layers, int) and parsed.layer >= self.num_layers:
+                    continue
+                elif mods and module not in mods:
+                    out.append(Unmapped(t, f"the checkpoint's weights have no module {module!r}"
+                                           f"{self._attention_hint(parsed.layer)}", True))
+        return out
+
+    def _attention_hint(self, layer: int) -> str:
+        """Where the weights put layer `layer`'s attention (its K projection), when they say."""
+        for m in sorted(self.weight_modules):
+            if re.search(rf"(?:^|\.)layers\.{layer}\.[^.]+$", m) and (f"{m}.k_proj" in self.weight_modules
+                                                                     or f"{m}.qkv_proj" in self.weight_modules):
+                return f" (this model's layer {layer} attention is {m!r})"
+        return ""
 
     def values(self, t: TensorEntry) -> np.ndarray | None:
         """float64 values of a (small) tensor; None for dtypes numpy cannot hold (e.g. FP8)."""

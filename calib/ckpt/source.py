@@ -3,7 +3,8 @@ checked before anything is written (no torch: headers only).
 
 Each engine's writer (calib.export) adds its own checks on the source's quantization config; what is
 common to all of them — the output is not the source, the config is strict JSON, every shard header is
-sound, the tensor sizes the new index will state — lives here.
+sound, the tensor sizes the new index will state — lives here. A folder's config.json and headers are read
+once into `SourceFiles`; the model's checks (calib.model.load.preflight) and every target's `prepare` share it.
 """
 
 from __future__ import annotations
@@ -32,13 +33,33 @@ class PreparedSource:
     shards: tuple[str, ...] = ()         # weight file names (relative to `path`), every header checked
 
 
+@dataclass(frozen=True)
+class SourceFiles:
+    """A model folder's config.json and checked safetensors headers, read once."""
+    path: Path
+    config: dict[str, Any]
+    weights: integrity.Checkpoint | None = None   # None: not scanned yet (or no safetensors weights)
+
+
+def read_source(src: Path | SourceFiles) -> SourceFiles:
+    """`src`'s config.json (strict JSON, an ExportError otherwise); a SourceFiles is returned as it is."""
+    if isinstance(src, SourceFiles):
+        return src
+    return SourceFiles(Path(src), read_source_config(Path(src)))
+
+
 def check_out_is_not_source(source: Path, out: Path) -> None:
     if Path(out).resolve() == Path(source).resolve():
         raise ExportError(f"--out {out} is the source model directory; choose a new directory")
 
 
-def scan_source(src: Path) -> integrity.Checkpoint:
-    """The source's weight files and tensors, every header checked (calib/ckpt/integrity.py), as an ExportError."""
+def scan_source(src: Path | SourceFiles) -> integrity.Checkpoint:
+    """The source's weight files and tensors, every header checked (calib/ckpt/integrity.py), as an ExportError;
+    headers a SourceFiles carries are not read again."""
+    if isinstance(src, SourceFiles):
+        if src.weights is not None:
+            return src.weights
+        src = src.path
     if not any(Path(src).glob("*.safetensors")) and not (Path(src) / INDEX_FILE).exists():
         raise ExportError(f"{src} has no .safetensors weights; engines' checkpoints are written beside "
                           "safetensors weights only: convert the model, or calibrate with --target '' for "
@@ -64,11 +85,12 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ExportError(str(e)) from None
 
 
-def scan_weights(source: Path, config: dict[str, Any], carried: Callable[[str], bool], *,
+def scan_weights(source: Path | SourceFiles, config: dict[str, Any], carried: Callable[[str], bool], *,
                  overwrite_kv: bool = False, hint: str = "") -> PreparedSource:
     """The source's weights for export. Tensors `carried` calls KV scales are an error unless `overwrite_kv`,
     which leaves them out of the output (`drop`). `hint` finishes the error's advice."""
     ckpt = scan_source(source)
+    source = source.path if isinstance(source, SourceFiles) else source
     wmap = ckpt.weight_map
     existing = sorted(k for k in wmap if carried(k))
     if existing and not overwrite_kv:

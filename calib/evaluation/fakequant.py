@@ -143,6 +143,11 @@ def checkpoint_arms(path: str, geo: Geometry, per_head_kv: bool = True) -> list[
         info = read_kv_info(path)
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise EvalError(f"--scales {path}: {e}") from None
+    if info.unmapped:     # the engines would not load it as that layer's scale: no arm may use it as loaded
+        name, why = next(iter(info.unmapped.items()))
+        more = f" (and {len(info.unmapped) - 1} more)" if len(info.unmapped) > 1 else ""
+        raise EvalError(f"--scales {path}: tensor {name!r}{more}: {why}; no engine loads it as a KV scale, so no "
+                        f"arm can use it (`kvcalib verify {path}` lists every problem)")
     if not info.scales:
         raise EvalError(f"--scales {path}: no K/V scale tensors (*.k_scale / *.v_scale) found")
     if info.num_layers is not None and info.num_layers != len(geo.layers):
@@ -317,9 +322,12 @@ class Meter:
                 sat, flush, nonzero, n, signal, noise = vals[base:base + len(_TERMS)]
                 row[f"{kind}_saturated"] = sat / max(n, 1)
                 row[f"{kind}_flushed"] = flush / max(nonzero, 1)
-                row[f"{kind}_snr_db"] = 10 * math.log10(signal / noise) if noise > 0 and signal > 0 else math.inf
+                # NaN/inf K or V must read as NaN here, not as "exact" (+inf) or "no error" (0)
+                row[f"{kind}_snr_db"] = (math.nan if not math.isfinite(signal + noise) else
+                                         10 * math.log10(signal / noise) if noise > 0 and signal > 0 else math.inf)
             err, ref = vals[-2:]
-            row["attn_rel_error"] = math.sqrt(err / ref) if ref > 0 else 0.0
+            row["attn_rel_error"] = (math.nan if not math.isfinite(err + ref) else
+                                     math.sqrt(err / ref) if ref > 0 else 0.0)
             out[str(i)] = row
         return out
 

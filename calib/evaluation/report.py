@@ -27,6 +27,7 @@ from typing import Any
 from calib.engine import report as engine_report
 from calib.engine import verdict as honest
 from calib.engine.verdict import SKIP_FLAG, decisive
+from calib.evaluation import measurable
 from calib.evaluation.results import ArmMetrics, Reference, passkey_correct
 from calib.safety import files
 
@@ -90,7 +91,7 @@ def _plain(results: Results) -> dict[str, ArmMetrics]:
 def skip_plan(ref: Reference, results: Results, th: Thresholds) -> list[tuple[str, list[int]]]:
     """[(arm, dominant layers)] to re-measure unquantised, when no shippable arm is within the threshold."""
     plain = _plain(results)
-    if not plain or any(not failures(e, ref, th) for e in plain.values()):
+    if measurable.problems(ref, results) or not plain or any(not failures(e, ref, th) for e in plain.values()):
         return []
     best = min(plain, key=lambda n: _kl(plain[n]))
     layers = dominant_layers(plain[best], th)
@@ -131,7 +132,10 @@ class Verdict:
 
 
 def verdict(ref: Reference, results: Results, th: Thresholds, reference: str) -> Verdict:
-    """The decision: ship an arm, ship it with layers skipped (measured), or keep the reference KV dtype."""
+    """The decision: ship an arm, ship it with layers skipped (measured), or keep the reference KV dtype.
+    Raises measurable.CannotMeasure ("cannot measure", naming the arm, where and which number) when any
+    measured quantity is NaN or infinite: a comparison with NaN is false, so such an arm would "miss" nothing."""
+    measurable.check(ref, results, reference)
     plain = _plain(results)
     ok = sorted((n for n in plain if not failures(plain[n], ref, th)), key=lambda n: _kl(plain[n]))
     skipped = sorted((n for n, e in results.items() if e.info.skip and not failures(e, ref, th)),

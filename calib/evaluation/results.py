@@ -15,6 +15,15 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 
+def exp(x: float) -> float:
+    """e**x, +inf past float64's range (a perplexity that overflows is reported, then refused as not finite
+    by calib/evaluation/measurable.py, not a traceback)."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
 @dataclass(frozen=True)
 class BucketRow:
     """One length bucket (or all of them): tokens scored, mean KL to the reference, top-1 agreement, perplexity."""
@@ -31,7 +40,7 @@ class BucketRow:
     def of(cls, tokens: float, kl: float, agree: float, nll: float, ref_nll: float, samples: int) -> "BucketRow":
         """From sums over the bucket's tokens: KL, top-1 agreements, NLL, and the reference's NLL."""
         t = max(tokens, 1e-300)
-        ppl, ppl_ref = math.exp(nll / t), math.exp(ref_nll / t)
+        ppl, ppl_ref = exp(nll / t), exp(ref_nll / t)
         return cls(samples, int(t), kl / t, agree / t, ppl, ppl_ref, ppl - ppl_ref, ppl / ppl_ref - 1)
 
     @classmethod

@@ -17,11 +17,10 @@ import torch
 
 from calib.ckpt.kvinfo import read_kv_info
 from calib.data import sources as data_mod
-from calib.evaluation import emulate
+from calib.evaluation import emulate, measurable
 from calib.evaluation import passkey
-from calib.evaluation import report, served
 from calib.evaluation import plan as plan_mod
-from calib.evaluation import report
+from calib.evaluation import report, served
 from calib.evaluation.config import EvalConfig, check_eval
 from calib.evaluation.fakequant import Arm, EvalError, Geometry, arms_for, fake_quant_kv, read_stats, reference_arm
 from calib.evaluation.measure import measure
@@ -85,6 +84,7 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             s, note = open_session(lm, hook, p.loaded.tokenizer, p.samples, p.buckets, cfg.batch_size, cfg.failures)
             planned = time_plan(cfg, p, s, log)
             ref, results, engine = measure_arms(cfg, p, s, progress, planned.parts)
+            measurable.check(ref, results, p.reference.name)     # before skip trials are planned on the numbers
             results.update(skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts))
         decided = report.verdict(ref, results, cfg.thresholds, p.reference.name)
         seconds = time.perf_counter() - t_start

@@ -20,9 +20,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from calib.ckpt.source import PreparedSource, SourceFiles
+from calib.provenance import Provenance
 from calib.recipe.dtypes import FP8_E4M3
 from calib.export.target import Target, WriteOptions
-from calib.export.vllm import export_vllm
+from calib.export.vllm import export_vllm, prepare_source
 
 if TYPE_CHECKING:
     from calib.scales.fold import Scales
@@ -34,7 +36,7 @@ def per_tensor(scales: Scales) -> Scales:
             for layer, s in scales.items()}
 
 
-def export_sglang(source: Path, out: Path, scales: Scales, provenance: dict[str, Any], *, force: bool = False,
+def export_sglang(source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any], *, force: bool = False,
                   overwrite_kv: bool = False, extra_files: dict[str, str] | None = None) -> Path:
     """Write the SGLang variant of `source` (compressed-tensors, per-tensor FP8 k/v scales) to `out`."""
     return export_vllm(source, out, per_tensor(scales), provenance, strategy="tensor", force=force,
@@ -50,7 +52,11 @@ class SglangTarget(Target):
                  "skipping variant with vLLM (--kv-cache-dtype-skip-layers)")
     folds_heads = True
 
-    def write(self, source: Path, out: Path, scales: Scales, provenance: dict[str, Any],
+    def prepare(self, source: Path | SourceFiles, out: Path, options: WriteOptions = WriteOptions()) -> PreparedSource:
+        """The vLLM variant's rules: a weight-quantized source only through --into, and only compressed-tensors."""
+        return prepare_source(source, out, quantized_ok=options.into, overwrite_kv=options.overwrite_kv)
+
+    def write(self, source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any],
               options: WriteOptions = WriteOptions()) -> Path:
         return export_sglang(source, out, scales, provenance, force=options.force, overwrite_kv=options.overwrite_kv,
                              extra_files=options.extra_files)

@@ -5,6 +5,12 @@ subclass): calib.export finds it, the recipe accepts its name and checks a recip
 (KV dtypes, skipped layers, q_scale), and the pipeline writes through it. Whether the engine keeps layers out
 of the quantized cache or reads a q_scale is the support matrix's (calib.engine.support), not restated here. The package imports no torch (the
 writers import it when they write), so the recipe can read these declarations and stay light.
+
+Two steps, so that a source the engine cannot take is refused before any model loads: `prepare` checks the
+source checkpoint against what this engine's variant needs (no scales, no weights read: config and headers
+only) and returns the `PreparedSource` that `write` then writes from. The calibrate and export checks run
+`prepare` for every requested target and hand its result to `write`; each engine checks its own rules (a
+ModelOpt source is fine for TensorRT-LLM and refused for vLLM).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from calib.engine import support
+from calib.ckpt.source import PreparedSource, SourceFiles, check_out_is_not_source, read_source, scan_weights
+from calib.provenance import Provenance
 from calib.recipe.dtypes import FP8_E4M3, KVDtype
 from calib.recipe.granularity import Granularity, PerTensor
 
@@ -29,6 +37,7 @@ class WriteOptions:
     force: bool = False                    # replace an earlier kvcalib output at OUT
     overwrite_kv: bool = False             # the source carries KV scales already: replace them
     extra_files: dict[str, str] | None = None   # {name: text} written beside the checkpoint in the same step
+    into: bool = False                     # the source is a weight-quantized checkpoint given as --into
 
 
 class Target:
@@ -61,6 +70,15 @@ class Target:
         """The command that serves the variant at `path` (`skip`: layers kept in the model dtype)."""
         raise NotImplementedError
 
-    def write(self, source: Path, out: Path, scales: Scales, provenance: dict[str, Any],
+    def prepare(self, source: Path | SourceFiles, out: Path, options: WriteOptions = WriteOptions()) -> PreparedSource:
+        """Check `source` for this engine's variant before anything is computed or written (ExportError naming
+        the file and the fix); what `write` writes from. The default: the output is not the source, config.json
+        is strict JSON, every shard header is sound, and the source carries no tensors of its own to drop."""
+        files = read_source(source)
+        check_out_is_not_source(files.path, out)
+        return scan_weights(files, files.config, lambda name: False)
+
+    def write(self, source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any],
               options: WriteOptions = WriteOptions()) -> Path:
+        """Write the variant to `out` from what `prepare` returned (a path is prepared first)."""
         raise NotImplementedError

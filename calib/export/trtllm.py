@@ -43,15 +43,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from calib import __version__
 from calib.ckpt import formats
 from calib.ckpt.names import CONFIG_FILE, HF_QUANT_CONFIG, TRTLLM_CARRIED_SUFFIXES, trtllm_scale_names
-from calib.ckpt.source import ExportError, check_out_is_not_source, read_json, read_source_config, scan_weights
+from calib.ckpt.source import (ExportError, PreparedSource, SourceFiles, check_out_is_not_source, read_json,
+                               read_source, scan_weights)
 from calib.export.target import Target, WriteOptions
 from calib.export.write import write_variant
+from calib.provenance import Provenance, as_provenance
 from calib.recipe.dtypes import FP8_E4M3, INT8
 
 if TYPE_CHECKING:
@@ -153,23 +156,50 @@ def _scalar(t: torch.Tensor, what: str) -> torch.Tensor:
     return value
 
 
-def export_trtllm(source: Path, out: Path, scales: Scales, provenance: dict[str, Any], *, kv_algo: str = "FP8",
-                  force: bool = False, extra_files: dict[str, str] | None = None) -> Path:
-    """Write the TensorRT-LLM variant of `source` with `scales` to `out`; returns `out`.
+@dataclass(frozen=True)
+class TrtllmSource(PreparedSource):
+    """A source checked for the TensorRT-LLM variant: its weight quantization as a legacy `quantization` dict
+    (quant_algo None when unquantized), its layer count and the KV algorithm to declare."""
+    quantization: dict[str, Any] = field(default_factory=dict)
+    num_layers: int = 0
+    kv_algo: str = "FP8"
+
+
+def prepare_trtllm(source: Path | SourceFiles, out: Path, *, kv_algo: str = "FP8") -> TrtllmSource:
+    """Check `source` for the TensorRT-LLM variant (config and headers only, nothing written). An unquantized
+    source and a ModelOpt one (hf_quant_config.json, or config.json's `quant_method: modelopt` block as
+    ModelOpt's export writes it) are accepted; what TensorRT-LLM would misread is refused
+    (`_source_quantization`)."""
+    kv_algo = str(kv_algo).upper()
+    if kv_algo not in KV_ALGOS:
+        raise ExportError(f"kv_algo {kv_algo!r} is not one kvcalib writes for TensorRT-LLM; use one of {KV_ALGOS}")
+    path = source.path if isinstance(source, SourceFiles) else Path(source)
+    check_out_is_not_source(path, Path(out))
+    if not isinstance(source, SourceFiles) and not (path / CONFIG_FILE).is_file():
+        raise ExportError(f"{path} has no config.json; point at a checkpoint directory")
+    files = read_source(source)
+    n_layers = _num_layers(files.config, path)
+    quantization = _source_quantization(path, files.config)
+    weight_algo = quantization.get("quant_algo")
+    if kv_algo == "INT8" and weight_algo is not None:
+        raise ExportError(f"INT8 KV cache in TensorRT-LLM needs unquantized FP16/BF16 projections, but {path} "
+                          f"has weight quant_algo {weight_algo!r}; use kv_algo='FP8' or an unquantized model")
+    weights = scan_weights(files, files.config, lambda name: name.endswith(TRTLLM_CARRIED_SUFFIXES))
+    return TrtllmSource(**{f.name: getattr(weights, f.name) for f in fields(PreparedSource)},
+                        quantization=quantization, num_layers=n_layers, kv_algo=kv_algo)
+
+
+def export_trtllm(source: Path | TrtllmSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any], *,
+                  kv_algo: str = "FP8", force: bool = False, extra_files: dict[str, str] | None = None) -> Path:
+    """Write the TensorRT-LLM variant of `source` with `scales` to `out`; returns `out`. A `source` already
+    prepared (`prepare_trtllm`) is not checked again, and its KV algorithm is the one it was prepared for.
 
     `scales` must cover every layer (TRT-LLM cannot keep some layers out of a quantized KV cache) and hold
     scales for `kv_algo` (FP8: amax / 448; INT8: amax / 127). Per-head scales are folded to one per layer
     by their max, which is all TRT-LLM reads.
     """
-    source, out = Path(source), Path(out)
-    kv_algo = str(kv_algo).upper()
-    if kv_algo not in KV_ALGOS:
-        raise ExportError(f"kv_algo {kv_algo!r} is not one kvcalib writes for TensorRT-LLM; use one of {KV_ALGOS}")
-    check_out_is_not_source(source, out)
-    if not (source / CONFIG_FILE).is_file():
-        raise ExportError(f"{source} has no config.json; point at a checkpoint directory")
-    config = read_source_config(source)
-    n_layers = _num_layers(config, source)
+    prepared = source if isinstance(source, TrtllmSource) else prepare_trtllm(source, out, kv_algo=kv_algo)
+    kv_algo, n_layers = prepared.kv_algo, prepared.num_layers
     beyond = sorted(i for i in scales if not 0 <= i < n_layers)
     if beyond:
         raise ExportError(f"scales name layer(s) {beyond} but the model has {n_layers} layers (0..{n_layers - 1})")
@@ -180,29 +210,24 @@ def export_trtllm(source: Path, out: Path, scales: Scales, provenance: dict[str,
             "kv_cache_quant_algo to every attention layer, exclude_modules included, and its cache pool has one "
             "dtype. Calibrate all layers for TRT-LLM, or serve the skipping variant with vLLM "
             "(--kv-cache-dtype-skip-layers)")
-    quantization = _source_quantization(source, config)
-    weight_algo = quantization.get("quant_algo")
-    if kv_algo == "INT8" and weight_algo is not None:
-        raise ExportError(f"INT8 KV cache in TensorRT-LLM needs unquantized FP16/BF16 projections, but {source} "
-                          f"has weight quant_algo {weight_algo!r}; use kv_algo='FP8' or an unquantized model")
 
     tensors: dict[str, torch.Tensor] = {}
     for layer, s in sorted(scales.items()):
         k_name, v_name = trtllm_scale_names(layer)
         tensors[k_name] = _scalar(s.k_scale, f"layer {layer} k_scale")
         tensors[v_name] = _scalar(s.v_scale, f"layer {layer} v_scale")
-    prepared = scan_weights(source, config, lambda name: name.endswith(TRTLLM_CARRIED_SUFFIXES))
 
-    quantization = {**quantization, "quant_algo": weight_algo, "kv_cache_quant_algo": kv_algo,
+    quantization = prepared.quantization
+    quantization = {**quantization, "quant_algo": quantization.get("quant_algo"), "kv_cache_quant_algo": kv_algo,
                     "exclude_modules": list(quantization.get("exclude_modules") or [])}
     hf_quant = formats.hf_quant_config(quantization, __version__)
-    prov: dict[str, Any] = {**provenance, "target": "trtllm", "kv_cache_quant_algo": kv_algo}
     if kv_algo == "FP8":
-        prov["trtllm_fp8_saturation"] = saturation_report(scales)
+        notes: dict[str, Any] = {"trtllm_fp8_saturation": saturation_report(scales)}
     else:
-        prov["trtllm_int8_layer_scale"] = {
+        notes = {"trtllm_int8_layer_scale": {
             str(i): max(float(tensors[trtllm_scale_names(i)[0]]), float(tensors[trtllm_scale_names(i)[1]]))
-            for i in sorted(scales)}
+            for i in sorted(scales)}}
+    prov = as_provenance(provenance).written_as("trtllm", kv_cache_quant_algo=kv_algo, **notes)
     return write_variant(prepared, out, tensors, None, prov, force=force,
                          extra_files={**(extra_files or {}), HF_QUANT_CONFIG: json.dumps(hf_quant, indent=2) + "\n"})
 
@@ -215,13 +240,18 @@ class TrtllmTarget(Target):
     skip_note = ("TensorRT-LLM applies one KV cache dtype to every layer and cannot skip any; drop skip_layers or "
                  "the trtllm target")
 
-    def write(self, source: Path, out: Path, scales: Scales, provenance: dict[str, Any],
-              options: WriteOptions = WriteOptions()) -> Path:
+    def prepare(self, source: Path | SourceFiles, out: Path, options: WriteOptions = WriteOptions()) -> TrtllmSource:
+        """An unquantized or ModelOpt source, with or without --into (`prepare_trtllm`)."""
         if options.dtype not in ALGO_OF_DTYPE:
             raise ExportError(f"KV dtype {options.dtype.name!r} has no TensorRT-LLM kv_cache_quant_algo; use one "
                               f"of {sorted(d.name for d in ALGO_OF_DTYPE)}")
-        return export_trtllm(source, out, scales, provenance, kv_algo=ALGO_OF_DTYPE[options.dtype],
-                             force=options.force, extra_files=options.extra_files)
+        return prepare_trtllm(source, out, kv_algo=ALGO_OF_DTYPE[options.dtype])
+
+    def write(self, source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any],
+              options: WriteOptions = WriteOptions()) -> Path:
+        prepared = source if isinstance(source, TrtllmSource) else self.prepare(getattr(source, "path", source), out,
+                                                                               options)
+        return export_trtllm(prepared, out, scales, provenance, force=options.force, extra_files=options.extra_files)
 
     def serve_command(self, path: str, skip: tuple[int | str, ...] = ()) -> str:
         return f"trtllm-serve {path}"      # the KV algorithm comes from hf_quant_config.json
@@ -230,4 +260,5 @@ class TrtllmTarget(Target):
 TARGET = TrtllmTarget()
 
 
-__all__ = ["HF_QUANT_CONFIG", "KV_ALGOS", "export_trtllm", "saturation_report", "trtllm_scale_names"]
+__all__ = ["HF_QUANT_CONFIG", "KV_ALGOS", "TrtllmSource", "export_trtllm", "prepare_trtllm", "saturation_report",
+           "trtllm_scale_names"]

@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from calib.ckpt import formats
 from calib.ckpt.names import is_kv_scale, vllm_scale_name
-from calib.ckpt.source import ExportError, PreparedSource, check_out_is_not_source, read_source_config, scan_weights
+from calib.ckpt.source import (ExportError, PreparedSource, SourceFiles, check_out_is_not_source, read_source,
+                               scan_weights)
 from calib.export.target import Target, WriteOptions
 from calib.export.write import write_variant
+from calib.provenance import Provenance, as_provenance
 from calib.recipe.dtypes import FP8_E4M3
 
 if TYPE_CHECKING:
@@ -29,26 +31,28 @@ def vllm_quantization_config(strategy: str = "tensor") -> dict[str, Any]:
     return formats.ct_quantization_config(strategy)
 
 
-def prepare_source(source: Path, out: Path, *, quantized_ok: bool = False, overwrite_kv: bool = False) -> PreparedSource:
+def prepare_source(source: Path | SourceFiles, out: Path, *, quantized_ok: bool = False,
+                   overwrite_kv: bool = False) -> PreparedSource:
     """Validate a source checkpoint for export (before anything is written). A weight-quantized source is
     accepted when `quantized_ok` and its config is compressed-tensors (the only weight format whose config
     we merge into for vLLM); other formats get an error that says so."""
-    source, out = Path(source), Path(out)
+    files = read_source(source)
+    source, out = files.path, Path(out)
     check_out_is_not_source(source, out)
-    config = read_source_config(source)
+    config = files.config
     qc = config.get("quantization_config")
     if qc is not None and not isinstance(qc, dict):
         raise ExportError(f"{source}/config.json: quantization_config must be an object, not {type(qc).__name__}")
     if qc is not None and not quantized_ok:
         raise ExportError(f"{source}/config.json already has a quantization_config; to add KV scales to a "
-                          "weight-quantized checkpoint, pass it as --into")
+                          "weight-quantized checkpoint, pass it to calibrate as --into")
     if qc is not None and not formats.is_compressed_tensors(qc):
         raise ExportError(f"{source}: weight quantization {qc.get('quant_method')!r} — the vllm target merges KV "
                           "scales only into compressed-tensors configs; use the trtllm target for ModelOpt checkpoints")
     if formats.ct_declared_kv_scheme(qc) and not overwrite_kv:
         raise ExportError(f"{source} already declares a kv_cache_scheme; pass --overwrite-kv-scales to replace its "
                           "KV scales, or start from the checkpoint without them")
-    return scan_weights(source, config, is_kv_scale, overwrite_kv=overwrite_kv,
+    return scan_weights(files, config, is_kv_scale, overwrite_kv=overwrite_kv,
                         hint="pass --overwrite-kv-scales to replace them, or ")
 
 
@@ -60,16 +64,18 @@ def _vllm_tensor(scale: torch.Tensor, strategy: str) -> torch.Tensor:
     return t.reshape(()) if strategy == "tensor" else t.reshape(-1, 1, 1)
 
 
-def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, Any], *, strategy: str = "tensor",
-                force: bool = False, overwrite_kv: bool = False, extra_files: dict[str, str] | None = None,
-                target: str = "vllm") -> Path:
+def export_vllm(source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any], *,
+                strategy: str = "tensor", force: bool = False, overwrite_kv: bool = False,
+                extra_files: dict[str, str] | None = None, target: str = "vllm") -> Path:
     """Write the vLLM (compressed-tensors) variant of `source` with `scales` to `out`; returns `out`.
-    `strategy` is `tensor` (scales of shape []) or `attn_head` (scales of shape [kv_heads]).
+    `strategy` is `tensor` (scales of shape []) or `attn_head` (scales of shape [kv_heads]). A `source`
+    already prepared (`VllmTarget.prepare`) is not checked again.
 
     A `source` that already carries a compressed-tensors weight config (W8A8, FP8, W4A16 ... made by
     llm-compressor) keeps it — `config_groups`, `ignore`, `format` and the rest — and gains only a
     `kv_cache_scheme`; its weight files are carried over byte for byte like any other source's."""
-    prepared = prepare_source(source, out, quantized_ok=True, overwrite_kv=overwrite_kv)
+    prepared = source if isinstance(source, PreparedSource) else \
+        prepare_source(source, out, quantized_ok=True, overwrite_kv=overwrite_kv)
     tensors: dict[str, torch.Tensor] = {}
     for layer, s in scales.items():
         for kind, value in (("k", s.k_scale), ("v", s.v_scale), ("q", s.q_scale)):
@@ -80,7 +86,7 @@ def export_vllm(source: Path, out: Path, scales: Scales, provenance: dict[str, A
     qc = prepared.config.get("quantization_config")
     qc = formats.ct_quantization_config(strategy) if qc is None else formats.ct_with_kv_scheme(qc, strategy)
     config = dict(prepared.config, quantization_config=qc)
-    return write_variant(prepared, out, tensors, config, {**provenance, "target": target}, force=force,
+    return write_variant(prepared, out, tensors, config, as_provenance(provenance).written_as(target), force=force,
                          extra_files=extra_files)
 
 
@@ -93,10 +99,16 @@ class VllmTarget(Target):
     # calib.recipe.granularity name -> compressed-tensors kv_cache_scheme strategy
     strategies = {"tensor": "tensor", "head": "attn_head"}
 
-    def write(self, source: Path, out: Path, scales: Scales, provenance: dict[str, Any],
+    def prepare(self, source: Path | SourceFiles, out: Path, options: WriteOptions = WriteOptions()) -> PreparedSource:
+        """A weight-quantized source only through --into, and only compressed-tensors (`prepare_source`)."""
+        return prepare_source(source, out, quantized_ok=options.into, overwrite_kv=options.overwrite_kv)
+
+    def write(self, source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any],
               options: WriteOptions = WriteOptions()) -> Path:
-        return export_vllm(source, out, scales, provenance, strategy=self.strategies[options.granularity.name],
-                           force=options.force, overwrite_kv=options.overwrite_kv, extra_files=options.extra_files)
+        prepared = source if isinstance(source, PreparedSource) else \
+            prepare_source(source, out, quantized_ok=True, overwrite_kv=options.overwrite_kv)
+        return export_vllm(prepared, out, scales, provenance, strategy=self.strategies[options.granularity.name],
+                           force=options.force, extra_files=options.extra_files)
 
     def serve_command(self, path: str, skip: tuple[int | str, ...] = ()) -> str:
         flag = f" --kv-cache-dtype-skip-layers {' '.join(map(str, skip))}" if skip else ""

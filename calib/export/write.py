@@ -23,6 +23,7 @@ from calib.ckpt import weightmap
 from calib.ckpt.names import CONFIG_FILE, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE
 from calib.ckpt.source import ExportError, PreparedSource
 from calib.safety import files
+from calib.provenance import Provenance, as_provenance
 from calib.safety.outputs import atomic_dir, check_room
 
 if TYPE_CHECKING:
@@ -76,7 +77,8 @@ def carry_files(src: PreparedSource, tmp: Path, skip: set[str]) -> set[str]:
 
 
 def write_variant(src: PreparedSource, out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any] | None,
-                  provenance: dict[str, Any], *, force: bool = False, extra_files: dict[str, str] | None = None) -> Path:
+                  provenance: Provenance | dict[str, Any], *, force: bool = False,
+                  extra_files: dict[str, str] | None = None) -> Path:
     """Link the weights, add the scale shard to the index, write config/provenance (+ extra JSON files).
     `config` None keeps the source's config.json byte for byte."""
     source, total = src.path, src.total_size
@@ -95,6 +97,6 @@ def write_variant(src: PreparedSource, out: Path, tensors: dict[str, torch.Tenso
         for name, text in (extra_files or {}).items():
             files.write_text(tmp / name, text)
         (tmp / SCALES_FILE).chmod(0o644)
-        prov = {**provenance, "weights": sorted(how)}
-        files.write_text(tmp / PROVENANCE_FILE, json.dumps(prov, indent=2) + "\n")
+        prov = as_provenance(provenance).with_weights(sorted(how))
+        files.write_text(tmp / PROVENANCE_FILE, json.dumps(prov.to_dict(), indent=2) + "\n")
     return out

@@ -22,6 +22,7 @@ import torch
 
 from calib.ckpt import integrity
 from calib.ckpt.names import is_kv_scale
+from calib.ckpt.source import SourceFiles
 from calib.errors import KvcalibError, first_line
 from calib.model import geometry
 
@@ -119,21 +120,64 @@ TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map
 
 def read_config(src: Path) -> dict[str, Any]:
     """config.json as a dict, strict JSON, its geometry checked (no transformers involved)."""
+    return _read_config(src)[0]
+
+
+def _read_config(src: Path) -> tuple[dict[str, Any], str]:
+    """`read_config` and the digest of the bytes read (what a statistics file records of its model)."""
     where = f"MODEL {src}/config.json"
     try:
-        raw = integrity.read_json(src / "config.json", where)
+        raw, sha = integrity.read_json_digest(src / "config.json", where)
         geometry.check(raw, where)
     except (integrity.IntegrityError, geometry.GeometryError) as e:
         raise ModelError(str(e)) from None
-    return raw
+    return raw, sha
 
 
-def preflight(src: Path, *, trust_remote_code: bool = False, allow_pickle: bool = False) -> tuple[Any, bool]:
-    """Checks that need only config.json, file names and safetensors headers (run before any weight is read):
-    returns the config and whether the weights are pickle files."""
+@dataclass(frozen=True)
+class Preflight:
+    """What the checks before a load found, handed to `load` so nothing is read twice: config.json as
+    written, transformers' config built from it, and the checked weight headers."""
+    path: Path
+    raw: dict[str, Any]                        # config.json
+    config: Any                                # transformers' config (the whole model's)
+    pickled: bool                              # the weights are pickle files (--allow-pickle)
+    weights: integrity.Checkpoint | None       # every safetensors header, checked (None when pickled)
+    config_sha256: str | None = None           # digest of config.json as read (None: read by another check)
+
+    @property
+    def text_config(self) -> Any:
+        return self.config.get_text_config()
+
+    @property
+    def files(self) -> SourceFiles:
+        """config.json and the headers, as the export targets' `prepare` takes them."""
+        return SourceFiles(self.path, self.raw, self.weights)
+
+    def check_context(self, seq_len: int) -> None:
+        """A sequence longer than the model's context cannot be calibrated (known before any weight loads)."""
+        max_pos = getattr(self.text_config, "max_position_embeddings", None)
+        if max_pos and seq_len > max_pos:
+            raise ModelError(f"seq_len {seq_len} exceeds the model's context "
+                             f"(max_position_embeddings = {max_pos}); lower SEQ_LEN")
+
+
+def preflight(src: Path | SourceFiles, *, trust_remote_code: bool = False, allow_pickle: bool = False) -> Preflight:
+    """Checks that need only config.json, file names and safetensors headers (run before any weight is read).
+    A SourceFiles (already read for export) is checked without reading its files again."""
     from transformers import AutoConfig
 
-    raw = read_config(src)
+    files = src if isinstance(src, SourceFiles) else None
+    src = Path(files.path if files is not None else src)
+    sha = None
+    if files is None:
+        raw, sha = _read_config(src)
+    else:
+        raw = files.config
+        try:
+            geometry.check(raw, f"MODEL {src}/config.json")
+        except geometry.GeometryError as e:
+            raise ModelError(str(e)) from None
     try:
         config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
     except ValueError as e:
@@ -157,15 +201,16 @@ def preflight(src: Path, *, trust_remote_code: bool = False, allow_pickle: bool 
                 integrity.read_json(src / name, f"MODEL {src}/{name}")
             except integrity.IntegrityError as e:
                 raise ModelError(str(e)) from None
-    if not pickled:
-        check_weights(src, raw)
-    return config, pickled
+    weights = None if pickled else check_weights(src, raw, files.weights if files is not None else None)
+    return Preflight(src, raw, config, pickled, weights, sha)
 
 
-def check_weights(src: Path, raw_config: dict[str, Any]) -> integrity.Checkpoint:
-    """Every shard header checked; integer/packed weights need a quantization_config that says how to read them."""
+def check_weights(src: Path, raw_config: dict[str, Any],
+                  scanned: integrity.Checkpoint | None = None) -> integrity.Checkpoint:
+    """Every shard header checked (`scanned`: already checked); integer/packed weights need a
+    quantization_config that says how to read them."""
     try:
-        ckpt = integrity.scan(src)
+        ckpt = scanned if scanned is not None else integrity.scan(src)
     except integrity.IntegrityError as e:
         raise ModelError(str(e)) from None
     text, _ = geometry.text_part(raw_config)
@@ -179,13 +224,15 @@ def check_weights(src: Path, raw_config: dict[str, Any]) -> integrity.Checkpoint
     return ckpt
 
 
-def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: bool = False,
+def load(model_id: str | Path | Preflight, *, device: str | None = None, trust_remote_code: bool = False,
          placement: Placement | None = None, allow_pickle: bool = False, lm_head: bool = False) -> LoadedModel:
-    """Load for calibration (base model only) or, with `lm_head`, the causal LM (evaluation needs logits)."""
+    """Load for calibration (base model only) or, with `lm_head`, the causal LM (evaluation needs logits). A
+    Preflight (the checks' result) is loaded as checked: its folder is not resolved or read again."""
     from transformers import AutoModel, AutoModelForCausalLM
 
-    src = resolve_source(model_id)
-    config, pickled = preflight(src, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    pre = model_id if isinstance(model_id, Preflight) else \
+        preflight(resolve_source(model_id), trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    src, config, pickled = pre.path, pre.config, pre.pickled
     place = placement or Placement(device=device)
     dev = pick_device(place.device)
     on_gpu = dev.type == "cuda" or (place.device_map and torch.cuda.is_available())
@@ -195,10 +242,10 @@ def load(model_id: str | Path, *, device: str | None = None, trust_remote_code: 
         kwargs = {"device_map": place.device_map, "max_memory": _max_memory(place.max_memory),
                   "offload_folder": place.offload_folder}
     auto = AutoModelForCausalLM if lm_head else AutoModel
-    _check_size(auto, config, src, pickled, trust_remote_code)
+    _check_size(auto, pre, trust_remote_code)
     try:
         with quiet_transformers():  # we check its load report ourselves (check_load_report)
-            model, info = auto.from_pretrained(src, dtype=dtype, trust_remote_code=trust_remote_code,
+            model, info = auto.from_pretrained(src, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
                                                use_safetensors=not pickled, output_loading_info=True,
                                                ignore_mismatched_sizes=True, **kwargs)
     except OSError as e:
@@ -257,10 +304,11 @@ def check_load_report(info: dict[str, Any], src: Path, lm_head: bool) -> None:
         raise ModelError(f"MODEL {src}: loading the weights failed ({str(errors[0]).splitlines()[0][:200]})")
 
 
-def _check_size(auto: Any, config: Any, src: Path, pickled: bool, trust_remote_code: bool) -> None:
+def _check_size(auto: Any, pre: Preflight, trust_remote_code: bool) -> None:
     """Refuse before allocating when config.json describes more parameters than the files hold (an edited
     hidden_size or layer count would otherwise allocate the whole imagined model, then fail)."""
-    if pickled or getattr(config, "quantization_config", None) is not None:
+    config, src = pre.config, pre.path
+    if pre.pickled or pre.weights is None or getattr(config, "quantization_config", None) is not None:
         return  # packed weights hold several parameters per element: counts do not compare
     try:
         from accelerate import init_empty_weights
@@ -271,7 +319,7 @@ def _check_size(auto: Any, config: Any, src: Path, pickled: bool, trust_remote_c
         return
     meta.tie_weights()  # built empty, tied embeddings are two tensors until tied; the files hold one
     need = sum(p.numel() for p in meta.parameters())
-    ckpt = integrity.scan(src)
+    ckpt = pre.weights
     have = sum(_numel(ckpt.tensor(n).shape) for n in ckpt.weight_map)
     if need > have:
         raise ModelError(f"MODEL {src}: config.json describes {need:,} parameters but the weight files hold "

@@ -10,6 +10,8 @@ them again as their first step, so library users get the same errors.
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 from calib.errors import KvcalibError
@@ -17,6 +19,17 @@ from calib.errors import KvcalibError
 
 class OptionError(KvcalibError, ValueError):
     """An option's value cannot work; the message names the option and what to give instead."""
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two inputs are one file: the same file system object (device and inode: one path resolved
+    through links, or two hard links), or, when either does not exist (a dataset id), the same text."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    try:
+        sa, sb = os.stat(pa), os.stat(pb)
+    except (OSError, ValueError):
+        return str(a) == str(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def whole(option: str, value: Any, minimum: int = 1) -> None:

@@ -14,13 +14,29 @@ The rule (written into tune.json and tune.md so it can be checked and re-argued)
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
 from calib.engine.verdict import ENGINE, decisive
-from calib.evaluation import report
+from calib.evaluation import measurable, report
 from calib.evaluation.results import ArmMetrics
 from calib.tune import score, space
+
+
+def check_measurable(found: Any, reference: str = "reference") -> None:
+    """Raise measurable.CannotMeasure when the reference, a scored entry (with the engine's numbers where it
+    confirmed a candidate) or a layer's sensitivity is NaN or infinite: tune decides nothing on such numbers."""
+    if found.ref is None:
+        return
+    entries = dict(found.entries)
+    entries.update({c.name: e for c in found.candidates if c.name in found.engine
+                    and (e := found.entry(c.name)) is not None})
+    bad = measurable.problems(found.ref, entries, reference)
+    bad += [measurable.Unmeasured("sensitivity", f"layer {i} alone", "kl", v)
+            for i, v in found.sensitivity.items() if not math.isfinite(v)]
+    if bad:
+        raise measurable.CannotMeasure(measurable.text(bad, "no recipe can be chosen and nothing was written"))
 
 
 def kl(entry: ArmMetrics) -> float:

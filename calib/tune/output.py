@@ -86,7 +86,8 @@ def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any,
     chosen = choose_mod.choose(found, table)
     matter = choose_mod.scales_matter(found, table, _ranges(st), BASELINE)
     base = found.entries.get(BASELINE)
-    stats_info = {k: {"recipe": sf.header.get("recipe"), "data": sf.header.get("data")} for k, sf in st.files.items()}
+    stats_info = {k: {"recipe": dict(sf.provenance.recipe), "data": dict(sf.provenance.data)}
+                  for k, sf in st.files.items()}
     return {
         "producer": "kvcalib tune", "version": __version__, "argv": sys.argv[1:], "config": _config(cfg),
         "model": str(cfg.model), "model_dtype": str(loaded.dtype).removeprefix("torch."), "layers": layers,
@@ -231,8 +232,9 @@ def write_checkpoint(cfg: TuneConfig, loaded: Any, source: Path, st: Any, cand: 
     scales = scales_mod.compute(stats, dtype=recipe.dtype, granularity=recipe.granularity, headroom=recipe.headroom)
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, loaded.config, loaded.attention_layers)
     dtype = str(loaded.dtype).removeprefix("torch.")
-    prov = pipeline.provenance(recipe, str(cfg.model), dict(sf.header.get("data", {})), stats, scales, skipped, dtype,
-                               rotary_dim=sf.header.get("rotary_dim"),
-                               selected_by={"tool": "kvcalib tune", "record": JSON, "candidate": cand.name})
+    recorded = sf.provenance
+    prov = pipeline.provenance(recipe, str(cfg.model), dict(recorded.data), stats, scales, skipped, dtype,
+                               rotary_dim=recorded.rotary_dim, model_config_sha256=recorded.model_config_sha256,
+                               model_weights_sha256=recorded.model_weights_sha256, selected_by={"tool": "kvcalib tune", "record": JSON, "candidate": cand.name})
     return pipeline.write_outputs(source, Path(out or cfg.out), recipe, sf.capture, scales, prov,
                                   force=cfg.force and out is None, extra_files=files)

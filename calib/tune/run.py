@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from calib.evaluation import plan
+from calib.evaluation.fakequant import reference_arm
 from calib.evaluation.run import load_causal_lm
 from calib.model import load as model_mod
 from calib.progress import SILENT, Progress, duration
 from calib.safety import outputs
 from calib.tune import output
+from calib.tune.choose import check_measurable
 from calib.tune.confirm import confirm
 from calib.tune.search import Clock, Log, TuneConfig, TuneError, check, search
 
@@ -28,17 +30,20 @@ def run(cfg: TuneConfig, log: Log = lambda _m: None, progress: Progress = SILENT
     with outputs.locked([(cfg.out, "--out"), (cfg.stats_out, "--stats-out")]):
         check(cfg)        # again under the lock: taking it may have put back an output a killed run moved aside
         source = model_mod.resolve_source(cfg.model)
-        config = model_mod.preflight(source, trust_remote_code=cfg.trust_remote_code)[0].get_text_config()
+        config = model_mod.preflight(source, trust_remote_code=cfg.trust_remote_code).text_config
         if cfg.skips >= config.num_hidden_layers:
             raise TuneError(f"--max-skip {cfg.skips}: the model has {config.num_hidden_layers} layers; give fewer")
         loaded = load_causal_lm(str(source), cfg.device, cfg.trust_remote_code, cfg.cpu_dtype)
         if cfg.engine is not None:             # the measuring passes leave the engine's starts their time
             clock.reserve((cfg.confirm + 2) * plan.engine_figures(loaded.device.type)[0])
         found, st, held = search(cfg, loaded, source, clock, log, progress)
+        ref_name = reference_arm(loaded.dtype).name
+        check_measurable(found, ref_name)     # before the engine is asked to confirm a short list drawn from them
         if cfg.engine is not None:
             n = confirmations(cfg, clock, held.samples, loaded.device.type, log)
             if n:
                 confirm(replace(cfg, confirm=n), found, st, source, loaded, held.samples, held.buckets, log, progress)
+                check_measurable(found, ref_name)
         return output.finish(cfg, loaded, Path(source), found, st, held.info, clock.elapsed(), log)
 
 

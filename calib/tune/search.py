@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from calib import resources
 from calib.data import sources as data_mod
 from calib.errors import KvcalibError
 from calib.evaluation import emulate
@@ -146,6 +147,10 @@ def check(cfg: TuneConfig) -> None:
         outputs.check_folder(Path(cfg.stats_out), force=cfg.force, inputs=[*inputs, ("the --out folder", cfg.out)],
                              option="--stats-out")
         outputs.check_folder(Path(cfg.out), force=cfg.force, inputs=[("the --stats-out folder", cfg.stats_out)])
+    if cfg.data and cfg.eval_data and options.same_file(cfg.data, cfg.eval_data) and \
+            not options.same_file(cfg.eval_data, resources.default_data()):
+        raise TuneError(f"--eval-data {cfg.eval_data} is the calibration --data {cfg.data}: candidates scored on the "
+                        "text they were calibrated on would look better than they are; give held-out text")
     for src in (cfg.data, cfg.eval_data):
         if src:
             data_mod.check_source(src)
@@ -271,7 +276,8 @@ def search(cfg: TuneConfig, loaded: Any, source: Path, clock: Clock, log: Log,
     ecfg = cfg.eval_config()
     vocab = getattr(loaded.config, "vocab_size", None)
     buckets, dropped = usable_buckets(ecfg.buckets, getattr(loaded.config, "max_position_embeddings", None))
-    cal = [("the calibration pass", {"data": sf.header.get("data", {}), "recipe": sf.header.get("recipe")})]
+    recorded = sf.provenance
+    cal = [("the calibration pass", {"data": dict(recorded.data), "recipe": dict(recorded.recipe)})]
     windows, held_out = calibration_windows(cal, cfg.eval_data, loaded.tokenizer, vocab)
     samples, used, excluded = select_samples(ecfg, loaded.tokenizer, vocab, buckets, windows)
     held = {"source": cfg.eval_data, **used.to_dict(), "held_out": {**held_out, "excluded_samples": excluded},

@@ -23,6 +23,7 @@ from calib.capture import spec, statsfile
 from calib.capture.stats import Stats
 from calib.data import sources as data_sources
 from calib.data.batching import PaddingStats
+from calib.ckpt import fingerprint, integrity
 from calib.model import load as model_mod
 from calib.recipe.recipe import Recipe
 from calib.safety import outputs
@@ -85,11 +86,14 @@ def collect(loaded: model_mod.LoadedModel, data_src: str, base: Recipe, keys: Se
                                     [spec.capture_spec(r, loaded.config) for r in recipes.values()], padding=padding)
     seconds = seen[0].seconds
     dtype = str(loaded.dtype).removeprefix("torch.")
+    sha = statsfile.config_sha256(loaded.source_dir)
+    weights = _weights(loaded.source_dir)
     files = {}
     for key, got in zip(recipes, seen):
         prov = pipeline.provenance(recipes[key], model_src, pipeline.data_record(data_src, report), got.stats, {},
-                                   [], dtype, rotary_dim=model_mod.rotary_dim(loaded.config))
-        files[key] = statsfile.StatsFile(pipeline.stats_header(prov, loaded.source_dir), got.capture)
+                                   [], dtype, rotary_dim=model_mod.rotary_dim(loaded.config), model_config_sha256=sha,
+                                   model_weights_sha256=weights)
+        files[key] = statsfile.StatsFile(prov.stats_header(), got.capture)
     if log:
         log(f"tune: statistics of {len(files)} observer set(s) from one pass: {report.used} samples / "
             f"{report.tokens} tokens in {seconds:.1f} s")
@@ -124,16 +128,27 @@ def stats_files(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
+def _weights(source: Path) -> str | None:
+    """The weights fingerprint of the model folder (None: pickle weights, no headers to read)."""
+    try:
+        return fingerprint.weights_sha256(source)
+    except integrity.IntegrityError:
+        return None
+
+
 def load(paths: Sequence[str | Path], source: Path) -> StatsSet:
     """Statistics files of the model at `source`, checked (statsfile's reader), one per key."""
     files: dict[str, statsfile.StatsFile] = {}
     where: dict[str, str] = {}
-    want = statsfile.config_sha256(source)
+    want, weights = statsfile.config_sha256(source), _weights(source)
     for p in stats_files(paths):
         sf = statsfile.load(p, "--stats")
-        if sf.header.get("model_config_sha256") != want:
+        if sf.provenance.model_config_sha256 != want:
             raise statsfile.StatsError(f"--stats {p} was recorded on another model than {source} "
                                        "(config.json differs)")
+        why = fingerprint.mismatch(sf.provenance.model_weights_sha256, weights, f"--stats {p}", f"--model {source}")
+        if why:
+            raise statsfile.StatsError(f"{why}; give statistics recorded on this model")
         key = stats_key(sf.recipe.observer, sf.recipe.dtype)
         if key in files:
             raise statsfile.StatsError(f"--stats {p} records {key} statistics, as {where[key]} does; give one")

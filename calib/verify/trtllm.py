@@ -161,7 +161,19 @@ def trt_scale_names(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
     `{q,k,v}_proj` via filter_weights; the scale is key `k_scale` of the k dict, `v_scale` of the v dict);
     tensorrt_llm/_torch/models/checkpoints/hf/weight_loader.py: HfWeightLoader.load_weights (skips
     "*consolidated*" files when other shards exist).
+
+    A module's tensors are selected by the exact module name as prefix (modeling_utils.py: filter_weights):
+    a layer written "01" or "١", another prefix or attention module than the model's selects nothing, so the
+    scale is never read (calib.ckpt.reader: CheckpointFiles.unmapped).
     """
+    for u in ck.unmapped(t.files):
+        if u.known:
+            yield Problem("trtllm", u.tensor.name, f"{u.why}: TensorRT-LLM selects a module's tensors by its exact "
+                          "name and never reads this one", code="trtllm.unmapped-name")
+        else:
+            yield Problem("trtllm", u.tensor.name, f"{u.why}; its module holds weights, but kvcalib does not know "
+                          "this layout and cannot check that TensorRT-LLM reads it", "warning",
+                          "trtllm.unverified-name")
     for s in t.scales:
         name = s.tensor.name
         if isinstance(ck.num_layers, int) and s.layer >= ck.num_layers:

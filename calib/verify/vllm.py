@@ -242,9 +242,23 @@ def vllm_scale_names(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     (`self_attn.{q,k,v}_scale`, `self_attn.{k,v}_proj.{k,v}_scale`); quark/quark.py:
     QuarkConfig.get_cache_scale_mapper (`{q,k,v}_proj.output_scale`); models/utils.py:
     AutoWeightsLoader._load_module raises for a name with no parameter (e.g. a layer index out of range).
+
+    Names are matched as vLLM maps them: after the mapper has put `.attn` before the leaf, AutoWeightsLoader
+    walks the name one dotted part at a time to the child module of exactly that name (`_groupby_prefix`,
+    `_load_module`), so a layer written "01" or "١", another prefix, or an attention module the model does
+    not have names no module: AutoWeightsLoader raises "There is no module or parameter named", and models
+    that remap with weight_utils.py: maybe_remap_kv_scale_name drop the scale (it stays 1.0). Whether the
+    module exists is read from the checkpoint's own weights (calib.ckpt.reader: CheckpointFiles.unmapped).
     """
     if v.method is None:
         return
+    for u in ck.unmapped(v.files):
+        if u.known:
+            yield Problem("vllm", u.tensor.name, f"{u.why}: vLLM maps no attention layer to this name (it refuses to "
+                          "load the checkpoint, or drops the scale and keeps 1.0)", code="vllm.unmapped-name")
+        else:
+            yield Problem("vllm", u.tensor.name, f"{u.why}; its module holds weights, but kvcalib does not know "
+                          "this layout and cannot check that vLLM maps it", "warning", "vllm.unverified-name")
     for s in v.scales:
         name = s.tensor.name
         if isinstance(ck.num_layers, int) and s.layer >= ck.num_layers:

@@ -17,8 +17,8 @@ def _captured(model, seqs, batch_size: int) -> Stats:
     base = model.model if hasattr(model, "model") else model
     with observe.capture_kv(base, find_attention_layers(base)) as cap, torch.inference_mode():
         for ids, mask in batches(seqs, batch_size):
-            cap.token_mask = mask.bool()
-            base(input_ids=ids, attention_mask=mask, use_cache=False)
+            with cap.masking(mask.bool()):
+                base(input_ids=ids, attention_mask=mask, use_cache=False)
     return cap.stats()
 
 
@@ -70,8 +70,10 @@ def test_padding_values_never_reach_statistics():
     k[1, :, 3:] = 1e6                      # positions that are padding in row 1
     mask = torch.ones(2, 5, dtype=torch.bool)
     mask[1, 3:] = False
-    cap.token_mask = mask
-    cap.record(0, k, k, k)
+    with cap.masking(mask) as masked:
+        assert masked is cap and cap.token_mask is mask
+        cap.record(0, k, k, k)
+    assert cap.token_mask is None                   # cleared after: the next pass never inherits it
     assert cap.stats()[0].k_amax.tolist() == [1.0, 1.0]
 
 
@@ -87,8 +89,7 @@ def test_logits_bit_identical_and_hook_removed(impl):
     with torch.inference_mode():
         before = model(input_ids=ids, attention_mask=mask).logits
         keys_before = set(ALL_ATTENTION_FUNCTIONS.valid_keys())
-        with observe.capture_kv(model, find_attention_layers(model)) as cap:
-            cap.token_mask = mask.bool()
+        with observe.capture_kv(model, find_attention_layers(model)) as cap, cap.masking(mask.bool()):
             during = model(input_ids=ids, attention_mask=mask).logits
         after = model(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(before, during) and torch.equal(before, after)

@@ -139,8 +139,8 @@ def test_capture_on_a_bf16_model_is_identical_through_the_kernels(interp, monkey
     def capture(spec):
         with observe.capture_kv(base, find_attention_layers(base), spec) as cap, torch.inference_mode():
             for ids, mask in batches(seqs, 2):
-                cap.token_mask = mask.bool()
-                base(input_ids=ids, attention_mask=mask, use_cache=False)
+                with cap.masking(mask.bool()):
+                    base(input_ids=ids, attention_mask=mask, use_cache=False)
         return cap.state_dict(), cap.stats()
 
     for spec in specs:

@@ -429,3 +429,20 @@ def test_state_loaded_on_another_device_follows_the_batches() -> None:
         fresh.load_state_dict(obs.state_dict())
         fresh.update(x.to("meta"), None)
         assert {t.device.type for t in fresh.state_dict().values()} == {"meta"}, type(fresh).__name__
+
+
+def test_one_registry_names_every_observer_a_recipe_may_name():
+    """Each recipe observer (calib.recipe.dtypes.OBSERVERS: names and the parameters a recipe may set) has
+    exactly one class, found by name; make_observer builds that class from the recipe's parameters."""
+    from calib.capture import observers
+    from calib.recipe import dtypes
+    from calib.recipe.recipe import OBSERVERS as RECIPE_OBSERVERS
+
+    assert sorted(observers.REGISTRY) == sorted(dtypes.OBSERVERS) == sorted(RECIPE_OBSERVERS)
+    for name, cls in observers.REGISTRY.items():
+        assert cls.spec is dtypes.OBSERVERS[name]
+        assert set(RECIPE_OBSERVERS[name]) == set(cls.spec.recipe_params())
+        obs = make_observer(name, {}, FP8_E4M3, RotaryLayout(8))
+        assert type(obs) is cls
+    assert make_observer("mse", {"grid": 7, "min_ratio": 0.5}, INT8, None).dtype is INT8
+    assert make_observer("percentile", {"p": 99.5}, FP8_E4M3, None).p == 99.5

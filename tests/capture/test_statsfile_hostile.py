@@ -37,8 +37,8 @@ def _capture(recipe_fields: dict) -> tuple[observe.KVCapture, dict]:
     for _ in range(2):
         for i in LAYERS:
             q, k, v = (torch.randn(2, h, 5, 8, generator=g) * 3 for h in (4, 2, 2))
-            cap.token_mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
-            cap.record(i, q, k, v)
+            with cap.masking(torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)):
+                cap.record(i, q, k, v)
     header = {"producer": "kvcalib", "model": "m", "model_config_sha256": "sha256:x", "rotary_dim": 8,
               "recipe": recipe.to_dict(), "data": {"samples": 4, "tokens": 18}}
     return cap, header

@@ -25,7 +25,7 @@ from calib import export
 from calib.ckpt.kvinfo import read_kv_info
 from calib.cli import main
 from calib.evaluation.fakequant import EvalError, Geometry, checkpoint_arms
-from calib.export import trtllm
+from calib.export import trtllm, vllm as export_vllm
 from calib.verify import verify
 from tiny import tiny_causal_lm
 from helpers import made_up_scales
@@ -101,7 +101,7 @@ def _readers_hold(ckpt: Path) -> None:
 
 
 def _exporters_hold(ckpt: Path, tmp: Path) -> None:
-    for call in (lambda: export.prepare_source(ckpt, tmp / "o1", quantized_ok=True),
+    for call in (lambda: export_vllm.prepare_source(ckpt, tmp / "o1", quantized_ok=True),
                  lambda: trtllm.export_trtllm(ckpt, tmp / "o2", made_up_scales(), {})):
         try:
             call()

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from calib.cli import main
 from calib.verify import verify
-from tiny import fp8_weight_checkpoint as _fp8_weight_checkpoint, tiny_causal_lm
+from tiny import fp8_weight_checkpoint as _fp8_weight_checkpoint, modelopt_checkpoint, tiny_causal_lm
 from helpers import sha256_file
 
 
@@ -52,6 +52,38 @@ def test_kv_scales_onto_a_modelopt_checkpoint_for_trtllm(tiny_llama_dir, token_d
     hq = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())["quantization"]
     assert hq["quant_algo"] == "W4A16_AWQ" and hq["kv_cache_quant_algo"] == "FP8"
     assert sha256_file(tmp_path / "out" / "model.safetensors") == sha256_file(q / "model.safetensors")
+
+
+def test_kv_scales_onto_a_modelopt_export_with_its_config_json_block(tiny_llama_dir, token_data, tmp_path):
+    """A ModelOpt export names its quantization in config.json (`quant_method: modelopt`) as well as in
+    hf_quant_config.json: the trtllm target takes it, through `calibrate --into` and through `export --stats`
+    (same scales both ways), keeping config.json and the weights byte for byte; the vllm target, which writes
+    compressed-tensors only, refuses it before any model loads."""
+    q = modelopt_checkpoint(tiny_llama_dir, tmp_path / "mo")
+    r = _calibrate("--model", tiny_llama_dir, "--into", q, "--data", token_data, "--out", tmp_path / "out",
+                   "--target", "trtllm")
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "out"
+    hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["quant_algo"] == "FP8" and hq["kv_cache_quant_algo"] == "FP8" and hq["exclude_modules"] == ["lm_head"]
+    assert (out / "config.json").read_bytes() == (q / "config.json").read_bytes()
+    assert sha256_file(out / "model.safetensors") == sha256_file(q / "model.safetensors")
+    assert [p for p in verify(out, "trtllm") if p.severity == "error"] == []
+
+    stats = tmp_path / "mo.stats.safetensors"      # statistics recorded on the ModelOpt checkpoint itself
+    assert _calibrate("--model", q, "--data", token_data, "--out", tmp_path / "st", "--target", "",
+                      "--stats-out", stats).exit_code == 0
+    r = CliRunner().invoke(main, ["export", "--stats", str(stats), "--model", str(q), "--target", "trtllm",
+                                  "--out", str(tmp_path / "exp")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "exp" / "hf_quant_config.json").read_text() == (out / "hf_quant_config.json").read_text()
+    a, b = load_file(out / "kv_scales.safetensors"), load_file(tmp_path / "exp" / "kv_scales.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    r = _calibrate("--model", tiny_llama_dir, "--into", q, "--data", token_data, "--out", tmp_path / "v",
+                   "--target", "vllm")
+    assert r.exit_code == 1 and "use the trtllm target for ModelOpt checkpoints" in r.output
+    assert "calibrating" not in r.output and not (tmp_path / "v").exists()
 
 
 def test_into_refuses_another_model_and_existing_kv_scales(tiny_llama_dir, token_data, tmp_path):

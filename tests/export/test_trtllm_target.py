@@ -11,9 +11,11 @@ from safetensors import safe_open
 
 from calib import __version__, export
 from calib.export import trtllm
+from calib.recipe import dtypes
 from calib.scales.fold import LayerScales
 from calib.verify import verify
 from helpers import made_up_scales, sha256_file
+from tiny import modelopt_checkpoint
 
 # per-head ranges 448x the scales: the FP8 saturation report has numbers to show
 _scales = partial(made_up_scales, amax_per_layer=(4.48, 8.96))
@@ -189,3 +191,25 @@ def test_fp8_export_records_the_saturation_report(tiny_llama_dir, tmp_path):
     prov = json.loads((out / export.PROVENANCE_FILE).read_text())
     assert prov["trtllm_fp8_saturation"] == trtllm.saturation_report(scales)
     assert prov["trtllm_fp8_saturation"][0].startswith("layer 2: K amax 672")
+
+
+@pytest.mark.parametrize("hf_quant_config", [True, False])
+def test_each_target_prepares_a_modelopt_export_by_its_own_rules(tiny_llama_dir, tmp_path, hf_quant_config):
+    """A ModelOpt export's config.json block (with or without hf_quant_config.json beside it) is what the trtllm
+    target reads its weight quantization from; the vllm target, even for --into, refuses it naming the target
+    that takes it. Nothing is written by either."""
+    src = modelopt_checkpoint(tiny_llama_dir, tmp_path / "mo", hf_quant_config=hf_quant_config)
+    into = export.WriteOptions(into=True)
+    prepared = export.target("trtllm").prepare(src, tmp_path / "out", into)
+    assert prepared.quantization == {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+    assert prepared.num_layers == 3 and prepared.kv_algo == "FP8"
+    assert prepared.shards == ("model.safetensors",) and not prepared.drop
+    with pytest.raises(export.ExportError, match="use the trtllm target for ModelOpt checkpoints"):
+        export.target("vllm").prepare(src, tmp_path / "out", into)
+    with pytest.raises(export.ExportError, match="INT8 KV cache in TensorRT-LLM needs unquantized"):
+        export.target("trtllm").prepare(src, tmp_path / "out", export.WriteOptions(dtype=dtypes.INT8))
+    assert not (tmp_path / "out").exists()
+    out = export.target("trtllm").write(prepared, tmp_path / "out", _scales(3), {})
+    hq = json.loads((out / trtllm.HF_QUANT_CONFIG).read_text())["quantization"]
+    assert hq["quant_algo"] == "FP8" and hq["kv_cache_quant_algo"] == "FP8"
+    assert [p for p in verify(out, "trtllm") if p.severity == "error"] == []

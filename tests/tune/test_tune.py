@@ -49,10 +49,18 @@ def _data(tmp: Path) -> Path:
     return path
 
 
+def _held(tmp: Path) -> Path:
+    """Held-out records: another file than the calibration data (tune refuses --eval-data equal to --data)."""
+    path = tmp / "held.jsonl"
+    if not path.exists():
+        path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in random_sequences(48, lo=12, hi=33, seed=6)))
+    return path
+
+
 def _config(src: Path, data: Path | None, out: Path, **kw) -> search.TuneConfig:
     base = recipe_mod.Recipe().replace(samples=12, seq_len=32, min_tokens=8, batch_size=8)
     args = {**SMALL, **kw}
-    return search.TuneConfig(model=str(src), data=None if data is None else str(data), eval_data=str(_data(out.parent)),
+    return search.TuneConfig(model=str(src), data=None if data is None else str(data), eval_data=str(_held(out.parent)),
                              out=out, base=base, **args)
 
 

@@ -18,11 +18,14 @@ def inputs(tmp_path_factory):
     tiny_causal_lm("llama").save_pretrained(tmp / "m")
     data = tmp / "d.jsonl"
     data.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in random_sequences(40, lo=16, hi=40, seed=1)))
+    (tmp / "held.jsonl").write_text("".join(json.dumps({"input_ids": s}) + "\n"
+                                            for s in random_sequences(20, lo=16, hi=40, seed=2)))
     return tmp, tmp / "m", data
 
 
 def _args(src: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return ["tune", "--model", str(src), "--data", str(data), "--eval-data", str(data), "--out", str(out),
+    held = data.parent / "held.jsonl"
+    return ["tune", "--model", str(src), "--data", str(data), "--eval-data", str(held), "--out", str(out),
             "--observers", "absmax", "--headrooms", "1.0", "--samples", "8", "--seq-len", "32", "--eval-samples", "4",
             "--buckets", "16,32", "--max-skip", "1", "--no-plots", "--no-progress", *extra]
 

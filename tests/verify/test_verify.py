@@ -312,6 +312,51 @@ def test_vllm_two_names_for_one_scale(vllm_ckpt):
     assert "stored 2 times" in _one(verify(vllm_ckpt), "vllm", _kv(0, "k"), "vllm.duplicate-scale").message
 
 
+def _rename(ckpt: Path, old: str, new: str) -> None:
+    """Store the tensor `old` of the scales shard under `new` (the index follows)."""
+    _edit_shard(ckpt / SCALES, lambda t: t.update({new: t.pop(old)}))
+    _edit_json(ckpt / export.INDEX_FILE, lambda d: d["weight_map"].update({new: d["weight_map"].pop(old)}))
+
+
+UNMAPPED = {"model.layers.01.self_attn.k_scale": "layer index '01' has a leading zero",
+            "model.layers.\u0661.self_attn.k_scale": "layer index '\u0661' is not written in ASCII digits",
+            "transformer.layers.0.self_attn.k_scale": "prefix 'transformer.'",
+            "model.layers.0.attn.k_scale": "attention module 'attn'",
+            "layers.0.self_attn.k_scale": "the checkpoint's weights have no module 'layers.0.self_attn' (this "
+                                          "model's layer 0 attention is 'model.layers.0.self_attn')"}
+
+
+@pytest.mark.parametrize("name", sorted(UNMAPPED))
+def test_vllm_names_it_cannot_map(vllm_ckpt, name):
+    """vllm/model_executor/models/utils.py: AutoWeightsLoader._groupby_prefix / _load_module walk a name one
+    dotted part at a time to the child module of exactly that name and raise "There is no module or
+    parameter named" when there is none; model_loader/weight_utils.py: maybe_remap_kv_scale_name (the
+    models that use it) drops a scale whose remapped name is no parameter."""
+    assert verify(vllm_ckpt) == []
+    _rename(vllm_ckpt, _kv(0, "k"), name)
+    p = _one(verify(vllm_ckpt), "vllm", name, "vllm.unmapped-name")
+    assert p.message.startswith(UNMAPPED[name]) and "vLLM maps no attention layer" in p.message
+
+
+def test_vllm_a_layout_kvcalib_does_not_know_is_a_warning(vllm_ckpt):
+    """weight_utils.py: maybe_remap_kv_scale_name maps the deprecated `.kv_scale` onto `attn.k_scale`; kvcalib's
+    layouts do not hold it, but its module is the model's attention: not checked, said so."""
+    _edit_shard(vllm_ckpt / SCALES, lambda t: t.update({"model.layers.0.self_attn.kv_scale": torch.tensor(0.5)}))
+    _index_add(vllm_ckpt, ["model.layers.0.self_attn.kv_scale"])
+    problems = verify(vllm_ckpt)
+    _one(problems, "vllm", "model.layers.0.self_attn.kv_scale", "vllm.unverified-name", "warning")
+    assert [p for p in problems if p.severity == "error"] == []
+
+
+def test_verify_cli_exits_non_zero_on_an_unmapped_name(vllm_ckpt):
+    from click.testing import CliRunner
+
+    from calib.cli import main
+    _rename(vllm_ckpt, _kv(1, "v"), "model.layers.001.self_attn.v_scale")
+    r = CliRunner().invoke(main, ["verify", str(vllm_ckpt)])
+    assert r.exit_code == 1 and "ERROR [vllm] model.layers.001.self_attn.v_scale: layer index '001'" in r.output
+
+
 def test_vllm_quark_kv_dtype(source, tmp_path):
     """vllm/model_executor/layers/quantization/quark/quark.py: QuarkKVCacheMethod.validate_kv_cache_config
     (dtype fp8_e4m3, qscheme per_tensor only)."""
@@ -456,6 +501,19 @@ def test_trt_layer_out_of_range_and_misfiled_scale(trt_ckpt):
     problems = verify(trt_ckpt)
     _one(problems, "trtllm", _trt(9, "k"), "trtllm.layer-range")
     _one(problems, "trtllm", "model.layers.0.self_attn.k_proj.v_scale", "trtllm.name")
+
+
+@pytest.mark.parametrize("name,why", [("model.layers.00.self_attn.k_proj.k_scale", "layer index '00' has a leading zero"),
+                                      ("model.layers.\u0969.self_attn.k_proj.k_scale", "layer index '\u0969' is not"),
+                                      ("model.layers.0.attention.k_proj.k_scale", "attention module 'attention'"),
+                                      ("layers.0.self_attn.k_proj.k_scale", "the checkpoint's weights have no module")])
+def test_trt_names_it_never_reads(trt_ckpt, name, why):
+    """tensorrt_llm/_torch/models/modeling_utils.py: _load_weights_impl / filter_weights select a module's
+    tensors by its exact name as prefix: any other spelling of the layer or module is never read."""
+    _edit_shard(trt_ckpt / SCALES, lambda t: t.update({name: t.pop(_trt(0, "k"))}))
+    problems = verify(trt_ckpt, "trtllm")
+    p = _one(problems, "trtllm", name, "trtllm.unmapped-name")
+    assert p.message.startswith(why) and "never reads this one" in p.message
 
 
 # ------------------------------------------------------------------------------------------ mechanics

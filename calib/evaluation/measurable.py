@@ -1,0 +1,158 @@
+"""Numbers checked before a decision: a NaN or an infinity in a measured quantity decides nothing.
+
+Why: every threshold test is a comparison, and a comparison with NaN is false, so an arm whose KL is NaN
+"misses no threshold" and a verdict built on it ships it (a model whose logits overflow was once told "Ship
+`default` (KL nan, ppl +nan%)"). So before eval's verdict or tune's choice reads a number, every measured
+quantity of the reference and of every arm — per bucket and overall KL, top-1, perplexity and its change,
+per-sample NLL and KL, passkey accuracy, per-layer saturation, flush, SNR and attention error, the
+reference's K/V ranges, and the engine's own numbers where it measured the arm — is checked here; one that
+is not finite makes the result "cannot measure", which the caller turns into one error and a non-zero exit.
+One exception is a fact, not a failure: an SNR of +inf means the arm stored that layer exactly (no noise).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from calib.errors import KvcalibError
+
+_BUCKET = ("kl", "top1", "ppl", "ppl_ref", "ppl_delta", "ppl_rel")
+_SUMMARY = (*_BUCKET, "max_bucket_kl")
+_ENGINE_SKIP = frozenset({"samples", "tokens", "seconds"})      # counts and timing: not quality numbers
+
+
+class CannotMeasure(KvcalibError, ValueError):
+    """A measured quantity is NaN or infinite: no verdict can be drawn from it."""
+
+
+@dataclass(frozen=True)
+class Unmeasured:
+    """One quantity that is not a finite number: whose (arm), where (bucket, layer, sample), which, its value."""
+    arm: str
+    where: str
+    quantity: str
+    value: float
+    reference: bool = False
+
+    @property
+    def who(self) -> str:
+        return f"`{self.arm}`" + (" (the reference)" if self.reference else "")
+
+    def line(self) -> str:
+        return f"{self.who} {self.where}: {self.quantity} is {self.value}"
+
+
+def _bad(x: Any) -> bool:
+    return isinstance(x, float) and not math.isfinite(x)
+
+
+def _rows(arm: str, buckets: Mapping[str, Any], summary: Any, prefix: str = "") -> Iterator[Unmeasured]:
+    for b, row in buckets.items():
+        for q in _BUCKET:
+            v = _get(row, q)
+            if _bad(v):
+                yield Unmeasured(arm, f"{prefix}bucket <= {b}", q, v)
+    for q in _SUMMARY:
+        v = _get(summary, q)
+        if _bad(v):
+            yield Unmeasured(arm, f"{prefix}all buckets", q, v)
+
+
+def _get(row: Any, key: str) -> Any:
+    return row.get(key) if isinstance(row, Mapping) else getattr(row, key, None)
+
+
+def _samples(arm: str, values: Any, quantity: str, prefix: str = "") -> Iterator[Unmeasured]:
+    for j, v in enumerate(values or ()):
+        if _bad(v):
+            yield Unmeasured(arm, f"{prefix}sample {j}", quantity, v)
+
+
+def _passkey(arm: str, rows: Mapping[str, Any] | None, prefix: str = "") -> Iterator[Unmeasured]:
+    for b, r in (rows or {}).items():
+        v = _get(r, "accuracy")
+        if _bad(v):
+            yield Unmeasured(arm, f"{prefix}passkey bucket <= {b}", "accuracy", v)
+
+
+def _engine(arm: str, entry: Mapping[str, Any] | None) -> Iterator[Unmeasured]:
+    """The engine's own numbers, where it measured the arm (an entry that says "not run" holds none)."""
+    if not entry or entry.get("status") != "ok":
+        return
+    name = entry.get("engine", "engine")
+    prefix = f"({name}) "
+
+    def walk(x: Any, where: str, key: str) -> Iterator[Unmeasured]:
+        if isinstance(x, Mapping):
+            for k, v in x.items():
+                if k not in _ENGINE_SKIP:
+                    yield from walk(v, where, str(k))
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                yield from walk(v, where, key)
+        elif _bad(x):
+            yield Unmeasured(arm, prefix + where, key, x)
+    for b, row in (entry.get("buckets") or {}).items():
+        yield from walk(row, f"bucket <= {b}", "")
+    yield from walk(entry.get("summary") or {}, "all buckets", "")
+    yield from _samples(arm, entry.get("sample_nll"), "nll", prefix)
+    yield from _passkey(arm, entry.get("passkey"), prefix)
+
+
+def reference_problems(name: str, ref: Any) -> Iterator[Unmeasured]:
+    """The reference pass's own numbers: perplexity per bucket, per-sample NLL, K/V ranges, passkey, engine."""
+    if ref is None:
+        return
+    yield from _rows(name, ref.buckets, ref.summary)
+    yield from _samples(name, ref.sample_nll, "nll")
+    for i, r in ref.ranges.items():
+        for kind, values in (("max |K|", r.k_amax), ("max |V|", r.v_amax)):
+            bad = [v for v in values if _bad(v)]
+            if bad:
+                yield Unmeasured(name, f"layer {i}", kind, bad[0])
+    yield from _passkey(name, ref.passkey)
+    yield from _engine(name, ref.engine)
+
+
+def arm_problems(name: str, e: Any) -> Iterator[Unmeasured]:
+    """One arm's numbers: per bucket and overall, per sample, per layer, passkey, and the engine's."""
+    yield from _rows(name, e.buckets, e.summary)
+    yield from _samples(name, e.sample_nll, "nll")
+    yield from _samples(name, e.sample_kl, "kl")
+    for i, row in e.layers.items():
+        for q, v in row.items():
+            if _bad(v) and not (q.endswith("_snr_db") and v == math.inf):
+                yield Unmeasured(name, f"layer {i}", q, v)
+    yield from _passkey(name, e.passkey)
+    yield from _engine(name, e.engine)
+
+
+def problems(ref: Any, results: Mapping[str, Any], reference: str = "reference") -> list[Unmeasured]:
+    """Every quantity that is not finite, the reference's first, then the arms' in order."""
+    out = [replace(u, reference=True) for u in reference_problems(reference, ref)]
+    for name, e in results.items():
+        out.extend(arm_problems(name, e))
+    return out
+
+
+def text(found: list[Unmeasured], what: str = "no arm can be recommended") -> str:
+    """One line: the quantities that are not finite, grouped by arm and place (the first three places), how
+    many more, and what that means."""
+    places: dict[tuple[str, str], list[str]] = {}
+    for u in found:
+        places.setdefault((u.who, u.where), []).append(f"{u.quantity} {u.value}")
+    shown = "; ".join(f"{who} {where}: {', '.join(qs)}" for (who, where), qs in list(places.items())[:3])
+    more = f" (and {len(places) - 3} more places)" if len(places) > 3 else ""
+    return (f"cannot measure: {shown}{more}; a number that is not finite decides nothing, so {what} (check the "
+            "model's weights: its logits or K/V overflow)")
+
+
+def check(ref: Any, results: Mapping[str, Any], reference: str = "reference",
+          what: str = "no arm can be recommended") -> None:
+    """Raise CannotMeasure naming the arm, where and which quantity when any measured number is not finite."""
+    found = problems(ref, results, reference)
+    if found:
+        raise CannotMeasure(text(found, what))
