@@ -6,11 +6,9 @@ Every known failure surfaces as one line `Error: ...` and a non-zero exit, never
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import shlex
-import signal
 import sys
 from pathlib import Path
 
@@ -20,7 +18,8 @@ from calib import __version__, resources
 from calib.errors import KvcalibError
 from calib.evaluation import emulate as emulate_mod
 from calib.recipe import recipe as recipe_mod
-from calib.recipe.dtypes import FP8_E4M3
+from calib.export import serve
+from calib.safety import outputs
 
 DEFAULT_DATA = resources.default_data()
 BUILD_DIR = resources.build_dir()
@@ -109,11 +108,14 @@ def main() -> None:
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its saved observers (same arguments).")
 @click.option("--stats-out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the raw statistics (for `kvcalib merge` / `kvcalib export --stats`).")
+@click.option("--engine-version", "engine_version", help="The engine version or build you serve with, per target: "
+              "ENGINE=VERSION[,...] (e.g. trtllm=pr18953: a TensorRT-LLM build with calibrated INT8 KV; vllm=0.32). "
+              "What the engine does with the scales is read for it. Default: the newest version kvcalib knows.")
 @click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never a folder of other files).")
 def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_size, seed, headroom, pack, dtype,
               granularity, observer, q_scale, skip_layers, targets, max_batch_tokens, device_map, max_memory,
               offload_folder, device, cpu_dtype, trust_remote_code, allow_pickle, into, overwrite_kv_scales,
-              checkpoint_every, resume, stats_out, force) -> None:
+              checkpoint_every, resume, stats_out, engine_version, force) -> None:
     """Calibrate KV-cache scales and write checkpoints the engines load."""
     if model_src is None and into is None and _is_shipped(recipe_path) and None in (samples, seq_len):
         samples = DEFAULT_MODEL_RUN["samples"] if samples is None else samples
@@ -133,8 +135,11 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
     try:
         # options first: a bad value fails in milliseconds, before the default model is built or a model loads
         options.calibrate(device_name=device, max_batch_tokens=max_batch_tokens, seq_len=recipe.seq_len,
-                          checkpoint_every=checkpoint_every)
-        with _terminate_as_interrupt():
+                          checkpoint_every=checkpoint_every, device_map=placement.device_map,
+                          max_memory=placement.max_memory)
+        versions = serve.parse_versions(engine_version, recipe.targets)
+        serve.check(recipe, versions=versions)      # an engine that ignores these scales whatever the data: refuse now
+        with outputs.terminate_as_interrupt():
             if model_src is None and into is not None:
                 model_src = str(into)
             if model_src is None:
@@ -151,12 +156,12 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
                                                 checkpoint=_checkpointing(out, checkpoint_every, resume, pipeline)),
                     placement=placement,
                     stats_out=stats_out, into=into, overwrite_kv=overwrite_kv_scales, allow_pickle=allow_pickle,
-                    recipe_file=_recipe_file(recipe_path))
+                    recipe_file=_recipe_file(recipe_path), engine_versions=versions)
                 result = pipeline.run(job, progress=bar, options_checked=True)
     except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     if dist.is_main:
-        _report(result, recipe)
+        _report(result, recipe, versions)
 
 
 class _LazyBar:
@@ -176,22 +181,6 @@ class _LazyBar:
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.close()
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM unwinds like Ctrl-C, so the temporary output directory is removed on the way out."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread (e.g. embedded use): leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _checkpointing(out: Path, every: int | None, resume: bool, pipeline):
@@ -218,11 +207,16 @@ def _placement(device, device_map, max_memory, offload_folder, cpu_dtype="float3
                      cpu_dtype=cpu_dtype)
 
 
-def _report(result, recipe: recipe_mod.Recipe) -> None:
+def _report(result, recipe: recipe_mod.Recipe, versions: dict[str, str]) -> None:
     d = result.data
     click.echo(f"\nsamples: {d.used} used, {d.skipped_short} skipped (shorter than {recipe.min_tokens} tokens); "
                f"{d.tokens} tokens in {result.forward_seconds:.1f} s ({result.tokens_per_second:,.0f} tokens/s, "
                f"{result.model_dtype} on {result.device}, {result.padding:.1%} padding)")
+    from calib.data.sources import pack_hint
+
+    hint = None if recipe.pack else pack_hint(d.used, d.tokens, recipe.seq_len, "--seq-len", result.padding)
+    if hint:
+        click.echo(hint, err=True)
     if result.scales:
         click.echo(f"{recipe.dtype} scales, granularity {recipe.granularity} (max over heads shown), "
                    f"observer {recipe.observer}:")
@@ -232,25 +226,28 @@ def _report(result, recipe: recipe_mod.Recipe) -> None:
     if over:
         click.echo(f"layers {sorted(over)} reach |x| > 448: with the default scale 1.0 their FP8 cache saturates "
                    "(share of K / V values: " + ", ".join(f"{i}: {k:.3%} / {v:.3%}" for i, (k, v) in over.items()) + ")")
-        if "trtllm" in recipe.targets and recipe.kv_dtype is FP8_E4M3:
-            click.secho("WARNING: TensorRT-LLM's FP8 KV cache runs with scale 1.0 whatever the checkpoint says; "
-                        "these values WILL saturate there. Consider INT8 KV or vLLM for this model.", err=True,
-                        fg="red", bold=True)
     click.echo(f"\nwrote {result.out}")
     if not recipe.targets:
         click.echo("statistics only (no target): stats.safetensors and kvcalib.json")
         return
-    skip = ""
     if result.skipped:
         click.echo(f"layers {result.skipped} keep their KV cache in the model dtype (skip_layers)")
-        skip = " --kv-cache-dtype-skip-layers " + " ".join(map(str, result.skipped))
+    _serve_report(recipe, result.out, result.scales, result.skipped, versions)
+
+
+def _serve_report(recipe: recipe_mod.Recipe, out: Path, scales, skipped, versions: dict[str, str]) -> None:
+    """Each target's serve command, then what its engine does with the scales (calib.engine.support); a
+    result the engine serves differently from what was calibrated gets a warning line on stderr each way."""
+    from calib.export import TARGETS
+
+    served = serve.outcomes(recipe, scales, skipped, versions)
     multi = len(recipe.targets) > 1
     for t in recipe.targets:
-        path = shlex.quote(str(result.out / t if multi else result.out))
-        if t == "vllm":
-            click.echo(f"serve it with FP8 KV cache:\n  vllm serve {path} --kv-cache-dtype fp8{skip}")
-        else:
-            click.echo(f"TensorRT-LLM reads {path}/hf_quant_config.json:\n  trtllm-serve {path}")
+        path = shlex.quote(str(out / t if multi else out))
+        for line in serve.serve_lines(TARGETS[t], path, served[t], skipped):
+            click.echo(line)
+        for line in serve.warnings(TARGETS[t], recipe, served[t]):
+            click.secho(f"warning: {line}", err=True, fg="yellow")
 
 
 def _scale_table(rows: dict[int, tuple[float, float, float, float]]) -> str:
@@ -340,21 +337,28 @@ def merge(stats: tuple[Path, ...], out: Path, force: bool) -> None:
 @click.option("--skip-layers")
 @click.option("--target", "targets")
 @click.option("--out", required=True, type=click.Path(path_type=Path))
+@click.option("--engine-version", "engine_version", help="The engine version or build you serve with, per target: "
+              "ENGINE=VERSION[,...] (e.g. trtllm=pr18953: a TensorRT-LLM build with calibrated INT8 KV; vllm=0.32). "
+              "What the engine does with the scales is read for it. Default: the newest version kvcalib knows.")
 @click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never other files).")
-def export_cmd(stats_path, model_src, recipe_path, dtype, granularity, headroom, skip_layers, targets, out, force):
+def export_cmd(stats_path, model_src, recipe_path, dtype, granularity, headroom, skip_layers, targets, out,
+               engine_version, force):
     """Turn statistics into a checkpoint for a recipe, without running the model again."""
     from calib import pipeline
 
     recipe = _load_recipe(recipe_path, dtype=dtype, granularity=granularity, headroom=headroom,
                           skip_layers=skip_layers, targets=targets)
     try:
+        versions = serve.parse_versions(engine_version, recipe.targets)
         path, scales, skipped = pipeline.export_from_stats(stats_path, model_src, recipe, out, force=force,
-                                                           recipe_file=_recipe_file(recipe_path))
+                                                           recipe_file=_recipe_file(recipe_path),
+                                                           engine_versions=versions)
     except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     click.echo(_scale_table({i: (float(s.k_amax.max()), float(s.k_scale.max()), float(s.v_amax.max()),
                                  float(s.v_scale.max())) for i, s in scales.items()}))
     click.echo(f"wrote {path}")
+    _serve_report(recipe, path, scales, skipped, versions)
 
 
 @main.command("eval")
@@ -398,11 +402,21 @@ def export_cmd(stats_path, model_src, recipe_path, dtype, granularity, headroom,
               help="KV-cache pool per engine run in GiB (an integer); capacity is reported in tokens.")
 @click.option("--engine-timeout", type=float, default=3600.0, show_default=True,
               help="Seconds one engine arm may take before it is stopped and reported as not run.")
+@click.option("--target", "target", type=click.Choice(recipe_mod.TARGETS), help="Evaluate the calibrated arms as this "
+              "engine serves them: with scale 1.0 where it ignores the scales, the max over heads where it folds them "
+              "(read from the support matrix; the report says so).")
+@click.option("--engine-version", "engine_version", help="The --target engine's version or build (e.g. 0.5.18, "
+              "pr18953). Default: the newest version kvcalib knows.")
+@click.option("--budget-minutes", type=float, help="Bound the whole run, engine included: after a short probe the "
+              "plan drops passkey depths, skip trials, emulated long buckets, then the engine's passkey, and says which.")
+@click.option("--emulate-up-to", type=int, help="Emulate buckets up to this many tokens (default: all; with --engine "
+              "8192, longer buckets measured in the engine only).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Report directory.")
 @click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib report (never other files).")
 def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, samples, min_tokens, pack, batch_size,
              seed, passkey_trials, failures, plots, progress, max_kl, max_ppl_increase, passkey_drop, max_skip, device,
-             cpu_dtype, trust_remote_code, engine, vllm_venv, engine_top_k, engine_kv_gib, engine_timeout, out, force) -> None:
+             cpu_dtype, trust_remote_code, engine, vllm_venv, engine_top_k, engine_kv_gib, engine_timeout, target,
+             engine_version, budget_minutes, emulate_up_to, out, force) -> None:
     """Compare BF16, default-scale and calibrated FP8 KV by layer and context length; write a report + verdict."""
     from calib.evaluation.config import EvalConfig
     from calib.evaluation.report import Thresholds
@@ -440,13 +454,14 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
                                   passkey_drop=passkey_drop, max_skip=max_skip),
             device=device, cpu_dtype=cpu_dtype or (None if engine else "float32"),
             trust_remote_code=trust_remote_code, force=force,
-            engine=engine_spec)
+            engine=engine_spec, target=target, engine_version=engine_version,
+            budget_minutes=budget_minutes, emulate_up_to=emulate_up_to)
         options.evaluation(cfg)        # before the default model is built or any model loads
         if model_src is None:
             model_src = _default_model()
         cfg = dataclasses.replace(cfg, model=str(model_src),
                                   out=out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-eval")
-        with _terminate_as_interrupt():
+        with outputs.terminate_as_interrupt():
             result = run_eval(cfg, log=lambda m: click.echo(m, err=True),
                               progress=Progress((lambda m: click.echo(m, err=True)) if progress else None))
     except KvcalibError as e:
@@ -457,17 +472,34 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
 
 @main.command()
 @click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--engine", type=click.Choice(["all", *recipe_mod.TARGETS]), default="all", show_default=True,
-              help="Check the rules of this engine (all: the engines the checkpoint declares).")
-def verify(ckpt: Path, engine: str) -> None:
-    """Check CKPT against each engine's loader rules; one line per problem, non-zero exit on errors."""
-    from calib.verify import ENGINES, verify as run_verify
+@click.option("--engine", "--target", "engine", type=click.Choice(["all", *recipe_mod.TARGETS]), default="all",
+              show_default=True, help="Check the rules of this engine (all: the engines the checkpoint declares).")
+@click.option("--engine-version", "engine_version", help="The engine version or build you serve with: "
+              "ENGINE=VERSION[,...] (e.g. trtllm=pr18953). Default: the newest version kvcalib knows.")
+def verify(ckpt: Path, engine: str, engine_version: str | None) -> None:
+    """Check CKPT against each engine's loader rules and say what each engine applies of its scales; one line per
+    problem, non-zero exit on errors (a result the engine would not serve as calibrated is one)."""
+    from calib.ckpt.reader import CheckpointFiles
+    from calib.verify import ENGINES, engines, verify as run_verify
+    from calib.verify.applied import applied, refusal_problem
 
     if engine != "all" and engine not in ENGINES:   # a target whose engine has no checks in calib.verify
         raise click.ClickException(f"kvcalib knows no loader rules for {engine}; it checks {', '.join(ENGINES)}")
+    checked = engines(ckpt, engine)
+    try:
+        versions = serve.parse_versions(engine_version, checked)
+    except KvcalibError as e:
+        raise click.ClickException(str(e)) from None
     problems = run_verify(ckpt, engine)
+    ck = CheckpointFiles(ckpt) if (ckpt / "config.json").is_file() else None
+    served = {e: applied(ck, e, versions.get(e)) for e in checked} if ck is not None else {}
+    problems += [refusal_problem(e, o) for e, o in served.items() if o is not None and o.refused]
     for p in problems:
         click.echo(str(p))
+    for e, o in served.items():
+        if o is not None and not o.refused:
+            for line in o.lines() or [o.summary()]:
+                click.echo(f"APPLIES [{e}] {line}")
     errors = [p for p in problems if p.severity == "error"]
     warnings = len(problems) - len(errors)
     click.echo(f"{ckpt}: {len(errors)} error(s), {warnings} warning(s)", err=True)

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from calib import export
+from calib.export import serve
 from calib.capture import hook as observe
 from calib.capture import statsfile
 from calib.capture.distributed import Dist, barrier, merge_all, shard
@@ -31,7 +32,7 @@ from calib.data.batching import PaddingStats, batches, prefetch
 from calib.model import load as model_mod
 from calib.provenance import Provenance
 from calib.recipe.recipe import Recipe
-from calib.safety import options as opts, outputs
+from calib.safety import files, options as opts, outputs
 from calib.scales import fold as scales_mod
 
 
@@ -203,17 +204,20 @@ def prepare_targets(source: Path | export.SourceFiles, out: Path, recipe: Recipe
 
 def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCapture, scales: scales_mod.Scales,
                   prov: Provenance, *, force: bool, overwrite_kv: bool = False,
-                  extra_files: dict[str, str] | None = None,
+                  extra_files: dict[str, str] | None = None, engine_versions: Mapping[str, str] | None = None,
                   prepared: dict[str, export.PreparedSource] | None = None) -> Path:
     """One target → OUT is that checkpoint; several → OUT/<target> each (weights hard-linked between them);
     no target → OUT holds the statistics only (stats.safetensors + kvcalib.json). `extra_files` ({name: text},
-    one target only) are written into OUT in the same atomic step. `prepared` (from `prepare_targets`, run by
-    the checks) is what each target writes from; without it each target checks `source` itself."""
+    one target only) are written into OUT in the same atomic step. Before anything is written, a target whose
+    engine (at `engine_versions`) would not serve these scales as calibrated refuses (calib.export.serve).
+    `prepared` (from `prepare_targets`, run by the checks) is what each target writes from; without it each
+    target checks `source` itself."""
     targets = list(recipe.targets)
+    serve.check(recipe, scales, prov.skipped_layers, engine_versions)
     if not targets:
         with outputs.atomic_dir(out, force, kind="statistics") as tmp:
             statsfile.save(tmp / STATS_FILE, capture, prov.stats_header())
-            (tmp / PROVENANCE_FILE).write_text(json.dumps(prov.written_as(None).to_dict(), indent=2) + "\n")
+            files.write_text(tmp / PROVENANCE_FILE, json.dumps(prov.written_as(None).to_dict(), indent=2) + "\n")
         return out
 
     if extra_files and len(targets) != 1:
@@ -232,33 +236,37 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCa
 
 
 def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, out: Path, *,
-                      force: bool = False, recipe_file: Path | None = None) -> tuple[Path, scales_mod.Scales, list[int]]:
+                      force: bool = False, recipe_file: Path | None = None,
+                      engine_versions: Mapping[str, str] | None = None) -> tuple[Path, scales_mod.Scales, list[int]]:
     """Scales for `recipe` from a statistics file, written against the model's checkpoint — no forward pass.
     Checks (output path, statistics file, model files, each target's rules, room), then OUT's lock, then the
     export from what the checks read."""
     if not recipe.targets:
-        raise statsfile.StatsError("export needs at least one target (vllm, trtllm)")
+        raise statsfile.StatsError(f"export needs at least one target ({', '.join(export.TARGETS)})")
+    serve.check(recipe, versions=engine_versions)
     inputs = [("the statistics file", stats_path), ("the model folder", model_src), ("the recipe", recipe_file)]
     outputs.check_folder(Path(out), force=force, inputs=inputs)
     sf = statsfile.load(Path(stats_path))
     source = model_mod.resolve_source(model_src)
     if statsfile.config_sha256(source) != sf.provenance.model_config_sha256:
         raise statsfile.StatsError(f"{stats_path} was recorded on another model than {source} (config.json differs)")
-    files = export.read_source(source)
-    files = dataclasses.replace(files, weights=export.scan_source(files))
-    prepared = prepare_targets(files, Path(out), recipe)
-    outputs.check_room(Path(out), [source / f for f in sorted(set(files.weights.weight_map.values()))],
+    source_files = export.read_source(source)
+    source_files = dataclasses.replace(source_files, weights=export.scan_source(source_files))
+    prepared = prepare_targets(source_files, Path(out), recipe)
+    outputs.check_room(Path(out), [source / f for f in sorted(set(source_files.weights.weight_map.values()))],
                        copies=len(recipe.targets))
     with outputs.lock(Path(out)):
         outputs.check_folder(Path(out), force=force, inputs=inputs)     # taking the lock may restore an output
-        return _export_from_stats(sf, stats_path, files, model_src, recipe, Path(out), force, prepared)
+        return _export_from_stats(sf, stats_path, source_files, model_src, recipe, Path(out), force, prepared,
+                                  engine_versions or {})
 
 
-def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, files: export.SourceFiles, model_src: str | Path,
-                       recipe: Recipe, out: Path, force: bool,
-                       prepared: dict[str, export.PreparedSource]) -> tuple[Path, scales_mod.Scales, list[int]]:
+def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, source_files: export.SourceFiles,
+                       model_src: str | Path, recipe: Recipe, out: Path, force: bool,
+                       prepared: dict[str, export.PreparedSource],
+                       engine_versions: Mapping[str, str]) -> tuple[Path, scales_mod.Scales, list[int]]:
     stats = statsfile.stats_for_recipe(sf, recipe, str(stats_path))
-    config = model_mod.preflight(files).text_config
+    config = model_mod.preflight(source_files).text_config
     skipped = model_mod.resolve_skip_layers(recipe.skip_layers, config, sf.capture.layers)
     scales = scales_mod.compute(stats, dtype=recipe.kv_dtype, granularity=recipe.scale_granularity,
                                 headroom=recipe.headroom)
@@ -266,7 +274,8 @@ def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, files: export.
     data = {**recorded.data, "statistics_file": str(stats_path)}
     prov = provenance(recipe, str(model_src), data, stats, scales, skipped, "from statistics file",
                       rotary_dim=recorded.rotary_dim, model_config_sha256=recorded.model_config_sha256)
-    path = write_outputs(files.path, Path(out), recipe, sf.capture, scales, prov, force=force, prepared=prepared)
+    path = write_outputs(source_files.path, Path(out), recipe, sf.capture, scales, prov, force=force,
+                         prepared=prepared, engine_versions=engine_versions)
     return path, scales, skipped
 
 
@@ -312,6 +321,7 @@ class CalibrateJob:
     overwrite_kv: bool = False
     allow_pickle: bool = False
     recipe_file: Path | None = None
+    engine_versions: Mapping[str, str] = field(default_factory=dict)   # --engine-version: {target: version}
 
 
 def check_calibrate(job: CalibrateJob, *, options_checked: bool = False) -> Checked:
@@ -325,7 +335,10 @@ def check_calibrate(job: CalibrateJob, *, options_checked: bool = False) -> Chec
     place = job.placement or model_mod.Placement(device=job.device)
     if not options_checked:
         opts.calibrate(device_name=place.device, max_batch_tokens=options.max_batch_tokens, seq_len=recipe.seq_len,
-                       checkpoint_every=(ckpt.every or None) if ckpt is not None else None)
+                       checkpoint_every=(ckpt.every or None) if ckpt is not None else None,
+                       device_map=place.device_map, max_memory=place.max_memory)
+    # an engine that would run these scales at 1.0 whatever the data (INT8 on TensorRT-LLM) refuses before any work
+    serve.check(recipe, versions=job.engine_versions)
     if ckpt is not None and options.dist.world > 1:
         raise statsfile.StatsError("--checkpoint-every/--resume run in a single process, not under torchrun")
     data_mod.check_source(job.data)
@@ -346,14 +359,15 @@ def check_calibrate(job: CalibrateJob, *, options_checked: bool = False) -> Chec
     target_dir = source_dir if job.into is None else model_mod.resolve_source(job.into)
     model = model_mod.preflight(source_dir, trust_remote_code=job.trust_remote_code, allow_pickle=job.allow_pickle)
     model.check_context(recipe.seq_len)
-    files = model.files
+    source_files = model.files
     if job.into is not None:
-        files = export.SourceFiles(target_dir, model_mod.read_config(target_dir))
-        _check_same_model(source_dir, model.raw, target_dir, files.config)
+        source_files = export.SourceFiles(target_dir, model_mod.read_config(target_dir))
+        _check_same_model(source_dir, model.raw, target_dir, source_files.config)
     weights: list[Path] = []
     prepared: dict[str, export.PreparedSource] = {}
     if recipe.targets:  # a broken source checkpoint surfaces before anything is loaded
-        prepared = prepare_targets(files, out, recipe, overwrite_kv=job.overwrite_kv, into=job.into is not None)
+        prepared = prepare_targets(source_files, out, recipe, overwrite_kv=job.overwrite_kv,
+                                   into=job.into is not None)
         first = next(iter(prepared.values()))
         weights = [target_dir / f for f in first.shards]
     outputs.check_room(out, weights, copies=max(1, len(recipe.targets)))
@@ -364,13 +378,15 @@ def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: 
               trust_remote_code: bool = False, force: bool = False, progress: Any | None = None,
               options: RunOptions = RunOptions(), placement: model_mod.Placement | None = None,
               stats_out: Path | None = None, into: Path | None = None, overwrite_kv: bool = False,
-              allow_pickle: bool = False, recipe_file: Path | None = None) -> Result:
+              allow_pickle: bool = False, recipe_file: Path | None = None,
+              engine_versions: Mapping[str, str] | None = None) -> Result:
     """Calibrate `model_src` on `data_src` and write the recipe's targets to `out`. With `into` (a
     weight-quantized checkpoint of the same model), the scales are attached to `into`'s files instead:
     its weights are carried over byte for byte and its quantization config gains the KV scheme."""
     return run(CalibrateJob(model_src, data_src, recipe, out, device=device, trust_remote_code=trust_remote_code,
                             force=force, options=options, placement=placement, stats_out=stats_out, into=into,
-                            overwrite_kv=overwrite_kv, allow_pickle=allow_pickle, recipe_file=recipe_file),
+                            overwrite_kv=overwrite_kv, allow_pickle=allow_pickle, recipe_file=recipe_file,
+                            engine_versions=dict(engine_versions or {})),
                progress)
 
 
@@ -426,10 +442,13 @@ def _write(job: CalibrateJob, checked: Checked, prep: _Prepared, seen: Observed,
     """The checkpoint(s) and the statistics file, from the main process only; then every rank meets."""
     path, options = Path(job.out), prep.options
     if options.dist.is_main:
-        path = write_outputs(checked.target_dir, Path(job.out), job.recipe, seen.capture, scales, prov,
-                             force=job.force, overwrite_kv=job.overwrite_kv, prepared=checked.prepared)
-        if job.stats_out is not None:
-            statsfile.save(Path(job.stats_out), seen.capture, prov.stats_header())
+        with contextlib.ExitStack() as stack:    # --stats-out lands only with OUT: a failed OUT leaves neither
+            if job.stats_out is not None:
+                tmp = stack.enter_context(outputs.atomic_file(Path(job.stats_out), "--stats-out"))
+                statsfile.write(tmp, seen.capture, prov.stats_header())
+            path = write_outputs(checked.target_dir, Path(job.out), job.recipe, seen.capture, scales, prov,
+                                 force=job.force, overwrite_kv=job.overwrite_kv,
+                                 engine_versions=job.engine_versions, prepared=checked.prepared)
         if options.checkpoint is not None:
             options.checkpoint.path.unlink(missing_ok=True)  # the run completed: nothing to resume
     barrier(options.dist)

@@ -232,6 +232,42 @@ def _locked_by_another_run(tmp: Path) -> list[str]:
     return _base(tmp)
 
 
+def _user_file(tmp: Path) -> Path:
+    return _write(tmp, "thesis.txt", "years of work\n")
+
+
+def _lock_planted(tmp: Path, out: str, how: str) -> None:
+    """OUT's lock path taken by a link to (`symlink`) or a second name of (`hardlink`) a user's file."""
+    lock = tmp / f".{out}.kvcalib-lock"
+    (lock.symlink_to if how == "symlink" else lambda target: os.link(target, lock))(_user_file(tmp))
+
+
+_UNDO: list[Callable[[], None]] = []    # process settings changed for one row (restored by run_row)
+
+
+def _file_size_limit(limit: int) -> None:
+    """Files this process writes may not grow past `limit` bytes while the row's command runs (RLIMIT_FSIZE:
+    the write fails with EFBIG, exactly as on a full disk; Python ignores SIGXFSZ)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    _UNDO.append(lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard)))
+
+
+def _full_disk_merge(tmp: Path) -> list[str]:
+    args = [str(_real_stats(tmp, "a.safetensors")), str(_real_stats(tmp, "b.safetensors")), "--out",
+            str(tmp / "m.safetensors")]
+    _file_size_limit(1000)
+    return args
+
+
+def _full_disk_calibrate(tmp: Path) -> list[str]:
+    args = _base(tmp)
+    _file_size_limit(1000)
+    return args
+
+
 def _export(tmp: Path, out: Path, *extra: str) -> list[str]:
     return ["--stats", str(_stats_file(tmp, "s.safetensors")), "--model", str(_model(tmp)), "--out", str(out), *extra]
 
@@ -405,6 +441,8 @@ ROWS = [
         "d.jsonl:1: 'text' is null"),
     Row("DATA is a pipe in a format that needs seeking", lambda t: _base(t, data=_fifo(t, "d.parquet")),
         "is a pipe, and '.parquet' needs a seekable file"),
+    Row("DATA text holds a lone surrogate (JSON \\ud800)", lambda t: _base(t, data=_write(
+        t, "d.jsonl", '{"text": "the cat \\ud800 sat"}\n')), "d.jsonl:1: the text holds a lone surrogate (U+D800"),
     Row("DATA line is not JSON", lambda t: _base(t, data=_write(t, "d.jsonl", "{oops\n")), "not valid JSON"),
     Row("DATA token ids beyond the vocabulary", lambda t: _base(t, data=_write(
         t, "d.jsonl", json.dumps({"input_ids": [5] * 19 + [99999]}) + "\n")), "token id out of range"),
@@ -416,7 +454,7 @@ ROWS = [
     Row("SAMPLES negative", lambda t: [*_base(t), "--samples", "-3"], "'samples' = -3"),
     Row("RECIPE with an unknown key", lambda t: _recipe(t, "headrom: 2\n"), "unknown field(s) 'headrom'"),
     Row("RECIPE field of the wrong type", lambda t: _recipe(t, "batch_size: four\n"), "has the wrong type"),
-    Row("RECIPE asks INT8 for vLLM", lambda t: _recipe(t, "dtype: int8\n"), "vLLM reads only FP8"),
+    Row("RECIPE asks INT8 for vLLM", lambda t: _recipe(t, "dtype: int8\n"), "vLLM has no static INT8 KV cache"),
     Row("RECIPE exports a statistics-only granularity", lambda t: _recipe(t, "granularity: channel\n"),
         "cannot be exported"),
     Row("RECIPE is a YAML bomb (anchors and aliases)", lambda t: _recipe(t, _yaml_bomb()),
@@ -449,6 +487,20 @@ ROWS = [
     Row("OUT inside the DATA folder", lambda t: [*_base(t), "--data", str(_folder(t, "corpus", {
         "a.jsonl": _tokens(t).read_text()})), "--out", str(t / "corpus" / "out")], "is inside the data"),
     Row("OUT is being written by another run", _locked_by_another_run, "another kvcalib run (pid 4242) is writing"),
+    # nothing is written through a link: the pid once went into whatever file the lock path pointed to
+    Row("OUT's lock path is a link to another file", lambda t: _base(t) if _lock_planted(t, "out", "symlink") is None
+        else [], ".out.kvcalib-lock is a symbolic link where kvcalib writes"),
+    Row("OUT's lock path is a second name of another file (hard link)", lambda t: _base(t) if _lock_planted(
+        t, "out", "hardlink") is None else [], ".out.kvcalib-lock is a file with 2 hard links"),
+    Row("merge --out's lock path is a link to another file", lambda t: [
+        str(_real_stats(t, "a.safetensors")), str(_real_stats(t, "b.safetensors")), "--out", str(t / "m.safetensors")]
+        if _lock_planted(t, "m.safetensors", "symlink") is None else [],
+        ".m.safetensors.kvcalib-lock is a symbolic link where kvcalib writes", command="merge"),
+    # a full disk (a file-size limit) while writing: one line, nothing left
+    Row("OUT's disk fills while the checkpoint is written", _full_disk_calibrate,
+        "writing failed (File too large); nothing was written"),
+    Row("merge --out's disk fills while writing", _full_disk_merge,
+        "writing failed (File too large); nothing was written", command="merge"),
     Row("--stats-out over the model's weights", lambda t: [
         *_base(t), "--stats-out", str(_model(t) / "model.safetensors")], "is inside the model folder"),
     Row("--stats-out over a file kvcalib did not write", lambda t: [
@@ -467,6 +519,10 @@ ROWS = [
     Row("--device not a device name", lambda t: [*_base(t), "--device", "gpu0"], "'gpu0' is not a device name"),
     Row("--device cuda without a CUDA GPU", lambda t: [*_base(t), "--device", "cuda"], "torch sees no CUDA GPU",
         cpu_only=True),
+    Row("--device-map cuda:0 without a CUDA GPU", lambda t: [*_base(t), "--device-map", "cuda:0"],
+        "--device-map cuda:0: torch sees no CUDA GPU", cpu_only=True),
+    Row("--max-memory names a GPU without a CUDA GPU", lambda t: [*_base(t), "--device-map", "auto", "--max-memory",
+        "0=1GiB,cpu=8GiB"], "--max-memory cuda:0: torch sees no CUDA GPU", cpu_only=True),
     Row("--device meta", lambda t: [*_base(t), "--device", "meta"], "runs models on cpu, cuda or mps"),
     Row("--batch-size 0", lambda t: [*_base(t), "--batch-size", "0"], "'batch_size' = 0"),
     Row("--max-batch-tokens 0", lambda t: [*_base(t), "--max-batch-tokens", "0"], "--max-batch-tokens 0: give a whole"),
@@ -498,6 +554,12 @@ ROWS = [
         command="eval"),
     Row("eval --engine vllm without --vllm-venv", lambda t: [*_eval(t), "--engine", "vllm"],
         "--engine vllm needs --vllm-venv PATH", command="eval"),
+    Row("eval --engine-timeout nan", lambda t: [*_eval(t), "--engine", "vllm", "--vllm-venv", str(t),
+        "--engine-timeout", "nan"], "--engine-timeout nan: give a finite number >= 1", command="eval"),
+    Row("eval --engine-timeout negative", lambda t: [*_eval(t), "--engine", "vllm", "--vllm-venv", str(t),
+        "--engine-timeout", "-5"], "--engine-timeout -5.0: give a finite number >= 1", command="eval"),
+    Row("eval --engine-timeout inf", lambda t: [*_eval(t), "--engine", "vllm", "--vllm-venv", str(t),
+        "--engine-timeout", "inf"], "--engine-timeout inf: give a finite number >= 1", command="eval"),
     Row("eval --vllm-venv not a virtual environment", lambda t: [*_eval(t), "--engine", "vllm", "--vllm-venv", str(t)],
         "no bin/python there", command="eval"),
     # files kvcalib parses: statistics, resume, other tools' configs, kvcalib.json
@@ -580,6 +642,8 @@ def run_row(row: Row, tmp: Path) -> tuple[int, str, list[str], list[str]]:
         os.chdir(cwd)
         while _HELD:
             os.close(_HELD.pop())
+        while _UNDO:
+            _UNDO.pop()()
     after = snapshot(tmp)
     left = sorted({*after.keys() - before.keys(), *(str(p.relative_to(tmp)) for p in tmp.rglob("*")
                                                    if p.is_dir() and p not in dirs)})

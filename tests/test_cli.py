@@ -147,3 +147,53 @@ def test_cpu_dtype_sets_the_model_dtype_on_cpu(tmp_path, token_data):
         assert f"{dtype} on cpu" in r.output
         amax[dtype] = json.loads((tmp_path / dtype / "kvcalib.json").read_text())["layers"]["1"]["k_amax"]
     assert amax["bfloat16"] == pytest.approx(amax["float32"], rel=2 ** -6)
+
+
+@pytest.fixture
+def short_docs(tiny_llama_dir, tok, tmp_path):
+    """The tiny model with a word-level tokenizer, and a folder of .txt documents of short paragraphs
+    (21 tokens each, 120 of them)."""
+    tok.save_pretrained(tiny_llama_dir)
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    words = "the cat sat on the mat a dog ran far away from the cat".split()
+    for d in range(6):
+        paras = [" ".join(words[(d + p + i) % len(words)] for i in range(20)) for p in range(20)]
+        (folder / f"doc{d}.txt").write_text("\n\n".join(paras) + "\n")
+    return tiny_llama_dir, folder
+
+
+def _hint(output):
+    return [ln for ln in output.splitlines() if "--pack concatenates" in ln]
+
+
+def test_short_samples_suggest_pack_in_calibrate_eval_and_tune(short_docs, token_data, tmp_path):
+    """Paragraphs of 21 tokens against --seq-len 128 / a 128-token bucket: one warning line with the numbers;
+    none once --pack fills the samples."""
+    model, docs = short_docs
+    r = _run("calibrate", "--model", model, "--data", docs, "--out", tmp_path / "c", "--samples", 16,
+             "--seq-len", 128, "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    (line,) = _hint(r.output)
+    assert "samples average 21 tokens, 16% of --seq-len (128), 0% of the computed positions padding" in line
+    r = _run("calibrate", "--model", model, "--data", docs, "--out", tmp_path / "c2", "--samples", 16,
+             "--seq-len", 128, "--device", "cpu", "--pack")
+    assert r.exit_code == 0 and not _hint(r.output), r.output
+
+    ev = ("eval", "--model", model, "--data", docs, "--buckets", "32,128", "--samples", 8, "--no-plots",
+          "--passkey-trials", 0, "--device", "cpu", "--no-progress", "--max-skip", 0)
+    r = _run(*ev, "--out", tmp_path / "e")
+    (line,) = _hint(r.output)
+    assert "samples average 21 tokens, 16% of the largest bucket (128)" in line
+    r = _run(*ev, "--out", tmp_path / "e2", "--pack")
+    assert not _hint(r.output), r.output
+
+    tu = ("tune", "--model", model, "--data", docs, "--eval-data", token_data, "--samples", 16, "--seq-len", 128,
+          "--eval-samples", 4, "--buckets", "16,32", "--observers", "absmax", "--headrooms", "1.0",
+          "--max-skip", 0, "--no-plots", "--no-progress", "--device", "cpu")
+    r = _run(*tu, "--out", tmp_path / "t")
+    assert r.exit_code == 0, r.output
+    (line,) = _hint(r.output)
+    assert "samples average 21 tokens, 16% of --seq-len (128)" in line
+    r = _run(*tu, "--out", tmp_path / "t2", "--pack")
+    assert r.exit_code == 0 and not _hint(r.output), r.output

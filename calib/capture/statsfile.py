@@ -35,7 +35,7 @@ from calib.ckpt.names import STATS_FILE
 from calib.errors import KvcalibError
 from calib.provenance import RESUME, STATS, Provenance, ProvenanceError
 from calib.recipe.recipe import Recipe, RecipeError, from_dict
-from calib.safety import outputs
+from calib.safety import files, outputs
 
 # Recipe fields that decide what the observers recorded; runs must agree on them to be merged.
 OBSERVED = ("dtype", "granularity", "observer", "observer_params", "q_scale")
@@ -70,19 +70,22 @@ def config_sha256(model_dir: Path) -> str:
     return integrity.digest((Path(model_dir) / "config.json").read_bytes())
 
 
-def save(path: Path, capture: observe.KVCapture, header: dict[str, Any]) -> Path:
-    """Write `capture`'s statistics and observer states to `path` (a .safetensors file)."""
-    from safetensors.torch import save_file
+def save(path: Path, capture: observe.KVCapture, header: dict[str, Any], option: str = "--out") -> Path:
+    """Write `capture`'s statistics and observer states to `path` (a .safetensors file), atomically."""
+    path = Path(path)
+    with outputs.atomic_file(path, option) as tmp:
+        write(tmp, capture, header)
+    return path
 
+
+def write(path: Path, capture: observe.KVCapture, header: dict[str, Any]) -> None:
+    """The statistics file as a new file at `path` (a caller's temporary name: `save` or a larger atomic step)."""
     stats = capture.stats()
     tensors = {f"stats.{k}": v for k, v in stats_to_tensors(stats).items()}
     tensors.update({f"state.{k}": v.contiguous() for k, v in capture.state_dict().items()})
     header = {**header, "layers": capture.layers}
     text = json.dumps(header)
-    path = Path(path)
-    with outputs.atomic_file(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"kvcalib": text, CHECKSUM: _checksum(text, tensors)})
-    return path
+    files.save_tensors(path, tensors, {"kvcalib": text, CHECKSUM: _checksum(text, tensors)})
 
 
 CHECKSUM = "kvcalib_sha256"   # over the header text and every tensor: an edited or damaged file is refused

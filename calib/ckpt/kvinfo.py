@@ -46,6 +46,8 @@ def read_kv_info(path: str | Path) -> KVInfo:
         raise ValueError(f"{path}/config.json: quantization_config.kv_cache_scheme must be an object, "
                          f"not {type(scheme).__name__}")
     targets = ["vllm"] if scheme or formats.quark_kv_group(qc) else []
+    if targets and (ck.provenance or {}).get("target") == "sglang":
+        targets = ["sglang"]      # the same compressed-tensors layout, written (per tensor, no q) for SGLang
     kv_algo = formats.modelopt_kv_cache_algo(ck.hf_quant)
     if kv_algo:
         targets.append("trtllm")

@@ -239,21 +239,40 @@ class CheckpointFiles:
         return [i for i in range(self.num_layers) if i not in self.skipped_layers]
 
 
+def widen_fp8(raw: bytes, dtype: str) -> np.ndarray:
+    """float64 values of FP8 bytes: F8_E5M2 is the top byte of an IEEE half; F8_E4M3 is the `fn` format
+    (bias 7, subnormals below 2^-6, no infinities, S.1111.111 is NaN), the one torch's float8_e4m3fn and the
+    engines store."""
+    b = np.frombuffer(raw, dtype=np.uint8)
+    if dtype == "F8_E5M2":
+        return (b.astype(np.uint16) << 8).view(np.float16).astype(np.float64)
+    exp, man = (b >> 3) & 0xF, (b & 0x7).astype(np.float64)
+    mag = np.where(exp == 0, man / 8 * 2.0 ** -6, (1 + man / 8) * np.exp2(exp.astype(np.float64) - 7))
+    mag = np.where((exp == 15) & ((b & 0x7) == 7), np.nan, mag)
+    return np.where(b & 0x80, -mag, mag)
+
+
+RAW_DTYPES = ("BF16", "F8_E4M3", "F8_E5M2")     # numpy has no such dtype: widened from the file's bytes
+
+
 def tensor_values(path: Path, name: str) -> np.ndarray | None:
     """float64 values of tensor `name` in a safetensors file, read without torch or pickle; None for dtypes
-    numpy cannot hold (e.g. FP8). bf16 is widened from its raw 16-bit patterns."""
+    numpy cannot hold and kvcalib does not widen itself. bf16 and FP8 (scales stored in FP8 by other tools)
+    are widened from their raw bytes."""
     from safetensors import safe_open
 
     with open(path, "rb") as fh:
         n = struct.unpack("<Q", fh.read(8))[0]
         entry = json.loads(fh.read(n))[name]
-        if entry["dtype"] == "BF16":
+        if entry["dtype"] in RAW_DTYPES:
             start, end = entry["data_offsets"]
             fh.seek(8 + n + start)
             raw = fh.read(end - start)
+            if entry["dtype"] != "BF16":
+                return widen_fp8(raw, entry["dtype"])
             return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     try:
         with safe_open(str(path), framework="numpy") as f:
             return np.asarray(f.get_tensor(name), dtype=np.float64).reshape(-1)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, AttributeError):    # a dtype numpy lacks (safetensors asks numpy for it by name)
         return None

@@ -75,6 +75,21 @@ class DataReport:
                 "column": self.column, "fingerprint": f"sha256:{self.fingerprint}"}
 
 
+SHORT_SHARE = 0.5          # unpacked samples averaging under this share of the length they could fill: warn
+
+
+def pack_hint(samples: int, tokens: int, length: int, what: str, padding: float | None = None) -> str | None:
+    """One warning line when unpacked samples average under `SHORT_SHARE` of `length` tokens (`what` names
+    that length: "--seq-len", "the largest bucket") and the data holds enough tokens to fill one sample of
+    it; `padding`: the share of computed positions that were (or will be) padding. None otherwise."""
+    if samples <= 0 or tokens < length or tokens / samples >= SHORT_SHARE * length:
+        return None
+    mean = tokens / samples
+    pad = "" if padding is None else f", {padding:.0%} of the computed positions padding"
+    return (f"warning: samples average {mean:,.0f} tokens, {mean / length:.0%} of {what} ({length:,}){pad}: "
+            f"the records are short; --pack concatenates them into samples that fill it")
+
+
 # ---------------------------------------------------------------- readers (one record at a time)
 
 def _read_jsonl(path: Path) -> Iterator[Record]:
@@ -321,6 +336,7 @@ def _to_ids(rec: Record, column: str, tokenizer: Any, max_len: int | None) -> li
             raise DataError(f"{rec.origin}: {e}") from None
     elif not isinstance(value, str):
         raise DataError(f"{rec.origin}: text must be a string, got {type(value).__name__}")
+    _check_unicode(value, rec.origin)
     if tokenizer is None:
         raise DataError(f"{rec.origin}: the model has no tokenizer, so '{column}' data cannot be used; "
                         "give pre-tokenized data with an input_ids column")
@@ -339,6 +355,23 @@ def _to_ids(rec: Record, column: str, tokenizer: Any, max_len: int | None) -> li
         text, special = value, True
     enc = tokenizer(text, add_special_tokens=special, truncation=max_len is not None, max_length=max_len)
     return list(enc["input_ids"])
+
+
+def _lone_surrogate(value: Any) -> tuple[int, str] | None:
+    """(position, character) of the first lone surrogate in a string, or in the strings of a chat's messages."""
+    if isinstance(value, str):
+        return next(((i, c) for i, c in enumerate(value) if "\ud800" <= c <= "\udfff"), None)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return next((hit for v in items if (hit := _lone_surrogate(v)) is not None), None)
+
+
+def _check_unicode(value: Any, origin: str) -> None:
+    """Text holding a lone surrogate (JSON allows `\\ud800`; it is no character) is refused, not replaced: a
+    replaced character would calibrate on text the user never wrote, and the tokenizer cannot encode it."""
+    hit = _lone_surrogate(value)
+    if hit is not None:
+        raise DataError(f"{origin}: the text holds a lone surrogate (U+{ord(hit[1]):04X}, character {hit[0]}), "
+                        "which is not Unicode text; fix the source's encoding or remove the record")
 
 
 def _check_vocab(ids: list[int], vocab_size: int | None, origin: str) -> None:

@@ -29,6 +29,8 @@ Progress lines on stdout: `{"progress": {"tokens": int, "samples": int, "passkey
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +55,18 @@ def check(doc: Any, fields: tuple[str, ...], what: str) -> dict[str, Any]:
     missing = [f for f in fields if f not in doc]
     if missing:
         raise ProtocolError(f"{what}: missing field(s) {', '.join(missing)}")
-    if doc["protocol"] != PROTOCOL:
-        raise ProtocolError(f"{what}: protocol {doc['protocol']!r}, this kvcalib speaks {PROTOCOL}")
+    if isinstance(doc["protocol"], bool) or doc["protocol"] != PROTOCOL:
+        raise ProtocolError(f"{what}: protocol {_show(doc['protocol'])}, this kvcalib speaks {PROTOCOL}")
     return doc
 
 
 def write(path: Path, doc: dict[str, Any]) -> None:
+    """`doc` into `path` through a new sibling file (created with O_EXCL | O_NOFOLLOW: never through a link)."""
     tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc))
-    tmp.replace(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(json.dumps(doc))
+    os.replace(tmp, path)
 
 
 def read(path: Path, fields: tuple[str, ...], what: str) -> dict[str, Any]:
@@ -83,10 +88,14 @@ def parse_progress(line: str) -> dict[str, int] | None:
         return None
     try:
         doc = json.loads(line)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return None
     p = doc.get(PROGRESS) if isinstance(doc, dict) else None
-    return p if isinstance(p, dict) else None
+    if not isinstance(p, dict):
+        return None
+    counts = {k: p.get(k) for k in ("tokens", "samples", "passkey")}
+    ok = all(type(v) is int and v >= 0 for v in counts.values())
+    return counts if ok else None
 
 
 def not_run(reason: str, engine: str = "", version: str = "", kv_gib: int = 0) -> dict[str, Any]:
@@ -94,3 +103,156 @@ def not_run(reason: str, engine: str = "", version: str = "", kv_gib: int = 0) -
     return {"protocol": PROTOCOL, "status": NOT_RUN, "reason": reason, "engine": engine, "version": version,
             "kv_cache_dtype": None, "kv_capacity_tokens": None, "kv_gib": kv_gib, "seconds": {}, "samples": [],
             "continuations": [], "passkey": []}
+
+
+# ------------------------------------------------------------------ the runner's answer is untrusted input
+#
+# A runner runs in another interpreter, with an engine kvcalib does not control: whatever it writes is
+# checked here before a number of it reaches a metric. Every field has a type, a range and a size: log-
+# probabilities are finite and <= 0 (LOGPROB_SLACK for rounding), ids and counts are whole numbers, every
+# list is as long as the request makes it, texts are cut to one line. The file is not read past
+# `response_cap(request)` bytes, what the largest honest answer to that request can take.
+
+LOGPROB_SLACK = 1e-4          # log_softmax rounding may give a hair above 0
+MAX_TEXT = 400                # characters kept of a runner's text (reason, versions, dtype names)
+MAX_ID = 2 ** 31 - 1
+
+
+def clean_text(value: str, limit: int = MAX_TEXT) -> str:
+    """One printable line: control characters become spaces, lone surrogates U+FFFD, cut to `limit`."""
+    out = "".join(" " if ord(c) < 32 or ord(c) == 127 else "\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c
+                  for c in value[:limit * 2])
+    return " ".join(out.split())[:limit]
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _whole(value: Any, where: str, lo: int = 0, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bound = f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}"
+        raise ProtocolError(f"{where} = {_show(value)}: expected a whole number{bound}")
+    return value
+
+
+def _logprob(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value > LOGPROB_SLACK:
+        raise ProtocolError(f"{where} = {_show(value)}: not a log-probability (a finite number <= 0)")
+    return float(min(value, 0.0))
+
+
+def _seconds(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ProtocolError(f"{where} = {_show(value)}: expected a finite number of seconds >= 0")
+    return float(value)
+
+
+def _text(value: Any, where: str, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise ProtocolError(f"{where} = {_show(value)}: expected a string")
+    return clean_text(value)
+
+
+def _list(value: Any, where: str, n: int | None = None, most: int | None = None) -> list:
+    if not isinstance(value, list):
+        raise ProtocolError(f"{where} = {_show(value)}: expected a list")
+    if n is not None and len(value) != n:
+        raise ProtocolError(f"{where} holds {len(value)} entries; the request asked for {n}")
+    if most is not None and len(value) > most:
+        raise ProtocolError(f"{where} holds {len(value)} entries; the request allows at most {most}")
+    return value
+
+
+def _ids(value: Any, where: str, most: int) -> list[int]:
+    return [_whole(x, f"{where}[{i}]", 0, MAX_ID) for i, x in enumerate(_list(value, where, most=most))]
+
+
+def _sample(row: Any, where: str, ids: list[int], k: int) -> dict[str, Any]:
+    if not isinstance(row, dict) or set(row) != {"target", "top_ids", "top_logprobs"}:
+        raise ProtocolError(f"{where}: expected an object with target, top_ids and top_logprobs, got {_show(row)}")
+    n = max(len(ids) - 1, 0)
+    target = [_logprob(x, f"{where}.target[{j}]") for j, x in enumerate(_list(row["target"], f"{where}.target", n))]
+    top_ids, top_lps = _list(row["top_ids"], f"{where}.top_ids", n), _list(row["top_logprobs"], f"{where}.top_logprobs", n)
+    out_ids, out_lps = [], []
+    for j in range(n):
+        ti = _ids(top_ids[j], f"{where}.top_ids[{j}]", k)
+        tl = _list(top_lps[j], f"{where}.top_logprobs[{j}]", len(ti))
+        out_ids.append(ti)
+        out_lps.append([_logprob(x, f"{where}.top_logprobs[{j}][{i}]") for i, x in enumerate(tl)])
+    return {"target": target, "top_ids": out_ids, "top_logprobs": out_lps}
+
+
+def check_response(doc: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """The runner's response to `request`, every field checked (ProtocolError names the first bad one);
+    a not_run answer keeps only its reason and names."""
+    doc = check(doc, RESPONSE_FIELDS, "response")
+    extra = sorted(str(f) for f in doc if f not in RESPONSE_FIELDS)
+    if extra:
+        raise ProtocolError(f"response: unknown field(s) {clean_text(', '.join(extra), 80)}")
+    if doc["status"] not in (OK, NOT_RUN):
+        raise ProtocolError(f"status = {_show(doc['status'])}: expected {OK!r} or {NOT_RUN!r}")
+    engine, version = _text(doc["engine"], "engine"), _text(doc["version"], "version")
+    kv_gib = _whole(doc["kv_gib"], "kv_gib")
+    if doc["status"] == NOT_RUN:
+        reason = _text(doc["reason"], "reason", optional=True)
+        return not_run(reason or "the runner gave no reason", engine, version, kv_gib)
+    samples, k = request["samples"], int(request["top_k"])
+    seconds = doc["seconds"]
+    if not isinstance(seconds, dict) or len(seconds) > 32:
+        raise ProtocolError(f"seconds = {_show(seconds)}: expected an object of at most 32 timings")
+    cont, pk = int(request["continuation_tokens"]), max(1, int(request["passkey_tokens"]))
+    rows = _list(doc["samples"], "samples", len(samples))
+    return {
+        "protocol": PROTOCOL, "status": OK, "reason": None, "engine": engine, "version": version,
+        "kv_cache_dtype": _text(doc["kv_cache_dtype"], "kv_cache_dtype"),
+        "kv_capacity_tokens": None if doc["kv_capacity_tokens"] is None
+        else _whole(doc["kv_capacity_tokens"], "kv_capacity_tokens"),
+        "kv_gib": kv_gib,
+        "seconds": {clean_text(str(name), 40): _seconds(v, f"seconds.{clean_text(str(name), 40)}")
+                    for name, v in seconds.items()},
+        "samples": [_sample(row, f"samples[{i}]", samples[i], k) for i, row in enumerate(rows)],
+        "continuations": [_ids(c, f"continuations[{i}]", cont) for i, c in
+                          enumerate(_list(doc["continuations"], "continuations", len(samples)))],
+        "passkey": [_ids(a, f"passkey[{i}]", pk) for i, a in
+                    enumerate(_list(doc["passkey"], "passkey", len(request["passkey"])))],
+    }
+
+
+def response_cap(request: dict[str, Any]) -> int:
+    """The most bytes an honest response to `request` takes (twice the densest JSON, plus 1 MiB): per
+    scored position one target and top_k (id, log-probability) pairs, plus the generated ids."""
+    k = int(request["top_k"])
+    positions = sum(max(len(s) - 1, 0) for s in request["samples"])
+    generated = (len(request["samples"]) * int(request["continuation_tokens"])
+                 + len(request["passkey"]) * max(1, int(request["passkey_tokens"])))
+    return (1 << 20) + 2 * (positions * (48 + 48 * k) + 24 * generated)
+
+
+def read_response(path: Path, request: dict[str, Any]) -> dict[str, Any]:
+    """The checked response file (ProtocolError: too large, not JSON, or not the answer to `request`)."""
+    cap = response_cap(request)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > cap:
+                raise ProtocolError(f"response is {size:,} bytes, more than the {cap:,} an answer to this "
+                                    "request can take")
+            raw = f.read(cap + 1)
+    except OSError as e:
+        raise ProtocolError(f"response unreadable: {e.strerror or e}") from None
+    if len(raw) > cap:
+        raise ProtocolError(f"response grew past the {cap:,} bytes an answer to this request can take")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"response is not UTF-8 (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ProtocolError(f"response is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except (ValueError, RecursionError) as e:     # an integer of thousands of digits, nesting past the stack
+        raise ProtocolError(f"response is not usable JSON ({clean_text(str(e) or type(e).__name__, 120)})") from None
+    return check_response(doc, request)

@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from calib.safety import files
+
 PLOT = "engine_vs_emulation.png"
 
 
@@ -37,16 +39,19 @@ def markdown(doc: dict[str, Any], table: Callable[[Sequence[str], Sequence[Seque
     def pct(x):
         return "–" if x is None else f"{100 * x:+.3g}%"
 
-    rows, not_run, cap = [], [], []
+    rows, not_run, cap, implausible = [], [], [], []
     for n, e in arms.items():
         g = e.get("engine") or {}
+        odd = [m for m in e.get("misses") or [] if m.startswith("engine output implausible")]
         s, es = e["summary"], (g.get("summary") if g.get("status") == "ok" else None) or {}
         greedy = (es.get("greedy") or {}).get("prefix")
         rows.append([n, numbers.get(n, "reference" if n == ref_name else "emulation"), _num(s["ppl"]), _num(es.get("ppl")),
                      pct(s["ppl_rel"]) if n != ref_name else "–", pct(es.get("ppl_rel")) if es and n != ref_name else "–",
                      s["kl"], es.get("kl"), es.get("kl_unresolved_mass"), f"{100 * s['top1']:.3g}%",
                      "–" if not es else f"{100 * es['top1']:.3g}%", "–" if greedy is None else f"{100 * greedy:.3g}%",
-                     _pk(e), _pk(g), g.get("status", "–").replace("_", " ")])
+                     _pk(e), _pk(g), "implausible" if odd else g.get("status", "–").replace("_", " ")])
+        if odd:
+            implausible.append(f"- `{n}`: {odd[0]}")
         if g.get("status") == "not_run":
             not_run.append(f"- `{n}`: not run: {g['reason']}")
         elif g.get("status") == "ok":
@@ -63,6 +68,9 @@ def markdown(doc: dict[str, Any], table: Callable[[Sequence[str], Sequence[Seque
     if cap:
         lines += ["KV-cache capacity measured by the engine (same pool size for every arm):", ""]
         lines += table(["arm", "KV cache dtype", "tokens", "GiB", "tokens/GiB"], cap)
+    if implausible:
+        lines += ["Engine numbers implausible for the arm's format (orders of magnitude off the reference while the "
+                  "emulation is not; never ranked):", ""] + implausible + [""]
     if not_run:
         lines += ["Arms the engine did not run:", ""] + not_run + [""]
     return lines
@@ -97,5 +105,6 @@ def plot(doc: dict[str, Any], out: Path) -> str | None:
     ax.set_xticklabels([n if len(n) < 28 else "…" + n[-27:] for n in names], rotation=20, ha="right", fontsize=7)
     ax.legend(fontsize=7)
     FigureCanvasAgg(fig)
-    fig.savefig(out / PLOT, dpi=90, format="png")
+    with files.open_new(out / PLOT, "wb") as f:
+        fig.savefig(f, dpi=90, format="png")
     return PLOT

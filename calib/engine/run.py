@@ -14,13 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from calib.engine import driver, metrics, protocol
+from calib.engine import driver, metrics, protocol, support
 from calib.evaluation import passkey
 from calib.progress import SILENT, Progress
 
 KV_DTYPES = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}      # kvcalib dtype -> vLLM --kv-cache-dtype
-INT8_SERVED_BY = ("vLLM has no INT8 KV cache; TensorRT-LLM serves it (hf_quant_config.json kv_cache_quant_algo "
-                  "INT8) and cannot be installed here (docs/design.md §8)")
+INT8_SERVED_BY = ("vLLM has no INT8 KV cache (the support matrix, calib.engine.support: "
+                  + support.who_serves("int8") + ")")
 
 
 def request_arm(arm: Any, model: str) -> dict[str, Any] | str:
@@ -33,8 +33,9 @@ def request_arm(arm: Any, model: str) -> dict[str, Any] | str:
         return ("a what-if from a statistics file, not a checkpoint: export it (`kvcalib export --stats`) and pass "
                 "it with --scales to measure it in the engine")
     if arm.kind == "checkpoint" and arm.name.endswith("@tensor"):
-        return (f"the engine serves the checkpoint `{arm.source}` itself: see that arm's engine numbers (backends "
-                "other than FlashAttention-3 apply the max over heads, this fold)")
+        head = support.outcome("vllm", support.Calibrated(arm.dtype.name, "head"))
+        return (f"the engine serves the checkpoint `{arm.source}` itself: see that arm's engine numbers (per-head "
+                f"scales: {'; '.join(head.lines())})")
     if arm.kind not in ("default", "checkpoint"):
         return f"arm kind {arm.kind!r} has no engine form"
     return {"name": arm.name, "model": arm.source if arm.kind == "checkpoint" else model,

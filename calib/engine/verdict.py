@@ -4,8 +4,8 @@ Why: an emulation that does not match the engine can ship what the engine degrad
 fine (issue: +0.99 % emulated vs +2.72 % measured on one text). So every decision reads the engine's numbers
 when the engine measured the arm, the emulation's otherwise, and the verdict says which. Three further
 rules keep the advice honest:
-- advice names the engine that serves the arm's KV dtype and its setting (INT8 KV: TensorRT-LLM; vLLM has
-  no INT8 cache), never another engine's flag;
+- advice names the engine that serves the arm's KV dtype and its setting, never another engine's flag, and
+  never an engine that would run the scales at 1.0 (the support matrix, calib.engine.support, says which);
 - when calibrated and default scales are within noise, the verdict says so and why (docs/design.md §4:
   inside e4m3's normal range the relative rounding error does not depend on the scale), and it shows the
   layers that saturate at scale 1.0;
@@ -19,13 +19,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from calib.engine import support
 from calib.evaluation.results import ArmInfo, ArmMetrics, BucketRow, Reference, Summary, passkey_correct
 
 ENGINE, EMULATION = "engine", "emulation"
 SKIP_FLAG = "--kv-cache-dtype-skip-layers"
-TRTLLM_INT8 = ("TensorRT-LLM's INT8 KV cache (`kvcalib calibrate --recipe int8-tensor --target trtllm` writes "
-               "`kv_cache_quant_algo: INT8` to hf_quant_config.json, which `trtllm-serve` reads; LLM API: "
-               "`KvCacheConfig(dtype=\"int8\")`); vLLM has no INT8 KV cache")
+
+
+def int8_serving() -> str:
+    """Where calibrated INT8 KV scales are served, from the support matrix (calib.engine.support), and how
+    kvcalib writes them for a build that applies them."""
+    builds = sorted({c.build for c in support.CELLS if c.engine == "trtllm" and c.build and "int8" in c.formats})
+    how = "; ".join(f"`kvcalib calibrate --dtype int8 --target trtllm --engine-version trtllm={b}` writes it for a "
+                    f"TensorRT-LLM build with {b}" for b in builds)
+    return f"{support.who_serves('int8')}" + (f" ({how})" if how else "")
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
 
 
@@ -34,6 +41,37 @@ Entry = Reference | ArmMetrics
 
 def engine_ok(entry: Entry) -> bool:
     return (entry.engine or {}).get("status") == "ok"
+
+
+# An engine arm is implausible for its format when it is off the model-dtype reference by more than any KV format
+# kvcalib serves costs: a tenfold perplexity (FP8 at scale 1.0 measured +1 % to +4 % in GPU vLLM; even INT8 rounded
+# at scale 1.0 cost about x10 in kvcalib's emulation of the default model), or a mean KL past ln 10 nats —
+# the same tenfold loss counted as a divergence per token. CPU vLLM 0.32 accepting fp8_per_token_head and returning
+# perplexity 224,275 against 22.4 (x10,000) is what this catches. The emulation of the same arm is the second
+# opinion: when it is as far off, the format itself is that bad and the engine is believed.
+MAX_PPL_RATIO = 10.0
+MAX_KL = math.log(MAX_PPL_RATIO)
+
+
+def implausible(entry: Entry) -> str | None:
+    """"engine output implausible for <format> on <engine version>" with the numbers, when the engine's numbers of
+    this arm are orders of magnitude off the reference and its emulation is not; None otherwise."""
+    if isinstance(entry, Reference) or not engine_ok(entry):
+        return None
+    g = entry.engine
+    s = g.get("summary") or {}
+    ppl, rel, kl = s.get("ppl"), s.get("ppl_rel"), s.get("kl")
+    ratio = None if rel is None else 1.0 + rel
+    bad = (ppl is None or not math.isfinite(ppl) or (ratio is not None and ratio > MAX_PPL_RATIO)
+           or (kl is not None and (not math.isfinite(kl) or kl > MAX_KL)))
+    emulated = 1.0 + entry.summary.ppl_rel
+    if not bad or emulated > MAX_PPL_RATIO:
+        return None
+    fmt = g.get("kv_cache_dtype") or entry.info.dtype
+    nums = ", ".join(x for x in (f"ppl x{ratio:.4g}" if ratio is not None else "", f"KL {kl:.3g}" if kl is not None
+                                 else "") if x)
+    return (f"engine output implausible for {fmt} on {g.get('engine')} {g.get('version')} ({nums} vs the reference; "
+            f"emulated x{emulated:.4g}): not ranked")
 
 
 @dataclass(frozen=True)
@@ -68,9 +106,9 @@ def how_to_serve(info: ArmInfo) -> str:
     skip = sorted(set(info.serve_skip) | set(info.skip))
     if info.dtype == "int8":
         if info.kind == "stats":
-            return f"calibrate with `granularity: {info.granularity}`, dtype int8, and serve it with {TRTLLM_INT8}"
+            return f"calibrate with `granularity: {info.granularity}`, dtype int8, only for an engine that applies it: {int8_serving()}"
         where = f"`{info.source}`" if info.source else "INT8 KV with scale 1.0"
-        return f"serve {where} with {TRTLLM_INT8}"
+        return f"serve {where} only on an engine that applies its scales: {int8_serving()}"
     flag = f"--kv-cache-dtype {'fp8_e5m2' if info.dtype == 'fp8_e5m2' else 'fp8'}"
     flag += f" {SKIP_FLAG} {' '.join(map(str, skip))}" if skip else ""
     if info.kind == "default":

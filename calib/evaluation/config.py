@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from calib.data import sources as data_mod
-from calib.evaluation import emulate
+from calib.evaluation import emulate, served
 from calib.evaluation.fakequant import EvalError
 from calib.evaluation.report import Thresholds
 from calib.safety import options, outputs
@@ -44,6 +44,10 @@ class EvalConfig:
     trust_remote_code: bool = False
     force: bool = False
     engine: Any = None                # calib.engine.driver.EngineSpec: also measure every arm in that engine
+    target: str | None = None         # evaluate calibrated arms as this engine serves them (calib.evaluation.served)
+    engine_version: str | None = None  # the target's version or build (None: the newest the support matrix read)
+    budget_minutes: float | None = None   # the whole run, engine included (calib/evaluation/plan.py drops parts)
+    emulate_up_to: int | None = None  # emulate buckets up to this many tokens (None: all; with an engine a short window)
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as report.json records them (paths as strings, the engine spec as a mapping)."""
@@ -67,4 +71,9 @@ def check_eval(cfg: EvalConfig) -> None:
         emulate.by_name(cfg.emulate)
     except ValueError as e:
         raise EvalError(f"--emulate: {e}") from None
+    if cfg.budget_minutes is not None and not cfg.budget_minutes > 0:
+        raise EvalError(f"--budget-minutes {cfg.budget_minutes:g}: give a positive number of minutes")
+    if cfg.emulate_up_to is not None and cfg.emulate_up_to < 2:
+        raise EvalError(f"--emulate-up-to {cfg.emulate_up_to}: give a token length (at least 2)")
     data_mod.check_source(cfg.data)
+    served.check(cfg.target, cfg.engine_version)

@@ -12,7 +12,7 @@ The algorithm, as read from flash-attention's hopper/ sources:
   (FlashAttnFwdSm90::operator(): `softmax_scale_log2 *= q_descale * k_descale`, unless softcapped) and
   `mainloop_fwd_sm90_tma_gmma_ws.hpp` (CollectiveMainloopFwdSm90::mma: with softcap
   `softcap_val *= q_descale * k_descale`, tanh before the mask; `softmax.finalize(v_descale)`).
-  vLLM quantises Q itself (x * (1 / q_scale), nearest; `calib/emulate.py` cites it).
+  vLLM quantises Q itself (x * (1 / q_scale), nearest; `calib/evaluation/emulate.py` cites it).
 - Key blocks of kBlockN keys from key 0, visited from the last one the query tile can see down to the
   first (`mma`: `n_block = n_block_max - 1`, `--n_block`); S = Q . K^T with float32 accumulation.
 - Online softmax with `Max_offset = 8` for FP8 (`hopper/softmax.h`, Softmax::max_get_scale, online_softmax,
@@ -50,10 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-try:                                      # the fp8 arithmetic moves into calib.scales
-    from ..scales import fp8
-except ImportError:
-    from .. import fp8
+from calib.scales import fp8
 
 try:
     import triton

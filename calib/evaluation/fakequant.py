@@ -9,8 +9,9 @@ Perplexity measured with full-precision prompt K/V would hide exactly the damage
 
 Which engine's arithmetic: `calib/evaluation/emulate.py` names what each engine does to Q, K, V and the softmax
 probabilities (the hook's `emulation`); the conversions are `calib/scales/fp8.py`'s, exact to the bit. For
-FlashAttention-3's FP8 path (Q and P in FP8 too) the hook runs `fp8.fp8_attention` instead of the model's
-attention function.
+FlashAttention-3's FP8 path (Q and P in FP8 too) the hook runs `calib/evaluation/fa3.py` instead of the
+model's attention function: FA3's blockwise arithmetic, a Triton kernel on CUDA and its float32 reference
+elsewhere.
 
 Why a module of its own: what an arm is and how the cache would store it (scales from a checkpoint or a
 statistics file, shaped per tensor/head/channel or per token) is independent of how an evaluation picks
@@ -32,8 +33,9 @@ import torch
 from calib.capture import hook as observe
 from calib.capture.stats import LayerStats, Stats
 from calib.ckpt.kvinfo import KVInfo, read_kv_info
+from calib.engine import support
 from calib.errors import KvcalibError
-from calib.evaluation import emulate
+from calib.evaluation import emulate, fa3
 from calib.evaluation.results import ArmInfo
 from calib.model.attention import route_attention
 from calib.recipe.dtypes import FP8_E4M3, INT8, KVDtype, kv_dtype
@@ -169,9 +171,12 @@ def checkpoint_arms(path: str, geo: Geometry, per_head_kv: bool = True) -> list[
     missing = [i for i in k if not {"k", "v"} <= set(info.scales.get(i, {}))]
     if missing:
         notes.append(f"no scales for layers {missing}: engines use 1.0 there, and so does this arm")
-    if "trtllm" in info.targets and "vllm" not in info.targets and dtype is FP8_E4M3:
-        notes.append("TensorRT-LLM's FP8 KV path currently runs with scale 1.0 whatever the checkpoint says "
-                     "(docs/design.md §5): served there, this checkpoint behaves like the 'default' arm")
+    if "trtllm" in info.targets and "vllm" not in info.targets:
+        trt = support.outcome("trtllm", support.Calibrated(dtype.name))
+        if trt.per_backend[0].cells[0].effect is support.Effect.IGNORED:
+            notes.append(f"TensorRT-LLM {trt.version} ignores these scales ({trt.per_backend[0].cells[0].note}): "
+                         "served there, this checkpoint behaves like the 'default' arm (`--target trtllm` "
+                         "evaluates it so)")
     per_head = any(s.dim() == 4 for s in (*k.values(), *v.values()))
     arm = Arm(f"calibrated:{path}", dtype, k, v, kind="checkpoint", granularity="head" if per_head else "tensor",
               source=str(path), serve_skip=serve_skip, notes=tuple(notes), q=q)
@@ -182,8 +187,9 @@ def checkpoint_arms(path: str, geo: Geometry, per_head_kv: bool = True) -> list[
         return [replace(arm, k=fold[0], v=fold[1], granularity="tensor",
                         notes=arm.notes + ("per-head scales folded to their max: the emulated engine applies one "
                                            "scale per layer (vLLM outside FlashAttention-3, TensorRT-LLM)",))]
-    return [replace(arm, notes=arm.notes + ("per-head scales apply per head only on vLLM's FlashAttention-3 "
-                                            "backend; see the '@tensor' arm for other backends",)),
+    head = support.outcome("vllm", support.Calibrated(dtype.name, "head"))
+    return [replace(arm, notes=arm.notes + (f"per-head scales on {'; '.join(head.lines())}; see the '@tensor' "
+                                            "arm for the max over heads",)),
             replace(arm, name=f"{arm.name}@tensor", k=fold[0], v=fold[1], granularity="tensor",
                     notes=("the per-head scales folded to their max: what vLLM applies outside FlashAttention-3",))]
 
@@ -334,6 +340,7 @@ class FakeQuantKV:
         self.token_mask: torch.Tensor | None = None
         self.meter: Meter | None = None
         self.ranges: Ranges | None = None
+        self.right_padded = False       # token_mask is a prefix of real tokens in every row
 
     @contextlib.contextmanager
     def applying(self, arm: Arm | None = None, *, meter: Meter | None = None, token_mask: torch.Tensor | None = None,
@@ -342,10 +349,12 @@ class FakeQuantKV:
         over the real tokens of `token_mask`, recording K/V ranges into `ranges`; all switches off after,
         whatever happens inside."""
         self.arm, self.meter, self.token_mask, self.ranges = arm, meter, token_mask, ranges
+        self.right_padded = token_mask is not None and _right_padded(token_mask)
         try:
             yield self
         finally:
             self.arm = self.meter = self.token_mask = self.ranges = None
+            self.right_padded = False
 
     def attend(self, delegate: Callable, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, **kwargs: Any) -> Any:
@@ -365,7 +374,8 @@ class FakeQuantKV:
         k_hat, k_terms = fake_quant_terms(key, arm.k[layer], arm.dtype, mask, measure, emu.k, wide)
         v_hat, v_terms = fake_quant_terms(value, arm.v[layer], arm.dtype, mask, measure, emu.v, wide)
         if fa3:
-            out = (_fa3(module, query, k_hat, v_hat, attention_mask, arm.q_scale(layer), emu, kwargs), None)
+            plain = self.right_padded and mask is not None and query.shape[2] == key.shape[2]
+            out = (_fa3(module, query, k_hat, v_hat, attention_mask, arm, layer, emu, kwargs, plain), None)
         else:
             out = delegate(module, query, k_hat, v_hat, attention_mask, **kwargs)
         if measure:
@@ -374,17 +384,46 @@ class FakeQuantKV:
         return out
 
 
+def _right_padded(token_mask: torch.Tensor) -> bool:
+    """Whether every row of [batch, seq] `token_mask` is real tokens then padding (calib.data.batching.pad)."""
+    n = token_mask.sum(dim=1, keepdim=True)
+    return bool(torch.equal(token_mask.bool(), torch.arange(token_mask.shape[1], device=token_mask.device) < n))
+
+
+def _descale(scale: torch.Tensor | str, kv_heads: int) -> torch.Tensor | None:
+    """An arm's scale as FA3's descale (one per tensor or per KV head); None where FA3 takes none (per
+    channel, per token: the what-if arms), and the kernel then multiplies the values as they are."""
+    if isinstance(scale, str) or scale.numel() not in (1, kv_heads):
+        return None
+    return scale.reshape(-1).float()
+
+
 def _fa3(module: Any, query: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor, attention_mask: Any,
-         q_scale: torch.Tensor | float, emu: emulate.Emulation, kwargs: dict[str, Any]) -> torch.Tensor:
-    """FlashAttention-3's FP8 attention (`fp8.fp8_attention`) in place of the model's own, same layout/dtype."""
+         arm: Arm, layer: int, emu: emulate.Emulation, kwargs: dict[str, Any], plain: bool) -> torch.Tensor:
+    """FlashAttention-3's FP8 attention (`fa3.fa3_attention`) in place of the model's own, same layout/dtype.
+
+    The layer's sliding window and logit softcap come from what the model hands its attention function
+    (`sliding_window`, `softcap`), as vLLM hands them to FA3; a window reaching past every key is no window
+    (flash-attention hopper/flash_api.cpp mha_fwd: window_size_left >= max_seqlen_k - 1 becomes -1, which
+    also picks the non-local kBlockN). `plain`: the batch is right-padded and this is a full forward, so a
+    causal mask (plus the window) gives every real token what transformers' 4-D mask gives it; the dense
+    mask is then not read (padding rows differ, and no metric reads them)."""
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise EvalError("--emulate vllm-fa3 does not model attention sinks; use --emulate kv-only for this model")
     scaling = kwargs.get("scaling")
     scaling = scaling if scaling is not None else getattr(module, "scaling", query.shape[-1] ** -0.5)
     mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     causal = bool(getattr(module, "is_causal", True))
-    out = fp8.fp8_attention(query, k_hat, v_hat, scaling=float(scaling), q_scale=q_scale, mask=mask, causal=causal,
-                            quant_q=emu.q is not None, quant_p=emu.p is not None, softcap=kwargs.get("softcap"))
+    config = getattr(module, "config", None)
+    if plain and causal and not getattr(config, "attention_chunk_size", None):
+        mask = None
+    window = kwargs.get("sliding_window")
+    window_left = int(window) - 1 if window and int(window) - 1 < k_hat.shape[2] - 1 else None
+    kvh = k_hat.shape[1]
+    out = fa3.fa3_attention(query, k_hat, v_hat, scaling=float(scaling), q_scale=arm.q_scale(layer),
+                            k_scale=_descale(arm.k[layer], kvh), v_scale=_descale(arm.v[layer], kvh), mask=mask,
+                            causal=causal, window_left=window_left, quant_q=emu.q is not None,
+                            quant_p=emu.p is not None, softcap=kwargs.get("softcap") or None)
     return out.to(query.dtype).contiguous()
 
 

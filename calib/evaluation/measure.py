@@ -16,29 +16,12 @@ import torch
 from calib.capture import hook as observe
 from calib.data.batching import pad
 from calib.evaluation.fakequant import Arm, Meter
-from calib.evaluation.head import Head
 from calib.evaluation.results import ArmMetrics, BucketRow, Failure, KVRange, Position, Reference, Seconds, Summary
 from calib.evaluation.samples import Sample
 from calib.evaluation.session import Session, clock
 from calib.progress import Stage
 
 FAILURE_CONTEXT = 24       # tokens of text shown before a failure position
-
-
-def _chunked(head: Head, h_ref: torch.Tensor, h_arm: torch.Tensor | None, tgt: torch.Tensor) -> list[torch.Tensor]:
-    """Reference only: [nll, top1]; with an arm: [kl(ref || arm), top1 agrees, nll, arm top1]."""
-    parts = []
-    for a in range(0, tgt.numel(), head.rows):
-        sl = slice(a, a + head.rows)
-        lr = head.log_probs(h_ref[sl])
-        if h_arm is None:
-            parts.append((-lr.gather(-1, tgt[sl, None])[:, 0], lr.argmax(-1)))
-            continue
-        la = head.log_probs(h_arm[sl])
-        top = la.argmax(-1)
-        parts.append(((lr.exp() * (lr - la)).sum(-1).clamp_min(0), top == lr.argmax(-1),
-                      -la.gather(-1, tgt[sl, None])[:, 0], top))
-    return [torch.cat(p) for p in zip(*parts)]
 
 
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
@@ -78,22 +61,24 @@ class _Acc:
             del self.worst[s.failures:]
 
 
-def _bucket_table(s: Session, sums: torch.Tensor, ref_nll: torch.Tensor) -> tuple[dict[str, BucketRow], Summary]:
+def _bucket_table(s: Session, sums: torch.Tensor, ref_nll: torch.Tensor,
+                  measured: Sequence[Sample]) -> tuple[dict[str, BucketRow], Summary]:
     """Per bucket and overall: tokens, KL, top-1 agreement, perplexity and its change against the reference."""
     per = sums.tolist()
-    counts = [sum(1 for x in s.samples if x.bucket == b) for b in s.buckets]
+    counts = [sum(1 for x in measured if x.bucket == b) for b in s.buckets]
     table = {str(b): BucketRow.of(per[0][j], per[1][j], per[2][j], per[3][j], float(ref_nll[j]), counts[j])
              for j, b in enumerate(s.buckets) if per[0][j] > 0}
-    total = BucketRow.of(*(sum(x) for x in per), float(ref_nll.sum()), len(s.samples))
+    total = BucketRow.of(*(sum(x) for x in per), float(ref_nll.sum()), len(measured))
     return table, Summary(**total.to_dict(), max_bucket_kl=max(r.kl for r in table.values()))
 
 
-def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
-            stage: Stage | None = None) -> tuple[Reference, dict[str, ArmMetrics]]:
+def measure(s: Session, arms: Sequence[Arm], ranges: bool = False, stage: Stage | None = None,
+            up_to: int | None = None) -> tuple[Reference, dict[str, ArmMetrics]]:
     """One pass over the samples: per batch the reference once, then every arm. Returns the reference's
     numbers and {arm name: its numbers}: per bucket, overall, per sample, per layer, the worst samples and the
     seconds spent.
-    `stage` (optional) is advanced after every forward pass: tokens, samples done, arms done in the batch."""
+    `stage` (optional) is advanced after every forward pass: tokens, samples done, arms done in the batch.
+    `up_to`: only samples of buckets up to this many tokens (the rest keep 0 in the per-sample sums)."""
     dev, nb = s.device, len(s.buckets)
     arms = [a.to(dev) for a in arms]
     accs = {a.name: _Acc(nb, dev, len(s.samples)) for a in arms}
@@ -101,7 +86,8 @@ def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
     ref_sample_nll = torch.zeros(len(s.samples), dtype=torch.float64, device=dev)
     recorded: dict[int, tuple[observe.AbsMaxObserver, observe.AbsMaxObserver]] = {}
     ref_seconds = 0.0
-    order = sorted(s.samples, key=lambda x: len(x.ids))
+    measured = [x for x in s.samples if up_to is None or x.bucket <= up_to]
+    order = sorted(measured, key=lambda x: len(x.ids))
     groups = [order[i:i + s.batch_size] for i in range(0, len(order), s.batch_size)]
     done = 0
     for group in groups:
@@ -116,7 +102,7 @@ def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
         tgt = ids[:, 1:][valid]
         with s.hook.applying(None, token_mask=mask.bool(), ranges=recorded if ranges else None):
             h_ref = s.head.features(ids, mask)[:, :-1][valid]
-        ref_nll, ref_top = _chunked(s.head, h_ref, None, tgt)
+        ref_nll, ref_top = s.head.losses(h_ref, None, tgt)
         ref_sums.index_add_(1, where, torch.stack([torch.ones_like(ref_nll), ref_nll]).double())
         ref_sample_nll.index_add_(0, which, ref_nll.double())
         ref_seconds += clock(dev) - t0
@@ -126,7 +112,7 @@ def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
             t0, acc = clock(dev), accs[arm.name]
             with s.hook.applying(arm, meter=acc.meter, token_mask=mask.bool()):
                 h_arm = s.head.features(ids, mask)[:, :-1][valid]
-            kl, agree, nll, top = _chunked(s.head, h_ref, h_arm, tgt)
+            kl, agree, nll, top = s.head.losses(h_ref, h_arm, tgt)
             acc.sums.index_add_(1, where, torch.stack([torch.ones_like(kl), kl, agree.to(kl.dtype), nll]).double())
             acc.sample_nll.index_add_(0, which, nll.double())
             acc.sample_kl.index_add_(0, which, kl.double())
@@ -136,7 +122,8 @@ def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
                 stage.advance(n_tok, label, samples=done + (len(group) if j == len(arms) - 1 else 0), arms=j + 2)
         done += len(group)
     zero = torch.zeros_like(ref_sums[0])   # the reference against itself: KL 0, top-1 agreement 1
-    ref_table, ref_total = _bucket_table(s, torch.stack([ref_sums[0], zero, ref_sums[0], ref_sums[1]]), ref_sums[1])
+    ref_table, ref_total = _bucket_table(s, torch.stack([ref_sums[0], zero, ref_sums[0], ref_sums[1]]), ref_sums[1],
+                                        measured)
     ref = Reference(ref_table, ref_total, Seconds(ref_seconds), tuple(ref_sample_nll.tolist()),
                     tuple(len(x.ids) - 1 for x in s.samples),
                     {str(i): KVRange(tuple(o[0].amax().tolist()), tuple(o[1].amax().tolist()))
@@ -144,7 +131,7 @@ def measure(s: Session, arms: Sequence[Arm], ranges: bool = False,
     out = {}
     for arm in arms:
         acc = accs[arm.name]
-        table, total = _bucket_table(s, acc.sums, ref_sums[1])
+        table, total = _bucket_table(s, acc.sums, ref_sums[1], measured)
         out[arm.name] = ArmMetrics(arm.info(), table, total, tuple(acc.sample_nll.tolist()),
                                    tuple(acc.sample_kl.tolist()), acc.meter.read(), tuple(acc.worst),
                                    Seconds(acc.seconds))

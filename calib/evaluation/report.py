@@ -28,6 +28,7 @@ from calib.engine import report as engine_report
 from calib.engine import verdict as honest
 from calib.engine.verdict import SKIP_FLAG, decisive
 from calib.evaluation.results import ArmMetrics, Reference, passkey_correct
+from calib.safety import files
 
 PLOTS = ("scales.png", "layer_error.png", "kl_by_bucket.png")
 
@@ -55,6 +56,9 @@ Results = Mapping[str, ArmMetrics]
 def failures(entry: ArmMetrics, ref: Reference, th: Thresholds) -> list[str]:
     """Why `entry` misses the threshold (empty: it is within), on the engine's numbers when the engine
     measured the arm, the emulation's otherwise (calib/engine/verdict.py)."""
+    odd = honest.implausible(entry)
+    if odd:
+        return [odd]
     nums = decisive(entry)
     ref_pk = passkey_correct(ref.engine.get("passkey") if nums.source == honest.ENGINE and honest.engine_ok(ref)
                              else ref.passkey)
@@ -79,7 +83,8 @@ def dominant_layers(entry: ArmMetrics, th: Thresholds) -> list[int]:
 
 
 def _plain(results: Results) -> dict[str, ArmMetrics]:
-    return {n: e for n, e in results.items() if e.info.shippable and not e.info.skip}
+    """The arms a verdict ranks: shippable, no skip trial, and no engine output implausible for their format."""
+    return {n: e for n, e in results.items() if e.info.shippable and not e.info.skip and not honest.implausible(e)}
 
 
 def skip_plan(ref: Reference, results: Results, th: Thresholds) -> list[tuple[str, list[int]]]:
@@ -171,6 +176,7 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str) ->
         action, text = "keep_reference", (f"Keep {reference.upper()} KV for this model: no arm is within the threshold "
                                           f"(best: `{best_any}`, {why}).{extra}")
     noise, saturated, notes = _honest(arm, numbers, ref, results)
+    notes += [f"`{n}`: {honest.implausible(e)}." for n, e in results.items() if honest.implausible(e)]
     return Verdict(action, arm, tuple(layers), flag, tuple(ok), tuple(dominant), best_any, th, numbers,
                    " ".join([text, *notes]), noise, saturated)
 
@@ -267,8 +273,8 @@ def write(out: Path, rep: Report, *, force: bool, plots: bool = True) -> dict[st
         doc = rep.to_dict()
         extra = engine_report.plot(doc, tmp) if plots and made else None
         made = [*made, extra] if extra else made
-        (tmp / "report.json").write_text(json.dumps(finite(doc), indent=2, allow_nan=False) + "\n")
-        (tmp / "report.md").write_text(markdown(rep, doc, made))
+        files.write_text(tmp / "report.json", json.dumps(finite(doc), indent=2, allow_nan=False) + "\n")
+        files.write_text(tmp / "report.md", markdown(rep, doc, made))
     return doc
 
 
@@ -411,7 +417,8 @@ def plot_all(rep: Report, out: Path) -> tuple[list[str], str | None]:
 
     def save(fig: Any, name: str) -> None:
         FigureCanvasAgg(fig)
-        fig.savefig(out / name, dpi=90, format="png")
+        with files.open_new(out / name, "wb") as f:
+            fig.savefig(f, dpi=90, format="png")
 
     fig = Figure(figsize=(12, 8), layout="constrained")
     for j, kind in enumerate(("k", "v")):

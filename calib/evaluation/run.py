@@ -19,16 +19,18 @@ from calib.ckpt.kvinfo import read_kv_info
 from calib.data import sources as data_mod
 from calib.evaluation import emulate
 from calib.evaluation import passkey
+from calib.evaluation import report, served
+from calib.evaluation import plan as plan_mod
 from calib.evaluation import report
 from calib.evaluation.config import EvalConfig, check_eval
 from calib.evaluation.fakequant import Arm, EvalError, Geometry, arms_for, fake_quant_kv, read_stats, reference_arm
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference, with_passkey
 from calib.evaluation.retrieval import passkey_stage, run_passkey
-from calib.evaluation.samples import Sample, calibration_windows, select_samples, usable_buckets
+from calib.evaluation.samples import Sample, calibration_windows, pack_warning, select_samples, usable_buckets
 from calib.evaluation.session import Session, open_session
 from calib.model import load as model_mod
-from calib.progress import SILENT, Progress, Stage
+from calib.progress import SILENT, Progress, Stage, duration
 from calib.safety import outputs
 
 Log = Callable[[str], Any]
@@ -81,10 +83,14 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
         lm = p.loaded.model
         with fake_quant_kv(lm, p.emulation) as hook, torch.inference_mode():
             s, note = open_session(lm, hook, p.loaded.tokenizer, p.samples, p.buckets, cfg.batch_size, cfg.failures)
-            ref, results, engine = measure_arms(cfg, p, s, progress)
-            results.update(skip_trials(cfg, p, s, ref, results, engine, log, progress))
+            planned = time_plan(cfg, p, s, log)
+            ref, results, engine = measure_arms(cfg, p, s, progress, planned.parts)
+            results.update(skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts))
         decided = report.verdict(ref, results, cfg.thresholds, p.reference.name)
-        meta = _meta(cfg, p, [note] if note else [], time.perf_counter() - t_start)
+        seconds = time.perf_counter() - t_start
+        log(f"eval: done in {duration(seconds)} (planned {duration(planned.total)} after loading)")
+        meta = _meta(cfg, p, ([note] if note else []) + plan_notes(planned, p.buckets, cfg.engine is not None),
+                     seconds)
         doc = report.write(Path(cfg.out), report.Report(meta, ref, results, cfg.thresholds, decided), force=cfg.force,
                            plots=cfg.plots)
     return EvalResult(Path(cfg.out), ref, results, decided, doc, time.perf_counter() - t_start)
@@ -97,12 +103,17 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     loaded = load_causal_lm(cfg.model, cfg.device, cfg.trust_remote_code, cfg.cpu_dtype)
     tok, config = loaded.tokenizer, loaded.config
     geo = Geometry.of(config, loaded.attention_layers)
-    arms = arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv)
+    arms, served_note = served.as_served(arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv),
+                                         cfg.target, cfg.engine_version, emulation.name)
     vocab = getattr(config, "vocab_size", None)
     buckets, dropped = usable_buckets(cfg.buckets, getattr(config, "max_position_embeddings", None))
     notes = [f"buckets {dropped} exceed the model's context ({config.max_position_embeddings} tokens): dropped"] if dropped else []
+    notes += [served_note] if served_note else []
     windows, held_out = calibration_windows(_provenances(cfg), cfg.data, tok, vocab)
     samples, used, excluded = select_samples(cfg, tok, vocab, buckets, windows)
+    hint = pack_warning(cfg, samples, buckets)
+    if hint:
+        log(hint)
     prompts: list[passkey.Prompt] = []
     if tok is None:
         notes.append("passkey retrieval skipped: the model has no tokenizer")
@@ -119,27 +130,79 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
                     tuple(samples), used, {**held_out, "excluded_samples": excluded}, tuple(prompts), tuple(notes))
 
 
-def measure_arms(cfg: EvalConfig, p: Prepared, s: Session,
-                 progress: Progress) -> tuple[Reference, dict[str, ArmMetrics], Any]:
+def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Plan:
+    """The probe, the plan of what this run does (fitted to --budget-minutes), printed before the work."""
+    limit = plan_mod.emulation_limit(cfg.emulate_up_to, p.buckets, cfg.engine is not None)
+    depths = tuple(sorted({x.depth for x in p.prompts})) or plan_mod.DEPTH_STEPS[0]
+    parts = plan_mod.Parts(limit, depths, cfg.thresholds.max_skip if p.arms else 0, True)
+    cost = plan_mod.Cost.of(p.loaded.config, sum(t.numel() for t in s.lm.parameters()))
+    rates = probe(s, p.arms[0] if p.arms else None, cost)
+    work = plan_mod.work_of(p.samples, p.prompts, len(p.arms), cfg.engine is not None)
+    budget = None if cfg.budget_minutes is None else 60 * cfg.budget_minutes
+    planned = plan_mod.fit(work, parts, cost, rates, budget)
+    for line in planned.lines(rates):
+        log(line)
+    return planned
+
+
+def probe(s: Session, arm: Arm | None, cost: plan_mod.Cost) -> plan_mod.Rates:
+    """Seconds per unit of work of the reference and of one emulated arm: one sample of the smallest bucket,
+    measured twice (the first run compiles kernels and fills caches; the second is timed)."""
+    smallest = min(x.bucket for x in s.samples)
+    sample = max((x for x in s.samples if x.bucket == smallest), key=lambda x: len(x.ids))
+    sub = replace(s, samples=(replace(sample, index=0),), failures=0)
+    arms = [arm] if arm is not None else []
+    measure(sub, arms)
+    ref, res = measure(sub, arms)
+    work = cost.work(len(sample.ids))
+    per_ref = ref.seconds.metrics / work
+    per_arm = res[arm.name].seconds.metrics / work if arm is not None else per_ref
+    return plan_mod.default_rates(s.device.type, per_ref, per_arm, len(sample.ids))
+
+
+def plan_notes(planned: plan_mod.Plan, buckets: Sequence[int], engine: bool) -> list[str]:
+    """What the report says about the plan: its estimate, what the budget dropped, what was not emulated."""
+    notes = [f"time plan before the measuring passes: {duration(planned.total)}"
+             + (f" for a budget of {duration(planned.budget_s)}" if planned.budget_s else "")]
+    if planned.dropped:
+        notes.append("dropped to fit --budget-minutes: " + "; ".join(planned.dropped))
+    limit = planned.parts.emulate_up_to
+    if limit is not None:
+        longer = [b for b in buckets if b > limit]
+        notes.append(f"emulation (per-layer diagnostics, emulated KL/perplexity/passkey) covers buckets <= {limit}; "
+                     f"buckets {longer} are " + ("measured in the engine only" if engine else "not measured"))
+    return notes
+
+
+def _emulated_prompts(p: Prepared, parts: plan_mod.Parts) -> list[passkey.Prompt]:
+    return [x for x in p.prompts if x.depth in parts.depths
+            and (parts.emulate_up_to is None or x.bucket <= parts.emulate_up_to)]
+
+
+def measure_arms(cfg: EvalConfig, p: Prepared, s: Session, progress: Progress,
+                 parts: plan_mod.Parts = plan_mod.Parts()) -> tuple[Reference, dict[str, ArmMetrics], Any]:
     """(the reference's numbers, {arm: its numbers}, the engine run or None): metrics, passkey and the
-    engine's numbers of the reference and every arm."""
+    engine's numbers of the reference and every arm, as far as `parts` (the plan) says."""
     n = len(p.arms) + 1
-    with _metrics_stage(progress, "emulation", p.samples, n) as stage:
-        ref, results = measure(s, p.arms, ranges=True, stage=stage)
-    if p.prompts:
-        with passkey_stage(progress, "emulation passkey", p.prompts, n) as stage:
+    emulated = [x for x in p.samples if parts.emulate_up_to is None or x.bucket <= parts.emulate_up_to]
+    prompts = _emulated_prompts(p, parts)
+    with _metrics_stage(progress, "emulation", emulated, n) as stage:
+        ref, results = measure(s, p.arms, ranges=True, stage=stage, up_to=parts.emulate_up_to)
+    if prompts:
+        with passkey_stage(progress, "emulation passkey", prompts, n) as stage:
             stage.labels = {"arm": f"arm 1/{n}"}
-            ref = with_passkey(ref, *run_passkey(s, None, p.prompts, stage))
+            ref = with_passkey(ref, *run_passkey(s, None, prompts, stage))
             for j, a in enumerate(p.arms):
                 stage.labels = {"arm": f"arm {j + 2}/{n}"}
-                results[a.name] = with_passkey(results[a.name], *run_passkey(s, a, p.prompts, stage))
+                results[a.name] = with_passkey(results[a.name], *run_passkey(s, a, prompts, stage))
     engine = None
     if cfg.engine is not None:
         from calib.engine.run import EngineRun
 
         config = p.loaded.config
+        engine_prompts = [x for x in p.prompts if x.depth in parts.depths] if parts.engine_passkey else []
         engine = EngineRun(cfg.engine, p.engine_version, str(cfg.model), str(p.loaded.dtype).removeprefix("torch."),
-                           p.samples, p.buckets, p.prompts, p.loaded.tokenizer,
+                           p.samples, p.buckets, engine_prompts, p.loaded.tokenizer,
                            getattr(config, "max_position_embeddings", None), progress)
         for name, entry in engine.measure(p.reference, p.arms).items():
             if name == p.reference.name:
@@ -150,21 +213,27 @@ def measure_arms(cfg: EvalConfig, p: Prepared, s: Session,
 
 
 def skip_trials(cfg: EvalConfig, p: Prepared, s: Session, ref: Reference, results: dict[str, ArmMetrics],
-                engine: Any, log: Log, progress: Progress) -> dict[str, ArmMetrics]:
+                engine: Any, log: Log, progress: Progress,
+                parts: plan_mod.Parts | None = None) -> dict[str, ArmMetrics]:
     """The arms `report.skip_plan` names, re-measured with the smallest prefix of their dominant layers
-    unquantised that passes (every prefix tried until one does)."""
+    unquantised that passes (every prefix tried until one does); none when the plan dropped them."""
+    parts = parts or plan_mod.Parts(skip_trials=cfg.thresholds.max_skip)
+    if not parts.skip_trials:
+        return {}
     by_name = {a.name: a for a in p.arms}
+    emulated = [x for x in p.samples if parts.emulate_up_to is None or x.bucket <= parts.emulate_up_to]
+    prompts = _emulated_prompts(p, parts)
     out: dict[str, ArmMetrics] = {}
     for name, layers in report.skip_plan(ref, results, cfg.thresholds):
         for k in range(1, len(layers) + 1):
             trial = by_name[name].skipping(layers[:k])
             log(f"eval: measuring {trial.name}")
-            with _metrics_stage(progress, f"emulation `{trial.name}`", p.samples, 2) as stage:
-                _, r = measure(s, [trial], stage=stage)
+            with _metrics_stage(progress, f"emulation `{trial.name}`", emulated, 2) as stage:
+                _, r = measure(s, [trial], stage=stage, up_to=parts.emulate_up_to)
             entry = r[trial.name]
-            if p.prompts:
-                with passkey_stage(progress, f"emulation passkey `{trial.name}`", p.prompts, 1) as stage:
-                    entry = with_passkey(entry, *run_passkey(s, trial, p.prompts, stage))
+            if prompts:
+                with passkey_stage(progress, f"emulation passkey `{trial.name}`", prompts, 1) as stage:
+                    entry = with_passkey(entry, *run_passkey(s, trial, prompts, stage))
             if engine is not None:
                 entry = replace(entry, engine=engine.measure(p.reference, [trial])[trial.name])
             out[trial.name] = entry

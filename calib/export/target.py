@@ -2,7 +2,8 @@
 
 Adding an engine is one new module in this package that defines `TARGET` (an instance of a `Target`
 subclass): calib.export finds it, the recipe accepts its name and checks a recipe against what it declares
-(KV dtypes, skipped layers, q_scale), and the pipeline writes through it. The package imports no torch (the
+(KV dtypes, skipped layers, q_scale), and the pipeline writes through it. Whether the engine keeps layers out
+of the quantized cache or reads a q_scale is the support matrix's (calib.engine.support), not restated here. The package imports no torch (the
 writers import it when they write), so the recipe can read these declarations and stay light.
 
 Two steps, so that a source the engine cannot take is refused before any model loads: `prepare` checks the
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from calib.ckpt.source import PreparedSource, SourceFiles, check_out_is_not_source, read_source, scan_weights
+from calib.engine import support
 from calib.provenance import Provenance
 from calib.recipe.dtypes import FP8_E4M3, KVDtype
 from calib.recipe.granularity import Granularity, PerTensor
@@ -44,10 +46,29 @@ class Target:
     order: ClassVar[int]                   # place in listings and messages
     dtypes: ClassVar[tuple[KVDtype, ...]]  # the KV dtypes the engine reads scales for
     dtype_note: ClassVar[str] = ""         # why another dtype is refused, and what to do instead
-    skips_layers: ClassVar[bool] = True    # can keep some layers' KV cache in the model dtype
-    skip_note: ClassVar[str] = ""          # why it cannot, and what to do instead
-    reads_q_scale: ClassVar[bool] = False  # reads a q_scale (FP8 attention)
+    skip_note: ClassVar[str] = ""          # why it cannot skip layers, and what to do instead
     q_note: ClassVar[str] = ""             # who reads q_scale, for the message when no target does
+    folds_heads: ClassVar[bool] = False    # writes per-head scales as their max per layer (one scale per layer)
+
+    @property
+    def skips_layers(self) -> bool:
+        """The engine keeps some layers' KV cache in the model dtype (the support matrix's skip_layers cell)."""
+        return self._applies("skip_layers", True)
+
+    @property
+    def reads_q_scale(self) -> bool:
+        """The engine applies a q_scale (FP8 attention) on some backend (the support matrix's q_scale cell)."""
+        return self._applies("q_scale", False)
+
+    def _applies(self, aspect: str, unknown: bool) -> bool:
+        if self.name not in support.ENGINES:      # an engine the matrix does not know: the old defaults
+            return unknown
+        return any(support.effect(self.name, None, b, FP8_E4M3.name, aspect) is support.Effect.APPLIED
+                   for b in support.ENGINES[self.name].backends)
+
+    def serve_command(self, path: str, skip: tuple[int | str, ...] = ()) -> str:
+        """The command that serves the variant at `path` (`skip`: layers kept in the model dtype)."""
+        raise NotImplementedError
 
     def prepare(self, source: Path | SourceFiles, out: Path, options: WriteOptions = WriteOptions()) -> PreparedSource:
         """Check `source` for this engine's variant before anything is computed or written (ExportError naming

@@ -236,7 +236,7 @@ class TrtllmTarget(Target):
     name = "trtllm"
     order = 1
     dtypes = tuple(ALGO_OF_DTYPE)
-    skips_layers = False
+    folds_heads = True
     skip_note = ("TensorRT-LLM applies one KV cache dtype to every layer and cannot skip any; drop skip_layers or "
                  "the trtllm target")
 
@@ -252,6 +252,9 @@ class TrtllmTarget(Target):
         prepared = source if isinstance(source, TrtllmSource) else self.prepare(getattr(source, "path", source), out,
                                                                                options)
         return export_trtllm(prepared, out, scales, provenance, force=options.force, extra_files=options.extra_files)
+
+    def serve_command(self, path: str, skip: tuple[int | str, ...] = ()) -> str:
+        return f"trtllm-serve {path}"      # the KV algorithm comes from hf_quant_config.json
 
 
 TARGET = TrtllmTarget()

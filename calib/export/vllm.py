@@ -66,7 +66,7 @@ def _vllm_tensor(scale: torch.Tensor, strategy: str) -> torch.Tensor:
 
 def export_vllm(source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any], *,
                 strategy: str = "tensor", force: bool = False, overwrite_kv: bool = False,
-                extra_files: dict[str, str] | None = None) -> Path:
+                extra_files: dict[str, str] | None = None, target: str = "vllm") -> Path:
     """Write the vLLM (compressed-tensors) variant of `source` with `scales` to `out`; returns `out`.
     `strategy` is `tensor` (scales of shape []) or `attn_head` (scales of shape [kv_heads]). A `source`
     already prepared (`VllmTarget.prepare`) is not checked again.
@@ -86,7 +86,7 @@ def export_vllm(source: Path | PreparedSource, out: Path, scales: Scales, proven
     qc = prepared.config.get("quantization_config")
     qc = formats.ct_quantization_config(strategy) if qc is None else formats.ct_with_kv_scheme(qc, strategy)
     config = dict(prepared.config, quantization_config=qc)
-    return write_variant(prepared, out, tensors, config, as_provenance(provenance).written_as("vllm"), force=force,
+    return write_variant(prepared, out, tensors, config, as_provenance(provenance).written_as(target), force=force,
                          extra_files=extra_files)
 
 
@@ -94,8 +94,7 @@ class VllmTarget(Target):
     name = "vllm"
     order = 0
     dtypes = (FP8_E4M3,)
-    dtype_note = "vLLM reads only FP8 KV-cache scales; use dtype fp8_e4m3, or targets [trtllm] for INT8"
-    reads_q_scale = True
+    dtype_note = "vLLM has no static INT8 KV cache; use dtype fp8_e4m3"
     q_note = "only vLLM's FP8 attention reads q_scale"
     # calib.recipe.granularity name -> compressed-tensors kv_cache_scheme strategy
     strategies = {"tensor": "tensor", "head": "attn_head"}
@@ -110,6 +109,10 @@ class VllmTarget(Target):
             prepare_source(source, out, quantized_ok=True, overwrite_kv=options.overwrite_kv)
         return export_vllm(prepared, out, scales, provenance, strategy=self.strategies[options.granularity.name],
                            force=options.force, extra_files=options.extra_files)
+
+    def serve_command(self, path: str, skip: tuple[int | str, ...] = ()) -> str:
+        flag = f" --kv-cache-dtype-skip-layers {' '.join(map(str, skip))}" if skip else ""
+        return f"vllm serve {path} --kv-cache-dtype fp8{flag}"
 
 
 TARGET = VllmTarget()

@@ -23,6 +23,7 @@ from calib.ckpt import weightmap
 from calib.ckpt.names import CONFIG_FILE, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE
 from calib.ckpt.source import ExportError, PreparedSource
 from calib.provenance import Provenance, as_provenance
+from calib.safety import files
 from calib.safety.outputs import atomic_dir, check_room
 
 if TYPE_CHECKING:
@@ -32,22 +33,24 @@ if TYPE_CHECKING:
 def _without(src: Path, dst: Path, drop: frozenset[str]) -> str:
     """Re-save a shard without the named tensors; every other tensor keeps its exact bytes and dtype."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     with safe_open(str(src), framework="pt") as f:
         meta = f.metadata()
         kept = {k: f.get_tensor(k) for k in f.keys() if k not in drop}
-    save_file(kept, str(dst), metadata=meta)
+    files.save_tensors(dst, kept, meta)
     return "rewritten without old KV scales"
 
 
 def link_or_copy(src: Path, dst: Path) -> str:
-    """Hard link when the filesystem allows (free, byte-identical), else copy the bytes."""
+    """Hard link when the filesystem allows (free, byte-identical), else copy the bytes (into a new file: a link
+    at `dst` is refused either way)."""
     try:
         os.link(src, dst)
         return "link"
+    except FileExistsError:
+        raise
     except OSError:
-        shutil.copyfile(src, dst)
+        files.copy(src, dst)
         return "copy"
 
 
@@ -69,7 +72,7 @@ def carry_files(src: PreparedSource, tmp: Path, skip: set[str]) -> set[str]:
             integrity.contained(src.path, f.name, str(src.path))
         except integrity.IntegrityError as e:
             raise ExportError(str(e)) from None
-        shutil.copy2(f, tmp / f.name)
+        files.copy(f, tmp / f.name)
     return how
 
 
@@ -78,24 +81,22 @@ def write_variant(src: PreparedSource, out: Path, tensors: dict[str, torch.Tenso
                   extra_files: dict[str, str] | None = None) -> Path:
     """Link the weights, add the scale shard to the index, write config/provenance (+ extra JSON files).
     `config` None keeps the source's config.json byte for byte."""
-    from safetensors.torch import save_file
-
     source, total = src.path, src.total_size
     wmap = {k: v for k, v in src.weight_map.items() if k not in src.drop}
     check_room(Path(out), [source / f for f in src.shards])
     with atomic_dir(out, force, inputs=[("the model folder", source)]) as tmp:
         how = carry_files(src, tmp, {CONFIG_FILE, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, *(extra_files or {})})
-        save_file(tensors, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "kvcalib"})
+        files.save_tensors(tmp / SCALES_FILE, tensors, {"format": "pt", "producer": "kvcalib"})
         new_map = {**wmap, **{name: SCALES_FILE for name in tensors}}
         index = weightmap.document(new_map, total + sum(t.numel() * t.element_size() for t in tensors.values()))
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        files.write_text(tmp / INDEX_FILE, json.dumps(index, indent=2) + "\n")
         if config is None:
-            shutil.copy2(source / CONFIG_FILE, tmp / CONFIG_FILE)
+            files.copy(source / CONFIG_FILE, tmp / CONFIG_FILE)
         else:
-            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            files.write_text(tmp / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
         for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
+            files.write_text(tmp / name, text)
         (tmp / SCALES_FILE).chmod(0o644)
         prov = as_provenance(provenance).with_weights(sorted(how))
-        (tmp / PROVENANCE_FILE).write_text(json.dumps(prov.to_dict(), indent=2) + "\n")
+        files.write_text(tmp / PROVENANCE_FILE, json.dumps(prov.to_dict(), indent=2) + "\n")
     return out

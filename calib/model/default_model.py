@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from calib.errors import KvcalibError
+from calib.safety import files
 
 BUILD_VERSION = 1
 DIR_NAME = "smollm2-135m-instruct"
@@ -92,7 +93,7 @@ def ensure_default_model(build_dir: Path, *, log: Log = print, source: Path | No
                 raise DefaultModelError(f"{source.name}: the converted model answers {question!r} with "
                                         f"{reply!r}, not {expected!r}; the conversion is broken, nothing written")
             info["sanity"] = {"question": question, "answer": reply}
-        (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+        files.write_text(tmp / "build_info.json", json.dumps(info, indent=2) + "\n")
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)

@@ -69,7 +69,7 @@ class Recipe:
     batch_size: int = _doc("sequences per forward pass", 4)
     pack: bool = _doc("concatenate samples into full seq_len sequences instead of one sample per sequence", False)
     seed: int = _doc("seed for the sample order", 0)
-    targets: tuple[str, ...] = _doc("engines to export for: vllm, trtllm; [] writes statistics only", ("vllm",))
+    targets: tuple[str, ...] = _doc(f"engines to export for: {', '.join(TARGETS)}; [] writes statistics only", ("vllm",))
 
     def __post_init__(self) -> None:
         for f in fields(self):

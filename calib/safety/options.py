@@ -64,10 +64,26 @@ def device(value: str | None, option: str = "--device") -> None:
     raise OptionError(f"{option} {value}: kvcalib runs models on cpu, cuda or mps, not {dev.type}")
 
 
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")   # accelerate's; else one device
+
+
+def placement(device_map: str | None = None, max_memory: dict[str, str] | None = None) -> None:
+    """`--device-map` is one of accelerate's strategies or a device that exists here (`cuda:0` on a machine
+    without a GPU fails now, not inside the model load); `--max-memory` names only devices that exist."""
+    if device_map is not None and device_map not in DEVICE_MAP_STRATEGIES:
+        device(device_map, "--device-map")
+    for key in max_memory or {}:
+        name = str(key).strip()
+        if name not in ("cpu", "disk"):
+            device(f"cuda:{name}" if name.isdigit() else name, "--max-memory")
+
+
 def calibrate(*, device_name: str | None = None, max_batch_tokens: int | None = None, seq_len: int | None = None,
-              checkpoint_every: int | None = None) -> None:
+              checkpoint_every: int | None = None, device_map: str | None = None,
+              max_memory: dict[str, str] | None = None) -> None:
     """The calibration run's own options (the recipe checks its fields itself)."""
     device(device_name)
+    placement(device_map, max_memory)
     whole("--max-batch-tokens", max_batch_tokens)
     if max_batch_tokens is not None and seq_len is not None and max_batch_tokens < seq_len:
         raise OptionError(f"--max-batch-tokens {max_batch_tokens} is below --seq-len {seq_len}: a full-length "
@@ -83,6 +99,10 @@ def evaluation(cfg: Any) -> None:
                                    ("--failures", cfg.failures, 0), ("--passkey-drop", cfg.thresholds.passkey_drop, 0),
                                    ("--max-skip", cfg.thresholds.max_skip, 0)):
         whole(option, value, minimum)
+    if cfg.engine is not None:       # the engine's settings: a NaN deadline would never fire
+        number("--engine-timeout", cfg.engine.timeout, 1)
+        whole("--engine-top-k", cfg.engine.top_k)
+        whole("--engine-kv-gib", cfg.engine.kv_gib)
     number("--max-kl", cfg.thresholds.max_kl)
     number("--max-ppl-increase", cfg.thresholds.max_ppl_increase)
     if not cfg.buckets:

@@ -18,6 +18,9 @@ runs) must leave nothing that blocks, misleads or fills the disk. The rules, all
   beside it: any it finds are leftovers of a dead run, so they are removed (a previous output a dead run had
   moved aside is put back first).
 - Paths are checked writable, and the filesystem for room, before any model is loaded.
+- Nothing is written through a link: every file and folder kvcalib creates goes through `safety.files`
+  (O_EXCL | O_NOFOLLOW), the lock file is opened without following links and checked on its descriptor, and
+  a link found where kvcalib writes is a one-line error naming it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from calib.errors import KvcalibError
+
+from calib.safety import files
 
 MARKER = ".kvcalib-output.json"
 TMP_TAG = ".kvcalib-tmp-"
@@ -218,8 +223,12 @@ _held: dict[Path, int] = {}      # lock files this process holds -> nesting dept
 
 
 def _pid_in(lock: Path) -> str:
-    with contextlib.suppress(OSError, ValueError):
-        return f" (pid {int(lock.read_text().split()[0])})"
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        fd = os.open(lock, os.O_RDONLY | files.NOFOLLOW | files.CLOEXEC | os.O_NONBLOCK)
+        try:
+            return f" (pid {int(os.read(fd, 32).split()[0])})"
+        finally:
+            os.close(fd)
     return ""
 
 
@@ -231,7 +240,7 @@ def cleanup_stale(out: Path) -> list[Path]:
         return removed
     entries = sorted(out.parent.glob(f".{glob_escape(out.name)}{OLD_TAG}*"))
     for old in entries:
-        if not out.exists() and not out.is_symlink():
+        if not out.exists() and not out.is_symlink() and old.is_dir() and not old.is_symlink():
             os.rename(old, out)       # a run died between moving the old output aside and renaming the new one
             continue
         _remove(old)
@@ -278,7 +287,10 @@ def lock(out: Path, option: str = "--out") -> Iterator[None]:
     fd = None
     try:
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = files.open_existing(path, os.O_RDWR | os.O_CREAT)
+            except files.LinkError as e:
+                raise OutputError(f"{option} {out}: lock {e}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -321,16 +333,37 @@ def locked(paths: Iterable[tuple[Path | None, str]]) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP unwind like Ctrl-C while the block runs, so every `finally` on the way out runs:
+    temporary outputs are removed and engine runners killed. Only the main thread can set handlers; elsewhere
+    (embedded use) the caller's stay."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+    previous = {s: signal.signal(s, unwind) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 # ------------------------------------------------------------------------------------------- writing
 
 def write_marker(folder: Path, kind: str) -> None:
     """List every file under `folder` in its marker (written last, into the temporary folder)."""
     from calib import __version__
 
-    files = sorted((Path(root) / f).relative_to(folder).as_posix() for root, _, fs in os.walk(folder) for f in fs)
-    files = [f for f in files if f != MARKER]
-    doc = {"producer": "kvcalib", "version": __version__, "kind": kind, "files": files}
-    (folder / MARKER).write_text(json.dumps(doc, indent=1) + "\n")
+    names = sorted((Path(root) / f).relative_to(folder).as_posix() for root, _, fs in os.walk(folder) for f in fs)
+    doc = {"producer": "kvcalib", "version": __version__, "kind": kind, "files": [f for f in names if f != MARKER]}
+    files.write_text(folder / MARKER, json.dumps(doc, indent=1) + "\n")
 
 
 @contextlib.contextmanager
@@ -343,7 +376,10 @@ def atomic_dir(out: Path, force: bool, *, inputs: Inputs = (), kind: str = "chec
     with lock(out, option):
         tmp = tmp_path(_abs(out))
         _remove(tmp)
-        tmp.mkdir()
+        try:
+            files.make_dir(tmp)
+        except files.LinkError as e:
+            raise OutputError(f"{option} {out}: {e}") from None
         try:
             yield tmp
             write_marker(tmp, kind)

@@ -13,6 +13,7 @@ import click
 from calib import resources
 from calib.errors import KvcalibError
 from calib.recipe import recipe as recipe_mod
+from calib.safety import outputs
 from calib.tune.space import OBSERVERS, TARGETS
 
 # The embedded default model: a first look that finishes in minutes on a 2-core CPU (measured in the README).
@@ -39,6 +40,8 @@ TUNE_DEFAULTS = {"samples": 128, "seq_len": 512, "eval_samples": 32, "buckets": 
               help="Keep the pass's statistics in this folder (one file per observer) for --stats.")
 @click.option("--samples", type=int, help="Calibration samples.")
 @click.option("--seq-len", type=int, help="Tokens per calibration sample.")
+@click.option("--pack/--no-pack", default=False, show_default=True,
+              help="Concatenate calibration records into full --seq-len samples (held-out samples are always packed).")
 @click.option("--batch-size", type=int, default=4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--eval-samples", type=int, help="Held-out samples.")
@@ -49,7 +52,8 @@ TUNE_DEFAULTS = {"samples": 128, "seq_len": 512, "eval_samples": 32, "buckets": 
               "Default: 2 for vllm, 0 for trtllm (it cannot skip).")
 @click.option("--max-kl", type=float, default=0.01, show_default=True, help="Quality bar: mean KL (nats) in every bucket.")
 @click.option("--max-ppl-increase", type=float, default=0.01, show_default=True, help="Quality bar: relative ppl rise.")
-@click.option("--budget-minutes", type=float, help="Stop measuring after this long and choose from what was scored.")
+@click.option("--budget-minutes", type=float, help="Bound the whole run, engine confirmation included: measuring stops "
+              "early (leaving the engine its time) and fewer candidates are confirmed; choose from what was scored.")
 @click.option("--engine", type=click.Choice(["vllm"]), help="Confirm the short list in this real engine.")
 @click.option("--vllm-venv", envvar="KVCALIB_VLLM_VENV", type=click.Path(file_okay=False, path_type=Path),
               help="Virtual environment with vLLM (env KVCALIB_VLLM_VENV); used with --engine vllm.")
@@ -63,7 +67,7 @@ TUNE_DEFAULTS = {"samples": 128, "seq_len": 512, "eval_samples": 32, "buckets": 
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Output: the chosen checkpoint + tune.json.")
 @click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never other files).")
 def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms, stats, stats_out, samples, seq_len,
-         batch_size, seed, eval_samples, buckets, sensitivity_samples, max_skip, max_kl, max_ppl_increase,
+         pack, batch_size, seed, eval_samples, buckets, sensitivity_samples, max_skip, max_kl, max_ppl_increase,
          budget_minutes, engine, vllm_venv, confirm, plots, progress, device, cpu_dtype, trust_remote_code, out,
          force) -> None:
     """Search the recipes the target engine can load; score each on held-out text; write the best checkpoint."""
@@ -83,7 +87,7 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
         except ValueError:
             raise click.ClickException(f"--buckets {buckets!r}: give token lengths like 512,2048") from None
         base = recipe_mod.Recipe().replace(samples=samples or small["samples"], seq_len=seq_len or small["seq_len"],
-                                           batch_size=batch_size, seed=seed, targets=target)
+                                           pack=pack, batch_size=batch_size, seed=seed, targets=target)
         engine_spec = None
         if engine:
             from calib.engine.driver import EngineSpec
@@ -111,7 +115,8 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
             model_src = ensure_default_model(resources.build_dir(), log=lambda m: click.echo(m, err=True))
             cfg = dataclasses.replace(cfg, model=str(model_src))
         write = (lambda m: click.echo(m, err=True)) if progress else None
-        result = run.run(cfg, log=lambda m: click.echo(m, err=True), progress=Progress(write))
+        with outputs.terminate_as_interrupt():     # SIGTERM: temporary folders removed, engine runners killed
+            result = run.run(cfg, log=lambda m: click.echo(m, err=True), progress=Progress(write))
     except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     click.echo(result.doc["scales_matter"]["text"])

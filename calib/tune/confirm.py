@@ -19,6 +19,7 @@ from typing import Any
 from calib.evaluation import report
 from calib.evaluation.fakequant import Arm, reference_arm
 from calib.recipe.dtypes import kv_dtype
+from calib.safety import files
 from calib.tune import choose as choose_mod
 from calib.tune.output import write_checkpoint
 from calib.tune.search import BASELINE, TuneError
@@ -55,7 +56,8 @@ def confirm(cfg: Any, found: Any, st: Any, source: Path, loaded: Any, samples: A
     short = shortlist(found, cfg.thresholds, cfg.confirm)
     root = Path(cfg.out).parent / f".{Path(cfg.out).name}.kvcalib-tmp-{os.getpid()}-engine"
     shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    files.make_dir(root)
     try:
         arms = []
         for j, c in enumerate(short):

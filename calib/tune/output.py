@@ -23,7 +23,7 @@ from calib import __version__
 from calib import pipeline
 from calib.evaluation import report
 from calib.model import load as model_mod
-from calib.safety import outputs
+from calib.safety import files as new_file, outputs
 from calib.scales import fold as scales_mod
 from calib.tune import choose as choose_mod
 from calib.tune.search import BASELINE, Search, TuneConfig, ranking
@@ -56,11 +56,10 @@ def _ranges(st: Any) -> dict[str, float]:
 
 
 def serve_command(target: str, out: Path, skip: list[int]) -> str:
-    path = shlex.quote(str(out))
-    if target == "trtllm":
-        return f"trtllm-serve {path}"
-    flag = f" --kv-cache-dtype-skip-layers {' '.join(map(str, skip))}" if skip else ""
-    return f"vllm serve {path} --kv-cache-dtype fp8{flag}"
+    """The target's own serve command (calib.export) for the chosen checkpoint."""
+    from calib.export import TARGETS
+
+    return TARGETS[target].serve_command(shlex.quote(str(out)), tuple(skip))
 
 
 def _pick(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
@@ -216,7 +215,7 @@ def finish(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any, h
     if row is None:
         with outputs.atomic_dir(out, cfg.force, kind="tune report") as tmp:
             for name, text in files.items():
-                (tmp / name).write_text(text)
+                new_file.write_text(tmp / name, text)
         return Outcome(out, None, None, headline(doc), doc, seconds)
     cand = next(c for c in found.candidates if c.name == row["name"])
     write_checkpoint(cfg, loaded, source, st, cand, files)

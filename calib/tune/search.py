@@ -10,7 +10,8 @@ Order of work (each step only where the previous one needs it):
    then that candidate with the top 1..max_skip layers skipped (vLLM only: TensorRT-LLM cannot skip);
 5. with `engine`, the short list again in the real engine (calib/engine/), whose numbers then decide;
 6. the choice (`choose`) and OUT (calib/tune/output.py); calib/tune/run.py runs the steps in this order.
-`--budget-minutes` stops between measuring passes and keeps what was scored.
+`--budget-minutes` bounds the whole run: measuring stops between passes early enough to leave the engine
+confirmation its time (calib/tune/run.py confirms fewer candidates, or none, when that is short).
 """
 
 from __future__ import annotations
@@ -174,11 +175,21 @@ class Search:
 
 
 class Clock:
-    """Time since the run began and whether `--budget-minutes` is spent."""
+    """Time since the run began and whether `--budget-minutes` is spent. The measuring passes stop at
+    `deadline`, `reserve`d seconds before the run's `end` (the engine confirmation's share, at most half)."""
 
     def __init__(self, budget_minutes: float | None) -> None:
         self.start = time.perf_counter()
-        self.deadline = None if budget_minutes is None else self.start + 60 * budget_minutes
+        self.end = None if budget_minutes is None else self.start + 60 * budget_minutes
+        self.deadline = self.end
+
+    def reserve(self, seconds: float) -> None:
+        if self.end is not None:
+            self.deadline = self.end - min(seconds, 0.5 * (self.end - self.start))
+
+    def left(self) -> float | None:
+        """Seconds until the whole run's end (None: no budget)."""
+        return None if self.end is None else self.end - time.perf_counter()
 
     def over(self) -> bool:
         return self.deadline is not None and time.perf_counter() > self.deadline

@@ -57,18 +57,13 @@ class Candidate:
                             skip_layers=",".join(map(str, self.skip)), targets=self.target)
 
     def support(self) -> str:
-        """Which engine (backend) applies this candidate as scored."""
-        if self.target == "trtllm":
-            if self.dtype == "int8":
-                return "TensorRT-LLM INT8 KV (one scale per layer)"
-            return "TensorRT-LLM FP8 KV: runs with scale 1.0 whatever the checkpoint holds"
-        parts = ["vLLM, every backend" if self.granularity == "tensor" and not self.q_scale
-                 else "vLLM; " + " and ".join(x for x, on in (("per-head", self.granularity == "head"),
-                                                                ("q_scale", self.q_scale)) if on)
-                 + " only on FlashAttention-3"]
-        if self.skip:
-            parts.append("--kv-cache-dtype-skip-layers")
-        return "; ".join(parts)
+        """What the target engine does with this candidate (the support matrix, calib.engine.support)."""
+        from calib.engine import support
+
+        cal = support.Calibrated(self.dtype, "tensor" if self.target == "trtllm" else self.granularity, self.q_scale,
+                                 tuple(self.skip))
+        text = support.outcome(self.target, cal).summary()
+        return text + ("; --kv-cache-dtype-skip-layers" if self.skip else "")
 
     def breadth(self) -> int:
         """2: every backend of the engine applies it as written; 1: only one backend reads all of it."""

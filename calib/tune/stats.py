@@ -21,6 +21,8 @@ from typing import Any
 from calib import pipeline
 from calib.capture import spec, statsfile
 from calib.capture.stats import Stats
+from calib.data import sources as data_sources
+from calib.data.batching import PaddingStats
 from calib.model import load as model_mod
 from calib.recipe.recipe import Recipe
 from calib.safety import outputs
@@ -78,8 +80,9 @@ def collect(loaded: model_mod.LoadedModel, data_src: str, base: Recipe, keys: Se
     pipeline's capture stage, one capture per key)."""
     recipes = {key: _recipe_for(base, obs, dtype, target) for key, obs, dtype in keys}
     seqs, report = pipeline.token_stream(data_src, loaded, base)
+    padding = PaddingStats()
     seen = pipeline.observe_kv_each(loaded, seqs, base.batch_size,
-                                    [spec.capture_spec(r, loaded.config) for r in recipes.values()])
+                                    [spec.capture_spec(r, loaded.config) for r in recipes.values()], padding=padding)
     seconds = seen[0].seconds
     dtype = str(loaded.dtype).removeprefix("torch.")
     sha = statsfile.config_sha256(loaded.source_dir)
@@ -91,6 +94,10 @@ def collect(loaded: model_mod.LoadedModel, data_src: str, base: Recipe, keys: Se
     if log:
         log(f"tune: statistics of {len(files)} observer set(s) from one pass: {report.used} samples / "
             f"{report.tokens} tokens in {seconds:.1f} s")
+        hint = None if base.pack else data_sources.pack_hint(report.used, report.tokens, base.seq_len, "--seq-len",
+                                                                 padding.fraction)
+        if hint:
+            log(hint)
     return StatsSet(files, {"pass": {"data": str(data_src), **report.to_dict(), "seconds": seconds}})
 
 

@@ -49,6 +49,14 @@ def _targets(ck: CheckpointFiles) -> list[str]:
     return found or list(ENGINES)
 
 
+def engines(ckpt: str | Path, engine: str = "all") -> list[str]:
+    """The engines `verify(ckpt, engine)` checks."""
+    path = Path(ckpt)
+    if engine != "all":
+        return [engine]
+    return _targets(CheckpointFiles(path)) if (path / "config.json").is_file() else []
+
+
 def verify(ckpt: str | Path, engine: str = "all") -> list[Problem]:
     """Problems an engine would hit loading `ckpt`'s KV-cache scales; [] when none.
 

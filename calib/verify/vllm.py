@@ -373,7 +373,10 @@ VLLM_RULES: tuple[Callable[[CheckpointFiles, VllmView], Iterable[Problem]], ...]
 
 
 def vllm_declared(ck: CheckpointFiles) -> bool:
-    """The checkpoint is for vLLM when config.json holds a quantization config, or vLLM reads one from it."""
+    """The checkpoint is for vLLM when config.json holds a quantization config, or vLLM reads one from it — unless
+    kvcalib.json says kvcalib wrote it for another engine that reads the same layout (SGLang)."""
+    if (ck.provenance or {}).get("target") not in (None, "vllm", "trtllm"):
+        return False
     source, qc = vllm_config(ck)
     return source == "config.json" or vllm_method(qc) is not None
 

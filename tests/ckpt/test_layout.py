@@ -82,8 +82,8 @@ def test_trtllm_refuses_a_flat_modelopt_source_that_declares_kv_quantization(tin
 
 
 def test_unknown_target_is_an_error_naming_the_known_ones():
-    with pytest.raises(export.ExportError, match=r"unknown target 'sglang'; kvcalib writes \['trtllm', 'vllm'\]"):
-        export.target("sglang")
+    with pytest.raises(export.ExportError, match=r"unknown target 'tensorrt'; kvcalib writes \['sglang', 'trtllm', 'vllm'\]"):
+        export.target("tensorrt")
 
 
 def _with_configs(src, dst, *, qc=None, hf_quant=None):

@@ -387,3 +387,13 @@ def test_report_to_dict_matches_the_samples(tmp_path):
     assert d == {"samples": len(kept), "tokens": sum(kept), "skipped_short": 2, "column": "input_ids",
                  "fingerprint": "sha256:" + sha256_of(seqs)}
     assert sum(map(len, seqs)) == sum(kept) == 36
+
+
+def test_pack_hint_only_when_samples_are_short_and_packing_fills_one():
+    from calib.data.sources import pack_hint
+    line = pack_hint(16, 16 * 72, 1024, "--seq-len", 0.41)
+    assert line == ("warning: samples average 72 tokens, 7% of --seq-len (1,024), 41% of the computed positions "
+                    "padding: the records are short; --pack concatenates them into samples that fill it")
+    assert pack_hint(16, 16 * 512, 1024, "--seq-len") is None          # half the length: not far shorter
+    assert pack_hint(4, 4 * 100, 1024, "--seq-len") is None            # 400 tokens in all cannot fill one
+    assert pack_hint(0, 0, 1024, "--seq-len") is None

@@ -229,6 +229,48 @@ def test_fa3_mode_in_a_real_model_matches_its_own_attention_when_q_and_p_stay_wi
     assert (logits["vllm-fa3"][real] - logits["kv-only"][real]).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "mistral"])
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_fa3_mode_takes_the_models_window_and_softcap_and_drops_the_mask_only_for_right_padding(
+        arch, padding, monkeypatch):
+    """With Q and P left unrounded the blockwise path must reproduce the model's own attention on the same
+    quantised K/V (its sliding window of 8 and, for gemma2, its logit softcap, over 20 tokens): the window and
+    softcap reach FA3 as the model declares them. A right-padded batch attends without the dense mask; a
+    left-padded one keeps it."""
+    from calib.evaluation import fa3
+    model = tiny_causal_lm(arch)
+    wide = emulate.Emulation("fa3-wide", "test", k=emulate.Cast("rne", "divide", "k_scale"),
+                             v=emulate.Cast("rne", "divide", "v_scale"), attention="fa3")
+    arm = Arm("a", FP8_E4M3, {i: torch.tensor(0.01) for i in range(3)}, {i: torch.tensor(0.01) for i in range(3)})
+    ids = torch.tensor(random_sequences(2, lo=20, hi=21, seed=5))
+    mask = torch.ones_like(ids)
+    if padding == "right":
+        mask[1, 14:] = 0
+    else:
+        mask[1, :6] = 0
+    calls = []
+    real_fa3 = fa3.fa3_attention
+
+    def spy(*a, **kw):
+        calls.append(kw)
+        return real_fa3(*a, **kw)
+
+    monkeypatch.setattr(fa3, "fa3_attention", spy)
+    logits = {}
+    for mode in (emulate.by_name("kv-only"), wide):
+        with fake_quant_kv(model, mode) as hook, torch.inference_mode(), \
+                hook.applying(arm, token_mask=mask.bool()):
+            logits[mode.name] = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(logits["fa3-wide"][real], logits["kv-only"][real], rtol=1e-4, atol=1e-4)
+    assert len(calls) == 3
+    windows = {c["window_left"] for c in calls}
+    assert windows == ({7, None} if arch == "gemma2" else {7})       # gemma2 alternates sliding / global
+    assert {c["softcap"] for c in calls} == ({50.0} if arch == "gemma2" else {None})
+    assert all((c["mask"] is None) == (padding == "right") and c["causal"] for c in calls)
+    assert all(float(c["k_scale"]) == pytest.approx(0.01) for c in calls)
+
+
 def test_checkpoint_q_scale_reaches_the_arm(tmp_path):
     from safetensors.torch import save_file
 

@@ -185,12 +185,15 @@ def _engine(entry, **kw):
     return {"status": "ok", "engine": "vllm", "version": "x", "buckets": d["buckets"], "summary": {**d["summary"], **kw}}
 
 
-def test_int8_advice_names_tensorrt_llm_never_vllms_fp8_flag():
+def test_int8_advice_says_which_engine_applies_it_never_vllms_fp8_flag():
+    """Merged TensorRT-LLM runs INT8 KV at scale 1.0 (calib.engine.support): the advice says so and names the build
+    that applies calibrated INT8, never a plain `trtllm-serve`."""
     th = report.Thresholds()
     for e in (_entry(dtype="int8"), _entry(kind="stats", dtype="int8", granularity="head", source=None),
               _entry(kind="default", dtype="int8", source=None)):
         v = report.verdict(reference_metrics(), {"a": e}, th, "bf16")
-        assert v.action == "ship" and "TensorRT-LLM" in v.text and "INT8" in v.text
+        assert v.action == "ship" and "run at scale 1.0 by TensorRT-LLM 1.2" in v.text
+        assert "--engine-version trtllm=pr18953" in v.text and "not served by vLLM" in v.text
         assert "--kv-cache-dtype" not in v.text
     v = report.verdict(reference_metrics(), {"a": _entry()}, th, "bf16")
     assert "vLLM: `--kv-cache-dtype fp8`" in v.text
@@ -225,3 +228,34 @@ def test_skip_layers_are_recommended_only_when_the_engine_confirms():
     ok, why = honest.skip_confirmed(replace(trial, engine=worse), replace(base, engine=eng_bad))
     assert not ok and "does not confirm the gain" in why
     assert math.isfinite(eng_ok["summary"]["ppl"])
+
+
+def test_implausible_engine_numbers_are_reported_and_never_ranked():
+    """CPU vLLM 0.32 served fp8_per_token_head at perplexity 224,275 against 22.4 without a word: an engine arm that
+    far off while its emulation is not is named, fails, and is never the arm shipped."""
+    th = report.Thresholds()
+    broken = _entry(ppl_rel=0.001)
+    broken = replace(broken, engine={**_engine(broken, ppl=224275.0, ppl_rel=224275.0 / 22.4 - 1, kl=6.0),
+                                     "kv_cache_dtype": "fp8", "version": "0.32.0"})
+    fine = _entry(kl=0.002, ppl_rel=0.003)
+    fine = replace(fine, engine=_engine(fine))
+    why = honest.implausible(broken)
+    assert why.startswith("engine output implausible for fp8 on vllm 0.32.0") and "x1.001e+04" in why
+    assert honest.implausible(fine) is None
+    assert report.failures(broken, reference_metrics(), th) == [why]
+    v = report.verdict(reference_metrics(engine={"status": "ok"}), {"broken": broken, "fine": fine}, th, "bf16")
+    assert v.arm == "fine" and "broken" not in v.within_threshold and why in v.text
+    only = report.verdict(reference_metrics(engine={"status": "ok"}), {"broken": broken}, th, "bf16")
+    assert only.action == "keep_reference" and only.arm is None
+
+
+@pytest.mark.parametrize("engine_rel,engine_kl,emulated_rel,odd", [
+    (0.5, 0.1, 0.4, False),           # a bad but believable arm
+    (12.0, 0.5, 11.0, False),         # the emulation is as far off: the format is that bad, the engine is believed
+    (0.01, 3.0, 0.01, True),          # KL past ln 10 nats
+    (12.0, 0.5, 0.02, True),
+])
+def test_the_implausibility_bound(engine_rel, engine_kl, emulated_rel, odd):
+    e = _entry(ppl_rel=emulated_rel)
+    e = replace(e, engine=_engine(e, ppl_rel=engine_rel, kl=engine_kl, ppl=10.0 * (1 + engine_rel)))
+    assert (honest.implausible(e) is not None) is odd

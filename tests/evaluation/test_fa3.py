@@ -21,10 +21,7 @@ import torch
 
 from calib.evaluation import fa3
 
-try:                                            # the fp8 arithmetic moves into calib.scales
-    from calib.scales import fp8
-except ImportError:
-    from calib import fp8
+from calib.scales import fp8
 
 LOG2E = math.log2(math.e)
 CUDA = torch.cuda.is_available()

@@ -138,7 +138,7 @@ def test_empty_targets_means_statistics_only_and_allows_analysis_granularities()
 @pytest.mark.parametrize("fields, says", [
     ({"granularity": "channel"}, "cannot be exported"),
     ({"granularity": "token", "targets": ["trtllm"]}, "cannot be exported"),
-    ({"dtype": "int8"}, "vLLM reads only FP8"),
+    ({"dtype": "int8"}, "vLLM has no static INT8 KV cache"),
     ({"q_scale": True, "targets": ["trtllm"], "dtype": "int8"}, "needs target vllm"),
     ({"observer": "percentile", "observer_params": {"q": 1}}, "accepted: p"),
     ({"observer": "percentile", "observer_params": {"p": 0}}, "observer_params.p"),
@@ -186,7 +186,8 @@ def test_min_tokens_above_seq_len():
 
 def test_targets_from_comma_string():
     assert R.from_dict({"targets": "vllm"}).targets == ("vllm",)
-    assert "'targets'" in recipe_error({"targets": "vllm,sglang"})
+    assert R.from_dict({"targets": "vllm,sglang"}).targets == ("vllm", "sglang")
+    assert "'targets'" in recipe_error({"targets": "vllm,tgi"})
 
 
 # ---------------------------------------------------------------- replace / round-trip

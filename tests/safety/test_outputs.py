@@ -326,6 +326,7 @@ def test_disk_full_mid_write_is_one_line_and_leaves_nothing(tiny_llama_dir, toke
     def full(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(safetensors.torch, "save_file", full)
+    monkeypatch.setattr(safetensors.torch, "save", full)          # small files are serialized in memory first
     out = tmp_path / "runs" / "ckpt"
     r = CliRunner().invoke(main, [*map(str, _calibrate_args(tiny_llama_dir, token_data, out))])
     errors = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]

@@ -12,7 +12,7 @@ from helpers import made_up_scales
 
 
 def test_every_target_has_its_checks_in_the_targets_order():
-    assert verify.ENGINES == tuple(export.TARGETS) == ("vllm", "trtllm")
+    assert verify.ENGINES == tuple(export.TARGETS) == ("vllm", "trtllm", "sglang")
     assert all(isinstance(c, verify.Checker) and c.rules for c in verify.CHECKERS.values())
 
 

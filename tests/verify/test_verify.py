@@ -467,7 +467,7 @@ def test_problem_prints_one_line():
 
 def test_bad_arguments_and_non_checkpoints(tmp_path):
     with pytest.raises(ValueError, match="engine"):
-        verify(tmp_path, "sglang")
+        verify(tmp_path, "tgi")
     assert [p.code for p in verify(tmp_path)] == ["checkpoint.config"]
 
 

@@ -1,0 +1,177 @@
+"""The time plan of one evaluation: a short probe, minutes per phase, and what `--budget-minutes` drops.
+
+Why: at 32K-128K an evaluation runs for hours when nothing bounds it, and nothing said so before it began
+(issue 30: after 17 minutes no engine arm had started). A probe times one forward of the reference and of
+one emulated arm on one sample of the smallest bucket; each phase is then extrapolated per sample length
+with the attention's quadratic term (work per sample L * (2 * parameters + attention * L), the model's own
+FLOP count, so a probe at 512 tokens says what 32K costs). The engine is not started for a probe (a start
+costs a minute): its start and scoring rate are stated defaults, printed as such.
+
+A budget drops optional parts in a fixed order, each fully before the next, until the plan fits: passkey
+depths (5 -> 3 -> 1), skip trials, emulated long buckets (longest first; with an engine they are still
+measured there), then the engine's passkey prompts (the retrieval confirmation). What it dropped is
+printed and recorded; a plan that still does not fit runs its minimum and says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from calib.progress import duration
+
+MAX_NEW_TOKENS = 8                             # calib.evaluation.passkey.MAX_NEW_TOKENS (no torch import here)
+DEPTH_STEPS = ((0.0, 0.25, 0.5, 0.75, 1.0), (0.0, 0.5, 1.0), (0.5,))
+SHORT_WINDOW = 8192                            # with an engine, buckets above this are measured there only
+# Stated, not probed: an engine start and its prompt-logprob rate. H200, vLLM 0.24 FA3, a 270M model: one arm
+# (start + 2 x 8K + 2 x 32K tokens, enforce_eager) took 56-71 s (docs/design.md §11); CPU vLLM is far slower.
+ENGINE_START_S = {"cuda": 45.0, "cpu": 60.0}
+ENGINE_TOKENS_PER_S = {"cuda": 10_000.0, "cpu": 500.0}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Work of one forward over a sample of L tokens: L * (linear + quadratic * L) (FLOP-proportional)."""
+    linear: float               # ~2 x parameters
+    quadratic: float            # causal attention: 2 x layers x heads x head_dim per token per earlier key
+
+    @staticmethod
+    def of(config: Any, parameters: int) -> "Cost":
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = cfg.num_attention_heads
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return Cost(2.0 * parameters, 2.0 * cfg.num_hidden_layers * heads * dim)
+
+    def work(self, length: int) -> float:
+        return length * (self.linear + self.quadratic * length)
+
+    def decode(self, length: int, steps: int = MAX_NEW_TOKENS) -> float:
+        """`steps` generated tokens after a prompt of `length` tokens (each reads every key)."""
+        return steps * (self.linear + 2 * self.quadratic * length)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Seconds per unit of `Cost` work (reference, one emulated arm), and the engine's stated figures."""
+    ref: float
+    arm: float
+    engine_start: float
+    engine_tokens_per_s: float
+    probed_at: int              # tokens of the probe sample
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What the run does: emulated buckets, passkey depths, skip trials, the engine's passkey prompts."""
+    emulate_up_to: int | None = None        # None: every bucket
+    depths: tuple[float, ...] = DEPTH_STEPS[0]
+    skip_trials: int = 0
+    engine_passkey: bool = True
+
+
+@dataclass(frozen=True)
+class Work:
+    """The run's inputs, as lengths: held-out samples (length, bucket), passkey prompts (length, bucket,
+    depth), arms besides the reference, whether an engine runs."""
+    samples: tuple[tuple[int, int], ...]
+    prompts: tuple[tuple[int, int, float], ...]
+    arms: int
+    engine: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    parts: Parts
+    phases: tuple[tuple[str, float], ...]   # (phase, seconds)
+    dropped: tuple[str, ...] = ()
+    budget_s: float | None = None
+
+    @property
+    def total(self) -> float:
+        return sum(s for _, s in self.phases)
+
+    def lines(self, rates: Rates) -> list[str]:
+        out = [f"eval plan (probe: one forward at {rates.probed_at} tokens; engine {rates.engine_start:.0f} s start + "
+               f"{rates.engine_tokens_per_s:,.0f} tok/s per arm, stated defaults):"]
+        out += [f"  {name}: {duration(s)}" for name, s in self.phases if s > 0]
+        out.append(f"  total: {duration(self.total)}" + (f" (budget {duration(self.budget_s)})" if self.budget_s else ""))
+        if self.dropped:
+            out.append("  dropped to fit the budget: " + "; ".join(self.dropped))
+        if self.budget_s and self.total > self.budget_s:
+            out.append("  the minimum plan still exceeds the budget: running it anyway")
+        return out
+
+
+def estimate(w: Work, parts: Parts, cost: Cost, rates: Rates) -> tuple[tuple[str, float], ...]:
+    """Seconds per phase of `w` done as `parts` say."""
+    emu = [(n, b) for n, b in w.samples if parts.emulate_up_to is None or b <= parts.emulate_up_to]
+    pk = [(n, b) for n, b, d in w.prompts if d in parts.depths]
+    pk_emu = [(n, b) for n, b in pk if parts.emulate_up_to is None or b <= parts.emulate_up_to]
+    per_pass = sum(cost.work(n) for n, _ in emu)
+    per_pk = sum(cost.work(n) + cost.decode(n) for n, _ in pk_emu)
+    metrics = per_pass * (rates.ref + w.arms * rates.arm)
+    passkey = per_pk * (rates.ref + w.arms * rates.arm)
+    engine_tokens = sum(n for n, _ in w.samples) + (sum(n + MAX_NEW_TOKENS for n, _ in pk) if parts.engine_passkey else 0)
+    engine_arm = (rates.engine_start + engine_tokens / rates.engine_tokens_per_s) if w.engine else 0.0
+    engine = (w.arms + 1) * engine_arm
+    skips = parts.skip_trials * ((per_pass + per_pk) * (rates.ref + rates.arm) + engine_arm)
+    return ((f"emulation: reference + {w.arms} arm(s) on {len(emu)} samples", metrics),
+            (f"emulation passkey: {len(pk_emu)} prompts x {w.arms + 1}", passkey),
+            (f"engine: {w.arms + 1} arms" if w.engine else "engine", engine),
+            (f"skip trials: up to {parts.skip_trials}", skips))
+
+
+def fit(w: Work, parts: Parts, cost: Cost, rates: Rates, budget_s: float | None) -> Plan:
+    """The plan of `parts`, reduced in the module's order until it fits `budget_s` (None: as asked)."""
+    plan = Plan(parts, estimate(w, parts, cost, rates), (), budget_s)
+    if budget_s is None:
+        return plan
+    buckets = sorted({b for _, b in w.samples} | {b for _, b, _ in w.prompts})
+    steps = []
+    have = len(parts.depths)
+    for depths in DEPTH_STEPS if w.prompts else ():
+        if len(depths) < have:
+            steps.append((f"passkey depths {have} -> {len(depths)}", {"depths": depths}))
+            have = len(depths)
+    if parts.skip_trials:
+        steps.append((f"skip trials (up to {parts.skip_trials})", {"skip_trials": 0}))
+    limit = parts.emulate_up_to
+    for b in reversed(buckets[:-1]):
+        if limit is None or b < limit:
+            what = "measured in the engine only" if w.engine else "not measured"
+            steps.append((f"emulated bucket {buckets[buckets.index(b) + 1]} ({what})", {"emulate_up_to": b}))
+    if w.engine and parts.engine_passkey and w.prompts:
+        steps.append(("the engine's passkey prompts", {"engine_passkey": False}))
+    dropped: list[str] = []
+    for what, change in steps:
+        if plan.total <= budget_s:
+            break
+        parts = replace(parts, **change)
+        dropped.append(what)
+        plan = Plan(parts, estimate(w, parts, cost, rates), tuple(dropped), budget_s)
+    return plan
+
+
+def engine_figures(device_type: str) -> tuple[float, float]:
+    """(seconds to start one engine arm, its prompt tokens/s): the stated defaults for this device."""
+    key = "cuda" if device_type == "cuda" else "cpu"
+    return ENGINE_START_S[key], ENGINE_TOKENS_PER_S[key]
+
+
+def default_rates(device_type: str, ref: float, arm: float, probed_at: int) -> Rates:
+    return Rates(ref, arm, *engine_figures(device_type), probed_at)
+
+
+def work_of(samples: Sequence[Any], prompts: Sequence[Any], arms: int, engine: bool) -> Work:
+    return Work(tuple((len(x.ids), x.bucket) for x in samples),
+                tuple((len(p.ids), p.bucket, p.depth) for p in prompts), arms, engine)
+
+
+def emulation_limit(requested: int | None, buckets: Sequence[int], engine: bool) -> int | None:
+    """The largest bucket the emulation covers (None: all): `requested` (--emulate-up-to), else
+    `SHORT_WINDOW` when an engine measures the long buckets, else all; never below the smallest bucket."""
+    limit = requested if requested is not None else SHORT_WINDOW if engine else None
+    if limit is None or limit >= max(buckets):
+        return None
+    return max([b for b in buckets if b <= limit] or [min(buckets)])

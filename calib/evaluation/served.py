@@ -1,0 +1,79 @@
+"""Arms "as the engine serves them": `kvcalib eval --target ENGINE` evaluates each calibrated arm with the scales
+that engine really uses, read from the support matrix (calib.engine.support).
+
+Why: an evaluation that measures the calibrated scales while the chosen engine ignores them (TensorRT-LLM's FP8 and
+INT8 caches run at 1.0; SGLang runs per-head schemes at 1.0) reports a gain the user never gets. So, with a target,
+the arm the report calls calibrated keeps its name and is measured with 1.0 where the engine ignores the scales,
+with the max over heads where it folds them, without q_scale where it reads none; an arm the engine refuses is
+kept but marked not shippable. Each substituted arm says so in its notes (the report's Notes section).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from calib.engine import support
+from calib.evaluation.fakequant import Arm, EvalError
+
+# --emulate name -> the backend of the target engine whose arithmetic it follows
+_BACKEND_OF_EMULATION = {"vllm-cpu": "cpu", "vllm-fa3": "fa3"}
+
+
+def check(target: str | None, version: str | None) -> None:
+    """A target the matrix knows and a version it parses; EvalError (one line) otherwise."""
+    if target is None:
+        if version is not None:
+            raise EvalError("--engine-version needs --target (the engine it is a version of)")
+        return
+    try:
+        support.version_of(target, version)
+    except (support.SupportError, ValueError) as e:
+        raise EvalError(f"--target {target} --engine-version {version}: {e}") from None
+
+
+def backend_for(target: str, emulation: str) -> str:
+    """The target's backend the evaluation stands for: the one the emulation follows, else the engine's first."""
+    backends = support.ENGINES[target].backends
+    b = _BACKEND_OF_EMULATION.get(emulation)
+    return b if b in backends else next(iter(backends))
+
+
+def as_served(arms: Sequence[Arm], target: str | None, version: str | None, emulation: str) -> tuple[list[Arm], str | None]:
+    """(`arms` with every calibrated arm replaced by what `target` serves of it, a note for the report); the arms
+    unchanged and no note without a target."""
+    if target is None:
+        return list(arms), None
+    e = support.ENGINES[target]
+    v = support.version_of(target, version)
+    backend = backend_for(target, emulation)
+    where = f"{e.title} {v}" + (f" ({e.backends[backend]})" if len(e.backends) > 1 else "")
+    out = [_served(a, target, v, backend, where) if a.kind in ("checkpoint", "stats") and a.dtype is not None
+           and a.shippable else a for a in arms]
+    return out, (f"calibrated arms evaluated as {where} serves them (--target {target}): with the scales it uses, "
+                 "see each arm's notes")
+
+
+def _served(arm: Arm, target: str, v: support.Version, backend: str, where: str) -> Arm:
+    kv = support.cell(target, v, backend, arm.dtype.name, arm.granularity)
+    notes = list(arm.notes)
+    if kv.effect is support.Effect.IGNORED:
+        one = torch.tensor(1.0)
+        arm = replace(arm, k={i: one for i in arm.k}, v={i: one for i in arm.v}, q={}, granularity="tensor")
+        notes.append(f"as {where} serves it: its scales are ignored ({kv.note}), so this arm runs at scale 1.0")
+    elif kv.effect is support.Effect.MAX_OVER_HEADS:
+        arm = replace(arm, k={i: s if isinstance(s, str) else s.max().reshape(()) for i, s in arm.k.items()},
+                      v={i: s if isinstance(s, str) else s.max().reshape(()) for i, s in arm.v.items()},
+                      granularity="tensor")
+        notes.append(f"as {where} serves it: one scale per layer, the max over heads ({kv.note})")
+    elif kv.effect in (support.Effect.REFUSED, support.Effect.BROKEN):
+        notes.append(f"{where} does not serve it: {kv.effect.value} ({kv.note}); not shippable there")
+        return replace(arm, shippable=False, notes=tuple(notes))
+    if arm.q:
+        q = support.cell(target, v, backend, arm.dtype.name, "q_scale")
+        if q.effect is not support.Effect.APPLIED:
+            arm = replace(arm, q={})
+            notes.append(f"q_scale unused: {q.effect.value} on {where} ({q.note})")
+    return replace(arm, notes=tuple(notes))

@@ -1,0 +1,125 @@
+"""What each target's engine will do with what kvcalib writes, read from the support matrix; the refusal
+before anything is written; the serve lines every command prints.
+
+Why: a checkpoint an engine loads but whose scales it never applies is the silent failure users of KV-scale
+tools meet most. So every command that writes or names a checkpoint for an engine asks the one support
+matrix (calib.engine.support) what that engine does with it, says so next to the serve command, and refuses
+— one line naming the engine, its version and what to do instead, before any output exists — where the
+engine would run the scales at 1.0 and that changes the result (INT8 at 1.0; FP8 with values past its range),
+or would not run the file at all. `--engine-version ENGINE=VERSION` states another version or a build (e.g.
+`trtllm=pr18953`, TensorRT-LLM with calibrated INT8 KV) and the matrix answers for it. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from calib.ckpt.source import ExportError
+from calib.engine import support
+
+
+def parse_versions(text: str | None, targets: Sequence[str]) -> dict[str, str]:
+    """`--engine-version`: `ENGINE=VERSION[,ENGINE=VERSION]`, or a bare VERSION when there is one target."""
+    out: dict[str, str] = {}
+    for item in (x.strip() for x in (text or "").split(",")):
+        if not item:
+            continue
+        name, eq, version = item.partition("=")
+        if not eq:
+            if len(targets) != 1:
+                raise ExportError(f"--engine-version {item!r}: name the engine (e.g. trtllm={item}) when there are "
+                                  f"several targets ({', '.join(targets)})")
+            name, version = targets[0], item
+        name, version = name.strip(), version.strip()
+        if name not in support.ENGINES:
+            raise ExportError(f"--engine-version {item!r}: unknown engine {name!r}; known: {', '.join(support.ENGINES)}")
+        try:
+            support.version_of(name, version)
+        except ValueError as e:
+            raise ExportError(f"--engine-version {item!r}: {e}") from None
+        out[name] = version
+    return out
+
+
+def amax_ratio(scales: Mapping[int, Any] | None, qmax: float) -> float | None:
+    """The largest |K| or |V| over every layer and head, over `qmax` (None without scales)."""
+    if not scales:
+        return None
+    peak = max(max(float(s.k_amax.max()), float(s.v_amax.max())) for s in scales.values())
+    return peak / qmax
+
+
+def calibrated(target: Any, dtype: str, granularity: str, q_scale: bool, skipped: Iterable[int | str] = (),
+               ratio: float | None = None) -> support.Calibrated:
+    """What `target` (a calib.export Target) writes of a result: per-head scales folded where it folds them,
+    q_scale only where it writes one."""
+    gran = "tensor" if getattr(target, "folds_heads", False) else granularity
+    return support.Calibrated(dtype, gran, bool(q_scale and target.reads_q_scale), tuple(skipped), ratio)
+
+
+def outcomes(recipe: Any, scales: Mapping[int, Any] | None = None, skipped: Iterable[int | str] | None = None,
+             versions: Mapping[str, str] | None = None) -> dict[str, support.Outcome]:
+    """{target: what its engine does with the recipe's result}; `scales` (when known) give the range ratio,
+    `skipped` the resolved skipped layers (the recipe's own entries when not yet resolved)."""
+    from calib.export import TARGETS
+
+    skip = tuple(recipe.skip_layers) if skipped is None else tuple(skipped)
+    ratio = amax_ratio(scales, recipe.kv_dtype.qmax)
+    out = {}
+    for name in recipe.targets:
+        cal = calibrated(TARGETS[name], recipe.kv_dtype.name, recipe.scale_granularity.name, recipe.q_scale, skip,
+                         ratio)
+        out[name] = support.outcome(name, cal, (versions or {}).get(name))
+    return out
+
+
+def instead(name: str, outcome: support.Outcome) -> str:
+    """What to do instead of serving a refused result on `name`: engines that serve it as calibrated, and a
+    build of this engine that applies it (a build-specific cell of the matrix)."""
+    cal = outcome.calibrated
+    others = [e for e in support.ENGINES if e != name and support.outcome(e, cal).severity == support.SAME]
+    builds = sorted({c.build for c in support.CELLS if c.engine == name and c.build and cal.dtype in c.formats
+                     and c.effect in (support.Effect.APPLIED, support.Effect.MAX_OVER_HEADS)})
+    parts = []
+    if others:
+        parts.append(f"use --target {' or '.join(others)}, which apply{'s' if len(others) == 1 else ''} these scales")
+    elif cal.dtype != "fp8_e4m3":
+        parts.append("calibrate fp8_e4m3 for vLLM or SGLang")
+    parts += [f"state a build that applies them with --engine-version {name}={b}" for b in builds]
+    text = "; or ".join(parts)
+    return text[:1].upper() + text[1:]
+
+
+def check(recipe: Any, scales: Mapping[int, Any] | None = None, skipped: Iterable[int | str] | None = None,
+          versions: Mapping[str, str] | None = None) -> dict[str, support.Outcome]:
+    """`outcomes`, or an ExportError (one line) for the first target whose engine would not serve the result."""
+    found = outcomes(recipe, scales, skipped, versions)
+    for name, o in found.items():
+        if o.refused:
+            raise ExportError(o.refusal(instead(name, o)))
+    return found
+
+
+def fold_note(target: Any, recipe: Any, outcome: support.Outcome) -> str | None:
+    """One line when `target` writes per-head scales as their max per layer, saying what its engine would do
+    with per-head scales (the matrix's `head` cell) — e.g. SGLang runs them at 1.0."""
+    if not (getattr(target, "folds_heads", False) and recipe.scale_granularity.name == "head"):
+        return None
+    e = support.ENGINES[target.name]
+    c = support.cell(target.name, outcome.version, next(iter(e.backends)), recipe.kv_dtype.name, "head")
+    return (f"per-head scales on {e.title} {outcome.version}: {c.effect.value} ({c.note}); the {target.name} variant "
+            "carries their max per layer instead")
+
+
+def serve_lines(target: Any, path: str, outcome: support.Outcome, skipped: Sequence[int | str] = ()) -> list[str]:
+    """The serve command for `target`'s variant at `path`, and (when the engine applies the scales as
+    calibrated) that it does; what differs is `warnings`'."""
+    lines = [f"serve it with {support.ENGINES[target.name].title}:", f"  {target.serve_command(path, tuple(skipped))}"]
+    return lines + ([f"  {outcome.summary()}"] if outcome.severity == support.SAME else [])
+
+
+def warnings(target: Any, recipe: Any, outcome: support.Outcome) -> list[str]:
+    """One line per way the engine serves the result differently from what was calibrated."""
+    folded = fold_note(target, recipe, outcome)
+    return [*(outcome.lines() if outcome.severity != support.SAME else []), *([folded] if folded else [])]

@@ -1,0 +1,53 @@
+"""What an engine will apply of a checkpoint's KV scales: the checkpoint read as a calibrated result (format,
+granularity, q_scale, skipped layers, range) and looked up in the support matrix (calib.engine.support).
+
+Why beside the loader rules: a checkpoint can pass every loader check and still be served at scale 1.0 (TensorRT-LLM's
+FP8 and INT8 caches, SGLang before 0.5.19 or with per-head scales). `kvcalib verify` prints this per engine after the
+problems, and a result the engine would not serve as calibrated (INT8 at 1.0, FP8 past its range at 1.0) is an error.
+Reads what CheckpointFiles already read; no torch.
+"""
+
+from __future__ import annotations
+
+from calib.ckpt import formats
+from calib.ckpt.reader import CheckpointFiles, Problem
+from calib.engine import support
+
+_QMAX = {"fp8_e4m3": 448.0, "int8": 127.0}
+
+
+def read_calibrated(ck: CheckpointFiles, engine: str) -> support.Calibrated | None:
+    """The checkpoint as `engine` reads its KV scales; None when it declares no KV format that engine reads."""
+    dtype, granularity = None, "tensor"
+    if engine == "trtllm":
+        inner = formats.modelopt_quantization(ck.hf_quant) if isinstance(ck.hf_quant, dict) else None
+        algo = (inner or {}).get("kv_cache_quant_algo")
+        dtype = {"FP8": "fp8_e4m3", "INT8": "int8"}.get(str(algo)) if algo else None
+    else:
+        scheme = formats.ct_declared_kv_scheme(ck.inline_qc)
+        if isinstance(scheme, dict):
+            dtype = {("float", 8): "fp8_e4m3", ("int", 8): "int8"}.get((scheme.get("type"), scheme.get("num_bits")))
+            granularity = "head" if scheme.get("strategy") == "attn_head" else "tensor"
+        elif formats.modelopt_kv_cache_algo(ck.inline_qc or ck.hf_quant) == "FP8":
+            dtype = "fp8_e4m3"
+    if dtype is None:
+        return None
+    q = any(s.kind == "q" for s in ck.scales(ck.files))
+    layers = (ck.provenance or {}).get("layers") or {}
+    peaks = [max(float(r.get("k_amax", 0)), float(r.get("v_amax", 0))) for r in layers.values() if isinstance(r, dict)]
+    ratio = max(peaks) / _QMAX[dtype] if peaks else None
+    return support.Calibrated(dtype, granularity, q, tuple(sorted(ck.skipped_layers)), ratio)
+
+
+def applied(ck: CheckpointFiles, engine: str, version: str | None = None) -> support.Outcome | None:
+    """What `engine` (at `version`; None: the newest read) does with `ck`'s scales; None when it reads none."""
+    if engine not in support.ENGINES:
+        return None
+    cal = read_calibrated(ck, engine)
+    return None if cal is None else support.outcome(engine, cal, version)
+
+
+def refusal_problem(engine: str, outcome: support.Outcome) -> Problem:
+    """A result the engine would not serve as calibrated, as a verify error naming engine and version."""
+    return Problem(engine, "engine", outcome.refusal("State another build with --engine-version if yours applies "
+                                                     "them"), code=f"{engine}.not-applied")

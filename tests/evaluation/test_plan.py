@@ -1,0 +1,121 @@
+"""The time plan: the cost model, the order in which a budget drops parts, and the plan in a real run (the probe's
+rates monkeypatched: nothing here depends on how fast this machine is)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from calib.evaluation import plan
+from calib.evaluation import run as run_mod
+from calib.evaluation.plan import Cost, Parts, Rates, Work, estimate, fit
+from tiny import random_sequences, tiny_causal_lm, tiny_config
+
+COST = Cost(linear=100.0, quadratic=1.0)
+RATES = Rates(ref=1e-6, arm=2e-6, engine_start=45.0, engine_tokens_per_s=1e4, probed_at=512)
+DEPTHS = plan.DEPTH_STEPS[0]
+WORK = Work(samples=tuple((b - 10, b) for b in (512, 2048, 8192) for _ in range(4)),
+            prompts=tuple((b - 20, b, d) for b in (512, 2048, 8192) for d in DEPTHS), arms=3, engine=True)
+FULL = Parts(None, DEPTHS, 3, True)
+ORDER = ["passkey depths 5 -> 3", "passkey depths 3 -> 1", "skip trials (up to 3)",
+         "emulated bucket 8192 (measured in the engine only)", "emulated bucket 2048 (measured in the engine only)",
+         "the engine's passkey prompts"]
+
+
+def _total(parts: Parts) -> float:
+    return sum(s for _, s in estimate(WORK, parts, COST, RATES))
+
+
+def test_work_grows_with_the_square_of_the_length():
+    assert COST.work(1000) == 1000 * (100 + 1000) and COST.work(2000) / COST.work(1000) == pytest.approx(2 * 2100 / 1100)
+    c = Cost.of(tiny_config("llama"), 10_000)
+    assert (c.linear, c.quadratic) == (20_000.0, 2.0 * 3 * 4 * 16)
+
+
+def test_phases_add_up_from_the_rates():
+    phases = dict(estimate(WORK, FULL, COST, RATES))
+    per_pass = sum(COST.work(n) for n, _ in WORK.samples)
+    assert phases["emulation: reference + 3 arm(s) on 12 samples"] == pytest.approx(per_pass * (1e-6 + 3 * 2e-6))
+    engine_tokens = sum(n for n, _ in WORK.samples) + sum(n + plan.MAX_NEW_TOKENS for n, _, _ in WORK.prompts)
+    assert phases["engine: 4 arms"] == pytest.approx(4 * (45 + engine_tokens / 1e4))
+
+
+def test_budget_drops_parts_in_the_stated_order():
+    assert fit(WORK, FULL, COST, RATES, None).dropped == ()
+    assert fit(WORK, FULL, COST, RATES, _total(FULL) + 1).dropped == ()
+    parts, expected = FULL, []
+    changes = [dict(depths=plan.DEPTH_STEPS[1]), dict(depths=plan.DEPTH_STEPS[2]), dict(skip_trials=0),
+               dict(emulate_up_to=2048), dict(emulate_up_to=512), dict(engine_passkey=False)]
+    for what, change in zip(ORDER, changes):
+        parts = Parts(**{**parts.__dict__, **change})
+        expected.append(what)
+        got = fit(WORK, FULL, COST, RATES, _total(parts))          # exactly what this step leaves: it stops here
+        assert list(got.dropped) == expected and got.parts == parts and got.total == pytest.approx(_total(parts))
+    tight = fit(WORK, FULL, COST, RATES, 1.0)
+    assert list(tight.dropped) == ORDER
+    assert tight.lines(RATES)[-1] == "  the minimum plan still exceeds the budget: running it anyway"
+
+
+def test_without_engine_or_prompts_only_their_own_parts_drop():
+    w = Work(WORK.samples, (), 3, False)
+    got = fit(w, FULL, COST, RATES, 1.0)
+    assert list(got.dropped) == ["skip trials (up to 3)", "emulated bucket 8192 (not measured)",
+                                 "emulated bucket 2048 (not measured)"]
+
+
+def test_emulation_limit():
+    assert plan.emulation_limit(None, (512, 2048), engine=False) is None
+    assert plan.emulation_limit(None, (4096, 16384, 32000), engine=True) == 4096
+    assert plan.emulation_limit(None, (16384, 32000), engine=True) == 16384        # the smallest always emulated
+    assert plan.emulation_limit(3000, (512, 2048, 8192), engine=False) == 2048
+    assert plan.emulation_limit(9000, (512, 2048, 8192), engine=True) is None
+
+
+@pytest.fixture
+def model_and_data(tmp_path):
+    src = tmp_path / "m"
+    tiny_causal_lm("llama").save_pretrained(src)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in random_sequences(16, lo=40, hi=60, seed=2)))
+    return src, data
+
+
+def _eval(src, data, out, *extra):
+    from calib.cli import main
+    return CliRunner().invoke(main, ["eval", "--model", str(src), "--data", str(data), "--buckets", "32,64",
+                                     "--samples", "12", "--no-plots", "--passkey-trials", "0", "--device", "cpu",
+                                     "--pack", "--out", str(out), *extra], catch_exceptions=False)
+
+
+def test_eval_prints_the_plan_and_the_budget_drops_long_buckets(model_and_data, tmp_path, monkeypatch):
+    """A probe that says one forward costs minutes: --budget-minutes 1 drops the skip trials and the 64-token
+    bucket (no engine, no passkey here), says so before the work and in the report; the progress line
+    counts only the samples it emulates."""
+    src, data = model_and_data
+    monkeypatch.setattr(run_mod, "probe", lambda s, arm, cost: plan.default_rates("cpu", 1e-3, 2e-3, 32))
+    r = _eval(src, data, tmp_path / "ev", "--budget-minutes", "1")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    start = lines.index(next(ln for ln in lines if ln.startswith("eval plan (probe: one forward at 32 tokens")))
+    assert lines[start + 1].startswith("  emulation: reference + 1 arm(s) on 6 samples: ")
+    assert "  dropped to fit the budget: skip trials (up to 3); emulated bucket 64 (not measured)" in lines
+    assert any(ln.startswith("eval emulation: samples 6/6") for ln in lines)     # packed 32, 64, 32, ...: six of 32
+    doc = json.loads((tmp_path / "ev" / "report.json").read_text())
+    assert "dropped to fit --budget-minutes: skip trials (up to 3); emulated bucket 64 (not measured)" in doc["notes"]
+    assert list(doc["arms"]["default"]["buckets"]) == ["32"] and doc["config"]["budget_minutes"] == 1.0
+
+
+def test_emulate_up_to_without_a_budget(model_and_data, tmp_path, monkeypatch):
+    src, data = model_and_data
+    monkeypatch.setattr(run_mod, "probe", lambda s, arm, cost: plan.default_rates("cpu", 1e-9, 1e-9, 32))
+    r = _eval(src, data, tmp_path / "ev", "--emulate-up-to", "40")
+    assert r.exit_code == 0, r.output
+    assert "dropped" not in r.output
+    doc = json.loads((tmp_path / "ev" / "report.json").read_text())
+    assert any(n.startswith("emulation (per-layer diagnostics, emulated KL/perplexity/passkey) covers buckets <= 32; "
+                            "buckets [64] are not measured") for n in doc["notes"])
+    assert list(doc["arms"]["default"]["buckets"]) == ["32"]
+    r = _eval(src, data, tmp_path / "ev2", "--budget-minutes", "0")
+    assert r.exit_code == 1 and "--budget-minutes 0: give a positive number of minutes" in r.output

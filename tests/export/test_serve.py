@@ -1,0 +1,131 @@
+"""What each target's engine does with what kvcalib writes, through the CLI: the refusals (one line, non-zero exit,
+nothing written), the warnings, and the serve lines — all read from the support matrix (calib.engine.support)."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from calib.cli import main
+from calib.engine import support
+from calib.export import serve
+from calib.recipe.recipe import Recipe
+from helpers import k_beyond_fp8_model, save_model_and_data
+
+
+def _run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def _calibrate(model, data, out, *more):
+    return _run("calibrate", "--model", model, "--data", data, "--out", out, "--samples", 8, "--seq-len", 32,
+                "--device", "cpu", *more)
+
+
+def _refused(r, out, before_work=True):
+    """The one `Error:` line of a refused command, which left nothing at `out` (and, refused before any work, said
+    nothing else: no model loaded)."""
+    assert r.exit_code != 0 and not out.exists() and not list(out.parent.glob(f".{out.name}*")), r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("Error: ")]
+    assert len(errors) == 1 and (len(lines) == 1 or not before_work), r.output
+    return errors[0]
+
+
+def test_int8_for_tensorrt_llm_is_refused_before_any_work(tiny_llama_dir, token_data, tmp_path):
+    out = tmp_path / "int8"
+    line = _refused(_calibrate(tiny_llama_dir, token_data, out, "--target", "trtllm", "--dtype", "int8"), out)
+    assert "TensorRT-LLM 1.2 would not serve these scales" in line and "INT8 runs at scale 1.0" in line
+    assert "--engine-version trtllm=pr18953" in line and "fp8_e4m3" in line
+
+
+def test_int8_for_a_stated_tensorrt_llm_build_that_applies_it(tiny_llama_dir, token_data, tmp_path):
+    out = tmp_path / "int8"
+    r = _calibrate(tiny_llama_dir, token_data, out, "--target", "trtllm", "--dtype", "int8",
+                   "--engine-version", "trtllm=1.2+pr18953")
+    assert r.exit_code == 0, r.output
+    assert f"trtllm-serve {out}" in r.output and "TensorRT-LLM 1.2+pr18953: the scales are applied" in r.output
+    assert "warning" not in r.output
+
+
+def test_fp8_past_the_range_for_tensorrt_llm_is_refused_after_calibration(tmp_path):
+    model, data = save_model_and_data(tmp_path, k_beyond_fp8_model(), "big-k")
+    out = tmp_path / "trt"
+    line = _refused(_calibrate(model, data, out, "--target", "trtllm"), out, before_work=False)
+    assert "fp8_e4m3 tensor scales ignored, the cache runs at scale 1.0" in line and "saturate" in line
+    assert "Use --target vllm or sglang" in line
+    r = _calibrate(model, data, tmp_path / "vllm", "--target", "vllm")       # vLLM applies them: served as calibrated
+    assert r.exit_code == 0, r.output
+    assert "vLLM 0.34: the scales are applied as calibrated" in r.output and "warning" not in r.output
+
+
+def test_fp8_inside_the_range_for_tensorrt_llm_is_written_with_a_warning(tiny_llama_dir, token_data, tmp_path):
+    out = tmp_path / "trt"
+    r = _calibrate(tiny_llama_dir, token_data, out, "--target", "trtllm")
+    assert r.exit_code == 0, r.output
+    assert "warning: TensorRT-LLM 1.2: fp8_e4m3 tensor scales ignored, the cache runs at scale 1.0" in r.output
+    assert "behaves like the default scale" in r.output and "Consider INT8" not in r.output
+
+
+def test_sglang_target_serve_command_and_the_per_head_warning(tiny_llama_dir, token_data, tmp_path):
+    out = tmp_path / "sg"
+    r = _calibrate(tiny_llama_dir, token_data, out, "--target", "sglang", "--granularity", "head")
+    assert r.exit_code == 0, r.output
+    assert f"python -m sglang.launch_server --model-path {out} --kv-cache-dtype fp8_e4m3" in r.output
+    assert "SGLang 0.5.23: the scales are applied as calibrated" in r.output
+    warn = [ln for ln in r.output.splitlines() if ln.startswith("warning: per-head scales on SGLang")]
+    assert len(warn) == 1 and "runs at 1.0" in warn[0] and "max per layer" in warn[0]
+    r = _run("verify", out, "--target", "sglang")
+    assert r.exit_code == 0, r.output
+    assert "SGLang 0.5.23: the scales are applied as calibrated" in r.output
+
+
+def test_sglang_before_0_5_19_ignores_the_scales(tiny_llama_dir, token_data, tmp_path):
+    r = _calibrate(tiny_llama_dir, token_data, tmp_path / "sg", "--target", "sglang", "--engine-version", "0.5.18")
+    assert r.exit_code == 0, r.output
+    assert "warning: SGLang 0.5.18: fp8_e4m3 tensor scales ignored" in r.output
+
+
+def test_vllm_per_head_names_what_each_backend_does(tiny_llama_dir, token_data, tmp_path):
+    r = _calibrate(tiny_llama_dir, token_data, tmp_path / "v", "--granularity", "head")
+    assert r.exit_code == 0, r.output
+    assert "warning: vLLM 0.34 (Triton, FlashInfer): fp8_e4m3 head scales refused" in r.output
+    assert "warning: vLLM 0.34 (CPU): fp8_e4m3 head scales applied as one max over heads" in r.output
+
+
+def test_a_bad_engine_version_is_one_line(tiny_llama_dir, token_data, tmp_path):
+    out = tmp_path / "x"
+    assert "unknown engine 'tgi'" in _refused(_calibrate(tiny_llama_dir, token_data, out, "--engine-version",
+                                                         "tgi=1.0"), out)
+    assert "name the engine" in _refused(_calibrate(tiny_llama_dir, token_data, out, "--target", "vllm,trtllm",
+                                                    "--engine-version", "1.2"), out)
+
+
+def test_export_from_statistics_refuses_as_calibrate_does(tiny_llama_dir, token_data, tmp_path):
+    stats = tmp_path / "stats"
+    r = _calibrate(tiny_llama_dir, token_data, stats, "--target", "")
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "int8"
+    line = _refused(_run("export", "--stats", stats / "stats.safetensors", "--model", tiny_llama_dir, "--dtype", "int8",
+                         "--target", "trtllm", "--out", out), out)
+    assert "TensorRT-LLM 1.2 would not serve these scales" in line
+
+
+@pytest.mark.parametrize("targets,dtype,ratio,refused", [
+    (("trtllm",), "int8", 0.1, ["trtllm"]),
+    (("trtllm",), "fp8_e4m3", 2.0, ["trtllm"]),
+    (("trtllm",), "fp8_e4m3", 0.5, []),
+    (("vllm", "sglang"), "fp8_e4m3", 5.0, []),
+])
+def test_outcomes_follow_the_matrix(targets, dtype, ratio, refused):
+    class _S:
+        def __init__(self, amax):
+            import torch
+            self.k_amax = self.v_amax = torch.tensor([amax])
+    recipe = Recipe(dtype=dtype, targets=targets)
+    qmax = recipe.kv_dtype.qmax
+    found = serve.outcomes(recipe, {0: _S(ratio * qmax)})
+    assert [n for n, o in found.items() if o.refused] == refused
+    for n, o in found.items():
+        assert o.calibrated.amax_ratio == pytest.approx(ratio)
+        assert o.refused == support.outcome(n, o.calibrated).refused
