@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from calib.ckpt.source import PreparedSource, SourceFiles
-from calib.provenance import Provenance
 from calib.recipe.dtypes import FP8_E4M3
 from calib.export.target import Target, WriteOptions
 from calib.export.vllm import export_vllm, prepare_source
+from calib.provenance import Provenance
 
 if TYPE_CHECKING:
     from calib.scales.fold import Scales
@@ -36,9 +36,10 @@ def per_tensor(scales: Scales) -> Scales:
             for layer, s in scales.items()}
 
 
-def export_sglang(source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any], *, force: bool = False,
-                  overwrite_kv: bool = False, extra_files: dict[str, str] | None = None) -> Path:
-    """Write the SGLang variant of `source` (compressed-tensors, per-tensor FP8 k/v scales) to `out`."""
+def export_sglang(source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any],
+                  *, force: bool = False, overwrite_kv: bool = False, extra_files: dict[str, str] | None = None) -> Path:
+    """Write the SGLang variant of `source` (compressed-tensors, per-tensor FP8 k/v scales) to `out`; a `source`
+    already prepared (`SglangTarget.prepare`) is not checked again."""
     return export_vllm(source, out, per_tensor(scales), provenance, strategy="tensor", force=force,
                        overwrite_kv=overwrite_kv, extra_files=extra_files, target="sglang")
 
@@ -53,7 +54,7 @@ class SglangTarget(Target):
     folds_heads = True
 
     def prepare(self, source: Path | SourceFiles, out: Path, options: WriteOptions = WriteOptions()) -> PreparedSource:
-        """The vLLM variant's rules: a weight-quantized source only through --into, and only compressed-tensors."""
+        """vLLM's layout, so vLLM's rules: a weight-quantized source only through --into, compressed-tensors only."""
         return prepare_source(source, out, quantized_ok=options.into, overwrite_kv=options.overwrite_kv)
 
     def write(self, source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any],

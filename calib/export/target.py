@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from calib.engine import support
 from calib.ckpt.source import PreparedSource, SourceFiles, check_out_is_not_source, read_source, scan_weights
+from calib.engine import support
 from calib.provenance import Provenance
 from calib.recipe.dtypes import FP8_E4M3, KVDtype
 from calib.recipe.granularity import Granularity, PerTensor

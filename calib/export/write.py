@@ -22,8 +22,8 @@ from calib.ckpt import integrity
 from calib.ckpt import weightmap
 from calib.ckpt.names import CONFIG_FILE, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE
 from calib.ckpt.source import ExportError, PreparedSource
-from calib.safety import files
 from calib.provenance import Provenance, as_provenance
+from calib.safety import files
 from calib.safety.outputs import atomic_dir, check_room
 
 if TYPE_CHECKING:
