@@ -410,6 +410,7 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
     from calib.progress import Progress
 
     small = DEFAULT_MODEL_EVAL if model_src is None else EVAL_DEFAULTS
+    fit_buckets = buckets is None          # default buckets beyond the model's context are dropped, given ones refused
     if model_src is None and None in (buckets, samples, passkey_trials):
         click.echo(f"default model, first look: --samples {small['samples']} --buckets {small['buckets']} "
                    f"--passkey-trials {small['passkey_trials']} unless given", err=True)
@@ -440,7 +441,7 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
                                   passkey_drop=passkey_drop, max_skip=max_skip),
             device=device, cpu_dtype=cpu_dtype or (None if engine else "float32"),
             trust_remote_code=trust_remote_code, force=force,
-            engine=engine_spec)
+            engine=engine_spec, fit_buckets=fit_buckets)
         options.evaluation(cfg)        # before the default model is built or any model loads
         if model_src is None:
             model_src = _default_model()

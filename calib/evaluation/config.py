@@ -44,6 +44,7 @@ class EvalConfig:
     trust_remote_code: bool = False
     force: bool = False
     engine: Any = None                # calib.engine.driver.EngineSpec: also measure every arm in that engine
+    fit_buckets: bool = False         # default buckets: drop those beyond the model's context instead of refusing
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as report.json records them (paths as strings, the engine spec as a mapping)."""
@@ -68,3 +69,8 @@ def check_eval(cfg: EvalConfig) -> None:
     except ValueError as e:
         raise EvalError(f"--emulate: {e}") from None
     data_mod.check_source(cfg.data)
+    if not cfg.fit_buckets:
+        from calib.evaluation.samples import check_buckets
+        from calib.model import context
+
+        check_buckets(cfg.buckets, context.of_directory(cfg.model), cfg.model)

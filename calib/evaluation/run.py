@@ -25,8 +25,9 @@ from calib.evaluation.fakequant import Arm, EvalError, Geometry, arms_for, fake_
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference, with_passkey
 from calib.evaluation.retrieval import passkey_stage, run_passkey
-from calib.evaluation.samples import Sample, calibration_windows, select_samples, usable_buckets
+from calib.evaluation.samples import Sample, calibration_windows, check_buckets, select_samples, usable_buckets
 from calib.evaluation.session import Session, open_session
+from calib.model import context as model_context
 from calib.model import load as model_mod
 from calib.progress import SILENT, Progress, Stage
 from calib.safety import outputs
@@ -99,10 +100,13 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     geo = Geometry.of(config, loaded.attention_layers)
     arms = arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv)
     vocab = getattr(config, "vocab_size", None)
-    buckets, dropped = usable_buckets(cfg.buckets, getattr(config, "max_position_embeddings", None))
-    notes = [f"buckets {dropped} exceed the model's context ({config.max_position_embeddings} tokens): dropped"] if dropped else []
+    ctx = model_context.of_loaded(config, tok)
+    if not cfg.fit_buckets:
+        check_buckets(cfg.buckets, ctx, cfg.model)      # again: a hub model's config is read only now
+    buckets, dropped = usable_buckets(cfg.buckets, ctx.tokens if ctx else None)
+    notes = [f"buckets {dropped} exceed the model's context ({ctx.tokens} tokens: {ctx.why}): dropped"] if dropped else []
     windows, held_out = calibration_windows(_provenances(cfg), cfg.data, tok, vocab)
-    samples, used, excluded = select_samples(cfg, tok, vocab, buckets, windows)
+    samples, used, excluded = select_samples(cfg, tok, vocab, buckets, windows, ctx.tokens if ctx else None)
     prompts: list[passkey.Prompt] = []
     if tok is None:
         notes.append("passkey retrieval skipped: the model has no tokenizer")
@@ -137,10 +141,9 @@ def measure_arms(cfg: EvalConfig, p: Prepared, s: Session,
     if cfg.engine is not None:
         from calib.engine.run import EngineRun
 
-        config = p.loaded.config
+        ctx = model_context.of_loaded(p.loaded.config, p.loaded.tokenizer)
         engine = EngineRun(cfg.engine, p.engine_version, str(cfg.model), str(p.loaded.dtype).removeprefix("torch."),
-                           p.samples, p.buckets, p.prompts, p.loaded.tokenizer,
-                           getattr(config, "max_position_embeddings", None), progress)
+                           p.samples, p.buckets, p.prompts, p.loaded.tokenizer, ctx.tokens if ctx else None, progress)
         for name, entry in engine.measure(p.reference, p.arms).items():
             if name == p.reference.name:
                 ref = replace(ref, engine=entry)
