@@ -19,6 +19,7 @@ import click
 from calib import __version__, resources
 from calib.errors import KvcalibError
 from calib.evaluation import emulate as emulate_mod
+from calib.evaluation import significance
 from calib.recipe import recipe as recipe_mod
 from calib.recipe.dtypes import FP8_E4M3
 
@@ -32,7 +33,8 @@ DEFAULT_MODEL_RUN = {"samples": 16, "seq_len": 256}
 # eval on the default model: 8 short samples, no passkey prompts (each is a prefill plus greedy decoding per
 # arm), about two minutes per arm pair on a 2-core CPU.
 DEFAULT_MODEL_EVAL = {"samples": 8, "buckets": "256,512", "passkey_trials": 0}
-EVAL_DEFAULTS = {"samples": 64, "buckets": "512,2048,8192", "passkey_trials": 1}
+# passkey: prompts per depth enough to detect a 10-point drop in each bucket (calib/evaluation/significance.py)
+EVAL_DEFAULTS = {"samples": 64, "buckets": "512,2048,8192", "passkey_trials": significance.DEFAULT_TRIALS}
 CPU_DTYPES = ("float32", "bfloat16")
 
 
