@@ -516,5 +516,9 @@ from calib.tune.cli import tune as _tune  # noqa: E402  (the command lives in it
 
 main.add_command(_tune)
 
+from calib.routes.cli import plan as _plan  # noqa: E402
+
+main.add_command(_plan)
+
 if __name__ == "__main__":
     main()
