@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from calib.data import sources as data_mod
 from calib.evaluation import emulate
 from calib.evaluation.fakequant import EvalError
 from calib.evaluation.report import Thresholds
+from calib.model import context
+from calib.model.context import Context
 from calib.safety import options, outputs
 
 
@@ -70,7 +73,13 @@ def check_eval(cfg: EvalConfig) -> None:
         raise EvalError(f"--emulate: {e}") from None
     data_mod.check_source(cfg.data)
     if not cfg.fit_buckets:
-        from calib.evaluation.samples import check_buckets
-        from calib.model import context
-
         check_buckets(cfg.buckets, context.of_directory(cfg.model), cfg.model)
+
+
+def check_buckets(requested: Iterable[int], ctx: Context | None, model: str) -> None:
+    """Refuse a bucket longer than the model's context (one line naming the bucket, the context and where it
+    comes from), before any weight loads."""
+    beyond = sorted(int(b) for b in set(requested) if ctx and int(b) > ctx.tokens)
+    if ctx and beyond:
+        raise EvalError(f"--buckets {','.join(map(str, beyond))}: longer than the context of MODEL {model} "
+                        f"({ctx.tokens} tokens: {ctx.why}); use buckets of at most {ctx.tokens}")

@@ -20,12 +20,12 @@ from calib.data import sources as data_mod
 from calib.evaluation import emulate
 from calib.evaluation import passkey
 from calib.evaluation import report
-from calib.evaluation.config import EvalConfig, check_eval
+from calib.evaluation.config import EvalConfig, check_buckets, check_eval
 from calib.evaluation.fakequant import Arm, EvalError, Geometry, arms_for, fake_quant_kv, read_stats, reference_arm
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference, with_passkey
 from calib.evaluation.retrieval import passkey_stage, run_passkey
-from calib.evaluation.samples import Sample, calibration_windows, check_buckets, select_samples, usable_buckets
+from calib.evaluation.samples import Sample, calibration_windows, select_samples, usable_buckets
 from calib.evaluation.session import Session, open_session
 from calib.model import context as model_context
 from calib.model import load as model_mod

@@ -17,7 +17,6 @@ from calib.data import sources as data_mod
 from calib.evaluation.config import EvalConfig
 from calib.evaluation.fakequant import EvalError
 from calib.model import load as model_mod
-from calib.model.context import Context
 
 OVERLAP_WINDOW = 16        # tokens compared to recognise a calibration sample among the eval samples
 
@@ -36,15 +35,6 @@ def usable_buckets(requested: Iterable[int], max_positions: int | None) -> tuple
         raise EvalError(f"buckets {req}: every bucket must be at least 2 tokens")
     kept = [b for b in req if not max_positions or b <= max_positions]
     return tuple(kept or [int(max_positions)]), [b for b in req if b not in kept]
-
-
-def check_buckets(requested: Iterable[int], context: Context | None, model: str) -> None:
-    """Refuse a bucket longer than the model's context (one line naming the bucket, the context and where it
-    comes from), before any weight loads."""
-    beyond = sorted(int(b) for b in set(requested) if context and int(b) > context.tokens)
-    if beyond:
-        raise EvalError(f"--buckets {','.join(map(str, beyond))}: longer than the context of MODEL {model} "
-                        f"({context.tokens} tokens: {context.why}); use buckets of at most {context.tokens}")
 
 
 def sample_length(bucket: int, context: int | None) -> int:

@@ -135,7 +135,7 @@ def check(routes: Routes, base: EvalConfig) -> None:
     """Every route's evaluation checked before the first one runs (options, data, buckets within the
     model's context): a bad route stops the plan before any model loads."""
     from calib.data import sources as data_mod
-    from calib.evaluation.samples import check_buckets
+    from calib.evaluation.config import check_buckets
     from calib.model import context
     from calib.safety import options
 
