@@ -17,6 +17,7 @@ import click
 from calib import __version__, resources
 from calib.errors import KvcalibError
 from calib.evaluation import emulate as emulate_mod
+from calib.evaluation import significance
 from calib.recipe import recipe as recipe_mod
 from calib.export import serve
 from calib.safety import outputs
@@ -31,7 +32,8 @@ DEFAULT_MODEL_RUN = {"samples": 16, "seq_len": 256}
 # eval on the default model: 8 short samples, no passkey prompts (each is a prefill plus greedy decoding per
 # arm), about two minutes per arm pair on a 2-core CPU.
 DEFAULT_MODEL_EVAL = {"samples": 8, "buckets": "256,512", "passkey_trials": 0}
-EVAL_DEFAULTS = {"samples": 64, "buckets": "512,2048,8192", "passkey_trials": 1}
+# passkey: prompts per depth enough to detect a 10-point drop in each bucket (calib/evaluation/significance.py)
+EVAL_DEFAULTS = {"samples": 64, "buckets": "512,2048,8192", "passkey_trials": significance.DEFAULT_TRIALS}
 CPU_DTYPES = ("float32", "bfloat16")
 
 
@@ -424,6 +426,7 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
     from calib.progress import Progress
 
     small = DEFAULT_MODEL_EVAL if model_src is None else EVAL_DEFAULTS
+    fit_buckets = buckets is None          # default buckets beyond the model's context are dropped, given ones refused
     if model_src is None and None in (buckets, samples, passkey_trials):
         click.echo(f"default model, first look: --samples {small['samples']} --buckets {small['buckets']} "
                    f"--passkey-trials {small['passkey_trials']} unless given", err=True)
@@ -455,7 +458,7 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
             device=device, cpu_dtype=cpu_dtype or (None if engine else "float32"),
             trust_remote_code=trust_remote_code, force=force,
             engine=engine_spec, target=target, engine_version=engine_version,
-            budget_minutes=budget_minutes, emulate_up_to=emulate_up_to)
+            budget_minutes=budget_minutes, emulate_up_to=emulate_up_to, fit_buckets=fit_buckets)
         options.evaluation(cfg)        # before the default model is built or any model loads
         if model_src is None:
             model_src = _default_model()
@@ -544,6 +547,10 @@ def recipes_show(name: str) -> None:
 from calib.tune.cli import tune as _tune  # noqa: E402  (the command lives in its own module: cli.py stays short)
 
 main.add_command(_tune)
+
+from calib.routes.cli import plan as _plan  # noqa: E402
+
+main.add_command(_plan)
 
 if __name__ == "__main__":
     main()

@@ -34,6 +34,11 @@ def measure(req: dict) -> dict:
         sys.exit(3)
     if fp8 and mode == "hang":
         time.sleep(3600)
+    longest = max((len(ids) for ids in req["samples"] + req["passkey"]), default=0)
+    if longest >= req["max_model_len"]:         # vLLM's input check: a prompt must leave room for one token
+        return protocol.not_run(f"VLLMValidationError: The decoder prompt (length {longest}) plus the number of "
+                                f"requested output tokens (at least 1) is longer than the maximum model length of "
+                                f"{req['max_model_len']}.", "vllm", "0.0-fake", req["kv_gib"])
     import torch
 
     from calib.evaluation import emulate, passkey
@@ -59,7 +64,8 @@ def measure(req: dict) -> dict:
             top = lp.topk(k, dim=-1)
             samples.append({"target": lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist(),
                             "top_ids": top.indices.tolist(), "top_logprobs": top.values.tolist()})
-            continuations.append(passkey.greedy(lm, ids, max_new_tokens=cont) if cont else [])
+            room = min(cont, req["max_model_len"] - len(ids))      # vLLM stops at max_model_len
+            continuations.append(passkey.greedy(lm, ids, max_new_tokens=room) if cont else [])
             tokens += len(ids) + cont
             print(protocol.progress_line(tokens, len(samples), 0), flush=True)
         stop = req["stop_token_ids"][0] if req["stop_token_ids"] else None

@@ -90,6 +90,11 @@ def _prompt_row(ids: list[int], plp: list, k: int) -> dict:
     return {"target": target, "top_ids": top_ids, "top_logprobs": top_lps}
 
 
+def _room(want: int, max_model_len: int, ids: list[int]) -> int:
+    """Tokens to generate after `ids`: `want` (at least 1), no more than max_model_len leaves."""
+    return max(1, min(max(1, want), max_model_len - len(ids)))
+
+
 def measure(req: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -105,15 +110,19 @@ def measure(req: dict) -> dict:
     seconds = {"startup": time.perf_counter() - t0}
     capacity, cache_dtype = _capacity(llm)
     k, chunk = int(req["top_k"]), max(1, int(req["chunk"]))
-    cont = int(req["continuation_tokens"])
-    scoring = SamplingParams(temperature=0.0, max_tokens=max(1, cont), prompt_logprobs=k, ignore_eos=True,
-                             detokenize=False, seed=req["seed"])
+    cont, room = int(req["continuation_tokens"]), int(req["max_model_len"])
+
+    def scoring(ids: list[int]) -> SamplingParams:
+        # a sample at the model's context leaves room for fewer continuation tokens than asked (at least one)
+        return SamplingParams(temperature=0.0, max_tokens=_room(cont, room, ids), prompt_logprobs=k,
+                              ignore_eos=True, detokenize=False, seed=req["seed"])
     samples, continuations, tokens = [], [], 0
     t0 = time.perf_counter()
     try:
         for a in range(0, len(req["samples"]), chunk):
             group = req["samples"][a:a + chunk]
-            outs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in group], scoring, use_tqdm=False)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in group],
+                                [scoring(ids) for ids in group], use_tqdm=False)
             for ids, out in zip(group, outs):
                 samples.append(_prompt_row(list(ids), out.prompt_logprobs, k))
                 continuations.append([int(t) for t in out.outputs[0].token_ids][:cont])
@@ -122,11 +131,13 @@ def measure(req: dict) -> dict:
         seconds["samples"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         answers = []
-        gen = SamplingParams(temperature=0.0, max_tokens=max(1, int(req["passkey_tokens"])), detokenize=False,
-                             stop_token_ids=list(req["stop_token_ids"]), seed=req["seed"])
+        def gen(ids: list[int]) -> SamplingParams:
+            return SamplingParams(temperature=0.0, max_tokens=_room(int(req["passkey_tokens"]), room, ids),
+                                  detokenize=False, stop_token_ids=list(req["stop_token_ids"]), seed=req["seed"])
         for a in range(0, len(req["passkey"]), chunk):
             group = req["passkey"][a:a + chunk]
-            outs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in group], gen, use_tqdm=False)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in group],
+                                [gen(ids) for ids in group], use_tqdm=False)
             answers += [[int(t) for t in o.outputs[0].token_ids] for o in outs]
             tokens += sum(len(ids) + int(req["passkey_tokens"]) for ids in group)
             print(protocol.progress_line(tokens, len(samples), len(answers)), flush=True)

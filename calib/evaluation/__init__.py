@@ -16,4 +16,5 @@ comparison); each lives in one short module, and callers import each name from t
 - run.py         `run_eval`: checks, lock, load, measure, skip trials, engine, report
 - emulate.py     what each engine computes when its KV cache is FP8 (one registry of modes, torch-free)
 - passkey.py     the passkey prompts (generated, no dataset) and their exact-match scoring
+- significance.py  passkey decisions from an exact paired test (McNemar) and the prompts a drop needs
 """

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from calib.data import sources as data_mod
 from calib.evaluation import emulate, served
 from calib.evaluation.fakequant import EvalError
 from calib.evaluation.report import Thresholds
+from calib.model import context
+from calib.model.context import Context
 from calib.safety import options, outputs
 
 
@@ -48,6 +51,7 @@ class EvalConfig:
     engine_version: str | None = None  # the target's version or build (None: the newest the support matrix read)
     budget_minutes: float | None = None   # the whole run, engine included (calib/evaluation/plan.py drops parts)
     emulate_up_to: int | None = None  # emulate buckets up to this many tokens (None: all; with an engine a short window)
+    fit_buckets: bool = False         # default buckets: drop those beyond the model's context instead of refusing
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as report.json records them (paths as strings, the engine spec as a mapping)."""
@@ -77,3 +81,14 @@ def check_eval(cfg: EvalConfig) -> None:
         raise EvalError(f"--emulate-up-to {cfg.emulate_up_to}: give a token length (at least 2)")
     data_mod.check_source(cfg.data)
     served.check(cfg.target, cfg.engine_version)
+    if not cfg.fit_buckets:
+        check_buckets(cfg.buckets, context.of_directory(cfg.model), cfg.model)
+
+
+def check_buckets(requested: Iterable[int], ctx: Context | None, model: str) -> None:
+    """Refuse a bucket longer than the model's context (one line naming the bucket, the context and where it
+    comes from), before any weight loads."""
+    beyond = sorted(int(b) for b in set(requested) if ctx and int(b) > ctx.tokens)
+    if ctx and beyond:
+        raise EvalError(f"--buckets {','.join(map(str, beyond))}: longer than the context of MODEL {model} "
+                        f"({ctx.tokens} tokens: {ctx.why}); use buckets of at most {ctx.tokens}")

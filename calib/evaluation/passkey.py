@@ -159,10 +159,12 @@ def score(p: Prompt, generated: str) -> Outcome:
 
 
 def summarize(outcomes: Sequence[Outcome]) -> dict[str, dict[str, Any]]:
-    """Per bucket: correct / total / accuracy, and the same per depth."""
+    """Per bucket: correct / total / accuracy, the same per depth, and each prompt's outcome in prompt order
+    (`outcomes`: every arm answers the same prompts, so outcomes pair for calib/evaluation/significance.py)."""
     table: dict[str, dict[str, Any]] = {}
     for o in outcomes:
-        b = table.setdefault(str(o.bucket), {"correct": 0, "total": 0, "by_depth": {}})
+        b = table.setdefault(str(o.bucket), {"correct": 0, "total": 0, "by_depth": {}, "outcomes": []})
+        b["outcomes"].append({"depth": o.depth, "correct": o.correct})
         d = b["by_depth"].setdefault(f"{o.depth:g}", {"correct": 0, "total": 0})
         for t in (b, d):
             t["correct"] += int(o.correct)

@@ -28,6 +28,7 @@ from calib.engine import report as engine_report
 from calib.engine import verdict as honest
 from calib.engine.verdict import SKIP_FLAG, decisive
 from calib.evaluation import measurable
+from calib.evaluation import significance
 from calib.evaluation.results import ArmMetrics, Reference, passkey_correct
 from calib.safety import files
 
@@ -39,7 +40,8 @@ class Thresholds:
     """When an arm is good enough to ship (defaults; the CLI can override each):
     mean next-token KL to the reference <= max_kl nats in *every* length bucket; perplexity at most
     max_ppl_increase (relative, 0.01 = +1%) above the reference's; passkey answers correct at least the
-    reference's count minus passkey_drop. A layer dominates when its attention-output error is at least
+    reference's count minus passkey_drop, or the drop not significant (calib/evaluation/significance.py:
+    exact McNemar on the prompts paired with the reference's). A layer dominates when its attention-output error is at least
     `dominance` times the median layer's; at most `max_skip` layers are tried unquantised."""
     max_kl: float = 0.01
     max_ppl_increase: float = 0.01
@@ -61,16 +63,30 @@ def failures(entry: ArmMetrics, ref: Reference, th: Thresholds) -> list[str]:
     if odd:
         return [odd]
     nums = decisive(entry)
-    ref_pk = passkey_correct(ref.engine.get("passkey") if nums.source == honest.ENGINE and honest.engine_ok(ref)
-                             else ref.passkey)
     why = [f"KL {row.kl:.3g} > {th.max_kl:g} in bucket <= {b}" for b, row in nums.buckets.items()
            if row.kl > th.max_kl]
     if nums.summary.ppl_rel > th.max_ppl_increase:
         why.append(f"perplexity +{100 * nums.summary.ppl_rel:.2f}% > +{100 * th.max_ppl_increase:g}%")
-    arm_pk = nums.passkey
-    if arm_pk and ref_pk and arm_pk[0] < ref_pk[0] - th.passkey_drop:
-        why.append(f"passkey {arm_pk[0]}/{arm_pk[1]} < reference {ref_pk[0]}/{ref_pk[1]}")
-    return why
+    pk = passkey_decision(entry, ref, th)
+    return why + list(pk.failed if pk else ())
+
+
+def passkey_decision(entry: ArmMetrics, ref: Reference, th: Thresholds) -> significance.PasskeyDecision | None:
+    """The arm's passkey against the reference's, on the same numbers as the rest of its decision (the
+    engine's where it ran the arm)."""
+    if decisive(entry).source == honest.ENGINE and honest.engine_ok(ref):
+        return significance.decide(ref.engine.get("passkey"), entry.engine.get("passkey"), th.passkey_drop)
+    return significance.decide(ref.passkey, entry.passkey, th.passkey_drop)
+
+
+def _passkey_notes(ref: Reference, results: Results, th: Thresholds) -> list[str]:
+    """Sentences for arms whose passkey is lower than the reference's but within noise, or too few to conclude."""
+    out = []
+    for n, e in _plain(results).items():
+        pk = passkey_decision(e, ref, th)
+        if pk and pk.notes:
+            out.append(f"`{n}` " + "; ".join(pk.notes) + ".")
+    return out
 
 
 def dominant_layers(entry: ArmMetrics, th: Thresholds) -> list[int]:
@@ -180,6 +196,7 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str) ->
         action, text = "keep_reference", (f"Keep {reference.upper()} KV for this model: no arm is within the threshold "
                                           f"(best: `{best_any}`, {why}).{extra}")
     noise, saturated, notes = _honest(arm, numbers, ref, results)
+    notes = [*notes, *_passkey_notes(ref, results, th)]
     notes += [f"`{n}`: {honest.implausible(e)}." for n, e in results.items() if honest.implausible(e)]
     return Verdict(action, arm, tuple(layers), flag, tuple(ok), tuple(dominant), best_any, th, numbers,
                    " ".join([text, *notes]), noise, saturated)
@@ -244,6 +261,10 @@ class Report:
         not, and the verdict."""
         arms = {n: {**e.to_dict(), "within_threshold": self.within(n), "misses": self.misses(n)}
                 for n, e in self.arms.items()}
+        for n, e in self.arms.items():
+            pk = passkey_decision(e, self.reference, self.thresholds)
+            if pk is not None:
+                arms[n]["passkey_significance"] = pk.to_dict()
         return {"kvcalib_eval": 1, **self.meta, "thresholds": self.thresholds.to_dict(),
                 "arms": {self.reference_name: self.reference.to_dict(), **arms}, "verdict": self.verdict.to_dict()}
 
@@ -322,7 +343,8 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     held = d["held_out"]
     lines = [f"# KV-cache evaluation: `{meta['model']}`", "", "## Verdict", "", f"**{v.text}**", "",
              f"Rule: every length bucket's mean next-token KL to {ref_name} <= {th.max_kl:g} nats, perplexity "
-             f"<= +{100 * th.max_ppl_increase:g}%, passkey correct >= {ref_name}'s - {th.passkey_drop}. "
+             f"<= +{100 * th.max_ppl_increase:g}%, passkey not a significant drop of more than {th.passkey_drop} "
+             f"below {ref_name}'s (exact McNemar per bucket, paired by prompt). "
              f"Dominant layers: attention-output error >= {th.dominance:g}x the median layer's.", ""]
     if v.dominant_layers:
         lines += [f"Layers dominating the error of `{v.dominant_in}`: {list(v.dominant_layers)}.", ""]
@@ -372,6 +394,7 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
                        [[n, b, f"{r.correct}/{r.total}", _pct(r.accuracy),
                          " ".join(f"{k}:{x.correct}/{x.total}" for k, x in r.by_depth.items())]
                         for n, pk in every for b, r in (pk or {}).items()])
+        lines += _significance_lines(rep)
     else:
         lines += ["Not run (see notes).", ""]
     lines += _failure_lines(rep)
@@ -381,6 +404,26 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     if notes:
         lines += ["## Notes", ""] + [f"- {x}" for x in notes] + [""]
     return "\n".join(lines)
+
+
+def _significance_lines(rep: Report) -> list[str]:
+    """Each arm's passkey paired with the reference's, per bucket: the exact McNemar test and what it concludes."""
+    rows = []
+    for n, e in rep.arms.items():
+        pk = passkey_decision(e, rep.reference, rep.thresholds)
+        for t in pk.buckets if pk else ():
+            depth = " ".join(f"{d.depth}:{d.losses}-/{d.gains}+" for d in pk.depths if d.bucket == t.bucket)
+            rows.append([n, t.bucket, t.prompts, t.reference, t.arm, t.losses, t.gains, f"{t.p:.3g}",
+                         f"{t.alpha:.3g}", t.conclusion(pk.allowed) + ("" if t.powered else " (underpowered)"), depth])
+    if not rows:
+        return []
+    return ["### Paired with the reference", "",
+            f"Exact McNemar test on the prompts each run answered (lost: reference right, arm wrong; gained: the "
+            f"reverse); one-sided p of the drop against alpha {significance.ALPHA:g} / buckets. Underpowered: fewer "
+            f"than {significance.DEFAULT_PROMPTS} prompts, the number that detects a "
+            f"{100 * significance.DETECT_DROP:g}-point drop with power {significance.POWER:g}.", ""] + table(
+        ["arm", "bucket <=", "prompts", "reference correct", "arm correct", "lost", "gained", "p (drop)", "alpha",
+         "conclusion", "by depth (lost-/gained+)"], rows)
 
 
 def _failure_lines(rep: Report) -> list[str]:

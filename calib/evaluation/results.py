@@ -75,16 +75,19 @@ class PasskeyRow:
     total: int
     by_depth: Mapping[str, Count]
     accuracy: float
+    outcomes: tuple[tuple[float, bool], ...] = ()     # (depth, correct) per prompt, in prompt order
 
     def to_dict(self) -> dict[str, Any]:
         return {"correct": self.correct, "total": self.total,
-                "by_depth": {d: asdict(c) for d, c in self.by_depth.items()}, "accuracy": self.accuracy}
+                "by_depth": {d: asdict(c) for d, c in self.by_depth.items()}, "accuracy": self.accuracy,
+                "outcomes": [{"depth": d, "correct": c} for d, c in self.outcomes]}
 
 
 def passkey_rows(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, PasskeyRow]:
     """`calib.evaluation.passkey.summarize`'s table as typed rows."""
     return {b: PasskeyRow(r["correct"], r["total"], {d: Count(c["correct"], c["total"]) for d, c in r["by_depth"].items()},
-                          r["accuracy"]) for b, r in summary.items()}
+                          r["accuracy"], tuple((float(o["depth"]), bool(o["correct"])) for o in r.get("outcomes", ())))
+            for b, r in summary.items()}
 
 
 def passkey_correct(rows: Mapping[str, Any] | None) -> tuple[int, int] | None:

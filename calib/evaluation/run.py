@@ -21,13 +21,14 @@ from calib.evaluation import emulate, measurable
 from calib.evaluation import passkey
 from calib.evaluation import plan as plan_mod
 from calib.evaluation import report, served
-from calib.evaluation.config import EvalConfig, check_eval
+from calib.evaluation.config import EvalConfig, check_buckets, check_eval
 from calib.evaluation.fakequant import Arm, EvalError, Geometry, arms_for, fake_quant_kv, read_stats, reference_arm
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference, with_passkey
 from calib.evaluation.retrieval import passkey_stage, run_passkey
 from calib.evaluation.samples import Sample, calibration_windows, pack_warning, select_samples, usable_buckets
 from calib.evaluation.session import Session, open_session
+from calib.model import context as model_context
 from calib.model import load as model_mod
 from calib.progress import SILENT, Progress, Stage, duration
 from calib.safety import outputs
@@ -106,11 +107,14 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     arms, served_note = served.as_served(arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv),
                                          cfg.target, cfg.engine_version, emulation.name)
     vocab = getattr(config, "vocab_size", None)
-    buckets, dropped = usable_buckets(cfg.buckets, getattr(config, "max_position_embeddings", None))
-    notes = [f"buckets {dropped} exceed the model's context ({config.max_position_embeddings} tokens): dropped"] if dropped else []
+    ctx = model_context.of_loaded(config, tok)
+    if not cfg.fit_buckets:
+        check_buckets(cfg.buckets, ctx, cfg.model)      # again: a hub model's config is read only now
+    buckets, dropped = usable_buckets(cfg.buckets, ctx.tokens if ctx else None)
+    notes = [f"buckets {dropped} exceed the model's context ({ctx.tokens} tokens: {ctx.why}): dropped"] if dropped else []
     notes += [served_note] if served_note else []
     windows, held_out = calibration_windows(_provenances(cfg), cfg.data, tok, vocab)
-    samples, used, excluded = select_samples(cfg, tok, vocab, buckets, windows)
+    samples, used, excluded = select_samples(cfg, tok, vocab, buckets, windows, ctx.tokens if ctx else None)
     hint = pack_warning(cfg, samples, buckets)
     if hint:
         log(hint)
@@ -199,11 +203,11 @@ def measure_arms(cfg: EvalConfig, p: Prepared, s: Session, progress: Progress,
     if cfg.engine is not None:
         from calib.engine.run import EngineRun
 
-        config = p.loaded.config
+        ctx = model_context.of_loaded(p.loaded.config, p.loaded.tokenizer)
         engine_prompts = [x for x in p.prompts if x.depth in parts.depths] if parts.engine_passkey else []
         engine = EngineRun(cfg.engine, p.engine_version, str(cfg.model), str(p.loaded.dtype).removeprefix("torch."),
-                           p.samples, p.buckets, engine_prompts, p.loaded.tokenizer,
-                           getattr(config, "max_position_embeddings", None), progress)
+                           p.samples, p.buckets, engine_prompts, p.loaded.tokenizer, ctx.tokens if ctx else None,
+                           progress)
         for name, entry in engine.measure(p.reference, p.arms).items():
             if name == p.reference.name:
                 ref = replace(ref, engine=entry)

@@ -37,6 +37,13 @@ def usable_buckets(requested: Iterable[int], max_positions: int | None) -> tuple
     return tuple(kept or [int(max_positions)]), [b for b in req if b not in kept]
 
 
+def sample_length(bucket: int, context: int | None) -> int:
+    """Tokens one sample of `bucket` holds: the bucket, or context - 1 for a bucket at the model's context. An
+    engine generates at least one token after a prompt (vLLM refuses a prompt as long as max_model_len), and
+    the emulation scores the same token ids, so both see the same sample."""
+    return bucket if not context or bucket < context else context - 1
+
+
 def _same_source(a: str, b: str) -> bool:
     pa, pb = Path(a).expanduser(), Path(b).expanduser()
     return pa.resolve() == pb.resolve() if pa.exists() and pb.exists() else a == b
@@ -63,11 +70,13 @@ def calibration_windows(provenances: Sequence[tuple[str, dict | None]], data_src
 
 
 def select_samples(cfg: EvalConfig, tokenizer: Any, vocab: int | None, buckets: Sequence[int],
-                   windows: set[int] | None) -> tuple[list[Sample], data_mod.DataReport, int]:
+                   windows: set[int] | None, context: int | None = None) -> tuple[list[Sample], data_mod.DataReport, int]:
     """Held-out samples (records whose first tokens appear in the calibration stream are left out), cut to the
-    largest bucket or, with `pack`, concatenated into samples cycling through every bucket's length."""
+    largest bucket or, with `pack`, concatenated into samples cycling through every bucket's length (a bucket
+    at the model's `context` holds context - 1 tokens: `sample_length`)."""
     read = data_mod.DataReport()
-    stream = data_mod.samples(cfg.data, tokenizer, seq_len=2 ** 31 if cfg.pack else max(buckets), max_samples=2 ** 31,
+    longest = sample_length(max(buckets), context)
+    stream = data_mod.samples(cfg.data, tokenizer, seq_len=2 ** 31 if cfg.pack else longest, max_samples=2 ** 31,
                               min_tokens=cfg.min_tokens, pack=False, seed=cfg.seed, vocab_size=vocab, report=read)
     excluded = 0
 
@@ -81,7 +90,7 @@ def select_samples(cfg: EvalConfig, tokenizer: Any, vocab: int | None, buckets: 
 
     seqs: Iterator[list[int]] = held_out()
     if cfg.pack:
-        seqs = _pack(seqs, buckets)
+        seqs = _pack(seqs, [sample_length(b, context) for b in buckets])
     used, out = data_mod.DataReport(), []
     with model_mod.quiet_transformers():      # packing tokenizes whole records, beyond the model's length on purpose
         for ids in itertools.islice(seqs, cfg.samples):

@@ -1,2 +1,2 @@
 """The model to calibrate: loading it and refusing caches we cannot calibrate (load), its KV geometry
-(geometry), and the embedded default model built from a GGUF file (default_model, gguf_convert)."""
+(geometry), its context as the engine derives it (context), and the embedded default model built from a GGUF file (default_model, gguf_convert)."""

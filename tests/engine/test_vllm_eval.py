@@ -7,12 +7,16 @@ the engine's BF16-KV perplexity agrees with the emulation's on the same token id
 — never a crash, never numbers from elsewhere; the engine reports its KV-cache capacity; the verdict says
 which numbers it used; and, where the engine ran an FP8 cache, the emulation's perplexity rise for each FP8
 arm lies within 20 % of the engine's (or within 0.25 percentage points, the noise of a few hundred tokens),
-on two kinds of text: prose (data/sample_text.jsonl) and chat (data/sample_chat.jsonl).
+on two kinds of text: prose (data/sample_text.jsonl) and chat (data/sample_chat.jsonl). A copy of the default
+model whose config declares a short context (SHORT_CONTEXT) is evaluated with a bucket equal to that context
+(vLLM refuses a prompt that leaves no room for one output token), and a bucket beyond it is one error.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TEXTS = {"prose": ROOT / "data" / "sample_text.jsonl", "chat": ROOT / "data" / "sample_chat.jsonl"}
 # Emulated and engine perplexity rise agree when |emulated - engine| <= max(REL * |engine|, ABS).
 AGREE_REL, AGREE_ABS = 0.20, 0.0025
+SHORT_CONTEXT = 320            # the default model's weights with this context: a full-context bucket CPU vLLM runs fast
 
 
 def _fp8_cache_runs_on_this_cpu() -> bool:
@@ -131,3 +136,70 @@ def test_emulated_rise_matches_the_engine(text, request, required):
             off.append(rows[-1])
     print(f"{text} ({TEXTS[text].name}): " + "; ".join(rows))
     assert not off, f"emulation ({doc.get('emulation')}) disagrees with vLLM on {text}: {off}"
+
+
+@pytest.fixture(scope="module")
+def short_context_model(request, tmp_path_factory) -> Path:
+    """The default model (hard links to its files) with config.json and tokenizer_config.json declaring
+    SHORT_CONTEXT tokens."""
+    kvcalib = request.config.getoption("--kvcalib")
+    if not kvcalib:
+        pytest.skip("needs --kvcalib <kvcalib executable of the project's venv>")
+    r = subprocess.run([kvcalib, "default-model"], capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    src = Path(r.stdout.strip().splitlines()[-1])
+    dst = tmp_path_factory.mktemp("short") / "model"
+
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+    shutil.copytree(src, dst, copy_function=link)
+    for name, key in (("config.json", "max_position_embeddings"), ("tokenizer_config.json", "model_max_length")):
+        doc = json.loads((src / name).read_text())
+        doc[key] = SHORT_CONTEXT
+        (dst / name).unlink()
+        (dst / name).write_text(json.dumps(doc))
+    return dst
+
+
+def test_a_bucket_at_the_models_context_runs_in_the_engine(request, short_context_model, tmp_path):
+    """Issue: a bucket equal to the model's context was "not run" for every engine arm (prompt + 1 output token
+    > max_model_len). Its samples hold context - 1 tokens, the same ids in the emulation and the engine."""
+    kvcalib = request.config.getoption("--kvcalib")
+    out = tmp_path / "report"
+    args = [kvcalib, "eval", "--engine", "vllm", "--vllm-venv", sys.prefix, "--model", str(short_context_model),
+            "--samples", "4", "--buckets", f"128,{SHORT_CONTEXT}", "--pack", "--passkey-trials", "1",
+            "--engine-top-k", "20", "--no-plots", "--out", str(out)]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=3000)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((out / "report.json").read_text())
+    full = str(SHORT_CONTEXT)
+    ref = doc["arms"][doc["reference"]]
+    assert ref["engine"]["status"] == "ok", ref["engine"]
+    emu, eng = ref["buckets"][full], ref["engine"]["buckets"][full]
+    assert emu["samples"] == eng["samples"] == 2                     # packed: 128, 319, 128, 319 tokens
+    assert emu["tokens"] == eng["tokens"] == 2 * (SHORT_CONTEXT - 2)
+    assert eng["ppl"] == pytest.approx(emu["ppl"], rel=0.01)
+    assert full in ref["engine"]["passkey"] and ref["engine"]["passkey"][full]["total"] == 5
+    default = doc["arms"]["default"]["engine"]
+    if _fp8_cache_runs_on_this_cpu():
+        assert default["status"] == "ok", default
+        assert default["buckets"][full]["tokens"] == emu["tokens"]
+    print(f"full-context bucket {full}: BF16 ppl engine {eng['ppl']:.4f} emulated {emu['ppl']:.4f}; default "
+          + (f"{100 * default['buckets'][full]['ppl_rel']:+.2f}% engine, "
+             f"{100 * doc['arms']['default']['buckets'][full]['ppl_rel']:+.2f}% emulated"
+             if default["status"] == "ok" else f"not run: {default['reason']}"))
+
+
+def test_a_bucket_beyond_the_models_context_is_one_error(request, short_context_model, tmp_path):
+    kvcalib = request.config.getoption("--kvcalib")
+    r = subprocess.run([kvcalib, "eval", "--engine", "vllm", "--vllm-venv", sys.prefix, "--model",
+                        str(short_context_model), "--buckets", f"{2 * SHORT_CONTEXT}", "--out", str(tmp_path / "r")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"Error: --buckets {2 * SHORT_CONTEXT}: longer than the context of MODEL {short_context_model} "
+        f"({SHORT_CONTEXT} tokens: max_position_embeddings {SHORT_CONTEXT}); use buckets of at most {SHORT_CONTEXT}")
+    assert not (tmp_path / "r").exists()

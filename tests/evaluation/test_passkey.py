@@ -78,7 +78,8 @@ def test_summary_counts_per_bucket_and_depth():
          passkey.Outcome(256, 0.5, "33333", "33333", True)]
     s = passkey.summarize(o)
     assert s["128"] == {"correct": 1, "total": 2, "accuracy": 0.5,
-                        "by_depth": {"0": {"correct": 1, "total": 1}, "0.5": {"correct": 0, "total": 1}}}
+                        "by_depth": {"0": {"correct": 1, "total": 1}, "0.5": {"correct": 0, "total": 1}},
+                        "outcomes": [{"depth": 0.0, "correct": True}, {"depth": 0.5, "correct": False}]}
     assert s["256"]["accuracy"] == 1.0
 
 

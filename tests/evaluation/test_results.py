@@ -31,7 +31,8 @@ def test_passkey_outcomes_are_counted_per_bucket_and_depth():
     assert {d: (c.correct, c.total) for d, c in rows["256"].by_depth.items()} == {"0": (1, 1), "0.5": (1, 2)}
     assert passkey_correct(rows) == (2, 4) and passkey_correct(None) is None
     assert rows["512"].to_dict() == {"correct": 0, "total": 1, "by_depth": {"1": {"correct": 0, "total": 1}},
-                                     "accuracy": 0.0}
+                                     "accuracy": 0.0, "outcomes": [{"depth": 1.0, "correct": False}]}
+    assert rows["256"].outcomes == ((0.0, True), (0.5, False), (0.5, True))
     assert passkey_correct({"64": {"correct": 3, "total": 5}}) == (3, 5)        # an engine entry's table
 
 

@@ -204,7 +204,8 @@ def test_text_model_with_tokenizer_runs_passkey_and_shows_failure_text(tmp_path)
     model.save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
     cfg = EvalConfig(model=str(tmp_path / "model"), data=str(SAMPLE_TEXT), out=tmp_path / "report",
-                        buckets=(64, 128, 256, 1024), samples=6, pack=True, batch_size=2, plots=False)
+                        buckets=(64, 128, 256, 1024), samples=6, pack=True, batch_size=2, plots=False,
+                        fit_buckets=True)     # as the CLI's default buckets: 1024 is dropped, not refused
     res = run_eval(cfg)
     doc = res.report
     assert doc["buckets"] == [64, 128, 256] and any("[1024]" in n for n in doc["notes"])

@@ -1,0 +1,199 @@
+"""One decision per route — FP8 KV with calibrated or default scales, FP8 with layers kept in BF16, or BF16 —
+with the exact `vllm serve` command and a plan.json a router reads.
+
+Why on top of `kvcalib eval`: the evaluation already decides, per arm, on the engine's numbers where it ran
+(calib/engine/verdict.py) and measures skip trials; a route only adds its own data, lengths and bar. So each
+route is one `run_eval` with the route's data, buckets and thresholds and the same arms (the model's FP8 at
+scale 1.0 and every --scales checkpoint); the plan takes its verdict, applies the bar's passkey floor, and
+falls back to BF16 when nothing passes or when a skip was not confirmed by the engine.
+
+Output (one folder, written whole or not at all): <route>/report.{md,json} per route, plan.json, plan.md.
+plan.json: {"kvcalib_plan": 1, "model", "routes": {name: {"decision": "fp8" | "fp8_skip" | "bf16", "arm",
+"serve_model", "kv_cache_dtype", "skip_layers", "max_model_len", "serve", "serve_argv", "numbers", "why",
+"route", "report"}}, "servers": [{"serve", "routes"}]} — servers groups routes one engine instance can serve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from calib.engine import verdict as honest
+from calib.errors import KvcalibError
+from calib.evaluation.config import EvalConfig
+from calib.evaluation.report import Thresholds
+from calib.progress import SILENT, Progress
+from calib.routes.spec import Route, Routes, RoutesError
+
+FP8, FP8_SKIP, BF16 = "fp8", "fp8_skip", "bf16"
+VLLM_KV = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}
+Log = Callable[[str], Any]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A route's decision and how to serve it: `serve_model` is what vLLM loads (the checkpoint holding the
+    chosen scales, or the model), `kv_cache_dtype` "auto" for BF16 (the model's dtype)."""
+    route: str
+    decision: str
+    arm: str | None
+    serve_model: str
+    kv_cache_dtype: str
+    skip_layers: tuple[int, ...]
+    max_model_len: int
+    numbers: str | None
+    why: str
+
+    @property
+    def serve_argv(self) -> list[str]:
+        argv = ["vllm", "serve", self.serve_model, "--max-model-len", str(self.max_model_len)]
+        if self.kv_cache_dtype != "auto":
+            argv += ["--kv-cache-dtype", self.kv_cache_dtype]
+        if self.skip_layers:
+            argv += [honest.SKIP_FLAG, *map(str, self.skip_layers)]
+        return argv
+
+    @property
+    def serve(self) -> str:
+        return shlex.join(self.serve_argv)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "route"}
+        return {**d, "skip_layers": list(self.skip_layers), "serve": self.serve, "serve_argv": self.serve_argv}
+
+
+def passkey_floor(entry: Any, min_passkey: float | None) -> str | None:
+    """Why the arm misses the route's passkey floor in some bucket (on its deciding numbers), or None."""
+    if min_passkey is None:
+        return None
+    rows = entry.engine.get("passkey") if honest.decisive(entry).source == honest.ENGINE else entry.passkey
+    if not rows:
+        return f"passkey floor {min_passkey:g} set but no passkey was run (the model has no tokenizer or trials are 0)"
+    for b, r in rows.items():
+        correct, total = (r["correct"], r["total"]) if isinstance(r, Mapping) else (r.correct, r.total)
+        if total and correct / total < min_passkey:
+            return f"passkey {correct}/{total} < {min_passkey:g} in bucket <= {b}"
+    return None
+
+
+def _servable(entry: Any) -> bool:
+    return entry.info.dtype in VLLM_KV and entry.info.kind in ("default", "checkpoint")
+
+
+def decide(route: Route, model: str, result: Any) -> Decision:
+    """The route's decision from its evaluation (`calib.evaluation.run.EvalResult`)."""
+    v, arms = result.verdict, result.arms
+    length = max(route.buckets)
+    misses: list[str] = []
+
+    def chosen(name: str, entry: Any, kind: str, layers: tuple[int, ...]) -> Decision | None:
+        why = passkey_floor(entry, route.bar.min_passkey)
+        if why:
+            misses.append(f"`{name}`: {why}")
+            return None
+        source = entry.info.source if entry.info.kind == "checkpoint" else model
+        summ = honest.decisive(entry).summary
+        return Decision(route.name, kind, name, str(source), VLLM_KV[entry.info.dtype], layers, length,
+                        honest.decisive(entry).source,
+                        f"worst-bucket KL {summ.max_bucket_kl:.3g} <= {route.bar.max_kl:g}, ppl "
+                        f"{100 * summ.ppl_rel:+.2f}% <= +{100 * route.bar.max_ppl_increase:g}%"
+                        + (f", passkey >= {route.bar.min_passkey:g}" if route.bar.min_passkey is not None else ""))
+
+    if v.action == "ship":
+        for name in v.within_threshold:
+            if _servable(arms[name]):
+                d = chosen(name, arms[name], FP8, ())
+                if d:
+                    return d
+    if v.action == "ship_with_skip":
+        layers = tuple(v.skip_layers)
+        for name, e in arms.items():
+            if (name.startswith(f"{v.arm} skip ") and sorted(set(e.info.skip) | set(e.info.serve_skip)) == list(layers)
+                    and _servable(e)):
+                d = chosen(name, e, FP8_SKIP, layers)
+                if d:
+                    return d
+    why = "; ".join(misses) if misses else v.text.split(". ")[0].rstrip(".")
+    return Decision(route.name, BF16, None, model, "auto", (), length, None, f"BF16 KV: {why}")
+
+
+def eval_config(route: Route, base: EvalConfig, out: Path) -> EvalConfig:
+    """The route's evaluation: its data, buckets, samples and bar on the common settings."""
+    th = Thresholds(max_kl=route.bar.max_kl, max_ppl_increase=route.bar.max_ppl_increase,
+                    passkey_drop=base.thresholds.passkey_drop, dominance=base.thresholds.dominance,
+                    max_skip=base.thresholds.max_skip)
+    return dataclasses.replace(base, data=str(route.data), buckets=route.buckets, samples=route.samples,
+                               pack=route.pack, thresholds=th, out=out, fit_buckets=False)
+
+
+def check(routes: Routes, base: EvalConfig) -> None:
+    """Every route's evaluation checked before the first one runs (options, data, buckets within the
+    model's context): a bad route stops the plan before any model loads."""
+    from calib.data import sources as data_mod
+    from calib.evaluation.config import check_buckets
+    from calib.model import context
+    from calib.safety import options
+
+    ctx = context.of_directory(base.model)
+    for r in routes.routes:
+        cfg = eval_config(r, base, Path(base.out) / r.name)
+        try:
+            options.evaluation(cfg)
+            data_mod.check_source(cfg.data)
+            check_buckets(cfg.buckets, ctx, cfg.model)
+        except KvcalibError as e:
+            raise RoutesError(f"{routes.source}: route '{r.name}': {e}") from None
+
+
+def plan_doc(model: str, routes: Routes, decisions: list[Decision]) -> dict[str, Any]:
+    by_route = {r.name: r for r in routes.routes}
+    servers: dict[str, list[str]] = {}
+    for d in decisions:
+        servers.setdefault(d.serve, []).append(d.route)
+    return {"kvcalib_plan": 1, "model": model, "routes_file": str(routes.source),
+            "routes": {d.route: {**d.to_dict(), "route": by_route[d.route].to_dict(), "report": f"{d.route}/report.md"}
+                       for d in decisions},
+            "servers": [{"serve": s, "routes": names} for s, names in servers.items()]}
+
+
+def markdown(doc: Mapping[str, Any]) -> str:
+    lines = [f"# Serving plan: `{doc['model']}`", "", f"Routes file: `{doc['routes_file']}`.", "",
+             "| route | buckets | bar | decision | arm | numbers | why |", "|---|---|---|---|---|---|---|"]
+    for name, r in doc["routes"].items():
+        bar = r["route"]["bar"]
+        bar_txt = f"KL <= {bar['max_kl']:g}, ppl <= +{100 * bar['max_ppl_increase']:g}%" + (
+            f", passkey >= {bar['min_passkey']:g}" if bar["min_passkey"] is not None else "")
+        lines.append(f"| {name} | {', '.join(map(str, r['route']['buckets']))} | {bar_txt} | {r['decision']} | "
+                     f"{r['arm'] or '–'} | {r['numbers'] or '–'} | {r['why'].replace('|', '/')} |")
+    lines += ["", "## Serve", ""]
+    for s in doc["servers"]:
+        lines += [f"Routes {', '.join(s['routes'])}:", "", "```", s["serve"], "```", ""]
+    lines += ["Each route's evaluation: `<route>/report.md`.", ""]
+    return "\n".join(lines)
+
+
+def run_plan(routes: Routes, base: EvalConfig, *, force: bool = False, log: Log = lambda _m: None,
+             progress: Progress = SILENT) -> dict[str, Any]:
+    """Evaluate every route (one `run_eval` each, the same arms) and write the plan into `base.out`, whole or
+    not at all; returns plan.json's document."""
+    from calib.evaluation.run import run_eval
+    from calib.safety.outputs import atomic_dir
+
+    check(routes, base)
+    decisions = []
+    with atomic_dir(Path(base.out), force, kind="serving plan", inputs=[("the routes file", str(routes.source)),
+                                                                      ("the model folder", base.model)]) as tmp:
+        for r in routes.routes:
+            log(f"plan: route `{r.name}` ({r.data}, buckets {list(r.buckets)})")
+            result = run_eval(eval_config(r, base, tmp / r.name), log=log, progress=progress)
+            decisions.append(decide(r, base.model, result))
+            log(f"plan: route `{r.name}`: {decisions[-1].decision} ({decisions[-1].why})")
+        doc = plan_doc(base.model, routes, decisions)
+        (tmp / "plan.json").write_text(json.dumps(doc, indent=2) + "\n")
+        (tmp / "plan.md").write_text(markdown(doc))
+    return doc

@@ -1,0 +1,139 @@
+"""`kvcalib plan --routes`: one decision per route from its evaluation, the exact `vllm serve` command and
+plan.json. End to end on a tiny model with the fake engine runner (tests/fake_vllm_runner.py, FP8 through
+kvcalib's emulation); the decision rule on hand-made numbers."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+from calib.cli import main
+from calib.engine import driver
+from calib.evaluation import passkey
+from calib.evaluation.results import passkey_rows
+from calib.routes import plan, spec
+from helpers import arm_metrics, save_model_and_data
+from tiny import tiny_causal_lm
+
+FAKE = Path(__file__).resolve().parents[1] / "fake_vllm_runner.py"
+VENV = Path(sys.executable).parent.parent
+
+
+def _route(name="chat", buckets=(512, 2048), **bar) -> spec.Route:
+    return spec.Route(name, Path("d.jsonl"), tuple(buckets), spec.Bar(**bar))
+
+
+def _result(action, arm=None, within=(), skip=(), arms=None, text="Keep BF16 KV for this model: no arm is within "
+            "the threshold (best: `default`, perplexity +2.00% > +1%). More."):
+    v = SimpleNamespace(action=action, arm=arm, within_threshold=tuple(within), skip_layers=tuple(skip), text=text)
+    return SimpleNamespace(verdict=v, arms=arms or {})
+
+
+def _pk(correct: int, total: int = 10) -> dict:
+    return passkey_rows(passkey.summarize([passkey.Outcome(2048, 0.5, "1", "", i < correct) for i in range(total)]))
+
+
+def test_decisions_and_their_serve_commands():
+    cal = arm_metrics(source="/ck/cal", kl=0.004, ppl_rel=0.003)
+    default = arm_metrics(kind="default", source=None, kl=0.006)
+    r = plan.decide(_route(), "/m/model", _result("ship", "calibrated", ["calibrated", "default"],
+                                                  arms={"calibrated": cal, "default": default}))
+    assert (r.decision, r.arm, r.serve_model, r.numbers) == ("fp8", "calibrated", "/ck/cal", "emulation")
+    assert r.serve == "vllm serve /ck/cal --max-model-len 2048 --kv-cache-dtype fp8"
+    assert r.why == "worst-bucket KL 0.004 <= 0.01, ppl +0.30% <= +1%"
+    r = plan.decide(_route(), "/m/model", _result("ship", "default", ["default"], arms={"default": default}))
+    assert r.serve_argv == ["vllm", "serve", "/m/model", "--max-model-len", "2048", "--kv-cache-dtype", "fp8"]
+    trial = arm_metrics(kind="default", source=None, skip=(3, 7))
+    r = plan.decide(_route(), "/m/my model", _result("ship_with_skip", "default", skip=(3, 7),
+                                                     arms={"default": default, "default skip 3,7": trial}))
+    assert r.decision == "fp8_skip" and r.skip_layers == (3, 7)
+    assert r.serve == ("vllm serve '/m/my model' --max-model-len 2048 --kv-cache-dtype fp8 "
+                       "--kv-cache-dtype-skip-layers 3 7")
+    assert shlex.split(r.serve) == r.serve_argv
+    for action in ("keep_reference", "skip_unconfirmed"):
+        r = plan.decide(_route(), "/m/model", _result(action, "default", arms={"default": default}))
+        assert (r.decision, r.kv_cache_dtype, r.serve) == ("bf16", "auto", "vllm serve /m/model --max-model-len 2048")
+        assert r.why == "BF16 KV: Keep BF16 KV for this model: no arm is within the threshold (best: `default`, " \
+                        "perplexity +2.00% > +1%)"
+
+
+def test_the_passkey_floor_moves_to_the_next_arm_or_to_bf16():
+    low, high = arm_metrics(source="/ck/a", passkey=_pk(6)), arm_metrics(source="/ck/b", passkey=_pk(9))
+    res = _result("ship", "a", ["a", "b"], arms={"a": low, "b": high})
+    r = plan.decide(_route(min_passkey=0.8), "/m", res)
+    assert (r.decision, r.arm) == ("fp8", "b") and r.why.endswith("passkey >= 0.8")
+    r = plan.decide(_route(min_passkey=0.95), "/m", res)
+    assert r.decision == "bf16" and r.why == ("BF16 KV: `a`: passkey 6/10 < 0.95 in bucket <= 2048; "
+                                              "`b`: passkey 9/10 < 0.95 in bucket <= 2048")
+    no_pk = _result("ship", "a", ["a"], arms={"a": arm_metrics(source="/ck/a")})
+    assert "no passkey was run" in plan.decide(_route(min_passkey=0.5), "/m", no_pk).why
+    # an INT8 arm within the bar has no vLLM form: not chosen
+    int8 = _result("ship", "i", ["i"], arms={"i": arm_metrics(dtype="int8", source="/ck/i")})
+    assert plan.decide(_route(), "/m", int8).decision == "bf16"
+
+
+@pytest.fixture(scope="module")
+def two_routes(tmp_path_factory):
+    """A tiny model (context 128) and two routes: short chat with a loose bar, long documents with a bar no FP8
+    arm can meet (KL 0)."""
+    tmp = tmp_path_factory.mktemp("routes")
+    src, data = save_model_and_data(tmp, tiny_causal_lm("llama", max_position_embeddings=128), "model")
+    lines = data.read_text().splitlines()
+    (tmp / "chat.jsonl").write_text("\n".join(lines[:32]) + "\n")
+    (tmp / "docs.jsonl").write_text("\n".join(lines[32:]) + "\n")
+    (tmp / "routes.yaml").write_text(
+        "routes:\n"
+        "  chat: {data: chat.jsonl, buckets: [32, 64], samples: 4, bar: {max_kl: 1.0, max_ppl_increase: 1.0}}\n"
+        "  docs: {data: docs.jsonl, buckets: [128], samples: 2, pack: true, bar: {max_kl: 0, max_ppl_increase: 0}}\n")
+    return tmp, src
+
+
+def test_two_routes_end_to_end(two_routes, monkeypatch):
+    tmp, src = two_routes
+    monkeypatch.setenv(driver.RUNNER_ENV, str(FAKE))
+    monkeypatch.setenv("FAKE_ENGINE", "fp8")
+    out = tmp / "plan"
+    r = CliRunner().invoke(main, ["plan", "--routes", str(tmp / "routes.yaml"), "--model", str(src), "--device", "cpu",
+                                  "--max-skip", "0", "--no-plots", "--no-progress", "--engine", "vllm",
+                                  "--vllm-venv", str(VENV), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "plan.json").read_text())
+    chat, docs = doc["routes"]["chat"], doc["routes"]["docs"]
+    assert (chat["decision"], chat["arm"], chat["numbers"]) == ("fp8", "default", "engine")
+    assert chat["serve"] == f"vllm serve {src} --max-model-len 64 --kv-cache-dtype fp8"
+    assert (docs["decision"], docs["kv_cache_dtype"], docs["arm"]) == ("bf16", "auto", None)
+    assert docs["serve"] == f"vllm serve {src} --max-model-len 128" and docs["why"].startswith("BF16 KV: Keep FP32 KV")
+    assert doc["servers"] == [{"serve": chat["serve"], "routes": ["chat"]}, {"serve": docs["serve"], "routes": ["docs"]}]
+    for name in ("chat", "docs"):
+        rep = json.loads((out / name / "report.json").read_text())
+        assert rep["data"]["source"] == str(tmp / f"{name}.jsonl")
+        assert rep["arms"]["default"]["engine"]["status"] == "ok"
+    assert json.loads((out / "docs" / "report.json").read_text())["buckets"] == [128]
+    assert f"chat: fp8 — {chat['serve']}" in r.output
+    assert "| docs | 128 | KL <= 0, ppl <= +0% | bf16 |" in (out / "plan.md").read_text()
+
+
+def test_a_bad_route_stops_the_plan_before_any_model_loads(two_routes, tmp_path):
+    tmp, src = two_routes
+    routes = tmp_path / "routes.yaml"
+    (tmp_path / "chat.jsonl").write_text((tmp / "chat.jsonl").read_text())
+    (tmp_path / "empty.jsonl").write_text("")
+    routes.write_text("routes:\n  chat: {data: chat.jsonl, buckets: [32]}\n  docs: {data: empty.jsonl, buckets: [64]}\n")
+    r = CliRunner().invoke(main, ["plan", "--routes", str(routes), "--model", str(tmp_path / "no-model"),
+                                  "--out", str(tmp_path / "o")])
+    assert r.exit_code != 0 and r.output.strip().splitlines() == [
+        f"Error: routes file {routes} route 'docs' field 'data': {tmp_path}/empty.jsonl is empty; give the route "
+        "held-out records"]
+    routes.write_text("routes:\n  chat: {data: chat.jsonl, buckets: [32]}\n  docs: {data: chat.jsonl, buckets: [512]}\n")
+    r = CliRunner().invoke(main, ["plan", "--routes", str(routes), "--model", str(src), "--out", str(tmp_path / "o")])
+    assert r.exit_code != 0 and r.output.strip().splitlines() == [
+        f"Error: {routes}: route 'docs': --buckets 512: longer than the context of MODEL {src} (128 tokens: "
+        "max_position_embeddings 128); use buckets of at most 128"]
+    assert not (tmp_path / "o").exists()
