@@ -174,6 +174,7 @@ def cli_on_tiny_default(gguf_src, tmp_path, monkeypatch):
 
     path, _, _ = gguf_src
     monkeypatch.setattr(cli, "BUILD_DIR", tmp_path / "build")
+    monkeypatch.setenv("KVCALIB_CACHE", str(tmp_path / "build"))      # eval and tune read resources.build_dir()
     monkeypatch.setattr(default_model, "ensure_default_model",
                         functools.partial(default_model.ensure_default_model, source=path, shape=None, sanity=None))
     monkeypatch.chdir(tmp_path)
