@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from calib.ckpt.reader import Problem, ScaleTensor
+from calib.ckpt.reader import CheckpointFiles, Problem, ScaleTensor
 
 _EXACT_DTYPES = ("F32", "F64")
 _ROUNDING_DTYPES = ("BF16", "F16")
@@ -25,3 +25,24 @@ def dtype_problems(engine: str, scales: Iterable[ScaleTensor]) -> Iterator[Probl
 def first_bad(vals: np.ndarray) -> str:
     bad = vals[~np.isfinite(vals)]
     return repr(float(bad[0])) if bad.size else "?"
+
+
+def scalar_problems(engine: str, ck: CheckpointFiles, scales: Iterable[ScaleTensor], *, shape_why: str,
+                    nonfinite_why: str, nonpositive_why: str) -> Iterator[Problem]:
+    """The rules of an engine that reads one finite, positive scalar per scale (TensorRT-LLM, SGLang): the shape,
+    the dtype, then the values; each `*_why` is the engine's consequence, appended to the problem's text."""
+    scales = list(scales)
+    for s in scales:
+        if s.tensor.numel != 1:
+            yield Problem(engine, s.tensor.name, f"shape {list(s.tensor.shape)}{shape_why}", code=f"{engine}.shape")
+    yield from dtype_problems(engine, scales)
+    for s in scales:
+        vals = ck.values(s.tensor)
+        if vals is None or vals.size == 0:
+            continue
+        if not np.isfinite(vals).all():
+            yield Problem(engine, s.tensor.name, f"holds a non-finite value ({first_bad(vals)}){nonfinite_why}",
+                          code=f"{engine}.value")
+        elif (vals <= 0).any():
+            yield Problem(engine, s.tensor.name, f"holds {float(vals[vals <= 0][0])!r}{nonpositive_why}",
+                          code=f"{engine}.value")

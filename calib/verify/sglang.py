@@ -13,13 +13,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 
 from calib.ckpt import formats
 from calib.ckpt.names import HF_QUANT_CONFIG, INDEX_FILE
 from calib.ckpt.reader import CheckpointFiles, Problem, ScaleTensor
 from calib.verify.checker import Checker
-from calib.verify.common import dtype_problems, first_bad
+from calib.verify.common import scalar_problems
 
 
 @dataclass
@@ -201,22 +200,11 @@ def sglang_scale_shapes_dtypes_values(ck: CheckpointFiles, v: SglangView) -> Ite
     """
     if not v.kv_supported:
         return
-    usable = _usable(v)
-    for s in usable:
-        if s.tensor.numel != 1:
-            yield Problem("sglang", s.tensor.name, f"shape {list(s.tensor.shape)}: SGLang's loader asserts on a "
-                          "scale with more than one element (per-tensor only)", code="sglang.shape")
-    yield from dtype_problems("sglang", usable)
-    for s in usable:
-        vals = ck.values(s.tensor)
-        if vals is None or vals.size == 0:
-            continue
-        if not np.isfinite(vals).all():
-            yield Problem("sglang", s.tensor.name, f"holds a non-finite value ({first_bad(vals)}); the FP8 cache "
-                          "would be NaN/inf", code="sglang.value")
-        elif (vals <= 0).any():
-            yield Problem("sglang", s.tensor.name, f"holds {float(vals[vals <= 0][0])!r}: SGLang treats a scale <= 0 "
-                          "as not loaded and uses 1.0", code="sglang.value")
+    yield from scalar_problems("sglang", ck, _usable(v),
+                               shape_why=": SGLang's loader asserts on a scale with more than one element "
+                                         "(per-tensor only)",
+                               nonfinite_why="; the FP8 cache would be NaN/inf",
+                               nonpositive_why=": SGLang treats a scale <= 0 as not loaded and uses 1.0")
 
 
 def sglang_index_consistent(ck: CheckpointFiles, v: SglangView) -> Iterator[Problem]:

@@ -11,13 +11,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 
 from calib.ckpt.formats import ct_declared_kv_scheme, is_compressed_tensors, is_modelopt, modelopt_quantization
 from calib.ckpt.names import HF_QUANT_CONFIG, PROVENANCE_FILE
 from calib.ckpt.reader import CheckpointFiles, Problem, ScaleTensor
 from calib.verify.checker import Checker
-from calib.verify.common import dtype_problems, first_bad
+from calib.verify.common import scalar_problems
 
 # tensorrt_llm/quantization/mode.py: KV_CACHE_QUANT_ALGO_LIST
 TRT_KV_ALGOS = ("FP8", "INT8", "NVFP4")
@@ -237,22 +236,10 @@ def trt_scale_shapes_dtypes_values(ck: CheckpointFiles, t: TrtView) -> Iterator[
     inf scales ("INT8 KV cache"); tensorrt_llm/_torch/modules/linear.py: the NVFP4 path builds
     `[1.0, max(k_scale), max(v_scale)]` from scalars; ModelOpt writes scalars.
     """
-    usable = _trt_usable(t)
-    for s in usable:
-        if s.tensor.numel != 1:
-            yield Problem("trtllm", s.tensor.name, f"shape {list(s.tensor.shape)}; TensorRT-LLM reads one scalar per "
-                          "layer (fold per-head scales by max)", code="trtllm.shape")
-    yield from dtype_problems("trtllm", usable)
-    for s in usable:
-        vals = ck.values(s.tensor)
-        if vals is None or vals.size == 0:
-            continue
-        if not np.isfinite(vals).all():
-            yield Problem("trtllm", s.tensor.name, f"holds a non-finite value ({first_bad(vals)}); scales must be "
-                          "finite and > 0", code="trtllm.value")
-        elif (vals <= 0).any():
-            yield Problem("trtllm", s.tensor.name, f"holds {float(vals[vals <= 0][0])!r}; scales must be finite and "
-                          "> 0", code="trtllm.value")
+    yield from scalar_problems("trtllm", ck, _trt_usable(t),
+                               shape_why="; TensorRT-LLM reads one scalar per layer (fold per-head scales by max)",
+                               nonfinite_why="; scales must be finite and > 0",
+                               nonpositive_why="; scales must be finite and > 0")
 
 
 TRT_RULES: tuple[Callable[[CheckpointFiles, TrtView], Iterable[Problem]], ...] = (
