@@ -23,14 +23,6 @@ SCALES = export.SCALES_FILE
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    from tiny import tiny_causal_lm
-    path = tmp_path_factory.mktemp("src") / "tiny-llama"
-    tiny_causal_lm("llama").save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def built(source, tmp_path_factory):
     base = tmp_path_factory.mktemp("built")
     return {"sglang": sglang.export_sglang(source, base / "sglang", made_up_scales(), {"producer": "kvcalib"}),
