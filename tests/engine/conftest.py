@@ -36,6 +36,14 @@ def pytest_addoption(parser):
         help="cache dtype the probe asks vLLM for; the default falls back to bfloat16 where vLLM refuses FP8",
     )
     parser.addoption(
+        "--probe-max-tokens",
+        action="store",
+        type=int,
+        default=16,
+        help="greedy tokens the probe generates (at least 1: test_generates_tokens); 1 for FP8-weight checkpoints, "
+             "whose GEMMs run through torch's slow CPU float8 matmul",
+    )
+    parser.addoption(
         "--min-passed",
         action="store",
         type=int,
@@ -53,6 +61,11 @@ def ckpt(request) -> Path:
     if not (path / "config.json").is_file():
         pytest.fail(f"--ckpt {value}: no config.json there, not a checkpoint directory")
     return path
+
+
+@pytest.fixture(scope="session")
+def probe_max_tokens(request) -> int:
+    return request.config.getoption("--probe-max-tokens")
 
 
 @pytest.fixture(scope="session")

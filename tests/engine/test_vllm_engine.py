@@ -185,8 +185,9 @@ def fp8_layers(ckpt, skipped) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def report(ckpt, cache_dtype, tmp_path_factory):
-    return run_probe(ckpt, tmp_path_factory.mktemp("probe") / "report.json", cache_dtype)
+def report(ckpt, cache_dtype, probe_max_tokens, tmp_path_factory):
+    return run_probe(ckpt, tmp_path_factory.mktemp("probe") / "report.json", cache_dtype,
+                     "--max-tokens", str(probe_max_tokens))
 
 
 def test_checkpoint_has_a_scale_pair_per_layer(exported, fp8_layers):
