@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import signal
 from pathlib import Path
 
 import torch
@@ -257,3 +258,10 @@ def reference_metrics(sample_tokens=(), ranges=None, engine=None):
     return Reference({"64": bucket_row(0.0, 0.0, 10.0, 1.0)}, summary_row(kl=0.0, ppl_rel=0.0, top1=1.0), Seconds(1.0),
                      (), tuple(sample_tokens),
                      {i: KVRange(tuple(k), tuple(v)) for i, (k, v) in (ranges or {}).items()}, None, engine)
+
+
+def default_sigint() -> None:
+    """`preexec_fn` for a child a test interrupts: SIGINT back to its default action, so Python raises
+    KeyboardInterrupt in the child even when the test run itself started with SIGINT ignored (as a background job
+    of a non-interactive shell is)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from calib import pipeline
 from calib.recipe.recipe import Recipe
+from helpers import default_sigint
 
 # Runs the real CLI with one stage slowed down, so a signal can land inside it.
 SLOW = """
@@ -38,7 +39,7 @@ def test_signal_leaves_no_output_and_no_temp_dir(tiny_llama_dir, token_data, tmp
     code = SLOW.format(module=module, owner=owner, attr=attr)
     proc = subprocess.Popen([sys.executable, "-c", code, "calibrate", "--model", str(tiny_llama_dir), "--data",
                              str(token_data), "--out", str(out), "--seq-len", "32", "--samples", "4", "--device", "cpu"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint)
     seen = []
     for line in proc.stdout:
         seen.append(line)

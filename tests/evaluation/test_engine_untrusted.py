@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from calib.engine import driver, protocol
 from calib.engine.driver import EngineError, EngineSpec
+from helpers import default_sigint
 
 VENV = Path(sys.executable).parent.parent
 REPO = Path(__file__).resolve().parent.parent
@@ -229,7 +230,8 @@ def test_kvcalib_ending_during_an_engine_run_leaves_no_runner_and_no_folder(runn
     tmpdir = runner(T_SLEEP="120", T_PIDFILE=str(tmp_path / "runner.pid"))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     kv = subprocess.Popen([sys.executable, "-c", DRIVE.format(repo=str(REPO), venv=str(VENV),
-                                                              request=json.dumps(REQUEST))], env=env)
+                                                              request=json.dumps(REQUEST))], env=env,
+                          preexec_fn=default_sigint)
     _wait_for(tmp_path / "runner.pid")
     child = int((tmp_path / "runner.pid").read_text())
     assert _alive(child) and len(list(tmpdir.iterdir())) == 1
