@@ -265,3 +265,14 @@ def default_sigint() -> None:
     KeyboardInterrupt in the child even when the test run itself started with SIGINT ignored (as a background job
     of a non-interactive shell is)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def overflowing_model(tmp: Path, name: str = "overflow") -> Path:
+    """A tiny Llama saved in tmp/name whose float32 logits overflow (lm_head x 1e38): every perplexity is
+    infinite or NaN."""
+    path = tmp / name
+    model = tiny_causal_lm("llama", tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e38)
+    model.save_pretrained(path)
+    return path

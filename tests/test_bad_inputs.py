@@ -24,6 +24,7 @@ import torch
 from click.testing import CliRunner
 
 from calib.cli import main
+from helpers import overflowing_model
 from tiny import fp8_weight_checkpoint, random_sequences, tiny_causal_lm
 
 
@@ -81,16 +82,6 @@ def _nan_layer(tmp: Path) -> Path:
     model = tiny_causal_lm("llama")
     with torch.no_grad():
         model.model.layers[1].self_attn.k_proj.weight[0, 0] = math.nan
-    model.save_pretrained(path)
-    return path
-
-
-def _overflowing(tmp: Path) -> Path:
-    """A model whose float32 logits overflow (lm_head x 1e38): its perplexities are inf and NaN."""
-    path = tmp / "model"
-    model = tiny_causal_lm("llama", tie_word_embeddings=False)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(1e38)
     model.save_pretrained(path)
     return path
 
@@ -740,9 +731,9 @@ ROWS = [
         "was saved from other batches than this run's first"),
     Row("tune --eval-data equal to --data", lambda t: [*_tune(t), "--eval-data", str(_tokens(t))],
         "is the calibration --data", command="tune"),
-    Row("eval of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_eval(_overflowing(t).parent)],
+    Row("eval of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_eval(overflowing_model(t, "model").parent)],
         "cannot measure: `fp32` (the reference) bucket <= 32", command="eval"),
-    Row("tune of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_tune(_overflowing(t).parent)],
+    Row("tune of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_tune(overflowing_model(t, "model").parent)],
         "cannot measure: `fp32` (the reference) bucket <= 32", command="tune"),
 ]
 

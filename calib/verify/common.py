@@ -46,3 +46,16 @@ def scalar_problems(engine: str, ck: CheckpointFiles, scales: Iterable[ScaleTens
         elif (vals <= 0).any():
             yield Problem(engine, s.tensor.name, f"holds {float(vals[vals <= 0][0])!r}{nonpositive_why}",
                           code=f"{engine}.value")
+
+
+def unmapped_problems(engine: str, ck: CheckpointFiles, files, *, never_read: str, cannot_check: str
+                      ) -> Iterator[Problem]:
+    """Scale names `engine` maps to no attention layer (calib.ckpt.reader: CheckpointFiles.unmapped): an error
+    where kvcalib knows the layout (`never_read`: what the engine does then), a warning where it does not
+    (`cannot_check`: what kvcalib cannot confirm)."""
+    for u in ck.unmapped(files):
+        if u.known:
+            yield Problem(engine, u.tensor.name, f"{u.why}: {never_read}", code=f"{engine}.unmapped-name")
+        else:
+            yield Problem(engine, u.tensor.name, f"{u.why}; its module holds weights, but kvcalib does not know "
+                          f"this layout and cannot check that {cannot_check}", "warning", f"{engine}.unverified-name")

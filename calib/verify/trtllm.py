@@ -16,7 +16,7 @@ from calib.ckpt.formats import ct_declared_kv_scheme, is_compressed_tensors, is_
 from calib.ckpt.names import HF_QUANT_CONFIG, PROVENANCE_FILE
 from calib.ckpt.reader import CheckpointFiles, Problem, ScaleTensor
 from calib.verify.checker import Checker
-from calib.verify.common import scalar_problems
+from calib.verify.common import scalar_problems, unmapped_problems
 
 # tensorrt_llm/quantization/mode.py: KV_CACHE_QUANT_ALGO_LIST
 TRT_KV_ALGOS = ("FP8", "INT8", "NVFP4")
@@ -165,14 +165,9 @@ def trt_scale_names(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
     a layer written "01" or "١", another prefix or attention module than the model's selects nothing, so the
     scale is never read (calib.ckpt.reader: CheckpointFiles.unmapped).
     """
-    for u in ck.unmapped(t.files):
-        if u.known:
-            yield Problem("trtllm", u.tensor.name, f"{u.why}: TensorRT-LLM selects a module's tensors by its exact "
-                          "name and never reads this one", code="trtllm.unmapped-name")
-        else:
-            yield Problem("trtllm", u.tensor.name, f"{u.why}; its module holds weights, but kvcalib does not know "
-                          "this layout and cannot check that TensorRT-LLM reads it", "warning",
-                          "trtllm.unverified-name")
+    yield from unmapped_problems("trtllm", ck, t.files, cannot_check="TensorRT-LLM reads it",
+                                 never_read="TensorRT-LLM selects a module's tensors by its exact name and never "
+                                            "reads this one")
     for s in t.scales:
         name = s.tensor.name
         if isinstance(ck.num_layers, int) and s.layer >= ck.num_layers:

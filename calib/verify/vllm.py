@@ -18,7 +18,7 @@ from calib.ckpt.formats import producer_name
 from calib.ckpt.names import HF_QUANT_CONFIG, INDEX_FILE
 from calib.ckpt.reader import CheckpointFiles, Problem, ScaleTensor
 from calib.verify.checker import Checker
-from calib.verify.common import dtype_problems, first_bad
+from calib.verify.common import dtype_problems, first_bad, unmapped_problems
 
 # vllm/transformers_utils/model_arch_config_convertor.py: _normalize_quantization_config
 _VLLM_MODELOPT_ALGOS = {"FP8": "modelopt", "FP8_PER_CHANNEL_PER_TOKEN": "modelopt", "FP8_PB_WO": "modelopt",
@@ -252,13 +252,9 @@ def vllm_scale_names(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     """
     if v.method is None:
         return
-    for u in ck.unmapped(v.files):
-        if u.known:
-            yield Problem("vllm", u.tensor.name, f"{u.why}: vLLM maps no attention layer to this name (it refuses to "
-                          "load the checkpoint, or drops the scale and keeps 1.0)", code="vllm.unmapped-name")
-        else:
-            yield Problem("vllm", u.tensor.name, f"{u.why}; its module holds weights, but kvcalib does not know "
-                          "this layout and cannot check that vLLM maps it", "warning", "vllm.unverified-name")
+    yield from unmapped_problems("vllm", ck, v.files, cannot_check="vLLM maps it",
+                                 never_read="vLLM maps no attention layer to this name (it refuses to load the "
+                                            "checkpoint, or drops the scale and keeps 1.0)")
     for s in v.scales:
         name = s.tensor.name
         if isinstance(ck.num_layers, int) and s.layer >= ck.num_layers:

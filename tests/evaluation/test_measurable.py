@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +17,8 @@ from calib.evaluation import measurable, report
 from calib.evaluation.fakequant import Meter
 from calib.evaluation.report import Thresholds
 from calib.evaluation.results import ArmInfo, ArmMetrics, BucketRow, KVRange, PasskeyRow, Reference, Seconds, Summary
-from tiny import random_sequences, tiny_causal_lm
+from helpers import overflowing_model
+from tiny import random_sequences
 
 
 def _ships():
@@ -124,16 +124,6 @@ def test_meter_reads_nan_k_v_as_nan_not_as_exact():
 def test_a_perplexity_past_float64_is_infinite_not_a_traceback():
     row = BucketRow.of(tokens=2, kl=0.0, agree=2, nll=2000.0, ref_nll=2.0, samples=1)
     assert row.ppl == math.inf and row.ppl_ref == pytest.approx(math.e) and row.ppl_rel == math.inf
-
-
-def overflowing_model(tmp: Path) -> Path:
-    """A tiny Llama whose float32 logits overflow (lm_head x 1e38): every perplexity is infinite or NaN."""
-    path = tmp / "overflow"
-    model = tiny_causal_lm("llama", tie_word_embeddings=False)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(1e38)
-    model.save_pretrained(path)
-    return path
 
 
 def test_eval_of_a_model_whose_logits_overflow_cannot_measure(tmp_path):
