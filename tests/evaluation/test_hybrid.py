@@ -1,0 +1,99 @@
+"""A hybrid-attention model (sliding-window and global layers): eval adds the sliding-window skip arms on its own,
+the bytes model prices them, and the verdict weighs every measured skip by the memory it gives back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from calib.engine.run import request_arm
+from calib.evaluation import memory, report
+from calib.evaluation.run import run_eval
+from calib.model import layer_kinds as lk
+from helpers import arm_metrics, boosted, eval_config, reference_metrics, save_model_and_data
+from tiny import tiny_causal_lm
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hybrid")
+    model = boosted(tiny_causal_lm("gemma3", num_hidden_layers=4, sliding_window=8, scale_k=30.0,
+                                   layer_types=["sliding_attention"] * 3 + ["full_attention"]))
+    src, data = save_model_and_data(tmp, model, "gemma3")
+    res = run_eval(eval_config(src, data, tmp / "report", samples=12, passkey_trials=0))
+    return res, src
+
+
+def test_eval_adds_the_sliding_window_arm(gemma3):
+    res, src = gemma3
+    arm = res.arms["default skip sliding_window"]
+    assert arm.info.skip == (0, 1, 2) and arm.info.skip_kind == "sliding_window"
+    assert sorted(arm.info.scales["k"]) == ["3"]            # only the global layer is quantised
+    assert sorted(arm.layers) == ["3"] and sorted(res.arms["default"].layers) == ["0", "1", "2", "3"]
+    # the emulated global layer sees exactly the inputs it sees in the default arm up to its own layer: its K SNR
+    # differs (the sliding layers' outputs changed), but the skipped arm is closer to the reference
+    assert arm.summary.kl < res.arms["default"].summary.kl
+    doc = json.loads((res.out / "report.json").read_text())
+    assert doc["arms"]["default skip sliding_window"]["skip_kind"] == "sliding_window"
+    assert "3 sliding_window (window 8)" in " ".join(doc["notes"])
+
+
+def test_memory_table_is_the_bytes_model(gemma3):
+    res, src = gemma3
+    doc = json.loads((res.out / "report.json").read_text())
+    rows = doc["memory"]["rows"]
+    # 4 layers, 2 KV heads x 16, fp32 model (tiny): at 64 tokens the sliding layers hold 8 tokens each
+    per_token = 2 * 2 * 16
+    full = (3 * 8 + 64) * per_token * 4
+    assert rows["fp32"]["model"]["64"]["bytes_per_sequence"] == full
+    assert rows["default"]["model"]["64"]["bytes_per_sequence"] == full // 4
+    assert rows["default skip sliding_window"]["model"]["64"]["bytes_per_sequence"] == \
+        (3 * 8 * 4 + 64 * 1) * per_token
+    assert "ppl loss" in doc["verdict"]["text"] and doc["verdict"]["skips_by_memory"][0]["label"] == \
+        "skip sliding-window layers"
+    assert "## KV memory" in (res.out / "report.md").read_text()
+
+
+def test_engine_serves_the_arm_by_kind(gemma3):
+    from calib.evaluation.fakequant import Geometry, default_arm, sliding_skip_arms
+    from calib.recipe.dtypes import FP8_E4M3
+
+    arms = sliding_skip_arms([default_arm(Geometry((0, 1, 2, 3), 2, 16), FP8_E4M3)], (0, 1, 2))
+    spec = request_arm(arms[0], "m")
+    assert spec["skip_layers"] == ["sliding_window"] and spec["kv_cache_dtype"] == "fp8"
+
+
+def _bytes_model():
+    layers = lk.layer_kinds({"num_hidden_layers": 18, "sliding_window": 512, "sliding_window_pattern": 6})
+    return memory.Model(layers, 1, 256, "bfloat16", (8192, 32768), "m")
+
+
+def test_verdict_words_the_measured_sliding_arm_in_memory_terms():
+    # the issue's numbers: FP8 +1.20 % at 32K, sliding-window layers skipped +0.61 %; 15 x 512 vs 3 x 32K tokens
+    def arm(name, rel, skip=(), kind=None, layers=range(18)):
+        m = arm_metrics("default", ppl_rel=rel, skip=skip)
+        info = m.info.__class__(*[getattr(m.info, f) for f in ("kind", "dtype", "granularity", "shippable",
+                                                                "source", "skip", "serve_skip", "notes")],
+                                {"k": {str(i): 1.0 for i in layers}, "v": {}, "q": {}}, kind)
+        rows = {"32768": m.buckets["64"].__class__(**{**m.buckets["64"].__dict__, "ppl_rel": rel})}
+        return m.__class__(**{**m.__dict__, "info": info, "buckets": rows})
+
+    bm = _bytes_model()
+    sliding = bm.layers.sliding
+    results = {"default": arm("default", 0.0120),
+               "default skip sliding_window": arm("x", 0.0061, sliding, "sliding_window",
+                                                  [i for i in range(18) if i not in sliding])}
+    v = report.verdict(reference_metrics(), results, report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
+    share = (15 * 512) / (15 * 512 + 3 * 32768)     # the sliding layers' share of the bytes at 32K
+    assert abs(v.skips_by_memory[0]["saving_given_back"] - share) < 1e-12
+    assert ("skip sliding-window layers: ppl loss +1.20 % -> +0.61 % for 7 % of the memory saving at 32K "
+            "(emulation); serve: `vllm serve m --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers sliding_window`"
+            in v.text)
+    worse = {**results, "default skip sliding_window": arm("x", 0.0130, sliding, "sliding_window",
+                                                           [i for i in range(18) if i not in sliding])}
+    v = report.verdict(reference_metrics(), worse, report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
+    assert "+1.20 % -> +1.30 % for 7 % of the memory saving at 32K (emulation): measured, and it does not help" in v.text
+    # nothing measured, nothing claimed
+    v = report.verdict(reference_metrics(), {"default": results["default"]}, report.Thresholds(), "bf16", bm)
+    assert "ppl loss" not in v.text and "would not help" not in v.text
