@@ -17,6 +17,7 @@ import torch
 
 from calib.ckpt.kvinfo import read_kv_info
 from calib.data import sources as data_mod
+from calib.engine import support
 from calib.evaluation import emulate, measurable, memory
 from calib.evaluation import passkey
 from calib.evaluation import plan as plan_mod
@@ -114,7 +115,8 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     arms, served_note = served.as_served(arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv),
                                          cfg.target, cfg.engine_version, emulation.name)
     kinds = layer_kinds_of(config, cfg.model)
-    arms = [*arms, *sliding_skip_arms(arms, kinds.sliding if kinds and cfg.target != "trtllm" else ())]
+    can_skip = not cfg.target or support.skip_by_kind(cfg.target) is None
+    arms = [*arms, *sliding_skip_arms(arms, kinds.sliding if kinds and can_skip else ())]
     vocab = getattr(config, "vocab_size", None)
     ctx = model_context.of_loaded(config, tok)
     if not cfg.fit_buckets:
@@ -125,7 +127,11 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     if kinds and kinds.hybrid:
         notes.append(f"layer kinds: {kinds.describe()}"
                      + ("; sliding-window skip arms added (served with --kv-cache-dtype-skip-layers sliding_window)"
-                        if kinds.sliding and cfg.target != "trtllm" else ""))
+                        if kinds.sliding and can_skip else ""))
+    cannot = support.skip_by_kind(cfg.target) if kinds and kinds.sliding and cfg.target else None
+    if cannot:
+        log(f"eval: {cannot}")
+        notes.append(f"{cannot}; no sliding-window skip arm for this target")
     windows, held_out = calibration_windows(_provenances(cfg), cfg.data, tok, vocab)
     samples, used, excluded = select_samples(cfg, tok, vocab, buckets, windows, ctx.tokens if ctx else None)
     hint = pack_warning(cfg, samples, buckets)

@@ -97,3 +97,12 @@ def test_verdict_words_the_measured_sliding_arm_in_memory_terms():
     # nothing measured, nothing claimed
     v = report.verdict(reference_metrics(), {"default": results["default"]}, report.Thresholds(), "bf16", bm)
     assert "ppl loss" not in v.text and "would not help" not in v.text
+
+
+def test_a_target_that_cannot_skip_says_so_and_gets_no_sliding_arm(gemma3, tmp_path):
+    res, src = gemma3
+    data = src.parent / "tokens.jsonl"
+    out = run_eval(eval_config(src, data, tmp_path / "r", samples=4, passkey_trials=0, target="trtllm"))
+    assert not [n for n in out.arms if "sliding_window" in n]
+    notes = json.loads((out.out / "report.json").read_text())["notes"]
+    assert any(n.startswith("TensorRT-LLM cannot keep sliding-window layers at the model dtype") for n in notes)
