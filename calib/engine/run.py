@@ -113,6 +113,8 @@ class EngineRun:
                "kv_capacity_tokens": cap, "kv_gib": resp["kv_gib"],
                "tokens_per_gib": cap / resp["kv_gib"] if cap and resp["kv_gib"] else None,
                "seconds": resp["seconds"]}
+        if resp.get("kv_groups"):             # the engine's capacity as its hybrid cache manager counts it
+            out["kv_groups"] = resp["kv_groups"]
         if self.prompts and self.tokenizer is not None:
             out["passkey"] = passkey.summarize([
                 passkey.score(p, self.tokenizer.decode(ids, skip_special_tokens=True))

@@ -58,6 +58,8 @@ def table(m: Model, ref_name: str, results: Mapping[str, ArmMetrics]) -> dict[st
         eng = engine or {}
         rows[name] = {"model": per, "engine_tokens_per_gib": eng.get("tokens_per_gib"),
                       "engine_capacity_tokens": eng.get("kv_capacity_tokens")}
+        if eng.get("kv_groups"):
+            rows[name]["engine_check"] = engine_check(m, info, eng["kv_groups"])
     return {"layer_kinds": m.layers.describe(), "rows": rows,
             "note": ("bytes model: per layer min(length, window) tokens x KV heads x head_dim x 2 x bytes (kvcalib); "
                      "the engine's number is its pool in tokens (vLLM: blocks x block size), which for a hybrid model "
@@ -148,3 +150,35 @@ def of_config(config: Any, model: str, kv_heads: int, head_dim: int, model_dtype
     """The bytes model of a loaded model; None when its layer kinds cannot be read (the caller reported why)."""
     layers = lk.layer_kinds(config, f"MODEL {model}/config.json")
     return Model(layers, kv_heads, head_dim, model_dtype, tuple(lengths), model)
+
+
+def engine_check(m: Model, info: ArmInfo | None, groups: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine's capacity next to the bytes model's, in the engine's own definition (vLLM: requests of
+    max_model_len the pool holds x max_model_len, each layer reserving what its kind needs: calib.model.layer_kinds
+    .engine_capacity_tokens), plus every layer whose kind or bytes per token the engine sees differently."""
+    st = m.storage(info)
+    kinds, block, bytes_per_token, problems = m.layers.kinds, {}, {}, []
+    vllm_kind = {"FullAttentionSpec": lk.GLOBAL, "SlidingWindowSpec": lk.SLIDING,
+                 "ChunkedLocalAttentionSpec": lk.CHUNKED}
+    for g in groups["groups"]:
+        for i in g["layers"]:
+            block[i] = g["block_size"]
+            bytes_per_token[i] = g["page_bytes"] // g["block_size"]
+            seen = vllm_kind.get(g["spec"], g["spec"])
+            if i < len(kinds) and seen != kinds[i].kind:
+                problems.append(f"layer {i}: kvcalib reads {kinds[i].kind}, the engine groups it as {g['spec']}")
+    for i, k in enumerate(kinds):
+        if k.kind == lk.SHARED:
+            continue
+        mine = lk.token_bytes(m.kv_heads, m.head_dim, st[i])
+        if i not in block:
+            problems.append(f"layer {i}: not in any engine KV cache group")
+        elif bytes_per_token[i] != mine:
+            problems.append(f"layer {i}: {bytes_per_token[i]} bytes per token in the engine, {mine} in the bytes model")
+    if problems:
+        return {"engine": groups["size_tokens"], "bytes_model": None, "problems": problems}
+    pool = groups["num_blocks"] * max(sum(g["page_bytes"] for _ in g["layers"]) for g in groups["groups"])
+    predicted = lk.engine_capacity_tokens(m.layers, m.kv_heads, m.head_dim, st, pool, groups["max_model_len"],
+                                          groups["in_flight_tokens"], block)
+    return {"engine": groups["size_tokens"], "bytes_model": predicted, "max_model_len": groups["max_model_len"],
+            "problems": []}

@@ -106,3 +106,24 @@ def test_a_target_that_cannot_skip_says_so_and_gets_no_sliding_arm(gemma3, tmp_p
     assert not [n for n in out.arms if "sliding_window" in n]
     notes = json.loads((out.out / "report.json").read_text())["notes"]
     assert any(n.startswith("TensorRT-LLM cannot keep sliding-window layers at the model dtype") for n in notes)
+
+
+def test_the_engine_runs_the_sliding_arm_by_kind_name(gemma3, tmp_path, monkeypatch):
+    """The (fake) engine gets skip_layers ["sliding_window"] and resolves it to the same layers the emulation kept
+    unquantised: its perplexity equals the emulated one (the fake engine runs the emulation)."""
+    import sys
+    from pathlib import Path
+
+    from calib.engine import driver
+    from calib.engine.driver import EngineSpec
+
+    monkeypatch.setenv(driver.RUNNER_ENV, str(Path(__file__).resolve().parents[1] / "fake_vllm_runner.py"))
+    monkeypatch.setenv("FAKE_ENGINE", "fp8")
+    res, src = gemma3
+    spec = EngineSpec("vllm", Path(sys.executable).parent.parent, top_k=8, continuation_tokens=1)
+    out = run_eval(eval_config(src, src.parent / "tokens.jsonl", tmp_path / "r", samples=4, passkey_trials=0,
+                               engine=spec))
+    arm = out.arms["default skip sliding_window"]
+    assert arm.engine["status"] == "ok", arm.engine
+    assert arm.engine["summary"]["ppl"] == pytest.approx(arm.summary.ppl, rel=1e-5)
+    assert arm.engine["summary"]["ppl"] != pytest.approx(out.arms["default"].engine["summary"]["ppl"], rel=1e-6)
