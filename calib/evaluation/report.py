@@ -427,11 +427,21 @@ def memory_lines(mem: Mapping[str, Any] | None) -> list[str]:
     if not mem:
         return []
     lengths = list(next(iter(mem["rows"].values()))["model"])
+    def check(c: Mapping[str, Any] | None) -> str:
+        if not c:
+            return "–"
+        if c["problems"]:
+            return f"{c['engine']:,} ({'; '.join(c['problems'])})"
+        return f"{c['engine']:,} vs {c['bytes_model']:,} at {c['max_model_len']:,}"
     rows = [[n, *(f"{r['model'][L]['tokens_per_gib']:,.0f} ({_pct(r['model'][L]['saving'])})" for L in lengths),
-             _cell(r.get("engine_tokens_per_gib"), ",.0f")] for n, r in mem["rows"].items()]
+             _cell(r.get("engine_tokens_per_gib"), ",.0f"), check(r.get("engine_check"))]
+            for n, r in mem["rows"].items()]
     return (["## KV memory", "", f"Layer kinds: {mem['layer_kinds']}. Tokens per GiB at each length (share of the "
-             f"reference's bytes saved); {mem['note']}.", ""]
-            + table(["arm", *(f"tokens/GiB at {L}" for L in lengths), "engine tokens/GiB"], rows))
+             f"reference's bytes saved); {mem['note']}. Engine capacity: the engine's own count (vLLM: requests of "
+             "max_model_len the pool holds x max_model_len, a sliding layer reserving its window plus the tokens in "
+             "flight) vs the bytes model's in that definition.", ""]
+            + table(["arm", *(f"tokens/GiB at {L}" for L in lengths), "engine tokens/GiB (blocks)",
+                     "engine capacity vs bytes model"], rows))
 
 
 def _significance_lines(rep: Report) -> list[str]:

@@ -127,3 +127,34 @@ def test_the_engine_runs_the_sliding_arm_by_kind_name(gemma3, tmp_path, monkeypa
     assert arm.engine["status"] == "ok", arm.engine
     assert arm.engine["summary"]["ppl"] == pytest.approx(arm.summary.ppl, rel=1e-5)
     assert arm.engine["summary"]["ppl"] != pytest.approx(out.arms["default"].engine["summary"]["ppl"], rel=1e-6)
+
+
+# CPU vLLM 0.32's answer for the tiny Gemma-3-shaped model of tests/engine/test_vllm_hybrid.py (3 sliding layers,
+# window 64, 1 global; 1 KV head x 64; bf16; 1 GiB pool; max_model_len 512), arm FP8 with sliding_window skipped
+VLLM_032_FP8_SKIP_SLIDING = {
+    "size_tokens": 986895, "max_concurrency": 1927.5294117647059, "max_model_len": 512, "num_blocks": 32768,
+    "in_flight_tokens": 1024, "groups": [
+        {"layers": [i], "spec": "SlidingWindowSpec", "block_size": 128, "page_bytes": 32768, "dtype": "bfloat16",
+         "window": 64} for i in range(3)] + [
+        {"layers": [3], "spec": "FullAttentionSpec", "block_size": 256, "page_bytes": 32768, "dtype": "uint8",
+         "window": None}]}
+
+
+def test_engine_check_reproduces_vllms_capacity():
+    from calib.evaluation.results import ArmInfo
+
+    layers = lk.layer_kinds({"num_hidden_layers": 4, "sliding_window": 64,
+                             "layer_types": ["sliding_attention"] * 3 + ["full_attention"]})
+    m = memory.Model(layers, 1, 64, "bfloat16", (512,))
+    info = ArmInfo("default", "fp8_e4m3", "tensor", True, None, (0, 1, 2), (), (), {"k": {"3": 1.0}}, "sliding_window")
+    c = memory.engine_check(m, info, VLLM_032_FP8_SKIP_SLIDING)
+    # by hand: sliding 3 x (cdiv(min(63 + 1024, 512), 128) + 1) x 128 tokens x 256 B + global 512 tokens x 128 B
+    per_request = 3 * 640 * 256 + 512 * 128
+    assert c == {"engine": 986895, "bytes_model": int(2 ** 30 / per_request * 512), "max_model_len": 512,
+                 "problems": []}
+    assert c["bytes_model"] == c["engine"]
+    # the arm read as FP8 everywhere disagrees with the engine, and says where
+    wrong = memory.engine_check(m, ArmInfo("default", "fp8_e4m3", "tensor", True, None, (), (), (),
+                                           {"k": {str(i): 1.0 for i in range(4)}}), VLLM_032_FP8_SKIP_SLIDING)
+    assert wrong["bytes_model"] is None and wrong["problems"][0] == \
+        "layer 0: 256 bytes per token in the engine, 128 in the bytes model"
