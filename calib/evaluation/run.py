@@ -116,7 +116,9 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
                                          cfg.target, cfg.engine_version, emulation.name)
     kinds = layer_kinds_of(config, cfg.model)
     can_skip = not cfg.target or support.skip_by_kind(cfg.target) is None
-    arms = [*arms, *sliding_skip_arms(arms, kinds.sliding if kinds and can_skip else ())]
+    # every layer sliding (Mistral-style): skipping them all is the reference again, not an experiment
+    sliding = kinds.sliding if kinds and can_skip and len(kinds.sliding) < len(kinds.kinds) else ()
+    arms = [*arms, *sliding_skip_arms(arms, sliding)]
     vocab = getattr(config, "vocab_size", None)
     ctx = model_context.of_loaded(config, tok)
     if not cfg.fit_buckets:
@@ -127,7 +129,7 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     if kinds and kinds.hybrid:
         notes.append(f"layer kinds: {kinds.describe()}"
                      + ("; sliding-window skip arms added (served with --kv-cache-dtype-skip-layers sliding_window)"
-                        if kinds.sliding and can_skip else ""))
+                        if sliding else ""))
     cannot = support.skip_by_kind(cfg.target) if kinds and kinds.sliding and cfg.target else None
     if cannot:
         log(f"eval: {cannot}")
