@@ -158,3 +158,13 @@ def test_engine_check_reproduces_vllms_capacity():
                                            {"k": {str(i): 1.0 for i in range(4)}}), VLLM_032_FP8_SKIP_SLIDING)
     assert wrong["bytes_model"] is None and wrong["problems"][0] == \
         "layer 0: 256 bytes per token in the engine, 128 in the bytes model"
+
+
+def test_protocol_checks_the_optional_kv_groups():
+    from calib.engine import protocol
+
+    doc = protocol.kv_groups(VLLM_032_FP8_SKIP_SLIDING)
+    assert doc == VLLM_032_FP8_SKIP_SLIDING
+    bad = {**VLLM_032_FP8_SKIP_SLIDING, "groups": [{**VLLM_032_FP8_SKIP_SLIDING["groups"][0], "block_size": -1}]}
+    with pytest.raises(protocol.ProtocolError, match=r"kv_groups.groups\[0\].block_size = -1"):
+        protocol.kv_groups(bad)
