@@ -55,7 +55,11 @@ def measure(req: dict) -> dict:
         dtype = kv_dtype("fp8_e5m2" if arm["kv_cache_dtype"] == "fp8_e5m2" else "fp8_e4m3")
         kv_info = Path(arm["model"], "kvcalib.json")
         q = checkpoint_arms(arm["model"], geo)[0] if kv_info.is_file() else default_arm(geo, dtype)
-        q = q.skipping(arm["skip_layers"]) if arm["skip_layers"] else q
+        if arm["skip_layers"]:       # indices, or vLLM's "sliding_window" (every layer with a sliding window)
+            from calib.model.layer_kinds import layer_kinds
+
+            sliding = layer_kinds(config).sliding if "sliding_window" in arm["skip_layers"] else ()
+            q = q.skipping([*sliding, *(i for i in arm["skip_layers"] if not isinstance(i, str))])
     k, cont = req["top_k"], req["continuation_tokens"]
     samples, continuations, answers, tokens = [], [], [], 0
     with fake_quant_kv(lm, emulate.by_name(emulate.DEFAULT)) as hook, torch.inference_mode(), hook.applying(q):

@@ -42,6 +42,10 @@ REQUEST_FIELDS = ("protocol", "arm", "samples", "continuation_tokens", "passkey"
                   "stop_token_ids", "top_k", "kv_gib", "max_model_len", "dtype", "seed", "chunk")
 RESPONSE_FIELDS = ("protocol", "status", "reason", "engine", "version", "kv_cache_dtype", "kv_capacity_tokens",
                    "kv_gib", "seconds", "samples", "continuations", "passkey")
+# Optional: "kv_groups": {"size_tokens", "max_concurrency", "max_model_len", "num_blocks", "in_flight_tokens",
+#   "groups": [{"layers": [int], "spec", "block_size", "page_bytes", "dtype", "window"}]} — the engine's capacity
+#   as its hybrid cache manager counts it (vllm_runner._kv_groups).
+OPTIONAL_RESPONSE_FIELDS = ("kv_groups",)
 
 
 class ProtocolError(ValueError):
@@ -191,7 +195,7 @@ def check_response(doc: Any, request: dict[str, Any]) -> dict[str, Any]:
     """The runner's response to `request`, every field checked (ProtocolError names the first bad one);
     a not_run answer keeps only its reason and names."""
     doc = check(doc, RESPONSE_FIELDS, "response")
-    extra = sorted(str(f) for f in doc if f not in RESPONSE_FIELDS)
+    extra = sorted(str(f) for f in doc if f not in RESPONSE_FIELDS + OPTIONAL_RESPONSE_FIELDS)
     if extra:
         raise ProtocolError(f"response: unknown field(s) {clean_text(', '.join(extra), 80)}")
     if doc["status"] not in (OK, NOT_RUN):
@@ -207,7 +211,8 @@ def check_response(doc: Any, request: dict[str, Any]) -> dict[str, Any]:
         raise ProtocolError(f"seconds = {_show(seconds)}: expected an object of at most 32 timings")
     cont, pk = int(request["continuation_tokens"]), max(1, int(request["passkey_tokens"]))
     rows = _list(doc["samples"], "samples", len(samples))
-    return {
+    groups = {"kv_groups": kv_groups(doc["kv_groups"])} if doc.get("kv_groups") is not None else {}
+    return {**groups,
         "protocol": PROTOCOL, "status": OK, "reason": None, "engine": engine, "version": version,
         "kv_cache_dtype": _text(doc["kv_cache_dtype"], "kv_cache_dtype"),
         "kv_capacity_tokens": None if doc["kv_capacity_tokens"] is None
@@ -221,6 +226,31 @@ def check_response(doc: Any, request: dict[str, Any]) -> dict[str, Any]:
         "passkey": [_ids(a, f"passkey[{i}]", pk) for i, a in
                     enumerate(_list(doc["passkey"], "passkey", len(request["passkey"])))],
     }
+
+
+def kv_groups(doc: Any) -> dict[str, Any]:
+    """The optional `kv_groups` of a response, every number checked (ProtocolError names the field)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("groups"), list) or len(doc["groups"]) > 4096:
+        raise ProtocolError("kv_groups: expected an object with a list 'groups'")
+    out: dict[str, Any] = {k: _whole(doc.get(k), f"kv_groups.{k}") for k in
+                           ("size_tokens", "max_model_len", "num_blocks", "in_flight_tokens")}
+    conc = doc.get("max_concurrency")
+    if isinstance(conc, bool) or not isinstance(conc, (int, float)) or not math.isfinite(conc) or conc < 0:
+        raise ProtocolError(f"kv_groups.max_concurrency = {_show(conc)}: expected a finite number >= 0")
+    out["max_concurrency"] = float(conc)
+    groups = []
+    for j, g in enumerate(doc["groups"]):
+        where = f"kv_groups.groups[{j}]"
+        if not isinstance(g, dict) or not isinstance(g.get("layers"), list):
+            raise ProtocolError(f"{where}: expected an object with a list 'layers'")
+        window = g.get("window")
+        groups.append({"layers": [_whole(x, f"{where}.layers") for x in g["layers"]],
+                       "spec": _text(g.get("spec"), f"{where}.spec"), "dtype": _text(g.get("dtype"), f"{where}.dtype"),
+                       "block_size": _whole(g.get("block_size"), f"{where}.block_size"),
+                       "page_bytes": _whole(g.get("page_bytes"), f"{where}.page_bytes"),
+                       "window": None if window is None else _whole(window, f"{where}.window")})
+    out["groups"] = groups
+    return out
 
 
 def response_cap(request: dict[str, Any]) -> int:

@@ -39,7 +39,16 @@ def request_arm(arm: Any, model: str) -> dict[str, Any] | str:
     if arm.kind not in ("default", "checkpoint"):
         return f"arm kind {arm.kind!r} has no engine form"
     return {"name": arm.name, "model": arm.source if arm.kind == "checkpoint" else model,
-            "kv_cache_dtype": KV_DTYPES[arm.dtype.name], "skip_layers": sorted(set(arm.skip) | set(arm.serve_skip))}
+            "kv_cache_dtype": KV_DTYPES[arm.dtype.name], "skip_layers": served_skip(arm)}
+
+
+def served_skip(arm: Any) -> list[int | str]:
+    """The engine's skip list of an arm: a skipped layer kind by its name (vLLM's "sliding_window", which covers
+    exactly the layers the arm skips), then the other skipped layer indices."""
+    kind = getattr(arm, "skip_kind", None)
+    if not kind:
+        return sorted(set(arm.skip) | set(arm.serve_skip))
+    return [kind, *sorted(set(arm.serve_skip))]
 
 
 @dataclass
@@ -104,6 +113,8 @@ class EngineRun:
                "kv_capacity_tokens": cap, "kv_gib": resp["kv_gib"],
                "tokens_per_gib": cap / resp["kv_gib"] if cap and resp["kv_gib"] else None,
                "seconds": resp["seconds"]}
+        if resp.get("kv_groups"):             # the engine's capacity as its hybrid cache manager counts it
+            out["kv_groups"] = resp["kv_groups"]
         if self.prompts and self.tokenizer is not None:
             out["passkey"] = passkey.summarize([
                 passkey.score(p, self.tokenizer.decode(ids, skip_special_tokens=True))

@@ -481,6 +481,26 @@ def who_serves(kv_format: str, granularity: str = "tensor") -> str:
     return text + (f" (applied by a build: {', '.join(builds)})" if builds else "")
 
 
+# Skipping by layer kind: vLLM's --kv-cache-dtype-skip-layers takes layer indices and attention type names; the name
+# `sliding_window` keeps every layer built with a sliding window at the model dtype (vLLM 0.32
+# model_executor/layers/attention/attention.py Attention.__init__; pull request 33695, read in 0.24.0 and 0.32.0).
+# Chunked-local layers have no sliding window there, so no kind name covers them: they are skipped by index.
+SKIP_KINDS = {"vllm": ("sliding_window",)}
+
+
+def skip_by_kind(engine_name: str, kind: str = "sliding_window") -> str | None:
+    """None when `engine_name` keeps layers of `kind` at the model dtype by name; else the one line saying it
+    cannot, and what it can do instead (from the skip_layers cell of the support matrix)."""
+    e = engine(engine_name)
+    if kind in SKIP_KINDS.get(engine_name, ()):
+        return None
+    c = cell(engine_name, None, next(iter(e.backends)), "fp8_e4m3", "skip_layers")
+    if c.effect is E.APPLIED:
+        return (f"{e.title} cannot name {kind} layers in its skip option; they are exported as layer indices "
+                f"({c.note})")
+    return f"{e.title} cannot keep {kind.replace('_', '-')} layers at the model dtype: {c.note}"
+
+
 # ------------------------------------------------------------------------------------------ the README table
 
 
@@ -507,7 +527,8 @@ def markdown() -> str:
 
 __all__ = ["ASPECTS", "CELLS", "Calibrated", "Cell", "Consequence", "DIFFERS", "DYNAMIC_FORMATS", "ENGINES", "Effect",
            "Engine", "KV_FORMATS", "Measurement", "Outcome", "REFUSE", "SAME", "STATIC_FORMATS", "Source",
-           "SupportError", "Version", "cell", "effect", "engine", "markdown", "outcome", "version_of", "who_serves"]
+           "SKIP_KINDS", "SupportError", "Version", "cell", "effect", "engine", "markdown", "outcome", "skip_by_kind",
+           "version_of", "who_serves"]
 
 
 if __name__ == "__main__":      # `python -m calib.engine.support`: the README's table

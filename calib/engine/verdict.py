@@ -103,7 +103,9 @@ def decisive(entry: Entry) -> Numbers:
 
 def how_to_serve(info: ArmInfo) -> str:
     """How to serve an arm, with the engine that serves its KV dtype."""
-    skip = sorted(set(info.serve_skip) | set(info.skip))
+    skip: list[int | str] = sorted(set(info.serve_skip) | set(info.skip))
+    if getattr(info, "skip_kind", None):          # served by the kind's name, which covers exactly those layers
+        skip = [info.skip_kind, *sorted(info.serve_skip)]
     if info.dtype == "int8":
         if info.kind == "stats":
             return f"calibrate with `granularity: {info.granularity}`, dtype int8, only for an engine that applies it: {int8_serving()}"

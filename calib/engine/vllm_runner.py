@@ -77,6 +77,34 @@ def _capacity(llm) -> tuple[int | None, str]:
     return tokens, dtype
 
 
+def _kv_groups(llm) -> dict | None:
+    """vLLM's own capacity as its hybrid KV cache manager computes it, and the groups it computes it from: layers
+    of one attention kind share a block table (vLLM 0.32 v1/core/kv_cache_utils.py get_kv_cache_groups), every
+    block is drawn from one pool, and `kv_cache_size_tokens` = requests of max_model_len that fit x max_model_len
+    (get_kv_cache_capacity). `_capacity`'s blocks x block size counts one group's tokens, which is the context
+    only when every layer is global. None where this vLLM keeps them elsewhere (the engine core in another
+    process)."""
+    import re
+
+    try:
+        cfg = llm.llm_engine.vllm_config
+        kcc = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        groups = []
+        for g in kcc.kv_cache_groups:
+            spec = g.kv_cache_spec
+            idx = [int(m.group(1)) for m in (re.search(r"\.(\d+)\.", f".{n}.") for n in g.layer_names) if m]
+            groups.append({"layers": idx, "spec": type(spec).__name__, "block_size": int(spec.block_size),
+                           "page_bytes": int(spec.page_size_bytes), "dtype": str(spec.dtype).removeprefix("torch."),
+                           "window": getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size",
+                                                                                        None)})
+        return {"size_tokens": int(cfg.cache_config.kv_cache_size_tokens),
+                "max_concurrency": float(cfg.cache_config.kv_cache_max_concurrency),
+                "max_model_len": int(cfg.model_config.max_model_len), "num_blocks": int(kcc.num_blocks),
+                "in_flight_tokens": int(cfg.max_in_flight_tokens), "groups": groups}
+    except Exception:                          # another vLLM layout: the plain capacity still comes back
+        return None
+
+
 def _prompt_row(ids: list[int], plp: list, k: int) -> dict:
     """Per position 1..n-1: the logprob of the actual token and the engine's top-k (ids, logprobs)."""
     target, top_ids, top_lps = [], [], []
@@ -109,6 +137,7 @@ def measure(req: dict) -> dict:
         return protocol.not_run(_reason(e), "vllm", version, req["kv_gib"])
     seconds = {"startup": time.perf_counter() - t0}
     capacity, cache_dtype = _capacity(llm)
+    groups = _kv_groups(llm)
     k, chunk = int(req["top_k"]), max(1, int(req["chunk"]))
     cont, room = int(req["continuation_tokens"]), int(req["max_model_len"])
 
@@ -144,10 +173,11 @@ def measure(req: dict) -> dict:
         seconds["passkey"] = time.perf_counter() - t0
     except Exception as e:
         return protocol.not_run(f"failed while measuring: {_reason(e)}", "vllm", version, req["kv_gib"])
-    return {"protocol": protocol.PROTOCOL, "status": protocol.OK, "reason": None, "engine": "vllm",
-            "version": version, "kv_cache_dtype": cache_dtype, "kv_capacity_tokens": capacity,
-            "kv_gib": req["kv_gib"], "seconds": seconds, "samples": samples, "continuations": continuations,
-            "passkey": answers}
+    out = {"protocol": protocol.PROTOCOL, "status": protocol.OK, "reason": None, "engine": "vllm",
+           "version": version, "kv_cache_dtype": cache_dtype, "kv_capacity_tokens": capacity,
+           "kv_gib": req["kv_gib"], "seconds": seconds, "samples": samples, "continuations": continuations,
+           "passkey": answers}
+    return {**out, "kv_groups": groups} if groups else out
 
 
 def main(argv: list[str]) -> int:

@@ -68,6 +68,7 @@ class Arm:
     serve_skip: tuple[int, ...] = ()  # layers the checkpoint was calibrated to skip (served with the skip flag)
     notes: tuple[str, ...] = ()
     q: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    skip_kind: str | None = None      # the skip is a layer kind the engine's flag names (SLIDING_SKIP)
 
     def q_scale(self, layer: int) -> torch.Tensor | float:
         return self.q.get(layer, 1.0)
@@ -89,7 +90,7 @@ class Arm:
             return {str(i): None if isinstance(s, str) else float(s.max()) for i, s in sorted(m.items())}
         return ArmInfo(self.kind, self.dtype.name if self.dtype else None, self.granularity, self.shippable, self.source,
                        tuple(self.skip), tuple(self.serve_skip), tuple(self.notes),
-                       {"k": per_layer(self.k), "v": per_layer(self.v), "q": per_layer(self.q)})
+                       {"k": per_layer(self.k), "v": per_layer(self.v), "q": per_layer(self.q)}, self.skip_kind)
 
 
 # ------------------------------------------------------------------------------------------- arms
@@ -197,6 +198,26 @@ def checkpoint_arms(path: str, geo: Geometry, per_head_kv: bool = True) -> list[
                                             "arm for the max over heads",)),
             replace(arm, name=f"{arm.name}@tensor", k=fold[0], v=fold[1], granularity="tensor",
                     notes=("the per-head scales folded to their max: what vLLM applies outside FlashAttention-3",))]
+
+
+SLIDING_SKIP = "sliding_window"     # vLLM's --kv-cache-dtype-skip-layers value for every sliding-window layer
+
+
+def sliding_skip_arms(arms: Sequence[Arm], sliding: Sequence[int]) -> list[Arm]:
+    """For a model with sliding-window layers: the default arm and every checkpoint arm the engine serves as
+    stored, again with those layers kept at the model dtype (vLLM: `--kv-cache-dtype-skip-layers sliding_window`).
+    Emulated, a skipped layer is simply absent from the arm's scales, so the hook leaves its K/V untouched."""
+    if not sliding:
+        return []
+    out = []
+    for a in arms:
+        if a.kind not in ("default", "checkpoint") or a.name.endswith("@tensor") or a.skip:
+            continue
+        drop = set(sliding)
+        out.append(replace(a.skipping(drop), name=f"{a.name} skip {SLIDING_SKIP}", skip_kind=SLIDING_SKIP,
+                           notes=a.notes + (f"the {len(drop)} sliding-window layers {sorted(drop)} kept at the model "
+                                            f"dtype, as vLLM serves with --kv-cache-dtype-skip-layers {SLIDING_SKIP}",)))
+    return out
 
 
 def read_stats(path: str) -> tuple[Stats, dict[str, Any] | None]:

@@ -27,7 +27,7 @@ from typing import Any
 from calib.engine import report as engine_report
 from calib.engine import verdict as honest
 from calib.engine.verdict import SKIP_FLAG, decisive
-from calib.evaluation import measurable
+from calib.evaluation import measurable, memory
 from calib.evaluation import significance
 from calib.evaluation.results import ArmMetrics, Reference, passkey_correct
 from calib.safety import files
@@ -135,6 +135,7 @@ class Verdict:
     text: str
     scales_within_noise: Mapping[str, Any] | None
     saturated: Mapping[str, Mapping[str, Mapping[str, float]]]
+    skips_by_memory: tuple[Mapping[str, Any], ...] = ()    # memory.Candidate.to_dict(), best first
 
     def to_dict(self) -> dict[str, Any]:
         """As report.json holds it (`scales_within_noise` only when found)."""
@@ -144,13 +145,18 @@ class Verdict:
                "text": self.text}
         if self.scales_within_noise is not None:
             out["scales_within_noise"] = self.scales_within_noise
-        return {**out, "saturated": {n: dict(v) for n, v in self.saturated.items()}}
+        out["saturated"] = {n: dict(v) for n, v in self.saturated.items()}
+        if self.skips_by_memory:
+            out["skips_by_memory"] = [dict(c) for c in self.skips_by_memory]
+        return out
 
 
-def verdict(ref: Reference, results: Results, th: Thresholds, reference: str) -> Verdict:
+def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
+            bytes_model: "memory.Model | None" = None) -> Verdict:
     """The decision: ship an arm, ship it with layers skipped (measured), or keep the reference KV dtype.
     Raises measurable.CannotMeasure ("cannot measure", naming the arm, where and which number) when any
-    measured quantity is NaN or infinite: a comparison with NaN is false, so such an arm would "miss" nothing."""
+    measured quantity is NaN or infinite: a comparison with NaN is false, so such an arm would "miss" nothing.
+    `bytes_model` (calib.evaluation.memory): every measured skip is also weighed by the memory it gives back."""
     measurable.check(ref, results, reference)
     plain = _plain(results)
     ok = sorted((n for n in plain if not failures(plain[n], ref, th)), key=lambda n: _kl(plain[n]))
@@ -174,10 +180,13 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str) ->
     elif any(c for _, (c, _) in confirmed):
         best = next(n for n, (c, _) in confirmed if c)
         layers, flag, arm = _skip_trial(results, best)
+        why = (f"the {results[best].info.skip_kind.replace('_', '-')} layers hold only their window, so keeping "
+               "them costs little memory" if results[best].info.skip_kind else
+               f"Those layers dominate the error (attention-output error {_errs(plain[arm], layers)})")
         action, text = "ship_with_skip", (
             f"Ship `{arm}` with layers {layers} kept in {reference}: serve with `{flag}` (vLLM; recipe "
-            f"`skip_layers: {layers}`). Those layers dominate the error (attention-output error "
-            f"{_errs(plain[arm], layers)}); measured with them unquantised: {kl(best)}, confirmed by the engine.")
+            f"`skip_layers: {layers}`). {why[0].upper() + why[1:]}; measured with them unquantised: {kl(best)}, "
+            "confirmed by the engine.")
     elif confirmed:
         best, (_, why) = confirmed[0]
         layers, flag, arm = _skip_trial(results, best)
@@ -192,14 +201,17 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str) ->
         tried = [n for n, e in results.items() if e.info.skip]
         extra = (f" Keeping layers {list(results[tried[-1]].info.skip)} unquantised was measured too and is still outside "
                  f"({kl(tried[-1])})." if tried else
-                 " No small set of layers dominates the error, so skipping layers would not help.")
+                 " No small set of layers dominates the error, so no layer skip was measured (whether one helps "
+                 "is unknown).")
         action, text = "keep_reference", (f"Keep {reference.upper()} KV for this model: no arm is within the threshold "
                                           f"(best: `{best_any}`, {why}).{extra}")
     noise, saturated, notes = _honest(arm, numbers, ref, results)
     notes = [*notes, *_passkey_notes(ref, results, th)]
     notes += [f"`{n}`: {honest.implausible(e)}." for n, e in results.items() if honest.implausible(e)]
+    cands = memory.candidates(bytes_model, results) if bytes_model is not None else []
+    notes += memory.lines(cands, bytes_model.model) if bytes_model is not None else []
     return Verdict(action, arm, tuple(layers), flag, tuple(ok), tuple(dominant), best_any, th, numbers,
-                   " ".join([text, *notes]), noise, saturated)
+                   " ".join([text, *notes]), noise, saturated, tuple(c.to_dict() for c in cands))
 
 
 def _honest(arm: str | None, numbers: Mapping[str, str], ref: Reference,
@@ -271,8 +283,10 @@ class Report:
 
 def _skip_trial(results: Results, name: str) -> tuple[list[int], str, str]:
     """A skip trial's layers kept unquantised, the engine flag that serves them, and the arm it was cut from."""
-    layers = sorted(set(results[name].info.skip) | set(results[name].info.serve_skip))
-    return layers, f"{SKIP_FLAG} {' '.join(map(str, layers))}", name.rsplit(" skip ", 1)[0]
+    info = results[name].info
+    layers = sorted(set(info.skip) | set(info.serve_skip))
+    named = [info.skip_kind, *sorted(info.serve_skip)] if info.skip_kind else layers
+    return layers, f"{SKIP_FLAG} {' '.join(map(str, named))}", name.rsplit(" skip ", 1)[0]
 
 
 def finite(x: Any) -> Any:
@@ -370,6 +384,7 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
         ["arm", "kind", "dtype", "granularity", "mean KL", "worst-bucket KL", "top-1", "ppl", "Δppl", "passkey",
          "within threshold", "seconds"], rows)
     lines += engine_report.markdown(doc, table)
+    lines += memory_lines(meta.get("memory"))
     lines += ["## Per layer", "", "Saturated: share of values with |x / scale| > qmax. Flushed: share of nonzero "
               "values stored as 0. SNR over real tokens. Attention error: ||o - ô|| / ||o|| of the layer's "
               "attention output with quantised K/V (same inputs).", ""]
@@ -404,6 +419,29 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     if notes:
         lines += ["## Notes", ""] + [f"- {x}" for x in notes] + [""]
     return "\n".join(lines)
+
+
+def memory_lines(mem: Mapping[str, Any] | None) -> list[str]:
+    """The KV memory table (calib.evaluation.memory.table): per arm and length, the bytes model's tokens per GiB and
+    share of the reference's bytes saved, next to the engine's own capacity figure."""
+    if not mem:
+        return []
+    lengths = list(next(iter(mem["rows"].values()))["model"])
+    def check(c: Mapping[str, Any] | None) -> str:
+        if not c:
+            return "–"
+        if c["problems"]:
+            return f"{c['engine']:,} ({'; '.join(c['problems'])})"
+        return f"{c['engine']:,} vs {c['bytes_model']:,} at {c['max_model_len']:,}"
+    rows = [[n, *(f"{r['model'][L]['tokens_per_gib']:,.0f} ({_pct(r['model'][L]['saving'])})" for L in lengths),
+             _cell(r.get("engine_tokens_per_gib"), ",.0f"), check(r.get("engine_check"))]
+            for n, r in mem["rows"].items()]
+    return (["## KV memory", "", f"Layer kinds: {mem['layer_kinds']}. Tokens per GiB at each length (share of the "
+             f"reference's bytes saved); {mem['note']}. Engine capacity: the engine's own count (vLLM: requests of "
+             "max_model_len the pool holds x max_model_len, a sliding layer reserving its window plus the tokens in "
+             "flight) vs the bytes model's in that definition.", ""]
+            + table(["arm", *(f"tokens/GiB at {L}" for L in lengths), "engine tokens/GiB (blocks)",
+                     "engine capacity vs bytes model"], rows))
 
 
 def _significance_lines(rep: Report) -> list[str]:

@@ -150,11 +150,15 @@ class ArmInfo:
     serve_skip: tuple[int, ...]
     notes: tuple[str, ...]
     scales: Mapping[str, Mapping[str, float | None]]
+    skip_kind: str | None = None      # the skip names a layer kind ("sliding_window"), served by that name
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "dtype": self.dtype, "granularity": self.granularity, "shippable": self.shippable,
-                "source": self.source, "skip": list(self.skip), "serve_skip": list(self.serve_skip),
-                "notes": list(self.notes), "scales": {k: dict(v) for k, v in self.scales.items()}}
+        out = {"kind": self.kind, "dtype": self.dtype, "granularity": self.granularity, "shippable": self.shippable,
+               "source": self.source, "skip": list(self.skip), "serve_skip": list(self.serve_skip),
+               "notes": list(self.notes), "scales": {k: dict(v) for k, v in self.scales.items()}}
+        if self.skip_kind:
+            out["skip_kind"] = self.skip_kind
+        return out
 
 
 @dataclass(frozen=True)

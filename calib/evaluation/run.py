@@ -17,19 +17,23 @@ import torch
 
 from calib.ckpt.kvinfo import read_kv_info
 from calib.data import sources as data_mod
-from calib.evaluation import emulate, measurable
+from calib.engine import support
+from calib.evaluation import emulate, measurable, memory
 from calib.evaluation import passkey
 from calib.evaluation import plan as plan_mod
 from calib.evaluation import report, served
 from calib.evaluation.config import EvalConfig, check_buckets, check_eval
-from calib.evaluation.fakequant import Arm, EvalError, Geometry, arms_for, fake_quant_kv, read_stats, reference_arm
+from calib.evaluation.fakequant import (Arm, EvalError, Geometry, arms_for, fake_quant_kv, read_stats, reference_arm,
+                                       sliding_skip_arms)
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference, with_passkey
 from calib.evaluation.retrieval import passkey_stage, run_passkey
 from calib.evaluation.samples import Sample, calibration_windows, pack_warning, select_samples, usable_buckets
 from calib.evaluation.session import Session, open_session
 from calib.model import context as model_context
+from calib.model import layer_kinds
 from calib.model import load as model_mod
+from calib.model.geometry import GeometryError
 from calib.progress import SILENT, Progress, Stage, duration
 from calib.safety import outputs
 
@@ -69,6 +73,7 @@ class Prepared:
     held_out: dict[str, Any]
     prompts: tuple[passkey.Prompt, ...]
     notes: tuple[str, ...]
+    kinds: layer_kinds.Layers | None = None     # each layer's attention kind (calib.model.layer_kinds)
 
 
 def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = SILENT) -> EvalResult:
@@ -87,11 +92,14 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             ref, results, engine = measure_arms(cfg, p, s, progress, planned.parts)
             measurable.check(ref, results, p.reference.name)     # before skip trials are planned on the numbers
             results.update(skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts))
-        decided = report.verdict(ref, results, cfg.thresholds, p.reference.name)
+        bm = bytes_model(cfg, p)
+        decided = report.verdict(ref, results, cfg.thresholds, p.reference.name, bm)
         seconds = time.perf_counter() - t_start
         log(f"eval: done in {duration(seconds)} (planned {duration(planned.total)} after loading)")
         meta = _meta(cfg, p, ([note] if note else []) + plan_notes(planned, p.buckets, cfg.engine is not None),
                      seconds)
+        if bm is not None:
+            meta["memory"] = memory.table(bm, p.reference.name, results)
         doc = report.write(Path(cfg.out), report.Report(meta, ref, results, cfg.thresholds, decided), force=cfg.force,
                            plots=cfg.plots)
     return EvalResult(Path(cfg.out), ref, results, decided, doc, time.perf_counter() - t_start)
@@ -106,6 +114,11 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     geo = Geometry.of(config, loaded.attention_layers)
     arms, served_note = served.as_served(arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv),
                                          cfg.target, cfg.engine_version, emulation.name)
+    kinds = layer_kinds_of(config, cfg.model)
+    can_skip = not cfg.target or support.skip_by_kind(cfg.target) is None
+    # every layer sliding (Mistral-style): skipping them all is the reference again, not an experiment
+    sliding = kinds.sliding if kinds and can_skip and len(kinds.sliding) < len(kinds.kinds) else ()
+    arms = [*arms, *sliding_skip_arms(arms, sliding)]
     vocab = getattr(config, "vocab_size", None)
     ctx = model_context.of_loaded(config, tok)
     if not cfg.fit_buckets:
@@ -113,6 +126,14 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     buckets, dropped = usable_buckets(cfg.buckets, ctx.tokens if ctx else None)
     notes = [f"buckets {dropped} exceed the model's context ({ctx.tokens} tokens: {ctx.why}): dropped"] if dropped else []
     notes += [served_note] if served_note else []
+    if kinds and kinds.hybrid:
+        notes.append(f"layer kinds: {kinds.describe()}"
+                     + ("; sliding-window skip arms added (served with --kv-cache-dtype-skip-layers sliding_window)"
+                        if sliding else ""))
+    cannot = support.skip_by_kind(cfg.target) if kinds and kinds.sliding and cfg.target else None
+    if cannot:
+        log(f"eval: {cannot}")
+        notes.append(f"{cannot}; no sliding-window skip arm for this target")
     windows, held_out = calibration_windows(_provenances(cfg), cfg.data, tok, vocab)
     samples, used, excluded = select_samples(cfg, tok, vocab, buckets, windows, ctx.tokens if ctx else None)
     hint = pack_warning(cfg, samples, buckets)
@@ -131,7 +152,32 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
         f"{len(prompts)} passkey prompts per arm")
     log(f"eval: emulating {emulation.line()}")
     return Prepared(loaded, emulation, engine_version, geo, tuple(arms), reference_arm(loaded.dtype), buckets,
-                    tuple(samples), used, {**held_out, "excluded_samples": excluded}, tuple(prompts), tuple(notes))
+                    tuple(samples), used, {**held_out, "excluded_samples": excluded}, tuple(prompts), tuple(notes),
+                    kinds)
+
+
+def layer_kinds_of(config: Any, model: Any) -> layer_kinds.Layers | None:
+    """The model's layer kinds (calib.model.layer_kinds); an inconsistent config is an EvalError naming the field."""
+    try:
+        return layer_kinds.layer_kinds(config, f"MODEL {model}/config.json")
+    except GeometryError as e:
+        raise EvalError(str(e)) from None
+
+
+def bytes_model(cfg: EvalConfig, p: Prepared) -> memory.Model | None:
+    """The KV bytes model at the evaluation's lengths (calib.evaluation.memory); None without layer kinds."""
+    if p.kinds is None or not p.kinds.hybrid:
+        return None
+    return memory.Model(p.kinds, p.geo.kv_heads, p.geo.head_dim, serving_dtype(p.loaded), tuple(p.buckets),
+                        str(cfg.model))
+
+
+def serving_dtype(loaded: model_mod.LoadedModel) -> str:
+    """The dtype an engine serves the model in (config.json's, which `auto` picks; kvcalib may load float32 on
+    CPU): the dtype of the reference KV cache and of every skipped layer."""
+    declared = getattr(loaded.config, "dtype", None) or getattr(loaded.config, "torch_dtype", None)
+    name = str(declared or loaded.dtype).removeprefix("torch.")
+    return name if name in layer_kinds.DTYPE_BYTES else str(loaded.dtype).removeprefix("torch.")
 
 
 def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Plan:

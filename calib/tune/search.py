@@ -311,6 +311,8 @@ def search(cfg: TuneConfig, loaded: Any, source: Path, clock: Clock, log: Log,
             found.entries.update(_measure(sess, arms, found, clock, cfg.chunk, stage, "candidates"))
             if layers and not found.stopped:
                 _skips(cfg, found, st, geo, emulation, sess, samples[:sens_n], clock, stage)
+            if not found.stopped:
+                _sliding_skip(cfg, found, st, geo, emulation, sess, sliding_layers(cfg, loaded), clock, stage)
     found.not_scored = [c.name for c in found.candidates if found.entry(c.name) is None]
     return found, st, HeldOut(tuple(samples), tuple(buckets), held)
 
@@ -337,6 +339,38 @@ def _skips(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulation: An
     for c in skipped:
         found.measured_as[c.name] = c.name
     found.entries.update(_measure(sess, arms, found, clock, cfg.chunk, stage, "layer skips"))
+
+
+def sliding_layers(cfg: TuneConfig, loaded: Any) -> tuple[int, ...]:
+    """The sliding-window layers of a hybrid model (calib.model.layer_kinds), for a target that can keep them at
+    the model dtype (vLLM); () otherwise. Inconsistent layer kinds are a TuneError naming the field."""
+    from calib.model import layer_kinds
+    from calib.model.geometry import GeometryError
+
+    if cfg.target != "vllm":
+        return ()
+    try:
+        sliding = layer_kinds.layer_kinds(loaded.config, "MODEL config.json").sliding
+    except GeometryError as e:
+        raise TuneError(str(e)) from None
+    return sliding if len(sliding) < len(loaded.attention_layers) else ()
+
+
+def _sliding_skip(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulation: Any, sess: Session,
+                  sliding: Sequence[int], clock: Clock, stage: Any) -> None:
+    """The best full candidate with the sliding-window layers kept at the model dtype (a hybrid model's standard
+    experiment: vLLM serves it with --kv-cache-dtype-skip-layers sliding_window), measured on every sample."""
+    full = [c for c in found.candidates if found.entry(c.name) is not None and not c.skip]
+    if not sliding or not full:
+        return
+    base = min(full, key=lambda c: (found.entry(c.name).summary.kl, -c.breadth(), c.simplicity()))
+    cand = base.skipping(sliding)
+    if cand.name in found.measured_as:
+        return
+    found.candidates.append(cand)
+    found.measured_as[cand.name] = cand.name
+    arm = score.arm_for(cand, st.stats_for(cand, cfg.base), geo, emulation)
+    found.entries.update(_measure(sess, [arm], found, clock, cfg.chunk, stage, "sliding-window skip"))
 
 
 def ranking(sensitivity: dict[int, float]) -> list[int]:

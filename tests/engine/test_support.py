@@ -177,3 +177,12 @@ def test_the_readme_table_is_the_module():
     assert readme.count(start) == readme.count(end) == 1
     block = readme.split(start, 1)[1].split(end, 1)[0]
     assert block == s.markdown(), "regenerate the README block with `python -m calib.engine.support`"
+
+
+def test_skip_by_layer_kind_per_engine():
+    """vLLM names sliding-window layers in its skip option; TensorRT-LLM and SGLang say up front, in one line, that
+    they cannot keep them at the model dtype."""
+    assert s.skip_by_kind("vllm") is None
+    for name in ("trtllm", "sglang"):
+        line = s.skip_by_kind(name)
+        assert line.startswith(f"{s.ENGINES[name].title} cannot keep sliding-window layers") and "\n" not in line

@@ -73,7 +73,8 @@ def test_verdict_text_carries_the_deciding_numbers():
     assert doc["arms"]["default"]["misses"] == ["perplexity +2.00% > +1%"]
     assert doc["verdict"]["action"] == "keep_reference" and doc["verdict"]["text"] == (
         "Keep FP32 KV for this model: no arm is within the threshold (best: `default`, perplexity +2.00% > +1%). "
-        "No small set of layers dominates the error, so skipping layers would not help. Decided on emulated "
+        "No small set of layers dominates the error, so no layer skip was measured (whether one helps is unknown). "
+        "Decided on emulated "
         "numbers (no engine run; `--engine vllm` measures the real engine).")
     meta, ref, results = _known(ppl=10.05)
     v = report.verdict(ref, results, Thresholds(), "fp32")

@@ -275,3 +275,18 @@ def test_tune_engines_and_observers_come_from_the_project_vocabulary():
     from calib.recipe import recipe
     from calib.tune import space
     assert set(space.TARGETS) <= set(recipe.TARGETS) and space.OBSERVERS == tuple(recipe.OBSERVERS)
+
+
+def test_hybrid_model_gets_the_sliding_window_skip(tmp_path):
+    """A model with sliding-window and global layers: tune measures the best candidate with the sliding-window
+    layers kept at the model dtype, without being asked (--max-skip 0)."""
+    torch.manual_seed(0)
+    model = tiny_causal_lm("gemma3", num_hidden_layers=4, sliding_window=8,
+                           layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    model.save_pretrained(tmp_path / "g")
+    res = run.run(_config(tmp_path / "g", _data(tmp_path), tmp_path / "out", max_skip=0, observers=("absmax",)))
+    names = [r["name"] for r in res.doc["candidates"]]
+    skipped = [n for n in names if n.endswith(" skip 0,1,2")]
+    assert len(skipped) == 1 and skipped[0].split(" skip ")[0] in names
+    row = next(r for r in res.doc["candidates"] if r["name"] == skipped[0])
+    assert row["summary"] is not None

@@ -1,0 +1,184 @@
+"""What each arm costs in KV memory at the evaluation's lengths, and skip decisions weighed by that memory.
+
+Why: keeping layers at the model dtype buys back quality and gives back memory, and the two do not scale
+together. On a hybrid model the sliding-window layers hold only their window: measured on a 270M model with 15
+sliding (window 512) and 3 global layers, keeping them in BF16 halved FP8's perplexity loss at 32K for ~7 % of
+FP8's memory saving. A single global layer kept in BF16 gives back more memory than all of them. So every skip
+candidate measured here (the sliding-window group, the single layers of the skip trials) is ranked by the
+perplexity loss it regains per share of the memory saving it gives back, at the longest length the user asked
+for, from its measured numbers (the engine's where it ran). Bytes come from calib.model.layer_kinds, the one
+bytes model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from calib.engine import verdict as honest
+from calib.evaluation.results import ArmInfo, ArmMetrics
+from calib.model import layer_kinds as lk
+
+SERVE = "vllm serve {model} --kv-cache-dtype {dtype}"
+
+
+@dataclass(frozen=True)
+class Model:
+    """The bytes model of one evaluated model: layer kinds, KV heads, head_dim, model dtype, the lengths asked."""
+    layers: lk.Layers
+    kv_heads: int
+    head_dim: int
+    model_dtype: str
+    lengths: tuple[int, ...]
+    model: str = "MODEL"
+
+    def storage(self, info: ArmInfo | None) -> dict[int, lk.Storage]:
+        """Per-layer storage of an arm: its KV dtype on the layers it holds scales for, the model dtype elsewhere
+        (the reference: `info` None)."""
+        n = len(self.layers.kinds)
+        if info is None or info.dtype is None:
+            return lk.storage_for(n, self.model_dtype, None, ())
+        token = 4 if info.granularity == "token" else 0      # a float32 scale per token and head
+        return lk.storage_for(n, self.model_dtype, info.dtype, (int(i) for i in info.scales.get("k", {})), token)
+
+    def bytes(self, info: ArmInfo | None, length: int) -> int:
+        return lk.kv_bytes(self.layers, self.kv_heads, self.head_dim, length, self.storage(info))
+
+
+def table(m: Model, ref_name: str, results: Mapping[str, ArmMetrics]) -> dict[str, Any]:
+    """report.json's `memory`: per arm and length the bytes per sequence, tokens per GiB and share of the
+    reference's bytes saved (the bytes model), next to the engine's capacity where it ran."""
+    rows: dict[str, Any] = {}
+    for name, info, engine in [(ref_name, None, None), *((n, e.info, e.engine) for n, e in results.items())]:
+        per = {}
+        for L in m.lengths:
+            b, r = m.bytes(info, L), m.bytes(None, L)
+            per[str(L)] = {"bytes_per_sequence": b, "tokens_per_gib": L * 2 ** 30 / b, "saving": 1 - b / r}
+        eng = engine or {}
+        rows[name] = {"model": per, "engine_tokens_per_gib": eng.get("tokens_per_gib"),
+                      "engine_capacity_tokens": eng.get("kv_capacity_tokens")}
+        if eng.get("kv_groups"):
+            rows[name]["engine_check"] = engine_check(m, info, eng["kv_groups"])
+    return {"layer_kinds": m.layers.describe(), "rows": rows,
+            "note": ("bytes model: per layer min(length, window) tokens x KV heads x head_dim x 2 x bytes (kvcalib); "
+                     "the engine's number is its pool in tokens (vLLM: blocks x block size), which for a hybrid model "
+                     "counts one group's blocks, not context tokens")}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One measured skip: the arm it was cut from, what it keeps unquantised, the perplexity loss before and after
+    (decisive numbers at `length`), and the share of the base arm's memory saving it gives back."""
+    arm: str
+    base: str
+    label: str
+    length: int
+    loss_before: float
+    loss_after: float
+    saving_given_back: float
+    numbers: str
+    flag: str
+
+    @property
+    def regained(self) -> float:
+        return self.loss_before - self.loss_after
+
+    @property
+    def per_memory(self) -> float:
+        """Loss regained per share of the saving given back (higher first)."""
+        return self.regained / max(self.saving_given_back, 1e-9)
+
+    def line(self, model: str) -> str:
+        k = f"{self.length // 1024}K" if self.length >= 1024 and self.length % 1024 == 0 else str(self.length)
+        text = (f"{self.label}: ppl loss {100 * self.loss_before:+.2f} % -> {100 * self.loss_after:+.2f} % for "
+                f"{100 * self.saving_given_back:.0f} % of the memory saving at {k} ({self.numbers})")
+        if self.regained <= 0:
+            return text + ": measured, and it does not help"
+        return text + f"; serve: `{SERVE.format(model=model, dtype='fp8')} {self.flag}`"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"arm": self.arm, "base": self.base, "label": self.label, "length": self.length,
+                "ppl_loss_before": self.loss_before, "ppl_loss_after": self.loss_after,
+                "saving_given_back": self.saving_given_back, "numbers": self.numbers, "flag": self.flag}
+
+
+def _loss(entry: ArmMetrics, length: int) -> tuple[float, str] | None:
+    nums = honest.decisive(entry)
+    row = nums.buckets.get(str(length))
+    return (row.ppl_rel, nums.source) if row is not None else None
+
+
+def candidates(m: Model, results: Mapping[str, ArmMetrics]) -> list[Candidate]:
+    """Every measured skip arm against the arm it was cut from, at the longest length both measured with the same
+    numbers (engine or emulation), best quality regained per memory given back first."""
+    out = []
+    for name, e in results.items():
+        if not e.info.skip or e.info.dtype is None:
+            continue
+        base_name = name.rsplit(" skip ", 1)[0]
+        base = results.get(base_name)
+        if base is None:
+            continue
+        for L in sorted(m.lengths, reverse=True):
+            a, b = _loss(e, L), _loss(base, L)
+            if a is None or b is None or a[1] != b[1]:
+                continue
+            full, kept = m.bytes(None, L), m.bytes(base.info, L)
+            saving = full - kept
+            back = (m.bytes(e.info, L) - kept) / saving if saving > 0 else 0.0
+            if e.info.skip_kind:
+                label, flag = f"skip {e.info.skip_kind.replace('_', '-')} layers", f"{honest.SKIP_FLAG} {e.info.skip_kind}"
+            else:
+                label = f"skip layer{'s' if len(e.info.skip) > 1 else ''} {', '.join(map(str, e.info.skip))}"
+                flag = f"{honest.SKIP_FLAG} {' '.join(map(str, e.info.skip))}"
+            out.append(Candidate(name, base_name, label, L, b[0], a[0], back, a[1], flag))
+            break
+    return sorted(out, key=lambda c: -c.per_memory)
+
+
+def lines(cands: Sequence[Candidate], model: str) -> list[str]:
+    """The verdict's sentences, best first; nothing when no skip was measured (no claim without an arm)."""
+    if not cands:
+        return []
+    return ["Skips by quality regained per memory given back (measured): "
+            + "; ".join(c.line(model) for c in cands) + "."]
+
+
+def of_config(config: Any, model: str, kv_heads: int, head_dim: int, model_dtype: str,
+              lengths: Sequence[int]) -> Model | None:
+    """The bytes model of a loaded model; None when its layer kinds cannot be read (the caller reported why)."""
+    layers = lk.layer_kinds(config, f"MODEL {model}/config.json")
+    return Model(layers, kv_heads, head_dim, model_dtype, tuple(lengths), model)
+
+
+def engine_check(m: Model, info: ArmInfo | None, groups: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine's capacity next to the bytes model's, in the engine's own definition (vLLM: requests of
+    max_model_len the pool holds x max_model_len, each layer reserving what its kind needs: calib.model.layer_kinds
+    .engine_capacity_tokens), plus every layer whose kind or bytes per token the engine sees differently."""
+    st = m.storage(info)
+    kinds, block, bytes_per_token, problems = m.layers.kinds, {}, {}, []
+    vllm_kind = {"FullAttentionSpec": lk.GLOBAL, "SlidingWindowSpec": lk.SLIDING,
+                 "ChunkedLocalAttentionSpec": lk.CHUNKED}
+    for g in groups["groups"]:
+        for i in g["layers"]:
+            block[i] = g["block_size"]
+            bytes_per_token[i] = g["page_bytes"] // g["block_size"]
+            seen = vllm_kind.get(g["spec"], g["spec"])
+            if i < len(kinds) and seen != kinds[i].kind:
+                problems.append(f"layer {i}: kvcalib reads {kinds[i].kind}, the engine groups it as {g['spec']}")
+    for i, k in enumerate(kinds):
+        if k.kind == lk.SHARED:
+            continue
+        mine = lk.token_bytes(m.kv_heads, m.head_dim, st[i])
+        if i not in block:
+            problems.append(f"layer {i}: not in any engine KV cache group")
+        elif bytes_per_token[i] != mine:
+            problems.append(f"layer {i}: {bytes_per_token[i]} bytes per token in the engine, {mine} in the bytes model")
+    if problems:
+        return {"engine": groups["size_tokens"], "bytes_model": None, "problems": problems}
+    pool = groups["num_blocks"] * max(sum(g["page_bytes"] for _ in g["layers"]) for g in groups["groups"])
+    predicted = lk.engine_capacity_tokens(m.layers, m.kv_heads, m.head_dim, st, pool, groups["max_model_len"],
+                                          groups["in_flight_tokens"], block)
+    return {"engine": groups["size_tokens"], "bytes_model": predicted, "max_model_len": groups["max_model_len"],
+            "problems": []}

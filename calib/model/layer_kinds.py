@@ -1,0 +1,240 @@
+"""What each attention layer keeps in the KV cache: global, sliding-window, chunked-local, or shared with another
+layer — read from config.json — and the one bytes model of the cache built on it.
+
+Why: a hybrid model (Gemma 2/3, Mistral-style windows, Llama 4's chunked layers) does not hold the whole context
+in every layer. A sliding-window layer holds at most its window, a chunked-local layer at most one chunk, a layer
+that reads another layer's KV holds nothing. Counting every layer at the full context overstates the cache, and
+understates how cheap it is to keep the windowed layers at the model dtype (vLLM's
+`--kv-cache-dtype-skip-layers sliding_window`). Every memory number kvcalib prints comes from `kv_bytes` here.
+
+Where the kinds come from, first match wins: `layer_types` (transformers writes it for most hybrid
+architectures); Gemma 2's alternation (even layers sliding); `sliding_window_pattern` (Gemma 3: every n-th
+layer global); Qwen2's `use_sliding_window` with `max_window_layers`; Llama 4's `attention_chunk_size` (every
+4th layer global, or `no_rope_layers`); a bare `sliding_window` (Mistral: every layer); otherwise every layer is
+global. `num_kv_shared_layers` (Gemma 3n) marks the last layers as reading earlier layers' KV. A kind kvcalib
+does not know (linear attention, Mamba state) is an error naming the field: its bytes are not tokens x heads.
+
+The engine's own reading of capacity (vLLM's hybrid cache manager, `engine_held_tokens`) reserves more than the
+window for a sliding layer: vLLM 0.32 v1/kv_cache_interface.py SlidingWindowSpec.max_admission_blocks_per_request
+holds window - 1 + the tokens in flight (one prefill chunk), rounded up to blocks, plus one block. The user's view
+(`held_tokens`) is min(length, window). Both use the same per-token bytes.
+
+This module imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from calib.model.geometry import GeometryError, text_part
+
+GLOBAL, SLIDING, CHUNKED, SHARED = "global", "sliding_window", "chunked_local", "shared"
+TYPE_NAMES = {"full_attention": GLOBAL, "sliding_attention": SLIDING, "chunked_attention": CHUNKED}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+LLAMA4_GLOBAL_EVERY = 4      # transformers Llama4TextConfig: no_rope_layers default, every 4th layer global
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One layer's attention kind; `window` is the sliding window or chunk size in tokens; `source` the layer whose
+    KV a shared layer reads."""
+    kind: str
+    window: int | None = None
+    source: int | None = None
+
+    def held_tokens(self, length: int) -> int:
+        """Tokens of KV this layer holds for one sequence of `length` tokens (the user's view)."""
+        if self.kind == SHARED:
+            return 0
+        return min(length, self.window) if self.window else length
+
+
+@dataclass(frozen=True)
+class Layers:
+    """Every attention layer's kind, and which config field said so (`why`)."""
+    kinds: tuple[LayerKind, ...]
+    why: str
+
+    def of(self, kind: str) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.kinds) if k.kind == kind)
+
+    @property
+    def sliding(self) -> tuple[int, ...]:
+        return self.of(SLIDING)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layer holds less than the whole context (a skip by layer kind is worth measuring)."""
+        return any(k.kind != GLOBAL for k in self.kinds)
+
+    def describe(self) -> str:
+        parts = []
+        for kind in (GLOBAL, SLIDING, CHUNKED, SHARED):
+            idx = self.of(kind)
+            if idx:
+                wins = sorted({self.kinds[i].window for i in idx if self.kinds[i].window})
+                parts.append(f"{len(idx)} {kind}" + (f" (window {', '.join(map(str, wins))})" if wins else ""))
+        return ", ".join(parts) + f" ({self.why})"
+
+
+def _positive(cfg: Mapping[str, Any], key: str, prefix: str, where: str) -> int | None:
+    v = cfg.get(key)
+    if v is None or v is False or v == 0:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise GeometryError(f"{where}: field '{prefix}{key}' = {v!r} must be a positive integer")
+    return v
+
+
+def layer_kinds(config: Any, where: str = "config.json") -> Layers:
+    """The kind of every layer of a config (config.json's dict or a transformers config); GeometryError (one line,
+    naming the field) for kinds that are unknown or disagree with the layer count."""
+    raw = config if isinstance(config, Mapping) else config.to_dict()
+    cfg, prefix = text_part(dict(raw))
+    n = cfg.get("num_hidden_layers", cfg.get("n_layer", cfg.get("num_layers")))
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise GeometryError(f"{where}: field '{prefix}num_hidden_layers' = {n!r} must be a positive integer")
+    window = _positive(cfg, "sliding_window", prefix, where)
+    chunk = _positive(cfg, "attention_chunk_size", prefix, where)
+    model_type = str(cfg.get("model_type") or raw.get("model_type") or "")
+    types = cfg.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n or not all(isinstance(t, str) for t in types):
+            raise GeometryError(f"{where}: field '{prefix}layer_types' must list one string per layer "
+                                f"({n} layers)")
+        unknown = sorted({t for t in types if t not in TYPE_NAMES})
+        if unknown:
+            raise GeometryError(f"{where}: field '{prefix}layer_types' holds {unknown[0]!r}: kvcalib knows "
+                                f"{', '.join(TYPE_NAMES)} (other layers keep state that is not a KV cache)")
+        kinds = [TYPE_NAMES[t] for t in types]
+        why = f"{prefix}layer_types"
+    elif model_type.startswith("gemma2") and window:
+        kinds, why = [SLIDING if i % 2 == 0 else GLOBAL for i in range(n)], "Gemma 2 alternates (even layers sliding)"
+    elif _positive(cfg, "sliding_window_pattern", prefix, where) and window:
+        p = cfg["sliding_window_pattern"]
+        kinds, why = [GLOBAL if (i + 1) % p == 0 else SLIDING for i in range(n)], f"{prefix}sliding_window_pattern"
+    elif "use_sliding_window" in cfg:
+        first = cfg.get("max_window_layers")
+        on = bool(cfg["use_sliding_window"]) and window is not None
+        if on and (not isinstance(first, int) or isinstance(first, bool) or first < 0):
+            raise GeometryError(f"{where}: field '{prefix}max_window_layers' = {first!r} must be a layer count")
+        kinds = [SLIDING if on and i >= first else GLOBAL for i in range(n)]
+        why = f"{prefix}use_sliding_window / max_window_layers"
+    elif chunk:
+        nope = cfg.get("no_rope_layers")
+        if isinstance(nope, list) and len(nope) == n:
+            kinds, why = [CHUNKED if x else GLOBAL for x in nope], f"{prefix}no_rope_layers"
+        else:
+            kinds = [GLOBAL if (i + 1) % LLAMA4_GLOBAL_EVERY == 0 else CHUNKED for i in range(n)]
+            why = f"{prefix}attention_chunk_size (every {LLAMA4_GLOBAL_EVERY}th layer global)"
+    elif window:
+        kinds, why = [SLIDING] * n, f"{prefix}sliding_window on every layer"
+    else:
+        kinds, why = [GLOBAL] * n, "no sliding_window, chunk or layer_types field"
+    if SLIDING in kinds and window is None:
+        raise GeometryError(f"{where}: field '{prefix}layer_types' names sliding layers but "
+                            f"'{prefix}sliding_window' is missing")
+    if CHUNKED in kinds and chunk is None:
+        raise GeometryError(f"{where}: field '{prefix}layer_types' names chunked layers but "
+                            f"'{prefix}attention_chunk_size' is missing")
+    out = [LayerKind(k, window if k == SLIDING else chunk if k == CHUNKED else None) for k in kinds]
+    shared = cfg.get("num_kv_shared_layers")
+    if shared:
+        if not isinstance(shared, int) or isinstance(shared, bool) or not 0 < shared < n:
+            raise GeometryError(f"{where}: field '{prefix}num_kv_shared_layers' = {shared!r} must be between 1 and "
+                                f"{n - 1} (layers {n})")
+        first = n - shared
+        for i in range(first, n):
+            # the last earlier layer of the same kind owns the KV (transformers Gemma3n: kv_shared_layer_index)
+            src = max((j for j in range(first) if kinds[j] == kinds[i]), default=None)
+            if src is None:
+                raise GeometryError(f"{where}: field '{prefix}num_kv_shared_layers' = {shared}: layer {i} "
+                                    f"({kinds[i]}) has no earlier layer of its kind to share KV with")
+            out[i] = LayerKind(SHARED, None, src)
+        why += f"; last {shared} layers share KV ({prefix}num_kv_shared_layers)"
+    return Layers(tuple(out), why)
+
+
+# ------------------------------------------------------------------------------------------- bytes model
+
+@dataclass(frozen=True)
+class Storage:
+    """How one layer stores a token: bytes per element, plus per-token scale bytes per KV head and tensor
+    (0 for static per-tensor/per-head scales, which cost a few bytes per layer, not per token)."""
+    element_bytes: int
+    token_scale_bytes: int = 0
+
+
+def token_bytes(kv_heads: int, head_dim: int, storage: Storage) -> int:
+    """Bytes one token takes in one layer: K and V, every KV head, plus per-token scales."""
+    return 2 * kv_heads * (head_dim * storage.element_bytes + storage.token_scale_bytes)
+
+
+def kv_bytes(layers: Layers, kv_heads: int, head_dim: int, length: int, storage: Mapping[int, Storage]) -> int:
+    """Bytes of KV cache one sequence of `length` tokens takes: per layer held tokens x token bytes, each layer at
+    its own storage (`storage[i]`; a skipped layer is stored at the model dtype)."""
+    return sum(k.held_tokens(length) * token_bytes(kv_heads, head_dim, storage[i])
+               for i, k in enumerate(layers.kinds))
+
+
+def storage_for(n_layers: int, model_dtype: str, kv_dtype: str | None, quantised: Iterable[int],
+                token_scale_bytes: int = 0) -> dict[int, Storage]:
+    """Per layer storage of an arm: `kv_dtype` (None: the reference) on the `quantised` layers, the model dtype
+    elsewhere."""
+    if model_dtype not in DTYPE_BYTES or (kv_dtype is not None and kv_dtype not in DTYPE_BYTES):
+        raise GeometryError(f"dtype {model_dtype if model_dtype not in DTYPE_BYTES else kv_dtype!r}: the bytes "
+                            f"model knows {', '.join(DTYPE_BYTES)}")
+    wide = Storage(DTYPE_BYTES[model_dtype])
+    narrow = wide if kv_dtype is None else Storage(DTYPE_BYTES[kv_dtype], token_scale_bytes)
+    q = set(quantised)
+    return {i: narrow if i in q else wide for i in range(n_layers)}
+
+
+def tokens_per_gib(layers: Layers, kv_heads: int, head_dim: int, length: int,
+                   storage: Mapping[int, Storage]) -> float:
+    """Context tokens a GiB of cache holds when every sequence is `length` tokens long."""
+    return length * 2 ** 30 / kv_bytes(layers, kv_heads, head_dim, length, storage)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def engine_held_tokens(kind: LayerKind, max_model_len: int, in_flight: int, block_size: int) -> int:
+    """Tokens vLLM reserves per request for one layer when sizing the pool (vLLM 0.32 v1/kv_cache_interface.py:
+    FullAttentionSpec / SlidingWindowSpec / ChunkedLocalAttentionSpec.max_memory_usage_bytes), in whole blocks."""
+    if kind.kind == SHARED:
+        return 0
+    if kind.kind == GLOBAL or not kind.window:
+        return _cdiv(max_model_len, block_size) * block_size
+    if kind.kind == SLIDING:
+        return (_cdiv(min(kind.window - 1 + in_flight, max_model_len), block_size) + 1) * block_size
+    return _cdiv(min(kind.window + in_flight, max_model_len), block_size) * block_size
+
+
+def engine_capacity_tokens(layers: Layers, kv_heads: int, head_dim: int, storage: Mapping[int, Storage],
+                           pool_bytes: int, max_model_len: int, in_flight: int,
+                           block_sizes: Mapping[int, int]) -> int:
+    """vLLM's `kv_cache_size_tokens` predicted from the bytes model: requests of `max_model_len` the pool holds
+    (pool / the bytes one request reserves) x max_model_len. `block_sizes[i]`: layer i's block size in the
+    engine (vLLM enlarges the blocks of layers with smaller pages so every page has the same bytes)."""
+    per_request = sum(engine_held_tokens(k, max_model_len, in_flight, block_sizes[i])
+                      * token_bytes(kv_heads, head_dim, storage[i]) for i, k in enumerate(layers.kinds))
+    return int(pool_bytes / per_request * max_model_len)
+
+
+def memory_rows(layers: Layers, kv_heads: int, head_dim: int, lengths: Sequence[int],
+                arms: Mapping[str, Mapping[int, Storage]], reference: str) -> dict[str, dict[str, dict[str, float]]]:
+    """{arm: {length: {bytes, tokens_per_gib, saving}}}: `saving` is the share of the reference's bytes the arm
+    gives back (FP8 everywhere: ~0.5 from bf16)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, st in arms.items():
+        rows = {}
+        for L in lengths:
+            b = kv_bytes(layers, kv_heads, head_dim, L, st)
+            ref = kv_bytes(layers, kv_heads, head_dim, L, arms[reference])
+            rows[str(L)] = {"bytes": float(b), "tokens_per_gib": L * 2 ** 30 / b, "saving": 1 - b / ref}
+        out[name] = rows
+    return out

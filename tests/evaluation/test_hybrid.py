@@ -1,0 +1,170 @@
+"""A hybrid-attention model (sliding-window and global layers): eval adds the sliding-window skip arms on its own,
+the bytes model prices them, and the verdict weighs every measured skip by the memory it gives back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from calib.engine.run import request_arm
+from calib.evaluation import memory, report
+from calib.evaluation.run import run_eval
+from calib.model import layer_kinds as lk
+from helpers import arm_metrics, boosted, eval_config, reference_metrics, save_model_and_data
+from tiny import tiny_causal_lm
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hybrid")
+    model = boosted(tiny_causal_lm("gemma3", num_hidden_layers=4, sliding_window=8, scale_k=30.0,
+                                   layer_types=["sliding_attention"] * 3 + ["full_attention"]))
+    src, data = save_model_and_data(tmp, model, "gemma3")
+    res = run_eval(eval_config(src, data, tmp / "report", samples=12, passkey_trials=0))
+    return res, src
+
+
+def test_eval_adds_the_sliding_window_arm(gemma3):
+    res, src = gemma3
+    arm = res.arms["default skip sliding_window"]
+    assert arm.info.skip == (0, 1, 2) and arm.info.skip_kind == "sliding_window"
+    assert sorted(arm.info.scales["k"]) == ["3"]            # only the global layer is quantised
+    assert sorted(arm.layers) == ["3"] and sorted(res.arms["default"].layers) == ["0", "1", "2", "3"]
+    # the emulated global layer sees exactly the inputs it sees in the default arm up to its own layer: its K SNR
+    # differs (the sliding layers' outputs changed), but the skipped arm is closer to the reference
+    assert arm.summary.kl < res.arms["default"].summary.kl
+    doc = json.loads((res.out / "report.json").read_text())
+    assert doc["arms"]["default skip sliding_window"]["skip_kind"] == "sliding_window"
+    assert "3 sliding_window (window 8)" in " ".join(doc["notes"])
+
+
+def test_memory_table_is_the_bytes_model(gemma3):
+    res, src = gemma3
+    doc = json.loads((res.out / "report.json").read_text())
+    rows = doc["memory"]["rows"]
+    # 4 layers, 2 KV heads x 16, fp32 model (tiny): at 64 tokens the sliding layers hold 8 tokens each
+    per_token = 2 * 2 * 16
+    full = (3 * 8 + 64) * per_token * 4
+    assert rows["fp32"]["model"]["64"]["bytes_per_sequence"] == full
+    assert rows["default"]["model"]["64"]["bytes_per_sequence"] == full // 4
+    assert rows["default skip sliding_window"]["model"]["64"]["bytes_per_sequence"] == \
+        (3 * 8 * 4 + 64 * 1) * per_token
+    assert "ppl loss" in doc["verdict"]["text"] and doc["verdict"]["skips_by_memory"][0]["label"] == \
+        "skip sliding-window layers"
+    assert "## KV memory" in (res.out / "report.md").read_text()
+
+
+def test_engine_serves_the_arm_by_kind(gemma3):
+    from calib.evaluation.fakequant import Geometry, default_arm, sliding_skip_arms
+    from calib.recipe.dtypes import FP8_E4M3
+
+    arms = sliding_skip_arms([default_arm(Geometry((0, 1, 2, 3), 2, 16), FP8_E4M3)], (0, 1, 2))
+    spec = request_arm(arms[0], "m")
+    assert spec["skip_layers"] == ["sliding_window"] and spec["kv_cache_dtype"] == "fp8"
+
+
+def _bytes_model():
+    layers = lk.layer_kinds({"num_hidden_layers": 18, "sliding_window": 512, "sliding_window_pattern": 6})
+    return memory.Model(layers, 1, 256, "bfloat16", (8192, 32768), "m")
+
+
+def test_verdict_words_the_measured_sliding_arm_in_memory_terms():
+    # the issue's numbers: FP8 +1.20 % at 32K, sliding-window layers skipped +0.61 %; 15 x 512 vs 3 x 32K tokens
+    def arm(name, rel, skip=(), kind=None, layers=range(18)):
+        m = arm_metrics("default", ppl_rel=rel, skip=skip)
+        info = m.info.__class__(*[getattr(m.info, f) for f in ("kind", "dtype", "granularity", "shippable",
+                                                                "source", "skip", "serve_skip", "notes")],
+                                {"k": {str(i): 1.0 for i in layers}, "v": {}, "q": {}}, kind)
+        rows = {"32768": m.buckets["64"].__class__(**{**m.buckets["64"].__dict__, "ppl_rel": rel})}
+        return m.__class__(**{**m.__dict__, "info": info, "buckets": rows})
+
+    bm = _bytes_model()
+    sliding = bm.layers.sliding
+    results = {"default": arm("default", 0.0120),
+               "default skip sliding_window": arm("x", 0.0061, sliding, "sliding_window",
+                                                  [i for i in range(18) if i not in sliding])}
+    v = report.verdict(reference_metrics(), results, report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
+    share = (15 * 512) / (15 * 512 + 3 * 32768)     # the sliding layers' share of the bytes at 32K
+    assert abs(v.skips_by_memory[0]["saving_given_back"] - share) < 1e-12
+    assert ("skip sliding-window layers: ppl loss +1.20 % -> +0.61 % for 7 % of the memory saving at 32K "
+            "(emulation); serve: `vllm serve m --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers sliding_window`"
+            in v.text)
+    worse = {**results, "default skip sliding_window": arm("x", 0.0130, sliding, "sliding_window",
+                                                           [i for i in range(18) if i not in sliding])}
+    v = report.verdict(reference_metrics(), worse, report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
+    assert "+1.20 % -> +1.30 % for 7 % of the memory saving at 32K (emulation): measured, and it does not help" in v.text
+    # nothing measured, nothing claimed
+    v = report.verdict(reference_metrics(), {"default": results["default"]}, report.Thresholds(), "bf16", bm)
+    assert "ppl loss" not in v.text and "would not help" not in v.text
+
+
+def test_a_target_that_cannot_skip_says_so_and_gets_no_sliding_arm(gemma3, tmp_path):
+    res, src = gemma3
+    data = src.parent / "tokens.jsonl"
+    out = run_eval(eval_config(src, data, tmp_path / "r", samples=4, passkey_trials=0, target="trtllm"))
+    assert not [n for n in out.arms if "sliding_window" in n]
+    notes = json.loads((out.out / "report.json").read_text())["notes"]
+    assert any(n.startswith("TensorRT-LLM cannot keep sliding-window layers at the model dtype") for n in notes)
+
+
+def test_the_engine_runs_the_sliding_arm_by_kind_name(gemma3, tmp_path, monkeypatch):
+    """The (fake) engine gets skip_layers ["sliding_window"] and resolves it to the same layers the emulation kept
+    unquantised: its perplexity equals the emulated one (the fake engine runs the emulation)."""
+    import sys
+    from pathlib import Path
+
+    from calib.engine import driver
+    from calib.engine.driver import EngineSpec
+
+    monkeypatch.setenv(driver.RUNNER_ENV, str(Path(__file__).resolve().parents[1] / "fake_vllm_runner.py"))
+    monkeypatch.setenv("FAKE_ENGINE", "fp8")
+    res, src = gemma3
+    spec = EngineSpec("vllm", Path(sys.executable).parent.parent, top_k=8, continuation_tokens=1)
+    out = run_eval(eval_config(src, src.parent / "tokens.jsonl", tmp_path / "r", samples=4, passkey_trials=0,
+                               engine=spec))
+    arm = out.arms["default skip sliding_window"]
+    assert arm.engine["status"] == "ok", arm.engine
+    assert arm.engine["summary"]["ppl"] == pytest.approx(arm.summary.ppl, rel=1e-5)
+    assert arm.engine["summary"]["ppl"] != pytest.approx(out.arms["default"].engine["summary"]["ppl"], rel=1e-6)
+
+
+# CPU vLLM 0.32's answer for the tiny Gemma-3-shaped model of tests/engine/test_vllm_hybrid.py (3 sliding layers,
+# window 64, 1 global; 1 KV head x 64; bf16; 1 GiB pool; max_model_len 512), arm FP8 with sliding_window skipped
+VLLM_032_FP8_SKIP_SLIDING = {
+    "size_tokens": 986895, "max_concurrency": 1927.5294117647059, "max_model_len": 512, "num_blocks": 32768,
+    "in_flight_tokens": 1024, "groups": [
+        {"layers": [i], "spec": "SlidingWindowSpec", "block_size": 128, "page_bytes": 32768, "dtype": "bfloat16",
+         "window": 64} for i in range(3)] + [
+        {"layers": [3], "spec": "FullAttentionSpec", "block_size": 256, "page_bytes": 32768, "dtype": "uint8",
+         "window": None}]}
+
+
+def test_engine_check_reproduces_vllms_capacity():
+    from calib.evaluation.results import ArmInfo
+
+    layers = lk.layer_kinds({"num_hidden_layers": 4, "sliding_window": 64,
+                             "layer_types": ["sliding_attention"] * 3 + ["full_attention"]})
+    m = memory.Model(layers, 1, 64, "bfloat16", (512,))
+    info = ArmInfo("default", "fp8_e4m3", "tensor", True, None, (0, 1, 2), (), (), {"k": {"3": 1.0}}, "sliding_window")
+    c = memory.engine_check(m, info, VLLM_032_FP8_SKIP_SLIDING)
+    # by hand: sliding 3 x (cdiv(min(63 + 1024, 512), 128) + 1) x 128 tokens x 256 B + global 512 tokens x 128 B
+    per_request = 3 * 640 * 256 + 512 * 128
+    assert c == {"engine": 986895, "bytes_model": int(2 ** 30 / per_request * 512), "max_model_len": 512,
+                 "problems": []}
+    assert c["bytes_model"] == c["engine"]
+    # the arm read as FP8 everywhere disagrees with the engine, and says where
+    wrong = memory.engine_check(m, ArmInfo("default", "fp8_e4m3", "tensor", True, None, (), (), (),
+                                           {"k": {str(i): 1.0 for i in range(4)}}), VLLM_032_FP8_SKIP_SLIDING)
+    assert wrong["bytes_model"] is None and wrong["problems"][0] == \
+        "layer 0: 256 bytes per token in the engine, 128 in the bytes model"
+
+
+def test_protocol_checks_the_optional_kv_groups():
+    from calib.engine import protocol
+
+    doc = protocol.kv_groups(VLLM_032_FP8_SKIP_SLIDING)
+    assert doc == VLLM_032_FP8_SKIP_SLIDING
+    bad = {**VLLM_032_FP8_SKIP_SLIDING, "groups": [{**VLLM_032_FP8_SKIP_SLIDING["groups"][0], "block_size": -1}]}
+    with pytest.raises(protocol.ProtocolError, match=r"kv_groups.groups\[0\].block_size = -1"):
+        protocol.kv_groups(bad)
