@@ -1,13 +1,14 @@
-"""The engine arms of an evaluation: which arms an engine can serve, one runner call each, and their numbers.
+"""The engine arms of an evaluation: which arms an engine can serve, one runner call per engine start, and
+their numbers.
 
 Why: the emulation is only useful where it has been shown to match the engine (docs/design.md §6), so
 `kvcalib eval --engine vllm` runs every arm the engine can serve on exactly the evaluation's token ids:
 the reference (model-dtype KV), FP8 with the default scale, each checkpoint's scales, and the skip trials
 (served with the engine's skip flag). Arms that differ only in their KV scales share one engine start
-(calib/engine/serve.py): the runner sets each one's scales in place and reads them back; an arm whose scales
-did not take is "not run" and says which layer holds what. An arm the engine cannot serve — INT8 KV in vLLM, what-ifs from a
-statistics file that no checkpoint holds, an FP8 cache the machine refuses — gets an entry that says
-"not run" and why; nothing is ever filled in from the emulation.
+(calib/engine/serve.py): the runner sets each one's scales in place and reads them back; an arm whose
+scales did not take is "not run" and says which layer holds what. An arm the engine cannot serve — INT8
+KV in vLLM, what-ifs from a statistics file that no checkpoint holds, an FP8 cache the machine refuses —
+gets an entry that says "not run" and why; nothing is ever filled in from the emulation.
 """
 
 from __future__ import annotations
@@ -93,17 +94,14 @@ class EngineRun:
         with self.progress.stage(name, n * per_arm, samples=n * len(self.samples),
                                  prompts=n * len(self.prompts)) as stage:
             stage.labels = {"arm": labels[0]}
-            seen = [0, 0]                    # (arm index, tokens of that arm) of the last progress line
+            done = [0]                       # tokens of the whole start reported so far
 
             def on_progress(p: dict[str, int]) -> None:
-                j = min(max(p.get("arm", 0), 0), n - 1)
-                if j != seen[0]:
-                    seen[:] = [j, 0]
-                tokens = j * per_arm + p.get("tokens", 0)
-                stage.advance(tokens - (seen[0] * per_arm + seen[1]), labels={"arm": labels[j]},
-                              samples=j * len(self.samples) + p.get("samples", 0),
+                j = min(p.get("arm", 0), n - 1)
+                at = j * per_arm + p.get("tokens", 0)
+                stage.advance(at - done[0], labels={"arm": labels[j]}, samples=j * len(self.samples) + p.get("samples", 0),
                               prompts=j * len(self.prompts) + p.get("passkey", 0))
-                seen[1] = p.get("tokens", 0)
+                done[0] = at
             self.starts += 1
             resp = driver.run(self.spec, self._request(arm_specs), on_progress, self.version)["arms"]
             failed = [(labels[j], r["reason"]) for j, r in enumerate(resp) if r["status"] != protocol.OK]

@@ -16,6 +16,7 @@ from calib.engine.driver import EngineSpec
 from calib.engine.run import EngineRun
 from calib.evaluation.fakequant import Geometry, checkpoint_arms, default_arm, reference_arm
 from calib.evaluation.samples import Sample
+from calib.progress import SILENT, Progress
 from calib.recipe.dtypes import kv_dtype
 from helpers import calibrate_small, save_model_and_data
 from tiny import random_sequences, tiny_causal_lm
@@ -38,13 +39,13 @@ def setup(tmp_path_factory):
     return src, arms, samples, tmp
 
 
-def _measure(setup, monkeypatch, groups_of_arms, **env):
+def _measure(setup, monkeypatch, groups_of_arms, progress=None, **env):
     src, arms, samples, tmp = setup
     starts = tmp / f"starts-{len(list(tmp.glob('starts-*')))}.log"
     for k, v in {driver.RUNNER_ENV: str(FAKE), "FAKE_ENGINE": "fp8", "FAKE_STARTS": str(starts), **env}.items():
         monkeypatch.setenv(k, v)
     run = EngineRun(EngineSpec("vllm", VENV, top_k=4, continuation_tokens=2), "0.0-fake", str(src), "float32",
-                    samples, (32,))
+                    samples, (32,), progress=progress or SILENT)
     out = {}
     for group in groups_of_arms:
         out.update(run.measure(reference_arm(torch.float32), [arms[j] for j in group]))
@@ -52,10 +53,16 @@ def _measure(setup, monkeypatch, groups_of_arms, **env):
 
 
 def test_arms_differing_only_in_scales_share_one_start_and_match_separate_starts(setup, monkeypatch):
-    _, arms, _, _ = setup
-    together, log, n = _measure(setup, monkeypatch, [[0, 1, 2]])
+    _, arms, samples, _ = setup
+    lines: list[str] = []
+    together, log, n = _measure(setup, monkeypatch, [[0, 1, 2]], Progress(lines.append, every=0.0))
     names = [a.name for a in arms]
     assert log == ["fp32", " + ".join(names)] and n == 2         # before: 4 starts (one per arm)
+    # one progress stage per start; its counters run over the arms of the start, each line names the arm
+    group = [x for x in lines if x.startswith("eval vllm `default` + 2 arm(s) on one engine start")]
+    assert group, lines
+    assert f"samples {3 * len(samples)}/{3 * len(samples)}" in group[-1] and "arm 4/4" in group[-1]
+    assert any("arm 2/4" in x for x in group) and any("arm 3/4" in x for x in group)
     apart, log, n = _measure(setup, monkeypatch, [[0], [1], [2]])
     assert log == ["fp32", *names] and n == 4
     for name in names:
