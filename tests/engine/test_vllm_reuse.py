@@ -118,9 +118,12 @@ def _max_diff(x: dict, y: dict) -> float:
     return max(abs(a - b) for rx, ry in zip(x["samples"], y["samples"]) for a, b in zip(rx["target"], ry["target"]))
 
 
-def test_checkpoints_on_one_start_equal_their_own_starts(models, tmp_path):
+def test_checkpoints_on_one_start_equal_their_own_starts(models, tmp_path, required):
     if not _fp8_cache_runs_here():
-        pytest.skip("vLLM's CPU build needs AVX-512 or AMX for an FP8 cache")
+        why = "vLLM's CPU build needs AVX-512 or AMX for an FP8 cache"
+        if "fp8-kv" in required:
+            pytest.fail(f"--require fp8-kv: {why}")
+        pytest.skip(why)
     log: list = []
     one = _run(tmp_path, [_arm("default", models["model"], None), _arm("a", models["a"], SCALES_A),
                           _arm("b", models["b"], SCALES_B)], log)
