@@ -122,6 +122,9 @@ engine-test: $(STAMP) $(VLLM_STAMP)
 	--ckpt $(ENGINE_CKPT) --min-passed 3 $(if $(strip $(ENGINE_REQUIRE)),--require $(ENGINE_REQUIRE))
 	# a tiny hybrid-attention model: the sliding-window skip arm runs, and vLLM's capacity equals the bytes model's
 	$(VLLM_VENV)/bin/python -m pytest -q -rs -m engine tests/engine/test_vllm_hybrid.py
+	# arms that differ only in their KV scales, on one engine start (scales set in place), give the numbers of
+	# their own starts, and the engine holds the checkpoints' scales (3 engine starts, ~2.5 min on 2 cores)
+	$(VLLM_VENV)/bin/python -m pytest -q -rs -m engine tests/engine/test_vllm_reuse.py 	$(if $(strip $(ENGINE_REQUIRE)),--require $(ENGINE_REQUIRE))
 
 # llm-compressor's KV-only FP8 calibration on the same samples, in its own venv (it pins transformers <= 5.17
 # and compressed-tensors 0.19); its checkpoints go to OUT (default out/llmc) for `make eval SCALES=...`.

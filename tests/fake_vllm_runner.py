@@ -6,6 +6,9 @@ default), run through kvcalib's default emulation (FAKE_ENGINE=fp8), or both: on
 refused (FAKE_ENGINE=refuse-default). FAKE_ENGINE=crash / hang make FP8
 arms exit without an answer / never finish, to test the driver. KV capacity is the pool divided by the
 cache's bytes per token (layers x 2 x kv heads x head dim x element size), as a paged cache would hold.
+A request of several arms (one engine start) is answered arm by arm; each arm's scales are read back as sent,
+except with FAKE_SCALES=drop, where every arm after the first holds what the first held (scales that did not
+take). Each request appends one line to FAKE_STARTS (a file), when set: the engine starts.
 """
 
 from __future__ import annotations
@@ -24,7 +27,23 @@ REFUSAL = "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or
 
 
 def measure(req: dict) -> dict:
-    arm = req["arm"]
+    if os.environ.get("FAKE_STARTS"):
+        with open(os.environ["FAKE_STARTS"], "a") as f:
+            f.write(" + ".join(a["name"] for a in req["arms"]) + "\n")
+    answers = []
+    for j, arm in enumerate(req["arms"]):
+        one = measure_arm(req, arm, j)
+        if one["status"] == protocol.OK and arm["scales"] is not None:
+            first = req["arms"][0]["scales"]
+            held = first if os.environ.get("FAKE_SCALES") == "drop" and j and first else arm["scales"]
+            one["scales"] = {"layers": [{**{k: row[k] for k in ("layer", "k", "v", "q")},
+                                         **{f"{k}_float": max(row[k]) for k in ("k", "v", "q")}}
+                                        for row in held["layers"]]}
+        answers.append(one)
+    return protocol.answer(answers)
+
+
+def measure_arm(req: dict, arm: dict, j: int = 0) -> dict:
     mode = os.environ.get("FAKE_ENGINE", "refuse")
     fp8 = arm["kv_cache_dtype"] != "auto"
     if fp8 and (mode == "refuse" or mode == "refuse-default" and arm["name"] == "default"):
@@ -71,16 +90,16 @@ def measure(req: dict) -> dict:
             room = min(cont, req["max_model_len"] - len(ids))      # vLLM stops at max_model_len
             continuations.append(passkey.greedy(lm, ids, max_new_tokens=room) if cont else [])
             tokens += len(ids) + cont
-            print(protocol.progress_line(tokens, len(samples), 0), flush=True)
+            print(protocol.progress_line(tokens, len(samples), 0, j), flush=True)
         stop = req["stop_token_ids"][0] if req["stop_token_ids"] else None
         for ids in req["passkey"]:
             answers.append(passkey.greedy(lm, ids, max_new_tokens=req["passkey_tokens"], eos_id=stop))
             tokens += len(ids) + req["passkey_tokens"]
-            print(protocol.progress_line(tokens, len(samples), len(answers)), flush=True)
+            print(protocol.progress_line(tokens, len(samples), len(answers), j), flush=True)
     elem = 1 if fp8 else torch.finfo(loaded.dtype).bits // 8
     per_token = len(geo.layers) * 2 * geo.kv_heads * geo.head_dim * elem
     capacity = req["kv_gib"] * 2 ** 30 // per_token // 16 * 16
-    return {"protocol": protocol.PROTOCOL, "status": protocol.OK, "reason": None, "engine": "vllm",
+    return {"status": protocol.OK, "reason": None, "engine": "vllm", "scales": None,
             "version": "0.0-fake", "kv_cache_dtype": arm["kv_cache_dtype"], "kv_capacity_tokens": capacity,
             "kv_gib": req["kv_gib"], "seconds": {"all": time.perf_counter() - t0}, "samples": samples,
             "continuations": continuations, "passkey": answers}

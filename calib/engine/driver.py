@@ -1,8 +1,9 @@
-"""Run an engine runner script in the engine's own interpreter: one subprocess per arm, with a deadline.
+"""Run an engine runner script in the engine's own interpreter: one subprocess per engine start (the arms
+that share one serve configuration, calib/engine/protocol.py), with a deadline.
 
-Why a subprocess per arm: an engine that refuses a configuration, runs out of memory or hangs must cost
-that arm only, never the evaluation — the arm comes back "not run: <one-line reason>" and the others still
-run. A fresh process per arm also returns every byte of the engine's memory before the next arm starts.
+Why a subprocess per start: an engine that refuses a configuration, runs out of memory or hangs must cost
+those arms only, never the evaluation — they come back "not run: <one-line reason>" and the others still
+run. A fresh process per start also returns every byte of the engine's memory before the next one starts.
 The runner's stdout carries progress lines (calib/engine/protocol.py) among the engine's own log lines;
 the last lines of both streams are kept (bounded: a line is cut at MAX_LINE bytes, TAIL lines are kept) to
 explain a failure in one line.
@@ -59,7 +60,8 @@ class EngineError(KvcalibError, ValueError):
 @dataclass(frozen=True)
 class EngineSpec:
     """Where and how to run an engine. `venv`: the engine's virtual environment (its bin/python runs the
-    runner); `top_k`: log-probabilities per position; `kv_gib`: KV-cache pool per run (an integer, GiB)."""
+    runner); `top_k`: log-probabilities per position; `kv_gib`: KV-cache pool per run (an integer, GiB);
+    `timeout`: seconds per arm (a run serving n arms on one start gets n times this)."""
     name: str
     venv: Path
     top_k: int = 20
@@ -256,20 +258,22 @@ def check(spec: EngineSpec) -> str:
 
 def run(spec: EngineSpec, request: dict[str, Any], on_progress: Callable[[dict[str, int]], Any] | None = None,
         version: str = "") -> dict[str, Any]:
-    """The runner's checked response for one arm's request; a response with status not_run (and a one-line
-    reason) when the runner fails or passes the deadline; EngineError when it breaks the protocol."""
+    """The runner's checked response to one engine start's request (one answer per arm); every arm not_run
+    (with a one-line reason) when the runner fails or passes the deadline; EngineError when it breaks the
+    protocol."""
     sweep()
     with outputs.terminate_as_interrupt(), tempfile.TemporaryDirectory(prefix=f"{DIR_PREFIX}{os.getpid()}-") as tmp:
         req, resp = Path(tmp) / "request.json", Path(tmp) / "response.json"
         files.write_text(req, json.dumps(request))
         env = {**os.environ, DIR_ENV: str(tmp)}
         child = _spawn([str(spec.python), str(spec.runner), str(req), str(resp)], env, on_progress)
+        limit = spec.timeout * max(1, len(request["arms"]))     # the deadline is per arm; a start serves several
         start = time.monotonic()
         try:
-            code = _exited(child.proc, spec.timeout)
+            code = _exited(child.proc, limit)
         except subprocess.TimeoutExpired:
             child.kill()
-            return protocol.not_run(f"timed out after {spec.timeout:.0f} s", spec.name, version, spec.kv_gib)
+            return protocol.not_run_all(f"timed out after {limit:.0f} s", request, spec.name, version, spec.kv_gib)
         except BaseException:            # Ctrl-C / SIGTERM: never leave the engine running
             child.kill()
             raise
@@ -283,5 +287,5 @@ def run(spec: EngineSpec, request: dict[str, Any], on_progress: Callable[[dict[s
         if code == 0:
             raise EngineError(f"{where} exited 0 without writing its response{': ' + child.why() if child.why() else ''}")
         why = child.why() or "no message"
-        return protocol.not_run(f"runner exited with code {code} after {time.monotonic() - start:.0f} s: {why}",
-                                spec.name, version, spec.kv_gib)
+        return protocol.not_run_all(f"runner exited with code {code} after {time.monotonic() - start:.0f} s: {why}",
+                                    request, spec.name, version, spec.kv_gib)

@@ -1,29 +1,46 @@
-"""The JSON exchanged between `kvcalib eval` and an engine runner script: one request, one response per arm.
+"""The JSON exchanged between `kvcalib eval` and an engine runner script: one request, one response per engine start.
 
 Why a file protocol and a separate interpreter: a serving engine pins its own torch, transformers and
 kernels (docs/design.md §8), so it lives in its own environment and kvcalib never imports it. kvcalib
 writes a request file, runs `<engine python> <runner script> REQUEST RESPONSE`, reads progress lines from
 the runner's stdout while it works, then reads the response file. The runner measures and returns raw
-numbers only (log-probabilities, generated token ids, cache capacity); every metric is computed in kvcalib
-(`calib/engine/metrics.py`), where it is tested.
+numbers only (log-probabilities, generated token ids, cache capacity, the KV scales the engine holds); every
+metric is computed in kvcalib (`calib/engine/metrics.py`), where it is tested.
+
+One request is one engine start: `arms` share one serve configuration (model weights, KV cache dtype, skip
+layers, scale layout), so they differ only in their KV scales. The runner starts the engine from the first
+arm; before each following arm it sets that arm's scales on every attention layer in place and clears the
+prefix cache. For every arm with `scales` it reads back what the engine holds (`scales_mismatch` compares):
+an engine start costs a minute on a GPU, scales set in place cost nothing.
 
 This module is the one home of the format: the runner imports it by file path (it runs where `calib` is
 not installed), so it uses the standard library only and no relative imports.
 
-Request (one arm):
-    {"protocol": 1, "arm": {"name", "model", "kv_cache_dtype": "auto" | "fp8" | "fp8_e5m2",
-     "skip_layers": [int]},
+Request (one engine start):
+    {"protocol": 2, "arms": [{"name", "model", "kv_cache_dtype": "auto" | "fp8" | "fp8_e5m2",
+      "skip_layers": [int],
+      "scales": null | {"layout": "tensor" | "head",            # what the engine must hold for this arm
+                        "layers": [{"layer": int, "k": [float], "v": [float], "q": [float]}]}}],
      "samples": [[token ids]], "continuation_tokens": int,  # greedy tokens generated after each sample
      "passkey": [[token ids]], "passkey_tokens": int, "stop_token_ids": [int],
      "top_k": int, "kv_gib": int, "max_model_len": int, "dtype": "bfloat16", "seed": int,
-     "chunk": int}                                           # samples per engine call (progress granularity)
+     "chunk": int}                                           # prompts per engine call (they go in together)
+    Every arm of a request has the same model weights, kv_cache_dtype, skip_layers and scale layout; the
+    engine loads arms[0]["model"]. Scales per layer: one value per tensor, or one per KV head ("head"); q is
+    the engine's query scale (per KV-head group when "head"), 1.0 where the checkpoint has none.
 Response:
-    {"protocol": 1, "status": "ok" | "not_run", "reason": str | null, "engine": "vllm", "version": str,
-     "kv_cache_dtype": str, "kv_capacity_tokens": int | null, "kv_gib": int, "seconds": {...},
-     "samples": [{"target": [logprob of the actual next token, per position 1..n-1],
-                  "top_ids": [[k ids] per position], "top_logprobs": [[k logprobs] per position]}],
-     "continuations": [[generated ids]], "passkey": [[generated ids]]}
-Progress lines on stdout: `{"progress": {"tokens": int, "samples": int, "passkey": int}}` (running totals).
+    {"protocol": 2, "arms": [one per request arm, in order:
+      {"status": "ok" | "not_run", "reason": str | null, "engine": "vllm", "version": str,
+       "kv_cache_dtype": str, "kv_capacity_tokens": int | null, "kv_gib": int, "seconds": {...},
+       "samples": [{"target": [logprob of the actual next token, per position 1..n-1],
+                    "top_ids": [[k ids] per position], "top_logprobs": [[k logprobs] per position]}],
+       "continuations": [[generated ids]], "passkey": [[generated ids]],
+       "scales": null | {"layers": [{"layer": int, "k": [float], "v": [float], "q": [float],
+                                     "k_float": float, "v_float": float, "q_float": float}]}}]}
+    `scales`: what the engine's attention layers held while the arm ran (their tensors and the Python
+    floats some kernels read instead); null for an arm whose request carries none.
+Progress lines on stdout: `{"progress": {"arm": int, "tokens": int, "samples": int, "passkey": int}}` (running
+totals of the arm with that index in the request).
 """
 
 from __future__ import annotations
@@ -34,18 +51,23 @@ import os
 from pathlib import Path
 from typing import Any
 
-PROTOCOL = 1
+PROTOCOL = 2
 OK, NOT_RUN = "ok", "not_run"
 PROGRESS = "progress"
 
-REQUEST_FIELDS = ("protocol", "arm", "samples", "continuation_tokens", "passkey", "passkey_tokens",
+REQUEST_FIELDS = ("protocol", "arms", "samples", "continuation_tokens", "passkey", "passkey_tokens",
                   "stop_token_ids", "top_k", "kv_gib", "max_model_len", "dtype", "seed", "chunk")
-RESPONSE_FIELDS = ("protocol", "status", "reason", "engine", "version", "kv_cache_dtype", "kv_capacity_tokens",
-                   "kv_gib", "seconds", "samples", "continuations", "passkey")
-# Optional: "kv_groups": {"size_tokens", "max_concurrency", "max_model_len", "num_blocks", "in_flight_tokens",
+ARM_FIELDS = ("name", "model", "kv_cache_dtype", "skip_layers", "scales")
+RESPONSE_FIELDS = ("protocol", "arms")
+ARM_RESPONSE_FIELDS = ("status", "reason", "engine", "version", "kv_cache_dtype", "kv_capacity_tokens", "kv_gib",
+                       "seconds", "samples", "continuations", "passkey", "scales")
+SCALE_KINDS = ("k", "v", "q")
+SCALE_REL = 1e-6              # float32 scales through JSON come back exact; this allows one float32 rounding
+MAX_LAYERS, MAX_HEADS = 4096, 1024
+# Optional per arm: "kv_groups": {"size_tokens", "max_concurrency", "max_model_len", "num_blocks", "in_flight_tokens",
 #   "groups": [{"layers": [int], "spec", "block_size", "page_bytes", "dtype", "window"}]} — the engine's capacity
 #   as its hybrid cache manager counts it (vllm_runner._kv_groups).
-OPTIONAL_RESPONSE_FIELDS = ("kv_groups",)
+OPTIONAL_ARM_RESPONSE_FIELDS = ("kv_groups",)
 
 
 class ProtocolError(ValueError):
@@ -81,8 +103,8 @@ def read(path: Path, fields: tuple[str, ...], what: str) -> dict[str, Any]:
     return check(doc, fields, what)
 
 
-def progress_line(tokens: int, samples: int, passkey: int) -> str:
-    return json.dumps({PROGRESS: {"tokens": tokens, "samples": samples, "passkey": passkey}})
+def progress_line(tokens: int, samples: int, passkey: int, arm: int = 0) -> str:
+    return json.dumps({PROGRESS: {"arm": arm, "tokens": tokens, "samples": samples, "passkey": passkey}})
 
 
 def parse_progress(line: str) -> dict[str, int] | None:
@@ -98,15 +120,56 @@ def parse_progress(line: str) -> dict[str, int] | None:
     if not isinstance(p, dict):
         return None
     counts = {k: p.get(k) for k in ("tokens", "samples", "passkey")}
+    counts["arm"] = p.get("arm", 0)
     ok = all(type(v) is int and v >= 0 for v in counts.values())
     return counts if ok else None
 
 
 def not_run(reason: str, engine: str = "", version: str = "", kv_gib: int = 0) -> dict[str, Any]:
-    """A response for an arm the engine did not (or could not) run."""
-    return {"protocol": PROTOCOL, "status": NOT_RUN, "reason": reason, "engine": engine, "version": version,
-            "kv_cache_dtype": None, "kv_capacity_tokens": None, "kv_gib": kv_gib, "seconds": {}, "samples": [],
-            "continuations": [], "passkey": []}
+    """One arm's answer when the engine did not (or could not) run it."""
+    return {"status": NOT_RUN, "reason": reason, "engine": engine, "version": version, "kv_cache_dtype": None,
+            "kv_capacity_tokens": None, "kv_gib": kv_gib, "seconds": {}, "samples": [], "continuations": [],
+            "passkey": [], "scales": None}
+
+
+def answer(arms: list[dict[str, Any]]) -> dict[str, Any]:
+    """The response of one engine start: one answer per request arm."""
+    return {"protocol": PROTOCOL, "arms": list(arms)}
+
+
+def not_run_all(reason: str, request: dict[str, Any], engine: str = "", version: str = "",
+                kv_gib: int = 0) -> dict[str, Any]:
+    """The response when the engine start itself failed (or the runner died): every arm not run, same reason."""
+    return answer([not_run(reason, engine, version, kv_gib) for _ in request["arms"]])
+
+
+def scales_mismatch(sent: dict[str, Any] | None, held: dict[str, Any] | None) -> str | None:
+    """Why the engine's scales (`held`, a response arm's `scales`) are not the ones the request `sent`, in one
+    line naming the first layer that differs; None when every layer holds what was sent (to SCALE_REL) and its
+    Python floats are the max of its tensors (what vLLM's loader stores for kernels that read floats)."""
+    if sent is None:
+        return None
+    if held is None:
+        return "the runner read no scales back"
+    have = {row["layer"]: row for row in held["layers"]}
+    for row in sent["layers"]:
+        i = row["layer"]
+        got = have.get(i)
+        if got is None:
+            return f"layer {i}: the engine has no attention layer with that index"
+        for kind in SCALE_KINDS:
+            want, eng = row[kind], got[kind]
+            if len(want) != len(eng) or any(abs(a - b) > SCALE_REL * max(abs(a), abs(b)) for a, b in zip(want, eng)):
+                return f"layer {i}: sent {kind} {_values(want)}, engine holds {_values(eng)}"
+            top = max(eng)
+            if abs(got[f"{kind}_float"] - top) > SCALE_REL * abs(top):
+                return f"layer {i}: engine's {kind} tensor holds {_values(eng)} but its {kind}_float {got[kind + '_float']!r}"
+    return None
+
+
+def _values(xs: list[float]) -> str:
+    shown = ", ".join(f"{x:.6g}" for x in xs[:4]) + (", ..." if len(xs) > 4 else "")
+    return shown if len(xs) == 1 else f"[{shown}]"
 
 
 # ------------------------------------------------------------------ the runner's answer is untrusted input
@@ -191,40 +254,71 @@ def _sample(row: Any, where: str, ids: list[int], k: int) -> dict[str, Any]:
     return {"target": target, "top_ids": out_ids, "top_logprobs": out_lps}
 
 
-def check_response(doc: Any, request: dict[str, Any]) -> dict[str, Any]:
-    """The runner's response to `request`, every field checked (ProtocolError names the first bad one);
-    a not_run answer keeps only its reason and names."""
-    doc = check(doc, RESPONSE_FIELDS, "response")
-    extra = sorted(str(f) for f in doc if f not in RESPONSE_FIELDS + OPTIONAL_RESPONSE_FIELDS)
+def _scale(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ProtocolError(f"{where} = {_show(value)}: expected a finite scale > 0")
+    return float(value)
+
+
+def _scales(doc: Any, where: str) -> dict[str, Any]:
+    """A response arm's read-back scales, every value a finite number > 0."""
+    if not isinstance(doc, dict) or set(doc) != {"layers"}:
+        raise ProtocolError(f"{where}: expected an object with layers, got {_show(doc)}")
+    rows = []
+    for j, row in enumerate(_list(doc["layers"], f"{where}.layers", most=MAX_LAYERS)):
+        at = f"{where}.layers[{j}]"
+        want = {"layer", *SCALE_KINDS, *(f"{k}_float" for k in SCALE_KINDS)}
+        if not isinstance(row, dict) or set(row) != want:
+            raise ProtocolError(f"{at}: expected an object with {', '.join(sorted(want))}, got {_show(row)}")
+        out: dict[str, Any] = {"layer": _whole(row["layer"], f"{at}.layer", 0, MAX_LAYERS)}
+        for kind in SCALE_KINDS:
+            vals = _list(row[kind], f"{at}.{kind}", most=MAX_HEADS)
+            if not vals:
+                raise ProtocolError(f"{at}.{kind} is empty: expected one scale per tensor or per KV head")
+            out[kind] = [_scale(x, f"{at}.{kind}[{i}]") for i, x in enumerate(vals)]
+            out[f"{kind}_float"] = _scale(row[f"{kind}_float"], f"{at}.{kind}_float")
+        rows.append(out)
+    return {"layers": rows}
+
+
+def _arm(doc: Any, request: dict[str, Any], where: str) -> dict[str, Any]:
+    """One arm's answer, every field checked; a not_run answer keeps only its reason and names."""
+    if not isinstance(doc, dict):
+        raise ProtocolError(f"{where}: expected a JSON object, got {type(doc).__name__}")
+    missing = [f for f in ARM_RESPONSE_FIELDS if f not in doc]
+    if missing:
+        raise ProtocolError(f"{where}: missing field(s) {', '.join(missing)}")
+    extra = sorted(str(f) for f in doc if f not in ARM_RESPONSE_FIELDS + OPTIONAL_ARM_RESPONSE_FIELDS)
     if extra:
-        raise ProtocolError(f"response: unknown field(s) {clean_text(', '.join(extra), 80)}")
+        raise ProtocolError(f"{where}: unknown field(s) {clean_text(', '.join(extra), 80)}")
     if doc["status"] not in (OK, NOT_RUN):
-        raise ProtocolError(f"status = {_show(doc['status'])}: expected {OK!r} or {NOT_RUN!r}")
-    engine, version = _text(doc["engine"], "engine"), _text(doc["version"], "version")
-    kv_gib = _whole(doc["kv_gib"], "kv_gib")
+        raise ProtocolError(f"{where}.status = {_show(doc['status'])}: expected {OK!r} or {NOT_RUN!r}")
+    engine, version = _text(doc["engine"], f"{where}.engine"), _text(doc["version"], f"{where}.version")
+    kv_gib = _whole(doc["kv_gib"], f"{where}.kv_gib")
     if doc["status"] == NOT_RUN:
-        reason = _text(doc["reason"], "reason", optional=True)
+        reason = _text(doc["reason"], f"{where}.reason", optional=True)
         return not_run(reason or "the runner gave no reason", engine, version, kv_gib)
     samples, k = request["samples"], int(request["top_k"])
     seconds = doc["seconds"]
     if not isinstance(seconds, dict) or len(seconds) > 32:
-        raise ProtocolError(f"seconds = {_show(seconds)}: expected an object of at most 32 timings")
+        raise ProtocolError(f"{where}.seconds = {_show(seconds)}: expected an object of at most 32 timings")
     cont, pk = int(request["continuation_tokens"]), max(1, int(request["passkey_tokens"]))
-    rows = _list(doc["samples"], "samples", len(samples))
+    rows = _list(doc["samples"], f"{where}.samples", len(samples))
     groups = {"kv_groups": kv_groups(doc["kv_groups"])} if doc.get("kv_groups") is not None else {}
     return {**groups,
-        "protocol": PROTOCOL, "status": OK, "reason": None, "engine": engine, "version": version,
-        "kv_cache_dtype": _text(doc["kv_cache_dtype"], "kv_cache_dtype"),
+        "status": OK, "reason": None, "engine": engine, "version": version,
+        "kv_cache_dtype": _text(doc["kv_cache_dtype"], f"{where}.kv_cache_dtype"),
         "kv_capacity_tokens": None if doc["kv_capacity_tokens"] is None
-        else _whole(doc["kv_capacity_tokens"], "kv_capacity_tokens"),
+        else _whole(doc["kv_capacity_tokens"], f"{where}.kv_capacity_tokens"),
         "kv_gib": kv_gib,
-        "seconds": {clean_text(str(name), 40): _seconds(v, f"seconds.{clean_text(str(name), 40)}")
+        "seconds": {clean_text(str(name), 40): _seconds(v, f"{where}.seconds.{clean_text(str(name), 40)}")
                     for name, v in seconds.items()},
-        "samples": [_sample(row, f"samples[{i}]", samples[i], k) for i, row in enumerate(rows)],
-        "continuations": [_ids(c, f"continuations[{i}]", cont) for i, c in
-                          enumerate(_list(doc["continuations"], "continuations", len(samples)))],
-        "passkey": [_ids(a, f"passkey[{i}]", pk) for i, a in
-                    enumerate(_list(doc["passkey"], "passkey", len(request["passkey"])))],
+        "samples": [_sample(row, f"{where}.samples[{i}]", samples[i], k) for i, row in enumerate(rows)],
+        "continuations": [_ids(c, f"{where}.continuations[{i}]", cont) for i, c in
+                          enumerate(_list(doc["continuations"], f"{where}.continuations", len(samples)))],
+        "passkey": [_ids(a, f"{where}.passkey[{i}]", pk) for i, a in
+                    enumerate(_list(doc["passkey"], f"{where}.passkey", len(request["passkey"])))],
+        "scales": None if doc["scales"] is None else _scales(doc["scales"], f"{where}.scales"),
     }
 
 
@@ -253,14 +347,28 @@ def kv_groups(doc: Any) -> dict[str, Any]:
     return out
 
 
+def check_response(doc: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """The runner's response to `request`, every field checked (ProtocolError names the first bad one, as
+    `arms[i].field`): one answer per request arm."""
+    doc = check(doc, RESPONSE_FIELDS, "response")
+    extra = sorted(str(f) for f in doc if f not in RESPONSE_FIELDS)
+    if extra:
+        raise ProtocolError(f"response: unknown field(s) {clean_text(', '.join(extra), 80)}")
+    arms = _list(doc["arms"], "arms", len(request["arms"]))
+    return answer([_arm(a, request, f"arms[{i}]") for i, a in enumerate(arms)])
+
+
 def response_cap(request: dict[str, Any]) -> int:
-    """The most bytes an honest response to `request` takes (twice the densest JSON, plus 1 MiB): per
-    scored position one target and top_k (id, log-probability) pairs, plus the generated ids."""
+    """The most bytes an honest response to `request` takes (twice the densest JSON, plus 1 MiB): per arm and
+    scored position one target and top_k (id, log-probability) pairs, the generated ids and the read-back scales."""
     k = int(request["top_k"])
     positions = sum(max(len(s) - 1, 0) for s in request["samples"])
     generated = (len(request["samples"]) * int(request["continuation_tokens"])
                  + len(request["passkey"]) * max(1, int(request["passkey_tokens"])))
-    return (1 << 20) + 2 * (positions * (48 + 48 * k) + 24 * generated)
+    scales = sum(sum(len(row[kind]) for kind in SCALE_KINDS) + 8 for arm in request["arms"]
+                 for row in ((arm.get("scales") or {}).get("layers") or []))
+    per_arm = positions * (48 + 48 * k) + 24 * generated + (1 << 12)
+    return (1 << 20) + 2 * (len(request["arms"]) * per_arm + 64 * scales)
 
 
 def read_response(path: Path, request: dict[str, Any]) -> dict[str, Any]:

@@ -1,11 +1,14 @@
-"""The engine arms of an evaluation: which arms an engine can serve, one runner call each, and their numbers.
+"""The engine arms of an evaluation: which arms an engine can serve, one runner call per engine start, and
+their numbers.
 
 Why: the emulation is only useful where it has been shown to match the engine (docs/design.md §6), so
 `kvcalib eval --engine vllm` runs every arm the engine can serve on exactly the evaluation's token ids:
 the reference (model-dtype KV), FP8 with the default scale, each checkpoint's scales, and the skip trials
-(served with the engine's skip flag). An arm the engine cannot serve — INT8 KV in vLLM, what-ifs from a
-statistics file that no checkpoint holds, an FP8 cache the machine refuses — gets an entry that says
-"not run" and why; nothing is ever filled in from the emulation.
+(served with the engine's skip flag). Arms that differ only in their KV scales share one engine start
+(calib/engine/serve.py): the runner sets each one's scales in place and reads them back; an arm whose
+scales did not take is "not run" and says which layer holds what. An arm the engine cannot serve — INT8
+KV in vLLM, what-ifs from a statistics file that no checkpoint holds, an FP8 cache the machine refuses —
+gets an entry that says "not run" and why; nothing is ever filled in from the emulation.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from calib.engine import driver, metrics, protocol, support
+from calib.engine import driver, metrics, protocol, serve, support
 from calib.evaluation import passkey
 from calib.progress import SILENT, Progress
 
@@ -26,7 +29,7 @@ INT8_SERVED_BY = ("vLLM has no INT8 KV cache (the support matrix, calib.engine.s
 def request_arm(arm: Any, model: str) -> dict[str, Any] | str:
     """The runner's arm spec for an evaluation arm, or why the engine cannot serve it."""
     if arm.dtype is None:
-        return {"name": arm.name, "model": model, "kv_cache_dtype": "auto", "skip_layers": []}
+        return {"name": arm.name, "model": model, "kv_cache_dtype": "auto", "skip_layers": [], "scales": None}
     if arm.dtype.name not in KV_DTYPES:
         return INT8_SERVED_BY
     if arm.kind == "stats":
@@ -38,8 +41,19 @@ def request_arm(arm: Any, model: str) -> dict[str, Any] | str:
                 f"scales: {'; '.join(head.lines())})")
     if arm.kind not in ("default", "checkpoint"):
         return f"arm kind {arm.kind!r} has no engine form"
+    try:
+        scales = serve.scales_of(arm)
+    except (OSError, ValueError, KeyError) as e:
+        return f"the checkpoint's scales cannot be read: {e}"
     return {"name": arm.name, "model": arm.source if arm.kind == "checkpoint" else model,
-            "kv_cache_dtype": KV_DTYPES[arm.dtype.name], "skip_layers": served_skip(arm)}
+            "kv_cache_dtype": KV_DTYPES[arm.dtype.name], "skip_layers": served_skip(arm),
+            "scales": scales}
+
+
+def starts(arms: Sequence[Any], model: str) -> int:
+    """Engine starts that `arms` take besides the reference's: one per serve configuration (calib/engine/serve.py)."""
+    specs = [s for s in (request_arm(a, model) for a in arms) if not isinstance(s, str)]
+    return len(serve.group(specs))
 
 
 def served_skip(arm: Any) -> list[int | str]:
@@ -67,39 +81,52 @@ class EngineRun:
     progress: Progress = SILENT
     reference: dict[str, Any] | None = field(default=None, init=False)
     reference_reason: str | None = field(default=None, init=False)
+    starts: int = field(default=0, init=False)  # engine starts so far (one per serve configuration measured)
 
-    def _request(self, arm_spec: dict[str, Any]) -> dict[str, Any]:
+    def _request(self, arm_specs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         cont = self.spec.continuation_tokens
         need = max([len(s.ids) + cont for s in self.samples] + [len(p.ids) + passkey.MAX_NEW_TOKENS for p in self.prompts])
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        return {"protocol": protocol.PROTOCOL, "arm": arm_spec, "samples": [list(s.ids) for s in self.samples],
+        return {"protocol": protocol.PROTOCOL, "arms": list(arm_specs), "samples": [list(s.ids) for s in self.samples],
                 "continuation_tokens": cont, "passkey": [list(p.ids) for p in self.prompts],
                 "passkey_tokens": passkey.MAX_NEW_TOKENS, "stop_token_ids": [] if eos is None else [int(eos)],
                 "top_k": self.spec.top_k, "kv_gib": self.spec.kv_gib,
                 "max_model_len": min(need, self.context) if self.context else need, "dtype": self.model_dtype,
                 "seed": 0, "chunk": self.spec.chunk}
 
-    def _call(self, arm_spec: dict[str, Any], label: str) -> dict[str, Any]:
-        cont = self.spec.continuation_tokens
-        total = sum(len(s.ids) + cont for s in self.samples) + sum(len(p.ids) + passkey.MAX_NEW_TOKENS
-                                                                   for p in self.prompts)
-        with self.progress.stage(f"{self.spec.name} `{arm_spec['name']}`", total, samples=len(self.samples),
-                                 prompts=len(self.prompts)) as stage:
-            stage.labels = {"arm": label}
-            seen = [0]
+    def _call(self, arm_specs: Sequence[dict[str, Any]], labels: Sequence[str]) -> list[dict[str, Any]]:
+        """One engine start for `arm_specs` (one serve configuration): one response per arm, in order."""
+        cont, n = self.spec.continuation_tokens, len(arm_specs)
+        per_arm = sum(len(s.ids) + cont for s in self.samples) + sum(len(p.ids) + passkey.MAX_NEW_TOKENS
+                                                                     for p in self.prompts)
+        name = f"{self.spec.name} `{arm_specs[0]['name']}`" + (f" + {n - 1} arm(s) on one engine start" if n > 1 else "")
+        with self.progress.stage(name, n * per_arm, samples=n * len(self.samples),
+                                 prompts=n * len(self.prompts)) as stage:
+            stage.labels = {"arm": labels[0]}
+            done = [0]                       # tokens of the whole start reported so far
 
             def on_progress(p: dict[str, int]) -> None:
-                stage.advance(p.get("tokens", 0) - seen[0], samples=p.get("samples", 0), prompts=p.get("passkey", 0))
-                seen[0] = p.get("tokens", 0)
-            resp = driver.run(self.spec, self._request(arm_spec), on_progress, self.version)
-            if resp["status"] != protocol.OK:
-                stage.labels = {"arm": label, "status": f"not run: {resp['reason']}"}
+                j = min(p.get("arm", 0), n - 1)
+                at = j * per_arm + p.get("tokens", 0)
+                stage.advance(at - done[0], labels={"arm": labels[j]}, samples=j * len(self.samples) + p.get("samples", 0),
+                              prompts=j * len(self.prompts) + p.get("passkey", 0))
+                done[0] = at
+            self.starts += 1
+            resp = driver.run(self.spec, self._request(arm_specs), on_progress, self.version)["arms"]
+            failed = [(labels[j], r["reason"]) for j, r in enumerate(resp) if r["status"] != protocol.OK]
+            if failed:
+                said = [f"not run: {why}" if n == 1 else f"{lab} not run: {why}" for lab, why in failed]
+                stage.labels = {"arm": labels[-1], "status": "; ".join(said[:2])
+                                + (f"; {len(said) - 2} more not run" if len(said) > 2 else "")}
             return resp
 
-    def _entry(self, resp: dict[str, Any]) -> dict[str, Any]:
+    def _entry(self, resp: dict[str, Any], arm_spec: dict[str, Any]) -> dict[str, Any]:
         base = {"engine": self.spec.name, "version": resp.get("version") or self.version}
         if resp["status"] != protocol.OK:
             return {**base, "status": protocol.NOT_RUN, "reason": resp["reason"]}
+        bad = protocol.scales_mismatch(arm_spec.get("scales"), resp.get("scales"))
+        if bad:
+            return {**base, "status": protocol.NOT_RUN, "reason": f"scales did not take ({bad})"}
         if self.reference is None:
             raise RuntimeError("engine arms are measured after the reference")
         arm = None if resp is self.reference else resp
@@ -122,26 +149,34 @@ class EngineRun:
         return out
 
     def measure(self, reference: Any, arms: Sequence[Any]) -> dict[str, dict[str, Any]]:
-        """{arm name: engine entry} for the reference (on the first call) and every arm given."""
+        """{arm name: engine entry} for the reference (on the first call) and every arm given: the reference
+        on its own start first, then one start per serve configuration (`serve.group`)."""
         out: dict[str, dict[str, Any]] = {}
         todo = ([] if self.reference is not None or self.reference_reason else [reference]) + list(arms)
+        runnable: list[tuple[Any, dict[str, Any], str]] = []
         for j, arm in enumerate(todo):
             spec = request_arm(arm, self.model)
-            label = f"arm {j + 1}/{len(todo)}"
             if isinstance(spec, str):
                 out[arm.name] = {"engine": self.spec.name, "version": self.version, "status": protocol.NOT_RUN,
                                  "reason": spec}
-                continue
-            if arm is not reference and self.reference is None:
+            else:
+                runnable.append((arm, spec, f"arm {j + 1}/{len(todo)}"))
+        if runnable and runnable[0][0] is reference:
+            arm, spec, label = runnable.pop(0)
+            resp = self._call([spec], [label])[0]
+            if resp["status"] == protocol.OK:
+                self.reference = resp
+            else:
+                self.reference_reason = resp["reason"]
+            out[arm.name] = self._entry(resp, spec)
+        if self.reference is None:
+            for arm, _, _ in runnable:
                 out[arm.name] = {"engine": self.spec.name, "version": self.version, "status": protocol.NOT_RUN,
                                  "reason": f"the engine's {reference.name.upper()}-KV reference run did not run "
                                            f"({self.reference_reason})"}
-                continue
-            resp = self._call(spec, label)
-            if arm is reference:
-                if resp["status"] == protocol.OK:
-                    self.reference = resp
-                else:
-                    self.reference_reason = resp["reason"]
-            out[arm.name] = self._entry(resp)
-        return out
+            return out
+        for idx in serve.group([spec for _, spec, _ in runnable]):
+            part = [runnable[i] for i in idx]
+            for (arm, spec, _), resp in zip(part, self._call([x[1] for x in part], [x[2] for x in part])):
+                out[arm.name] = self._entry(resp, spec)
+        return {a.name: out[a.name] for a in todo if a.name in out}

@@ -1,5 +1,6 @@
-"""Measure one evaluation arm in real vLLM: prompt log-probabilities, greedy continuations, passkey answers
-and the KV-cache capacity, on exactly the token ids kvcalib sends.
+"""Measure evaluation arms in real vLLM, one engine start per request: prompt log-probabilities, greedy
+continuations, passkey answers, the KV-cache capacity and the KV scales the engine holds, on exactly the token
+ids kvcalib sends.
 
 Runs with the vLLM environment's python, never kvcalib's (docs/design.md §8): it imports nothing from
 `calib` and reads the format from `protocol.py` beside it, by file path.
@@ -13,6 +14,16 @@ its own message here, and the arm comes back "not run: <that message>" instead o
 number. The KV-cache pool is fixed (`kv_gib`: VLLM_CPU_KVCACHE_SPACE on CPU, `kv_cache_memory_bytes`
 on GPUs) so capacity in tokens is comparable between KV dtypes. Prompts go in as token ids (no tokenizer
 in the engine) and every sampling is greedy, so runs repeat exactly.
+
+Arms that differ only in their KV scales share one start (calib/engine/protocol.py): the engine loads the
+first arm's model; before each following arm the scales are written into every attention layer in place
+(`set_scales`, through `LLM.apply_model`, the same call in vLLM 0.2x and 0.3x): the tensors the CUDA
+kernels read (`_k_scale`, `_v_scale`, `_q_scale`) and the Python floats the CPU kernel and some backends read
+(`_k_scale_float`, ...). Then the prefix cache is cleared: passkey prompts share their filler, and a block
+written under the old scales must not be read under the new ones (prefix caching stays on, as in a separate
+start, so both measure the same way). What every arm ran with is read back (`read_scales`) and compared
+with what kvcalib sent (`protocol.scales_mismatch`); an arm whose scales did not take is not measured.
+The engine runs with enforce_eager: no CUDA graph or compiled graph has a scale baked in.
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ def _version() -> str:
 def _engine(req: dict, on_cpu: bool):
     from vllm import LLM
 
-    arm = req["arm"]
+    arm = req["arms"][0]
     kwargs = dict(model=arm["model"], dtype=req["dtype"], kv_cache_dtype=arm["kv_cache_dtype"],
                   max_model_len=req["max_model_len"], enforce_eager=True, seed=req["seed"], skip_tokenizer_init=True,
                   max_logprobs=max(20, req["top_k"]), max_num_seqs=max(1, req["chunk"]))
@@ -123,9 +134,80 @@ def _room(want: int, max_model_len: int, ids: list[int]) -> int:
     return max(1, min(max(1, want), max_model_len - len(ids)))
 
 
+# ------------------------------------------------------------------------ scales set in place (one start)
+
+def _attention_layers(model) -> dict:
+    """{layer index: attention module} of the engine's model: modules holding KV scales, indexed by the
+    number after `layers.` in their name (`model.layers.3.self_attn.attn`), as checkpoints name them."""
+    import re
+
+    out = {}
+    for name, mod in model.named_modules():
+        if not (hasattr(mod, "_k_scale") and hasattr(mod, "_v_scale") and hasattr(mod, "kv_cache_dtype")):
+            continue
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", str(getattr(mod, "layer_name", "") or name) + ".")
+        if m is not None:
+            out.setdefault(int(m.group(1)), mod)
+    return out
+
+
+def read_scales(llm) -> dict:
+    """What every attention layer holds: its k/v/q scale tensors and the floats kernels read instead."""
+    def read(model):
+        rows = []
+        for i, mod in sorted(_attention_layers(model).items()):
+            row = {"layer": i}
+            for kind in protocol.SCALE_KINDS:
+                row[kind] = [float(x) for x in getattr(mod, f"_{kind}_scale").detach().float().cpu().reshape(-1)]
+                row[f"{kind}_float"] = float(getattr(mod, f"_{kind}_scale_float", max(row[kind])))
+            rows.append(row)
+        return {"layers": rows}
+    return llm.apply_model(read)[0]
+
+
+def set_scales(llm, scales: dict) -> None:
+    """Write `scales` (a request arm's) into the engine's attention layers in place: each tensor keeps its
+    shape (ValueError when the value count differs: another layout needs its own start), each float becomes
+    the max over the tensor (what vLLM's loaders store), host copies are refilled where the engine has them."""
+    def put(model):
+        import torch
+
+        layers = _attention_layers(model)
+        for row in scales["layers"]:
+            mod = layers.get(row["layer"])
+            if mod is None:
+                raise ValueError(f"layer {row['layer']}: the engine has no attention layer with that index")
+            for kind in protocol.SCALE_KINDS:
+                t, vals = getattr(mod, f"_{kind}_scale"), row[kind]
+                if t.numel() != len(vals):
+                    raise ValueError(f"layer {row['layer']}: the engine holds {t.numel()} {kind} scale(s), the "
+                                     f"arm has {len(vals)} (another scale layout needs its own engine start)")
+                with torch.no_grad():
+                    t.copy_(torch.tensor(vals, dtype=t.dtype).reshape(t.shape).to(t.device))
+                setattr(mod, f"_{kind}_scale_float", float(max(vals)))
+                host = getattr(mod, f"_{kind}_scale_cpu", None)
+                if isinstance(host, torch.Tensor):
+                    host.fill_(float(max(vals)))
+        return len(scales["layers"])
+    llm.apply_model(put)
+
+
+def switch_scales(llm, arm: dict) -> str | None:
+    """Set a following arm's scales and clear the prefix cache; why not, in one line, when that fails."""
+    try:
+        if arm["scales"] is not None:
+            set_scales(llm, arm["scales"])
+        if llm.reset_prefix_cache() is False:
+            return "the engine could not clear its prefix cache after setting the scales"
+    except Exception as e:
+        return f"setting the scales in place failed: {_reason(e)}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------- measuring
+
 def measure(req: dict) -> dict:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    """One engine start for every arm of `req` (protocol 2); the response."""
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
@@ -134,12 +216,46 @@ def measure(req: dict) -> dict:
     try:
         llm = _engine(req, on_cpu)
     except Exception as e:                     # the engine refused this configuration: say why, do not crash
-        return protocol.not_run(_reason(e), "vllm", version, req["kv_gib"])
-    seconds = {"startup": time.perf_counter() - t0}
+        return protocol.not_run_all(_reason(e), req, "vllm", version, req["kv_gib"])
+    startup = time.perf_counter() - t0
     capacity, cache_dtype = _capacity(llm)
     groups = _kv_groups(llm)
+    answers = []
+    for j, arm in enumerate(req["arms"]):
+        t0 = time.perf_counter()
+        why = switch_scales(llm, arm) if j else None
+        seconds = {"startup": startup} if j == 0 else {"set_scales": time.perf_counter() - t0}
+        held = None
+        if why is None and arm["scales"] is not None:
+            try:
+                held = read_scales(llm)
+            except Exception as e:
+                why = f"reading the scales back failed: {_reason(e)}"
+            else:
+                bad = protocol.scales_mismatch(arm["scales"], held)
+                why = f"scales did not take ({bad})" if bad else None
+        if why is not None:
+            answers.append({**protocol.not_run(why, "vllm", version, req["kv_gib"]), "scales": held})
+            continue
+        one = measure_arm(llm, req, j, version)
+        if one["status"] == protocol.OK:
+            one.update(kv_cache_dtype=cache_dtype, kv_capacity_tokens=capacity, scales=held,
+                       seconds={**seconds, **one["seconds"]})
+            if groups:
+                one["kv_groups"] = groups
+        answers.append(one)
+    return protocol.answer(answers)
+
+
+def measure_arm(llm, req: dict, arm: int, version: str) -> dict:
+    """One arm's numbers from the running engine: prompt log-probs and continuations of every sample, then
+    the passkey answers; prompts go in `chunk` at a time, together."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     k, chunk = int(req["top_k"]), max(1, int(req["chunk"]))
     cont, room = int(req["continuation_tokens"]), int(req["max_model_len"])
+    seconds = {}
 
     def scoring(ids: list[int]) -> SamplingParams:
         # a sample at the model's context leaves room for fewer continuation tokens than asked (at least one)
@@ -156,7 +272,7 @@ def measure(req: dict) -> dict:
                 samples.append(_prompt_row(list(ids), out.prompt_logprobs, k))
                 continuations.append([int(t) for t in out.outputs[0].token_ids][:cont])
                 tokens += len(ids) + cont
-            print(protocol.progress_line(tokens, len(samples), 0), flush=True)
+            print(protocol.progress_line(tokens, len(samples), 0, arm), flush=True)
         seconds["samples"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         answers = []
@@ -169,15 +285,13 @@ def measure(req: dict) -> dict:
                                 [gen(ids) for ids in group], use_tqdm=False)
             answers += [[int(t) for t in o.outputs[0].token_ids] for o in outs]
             tokens += sum(len(ids) + int(req["passkey_tokens"]) for ids in group)
-            print(protocol.progress_line(tokens, len(samples), len(answers)), flush=True)
+            print(protocol.progress_line(tokens, len(samples), len(answers), arm), flush=True)
         seconds["passkey"] = time.perf_counter() - t0
     except Exception as e:
         return protocol.not_run(f"failed while measuring: {_reason(e)}", "vllm", version, req["kv_gib"])
-    out = {"protocol": protocol.PROTOCOL, "status": protocol.OK, "reason": None, "engine": "vllm",
-           "version": version, "kv_cache_dtype": cache_dtype, "kv_capacity_tokens": capacity,
-           "kv_gib": req["kv_gib"], "seconds": seconds, "samples": samples, "continuations": continuations,
-           "passkey": answers}
-    return {**out, "kv_groups": groups} if groups else out
+    return {"status": protocol.OK, "reason": None, "engine": "vllm", "version": version, "kv_cache_dtype": None,
+            "kv_capacity_tokens": None, "kv_gib": req["kv_gib"], "seconds": seconds, "samples": samples,
+            "continuations": continuations, "passkey": answers, "scales": None}
 
 
 def main(argv: list[str]) -> int:

@@ -5,7 +5,9 @@ Why: at 32K-128K an evaluation runs for hours when nothing bounds it, and nothin
 one emulated arm on one sample of the smallest bucket; each phase is then extrapolated per sample length
 with the attention's quadratic term (work per sample L * (2 * parameters + attention * L), the model's own
 FLOP count, so a probe at 512 tokens says what 32K costs). The engine is not started for a probe (a start
-costs a minute): its start and scoring rate are stated defaults, printed as such.
+costs a minute): its start and scoring rate are stated defaults, printed as such. Arms that differ only in
+their KV scales share one engine start (calib/engine/serve.py), so starts are counted per serve configuration:
+the reference's, one per group of arms, one per skip trial.
 
 A budget drops optional parts in a fixed order, each fully before the next, until the plan fits: passkey
 depths (5 -> 3 -> 1), skip trials, emulated long buckets (longest first; with an engine they are still
@@ -73,11 +75,17 @@ class Parts:
 @dataclass(frozen=True)
 class Work:
     """The run's inputs, as lengths: held-out samples (length, bucket), passkey prompts (length, bucket,
-    depth), arms besides the reference, whether an engine runs."""
+    depth), arms besides the reference, whether an engine runs, its starts for those arms (None: one per arm)."""
     samples: tuple[tuple[int, int], ...]
     prompts: tuple[tuple[int, int, float], ...]
     arms: int
     engine: bool
+    engine_starts: int | None = None
+
+    @property
+    def starts(self) -> int:
+        """Engine starts of the reference and the arms (skip trials start their own)."""
+        return 1 + (self.arms if self.engine_starts is None else self.engine_starts)
 
 
 @dataclass(frozen=True)
@@ -92,8 +100,8 @@ class Plan:
         return sum(s for _, s in self.phases)
 
     def lines(self, rates: Rates) -> list[str]:
-        out = [f"eval plan (probe: one forward at {rates.probed_at} tokens; engine {rates.engine_start:.0f} s start + "
-               f"{rates.engine_tokens_per_s:,.0f} tok/s per arm, stated defaults):"]
+        out = [f"eval plan (probe: one forward at {rates.probed_at} tokens; engine {rates.engine_start:.0f} s per start + "
+               f"{rates.engine_tokens_per_s:,.0f} tok/s, stated defaults):"]
         out += [f"  {name}: {duration(s)}" for name, s in self.phases if s > 0]
         out.append(f"  total: {duration(self.total)}" + (f" (budget {duration(self.budget_s)})" if self.budget_s else ""))
         if self.dropped:
@@ -114,11 +122,11 @@ def estimate(w: Work, parts: Parts, cost: Cost, rates: Rates) -> tuple[tuple[str
     passkey = per_pk * (rates.ref + w.arms * rates.arm)
     engine_tokens = sum(n for n, _ in w.samples) + (sum(n + MAX_NEW_TOKENS for n, _ in pk) if parts.engine_passkey else 0)
     engine_arm = (rates.engine_start + engine_tokens / rates.engine_tokens_per_s) if w.engine else 0.0
-    engine = (w.arms + 1) * engine_arm
+    engine = (w.starts * rates.engine_start + (w.arms + 1) * engine_tokens / rates.engine_tokens_per_s) if w.engine else 0.0
     skips = parts.skip_trials * ((per_pass + per_pk) * (rates.ref + rates.arm) + engine_arm)
     return ((f"emulation: reference + {w.arms} arm(s) on {len(emu)} samples", metrics),
             (f"emulation passkey: {len(pk_emu)} prompts x {w.arms + 1}", passkey),
-            (f"engine: {w.arms + 1} arms" if w.engine else "engine", engine),
+            (f"engine: {w.arms + 1} arms on {w.starts} start(s)" if w.engine else "engine", engine),
             (f"skip trials: up to {parts.skip_trials}", skips))
 
 
@@ -163,9 +171,10 @@ def default_rates(device_type: str, ref: float, arm: float, probed_at: int) -> R
     return Rates(ref, arm, *engine_figures(device_type), probed_at)
 
 
-def work_of(samples: Sequence[Any], prompts: Sequence[Any], arms: int, engine: bool) -> Work:
+def work_of(samples: Sequence[Any], prompts: Sequence[Any], arms: int, engine: bool,
+            engine_starts: int | None = None) -> Work:
     return Work(tuple((len(x.ids), x.bucket) for x in samples),
-                tuple((len(p.ids), p.bucket, p.depth) for p in prompts), arms, engine)
+                tuple((len(p.ids), p.bucket, p.depth) for p in prompts), arms, engine, engine_starts)
 
 
 def emulation_limit(requested: int | None, buckets: Sequence[int], engine: bool) -> int | None:

@@ -187,7 +187,12 @@ def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Pl
     parts = plan_mod.Parts(limit, depths, cfg.thresholds.max_skip if p.arms else 0, True)
     cost = plan_mod.Cost.of(p.loaded.config, sum(t.numel() for t in s.lm.parameters()))
     rates = probe(s, p.arms[0] if p.arms else None, cost)
-    work = plan_mod.work_of(p.samples, p.prompts, len(p.arms), cfg.engine is not None)
+    starts = None
+    if cfg.engine is not None:
+        from calib.engine.run import starts as engine_starts
+
+        starts = engine_starts(p.arms, str(cfg.model))
+    work = plan_mod.work_of(p.samples, p.prompts, len(p.arms), cfg.engine is not None, starts)
     budget = None if cfg.budget_minutes is None else 60 * cfg.budget_minutes
     planned = plan_mod.fit(work, parts, cost, rates, budget)
     for line in planned.lines(rates):

@@ -134,16 +134,17 @@ def test_engine_numbers_decide_where_the_engine_ran(measured):
 
 def test_a_crashing_or_hanging_engine_costs_only_its_arm(tmp_path, monkeypatch):
     src, _ = save_model_and_data(tmp_path, tiny_causal_lm("llama"), "model")
-    req = {"protocol": 1, "arm": {"name": "default", "model": str(src), "kv_cache_dtype": "fp8", "skip_layers": []},
+    req = {"protocol": 2, "arms": [{"name": "default", "model": str(src), "kv_cache_dtype": "fp8", "skip_layers": [],
+                                    "scales": None}],
            "samples": [[1, 2, 3]], "continuation_tokens": 1, "passkey": [], "passkey_tokens": 1, "stop_token_ids": [],
            "top_k": 2, "kv_gib": 1, "max_model_len": 8, "dtype": "float32", "seed": 0, "chunk": 1}
     monkeypatch.setenv("FAKE_ENGINE", "crash")
-    r = driver.run(_spec(), req)
+    r = driver.run(_spec(), req)["arms"][0]
     assert r["status"] == "not_run" and r["reason"].startswith("runner exited with code 3")
     assert r["reason"].endswith("RuntimeError: fake engine crashed")
     monkeypatch.setenv("FAKE_ENGINE", "hang")
     r = driver.run(_spec(timeout=3), req)
-    assert r == protocol.not_run("timed out after 3 s", "vllm", "", 1)
+    assert r == protocol.answer([protocol.not_run("timed out after 3 s", "vllm", "", 1)])
 
 
 def test_an_unusable_engine_environment_is_one_line_before_any_work(tmp_path, token_data):

@@ -51,19 +51,27 @@ if os.environ.get("T_ANSWER"):
 sys.exit(int(os.environ.get("T_EXIT", "0")))
 """
 
-REQUEST = {"protocol": 1, "arm": {"name": "default", "model": "m", "kv_cache_dtype": "fp8", "skip_layers": []},
+SCALES = {"layout": "tensor", "layers": [{"layer": 0, "k": [0.5], "v": [0.25], "q": [1.0]}]}
+REQUEST = {"protocol": 2, "arms": [{"name": "default", "model": "m", "kv_cache_dtype": "fp8", "skip_layers": [],
+                                    "scales": SCALES}],
            "samples": [[1, 2, 3], [4, 5, 6, 7]], "continuation_tokens": 2, "passkey": [[8, 9]], "passkey_tokens": 3,
            "stop_token_ids": [], "top_k": 2, "kv_gib": 1, "max_model_len": 16, "dtype": "float32", "seed": 0,
            "chunk": 1}
 
 
-def good_answer() -> dict:
+def good_arm() -> dict:
     def row(n):
         return {"target": [-0.5] * n, "top_ids": [[3, 1] for _ in range(n)],
                 "top_logprobs": [[-0.1, -2.5] for _ in range(n)]}
-    return {"protocol": 1, "status": "ok", "reason": None, "engine": "vllm", "version": "0.0-test",
+    return {"status": "ok", "reason": None, "engine": "vllm", "version": "0.0-test",
             "kv_cache_dtype": "fp8", "kv_capacity_tokens": 4096, "kv_gib": 1, "seconds": {"all": 0.5},
-            "samples": [row(2), row(3)], "continuations": [[1, 2], [3]], "passkey": [[7, 7, 7]]}
+            "samples": [row(2), row(3)], "continuations": [[1, 2], [3]], "passkey": [[7, 7, 7]],
+            "scales": {"layers": [{"layer": 0, "k": [0.5], "v": [0.25], "q": [1.0], "k_float": 0.5, "v_float": 0.25,
+                                   "q_float": 1.0}]}}
+
+
+def good_answer() -> dict:
+    return {"protocol": 2, "arms": [good_arm()]}
 
 
 @pytest.fixture
@@ -128,13 +136,20 @@ def test_a_good_answer_passes_unchanged(runner):
     (lambda a: a.__setitem__("passkey", []), "passkey holds 0 entries; the request asked for 1"),
     (lambda a: a.__setitem__("status", "great"), "status = 'great'"),
     (lambda a: a.__setitem__("version", 7), "version = 7: expected a string"),
-    (lambda a: a.__setitem__("protocol", 2), "protocol 2"),
-    (lambda a: a.pop("samples"), "missing field(s) samples"),
-    (lambda a: a.__setitem__("bonus", 1), "unknown field(s) bonus"),
+    (lambda a: a.__setitem__("protocol", 1), "protocol 1"),
+    (lambda a: a.pop("samples"), "arms[0]: missing field(s) samples"),
+    (lambda a: a.__setitem__("bonus", 1), "arms[0]: unknown field(s) bonus"),
+    (lambda a: a.__setitem__("bonus", 1), "response: unknown field(s) bonus"),
+    (lambda a: a.__setitem__("arms", []), "arms holds 0 entries; the request asked for 1"),
+    (lambda a: a["scales"]["layers"][0].__setitem__("k", [0.0]), "arms[0].scales.layers[0].k[0] = 0.0: expected a finite scale"),
+    (lambda a: a["scales"]["layers"][0].__setitem__("v", []), "arms[0].scales.layers[0].v is empty"),
+    (lambda a: a["scales"]["layers"][0].__setitem__("q_float", math.inf), "arms[0].scales.layers[0].q_float = inf"),
+    (lambda a: a["scales"]["layers"][0].pop("layer"), "arms[0].scales.layers[0]: expected an object with"),
+    (lambda a: a["scales"].__setitem__("layers", {}), "arms[0].scales.layers = {}: expected a list"),
 ])
 def test_a_malformed_answer_is_one_error_naming_the_field(runner, edit, says):
     answer = good_answer()
-    edit(answer)
+    edit(answer if says.startswith(("protocol", "response", "arms holds")) else answer["arms"][0])
     runner(answer)
     msg = broken(answer)
     assert says in msg and "broke the protocol" in msg, msg
@@ -166,8 +181,8 @@ def test_a_runner_that_exits_0_without_an_answer_is_an_error(runner):
 
 
 def test_a_not_run_answer_keeps_only_a_cleaned_reason(runner):
-    runner({**protocol.not_run("boom\nsecond line \ud800", "vllm", "1.0", 1), "samples": "ignored"})
-    r = driver.run(spec(), REQUEST)
+    runner(protocol.answer([{**protocol.not_run("boom\nsecond line \ud800", "vllm", "1.0", 1), "samples": "ignored"}]))
+    r = driver.run(spec(), REQUEST)["arms"][0]
     assert r["status"] == "not_run" and r["reason"] == "boom second line \ufffd" and r["samples"] == []
 
 
@@ -175,7 +190,7 @@ def test_megabytes_of_log_and_one_endless_line_are_bounded(runner):
     runner(good_answer(), T_LOG_LINES="20000", T_LOG_WIDTH="500", T_LONG_LINE=str(8 << 20))
     assert driver.run(spec(), REQUEST) == good_answer()
     runner(None, T_LOG_LINES="20000", T_LOG_WIDTH="500", T_EXIT="4")
-    r = driver.run(spec(), REQUEST)
+    r = driver.run(spec(), REQUEST)["arms"][0]
     assert r["status"] == "not_run" and r["reason"].startswith("runner exited with code 4")
     assert len(r["reason"]) < 500
 
@@ -185,7 +200,9 @@ def test_progress_lines_with_wrong_types_are_logs_not_numbers(runner):
     runner(good_answer(), T_PROGRESS=json.dumps({"progress": {"tokens": "9", "samples": 1, "passkey": 0}}))
     driver.run(spec(), REQUEST, seen.append)
     assert seen == []
-    assert protocol.parse_progress(protocol.progress_line(5, 1, 0)) == {"tokens": 5, "samples": 1, "passkey": 0}
+    assert protocol.parse_progress(protocol.progress_line(5, 1, 0)) == {"tokens": 5, "samples": 1, "passkey": 0, "arm": 0}
+    assert protocol.parse_progress(protocol.progress_line(5, 1, 0, 2))["arm"] == 2
+    assert protocol.parse_progress(json.dumps({"progress": {"tokens": 5, "samples": 1, "passkey": 0, "arm": -1}})) is None
 
 
 def test_a_probe_answer_that_is_not_the_protocols_is_one_line(runner):
@@ -284,18 +301,26 @@ JUNK = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
 def test_checked_answers_hold_only_valid_numbers_or_raise_protocol_error(req, data):
     """Any JSON value, or an honest answer with one leaf replaced by junk: either a ProtocolError, or an answer
     every metric can use (right lengths, finite log-probabilities <= 0, whole non-negative ids)."""
-    honest = {"protocol": 1, "status": "ok", "reason": None, "engine": "vllm", "version": "1",
-              "kv_cache_dtype": "fp8", "kv_capacity_tokens": 16, "kv_gib": 1, "seconds": {},
-              "samples": [{"target": [-1.0] * (len(s) - 1), "top_ids": [[0] * req["top_k"]] * (len(s) - 1),
-                           "top_logprobs": [[-1.0] * req["top_k"]] * (len(s) - 1)} for s in req["samples"]],
-              "continuations": [[1] * req["continuation_tokens"] for _ in req["samples"]],
-              "passkey": [[2] * max(1, req["passkey_tokens"]) for _ in req["passkey"]]}
+    req = {**req, "arms": [{"name": "a", "scales": None}]}
+    arm = {"status": "ok", "reason": None, "engine": "vllm", "version": "1",
+           "kv_cache_dtype": "fp8", "kv_capacity_tokens": 16, "kv_gib": 1, "seconds": {},
+           "samples": [{"target": [-1.0] * (len(s) - 1), "top_ids": [[0] * req["top_k"]] * (len(s) - 1),
+                        "top_logprobs": [[-1.0] * req["top_k"]] * (len(s) - 1)} for s in req["samples"]],
+           "continuations": [[1] * req["continuation_tokens"] for _ in req["samples"]],
+           "passkey": [[2] * max(1, req["passkey_tokens"]) for _ in req["passkey"]],
+           "scales": {"layers": [{"layer": 0, "k": [0.5], "v": [0.5], "q": [1.0], "k_float": 0.5, "v_float": 0.5,
+                                  "q_float": 1.0}]}}
+    honest = {"protocol": 2, "arms": [arm]}
     doc = _poke(honest, data) if data.draw(st.booleans()) else data.draw(JUNK)
     try:
         out = protocol.check_response(doc, req)
     except protocol.ProtocolError as e:
         assert "\n" not in str(e)
         return
+    out = out["arms"][0]
+    for row in (out["scales"] or {"layers": []})["layers"]:
+        vals = [*row["k"], *row["v"], *row["q"], row["k_float"], row["v_float"], row["q_float"]]
+        assert all(isinstance(x, float) and math.isfinite(x) and x > 0 for x in vals) and type(row["layer"]) is int
     if out["status"] == "not_run":
         assert isinstance(out["reason"], str)
         return

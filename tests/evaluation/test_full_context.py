@@ -45,11 +45,12 @@ def _spec() -> EngineSpec:
 def test_the_fake_engine_refuses_a_prompt_as_long_as_max_model_len(short_model):
     """The control: without the cut, the full-context bucket would not run in the engine."""
     src, _ = short_model
-    req = {"protocol": 1, "arm": {"name": "fp32", "model": str(src), "kv_cache_dtype": "auto", "skip_layers": []},
+    req = {"protocol": 2, "arms": [{"name": "fp32", "model": str(src), "kv_cache_dtype": "auto", "skip_layers": [],
+                                    "scales": None}],
            "samples": [list(range(1, CONTEXT + 1))], "continuation_tokens": 4, "passkey": [], "passkey_tokens": 1,
            "stop_token_ids": [], "top_k": 2, "kv_gib": 1, "max_model_len": CONTEXT, "dtype": "float32", "seed": 0,
            "chunk": 1}
-    r = driver.run(_spec(), req)
+    r = driver.run(_spec(), req)["arms"][0]
     assert r["status"] == "not_run" and "(length 64) plus the number of requested output tokens" in r["reason"]
 
 
