@@ -16,13 +16,16 @@ Request (one arm):
      "samples": [[token ids]], "continuation_tokens": int,  # greedy tokens generated after each sample
      "passkey": [[token ids]], "passkey_tokens": int, "stop_token_ids": [int],
      "top_k": int, "kv_gib": int, "max_model_len": int, "dtype": "bfloat16", "seed": int,
-     "chunk": int}                                           # samples per engine call (progress granularity)
+     "chunk": int,                                           # samples per engine call (progress granularity)
+     "serving": null | {"concurrency": int, "output_tokens": int,           # optional: the serving phase
+                        "groups": [{"bucket": int, "samples": [index], "requests": int}]}}
 Response:
     {"protocol": 1, "status": "ok" | "not_run", "reason": str | null, "engine": "vllm", "version": str,
      "kv_cache_dtype": str, "kv_capacity_tokens": int | null, "kv_gib": int, "seconds": {...},
      "samples": [{"target": [logprob of the actual next token, per position 1..n-1],
                   "top_ids": [[k ids] per position], "top_logprobs": [[k logprobs] per position]}],
-     "continuations": [[generated ids]], "passkey": [[generated ids]]}
+     "continuations": [[generated ids]], "passkey": [[generated ids]],
+     "serving": null | {...}}          # optional: raw per-token timestamps (calib/engine/serving.py checks them)
 Progress lines on stdout: `{"progress": {"tokens": int, "samples": int, "passkey": int}}` (running totals).
 """
 
@@ -42,6 +45,7 @@ REQUEST_FIELDS = ("protocol", "arm", "samples", "continuation_tokens", "passkey"
                   "stop_token_ids", "top_k", "kv_gib", "max_model_len", "dtype", "seed", "chunk")
 RESPONSE_FIELDS = ("protocol", "status", "reason", "engine", "version", "kv_cache_dtype", "kv_capacity_tokens",
                    "kv_gib", "seconds", "samples", "continuations", "passkey")
+OPTIONAL_FIELDS = ("serving",)     # request and response; absent means null
 
 
 class ProtocolError(ValueError):
@@ -191,7 +195,7 @@ def check_response(doc: Any, request: dict[str, Any]) -> dict[str, Any]:
     """The runner's response to `request`, every field checked (ProtocolError names the first bad one);
     a not_run answer keeps only its reason and names."""
     doc = check(doc, RESPONSE_FIELDS, "response")
-    extra = sorted(str(f) for f in doc if f not in RESPONSE_FIELDS)
+    extra = sorted(str(f) for f in doc if f not in RESPONSE_FIELDS + OPTIONAL_FIELDS)
     if extra:
         raise ProtocolError(f"response: unknown field(s) {clean_text(', '.join(extra), 80)}")
     if doc["status"] not in (OK, NOT_RUN):
@@ -220,6 +224,8 @@ def check_response(doc: Any, request: dict[str, Any]) -> dict[str, Any]:
                           enumerate(_list(doc["continuations"], "continuations", len(samples)))],
         "passkey": [_ids(a, f"passkey[{i}]", pk) for i, a in
                     enumerate(_list(doc["passkey"], "passkey", len(request["passkey"])))],
+        # checked, bounded, by calib.engine.serving.check before any metric (its size is in response_cap)
+        "serving": doc.get("serving") if request.get("serving") else None,
     }
 
 
@@ -230,7 +236,10 @@ def response_cap(request: dict[str, Any]) -> int:
     positions = sum(max(len(s) - 1, 0) for s in request["samples"])
     generated = (len(request["samples"]) * int(request["continuation_tokens"])
                  + len(request["passkey"]) * max(1, int(request["passkey_tokens"])))
-    return (1 << 20) + 2 * (positions * (48 + 48 * k) + 24 * generated)
+    serving = request.get("serving")
+    timestamps = 0 if not serving else sum(g["requests"] for g in serving["groups"]) * (
+        200 + 32 * int(serving["output_tokens"])) + 8192
+    return (1 << 20) + 2 * (positions * (48 + 48 * k) + 24 * generated + timestamps)
 
 
 def read_response(path: Path, request: dict[str, Any]) -> dict[str, Any]:
