@@ -211,7 +211,7 @@ def check_response(doc: Any, request: dict[str, Any]) -> dict[str, Any]:
         raise ProtocolError(f"seconds = {_show(seconds)}: expected an object of at most 32 timings")
     cont, pk = int(request["continuation_tokens"]), max(1, int(request["passkey_tokens"]))
     rows = _list(doc["samples"], "samples", len(samples))
-    return {
+    out = {
         "protocol": PROTOCOL, "status": OK, "reason": None, "engine": engine, "version": version,
         "kv_cache_dtype": _text(doc["kv_cache_dtype"], "kv_cache_dtype"),
         "kv_capacity_tokens": None if doc["kv_capacity_tokens"] is None
@@ -224,9 +224,10 @@ def check_response(doc: Any, request: dict[str, Any]) -> dict[str, Any]:
                           enumerate(_list(doc["continuations"], "continuations", len(samples)))],
         "passkey": [_ids(a, f"passkey[{i}]", pk) for i, a in
                     enumerate(_list(doc["passkey"], "passkey", len(request["passkey"])))],
-        # checked, bounded, by calib.engine.serving.check before any metric (its size is in response_cap)
-        "serving": doc.get("serving") if request.get("serving") else None,
     }
+    if request.get("serving"):      # checked by calib.engine.serving.check before any metric; sized in response_cap
+        out["serving"] = doc.get("serving")
+    return out
 
 
 def response_cap(request: dict[str, Any]) -> int:
