@@ -4,7 +4,9 @@ It is not vLLM: the model-dtype arm runs the model's own forward (a second code 
 chunked head), FP8 arms either are refused with vLLM's message on AVX2 CPUs (FAKE_ENGINE=refuse, the
 default), run through kvcalib's default emulation (FAKE_ENGINE=fp8), or both: only the `default` arm is
 refused (FAKE_ENGINE=refuse-default). FAKE_ENGINE=crash / hang make FP8
-arms exit without an answer / never finish, to test the driver. KV capacity is the pool divided by the
+arms exit without an answer / never finish, to test the driver. A serving phase (`kvcalib validate`) runs on
+a simulated clock (`serve`): FP8 steps are faster than model-dtype ones; FAKE_SERVING=preempt reports
+preemptions for FP8 arms, FAKE_SERVING=oom ends their phase with a CUDA out-of-memory message. KV capacity is the pool divided by the
 cache's bytes per token (layers x 2 x kv heads x head dim x element size), as a paged cache would hold.
 """
 
@@ -79,7 +81,40 @@ def measure(req: dict) -> dict:
     return {"protocol": protocol.PROTOCOL, "status": protocol.OK, "reason": None, "engine": "vllm",
             "version": "0.0-fake", "kv_cache_dtype": arm["kv_cache_dtype"], "kv_capacity_tokens": capacity,
             "kv_gib": req["kv_gib"], "seconds": {"all": time.perf_counter() - t0}, "samples": samples,
-            "continuations": continuations, "passkey": answers}
+            "continuations": continuations, "passkey": answers,
+            "serving": serve(req, fp8) if req.get("serving") else None}
+
+
+def serve(req: dict, fp8: bool) -> dict:
+    """A closed loop of `concurrency` requests on a simulated clock: a step costs 4 ms (3 ms with an FP8 cache)
+    plus 1 ms per 100 tokens of the prompts it prefills; every token of a step gets the step's time."""
+    spec, mode = req["serving"], os.environ.get("FAKE_SERVING", "")
+    n, c, keep = spec["output_tokens"], spec["concurrency"], max(1, req["max_model_len"] - spec["output_tokens"])
+    clock, groups = 0.0, []
+    for g in spec["groups"]:
+        todo = [min(len(req["samples"][g["samples"][k % len(g["samples"])]]), keep) for k in range(g["requests"])]
+        live, records, most = [], [], 0
+        while todo or live:
+            while todo and len(live) < c:
+                rec = {"prompt_tokens": todo.pop(0), "added": clock, "token_times": [], "preemptions": 0}
+                records.append(rec)
+                live.append(rec)
+            most = max(most, len(live))
+            clock += 0.001 * sum(r["prompt_tokens"] for r in live if not r["token_times"]) / 100 \
+                + (0.003 if fp8 else 0.004)
+            for rec in live:
+                rec["token_times"].append(clock)
+            live = [r for r in live if len(r["token_times"]) < n]
+        groups.append({"bucket": g["bucket"], "requests": records, "max_running": most})
+    out = {"groups": groups, "error": None, "oom": False, "on_cpu": True, "device": "CPU (fake)",
+           "peak_memory_bytes": 1 << 30, "memory_kind": "process peak RSS (fake)", "preemptions": 0,
+           "preemptions_source": "fake counter", "max_num_seqs": c}
+    if fp8 and mode == "preempt":
+        out["preemptions"] = 2
+    if fp8 and mode == "oom":
+        out.update(groups=groups[:1], error="OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                   oom=True)
+    return out
 
 
 def main(argv: list[str]) -> int:

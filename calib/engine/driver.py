@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from calib.engine import protocol
+from calib.engine.serving import ServingSpec
 from calib.errors import KvcalibError
 from calib.safety import files, outputs
 
@@ -59,7 +60,8 @@ class EngineError(KvcalibError, ValueError):
 @dataclass(frozen=True)
 class EngineSpec:
     """Where and how to run an engine. `venv`: the engine's virtual environment (its bin/python runs the
-    runner); `top_k`: log-probabilities per position; `kv_gib`: KV-cache pool per run (an integer, GiB)."""
+    runner); `top_k`: log-probabilities per position; `kv_gib`: KV-cache pool per run (an integer, GiB);
+    `serving`: also serve the samples as requests and time them (`kvcalib validate`), None: quality only."""
     name: str
     venv: Path
     top_k: int = 20
@@ -67,6 +69,7 @@ class EngineSpec:
     timeout: float = 3600.0
     continuation_tokens: int = 16
     chunk: int = 4
+    serving: ServingSpec | None = None
 
     @property
     def python(self) -> Path:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from calib.engine import driver, metrics, protocol, support
+from calib.engine import driver, metrics, protocol, serving, support
 from calib.evaluation import passkey
 from calib.progress import SILENT, Progress
 
@@ -58,19 +58,44 @@ class EngineRun:
     progress: Progress = SILENT
     reference: dict[str, Any] | None = field(default=None, init=False)
     reference_reason: str | None = field(default=None, init=False)
+    served: dict[str, str] = field(default_factory=dict, init=False)   # serve configuration -> arm that timed it
+
+    def _serving_field(self, arm_spec: dict[str, Any]) -> dict[str, Any] | None:
+        """The request's serving phase: only when asked and only for a serve configuration not yet timed
+        (speed depends on the KV dtype and skip layers, not on the scale values)."""
+        if self.spec.serving is None or serving.config_key(arm_spec) in self.served:
+            return None
+        return serving.request_field(self.spec.serving, self.buckets, [s.bucket for s in self.samples])
+
+    def _serving_entry(self, arm_name: str, arm_spec: dict[str, Any], resp: dict[str, Any],
+                       request: dict[str, Any]) -> dict[str, Any]:
+        """The arm's serving numbers, or which arm's measurement it shares."""
+        key = serving.config_key(arm_spec)
+        if key in self.served:
+            return {"status": "shared", "config": key, "shared_with": self.served[key]}
+        self.served[key] = arm_name
+        try:
+            checked = serving.check(resp.get("serving"), request["serving"], request["max_model_len"])
+        except serving.ServingError as e:
+            return {"status": "failed", "config": key, "measured_by": arm_name, "oom": False, "concurrency":
+                    self.spec.serving.concurrency, "error": f"the runner's serving answer breaks the protocol: {e}"}
+        return {**serving.summarize(checked, request["serving"], resp.get("kv_capacity_tokens")), "config": key,
+                "measured_by": arm_name}
 
     def _request(self, arm_spec: dict[str, Any]) -> dict[str, Any]:
         cont = self.spec.continuation_tokens
-        need = max([len(s.ids) + cont for s in self.samples] + [len(p.ids) + passkey.MAX_NEW_TOKENS for p in self.prompts])
+        serve = self._serving_field(arm_spec)
+        cont_need = max(cont, serve["output_tokens"]) if serve else cont
+        need = max([len(s.ids) + cont_need for s in self.samples] + [len(p.ids) + passkey.MAX_NEW_TOKENS for p in self.prompts])
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        return {"protocol": protocol.PROTOCOL, "arm": arm_spec, "samples": [list(s.ids) for s in self.samples],
+        return {"serving": serve, "protocol": protocol.PROTOCOL, "arm": arm_spec, "samples": [list(s.ids) for s in self.samples],
                 "continuation_tokens": cont, "passkey": [list(p.ids) for p in self.prompts],
                 "passkey_tokens": passkey.MAX_NEW_TOKENS, "stop_token_ids": [] if eos is None else [int(eos)],
                 "top_k": self.spec.top_k, "kv_gib": self.spec.kv_gib,
                 "max_model_len": min(need, self.context) if self.context else need, "dtype": self.model_dtype,
                 "seed": 0, "chunk": self.spec.chunk}
 
-    def _call(self, arm_spec: dict[str, Any], label: str) -> dict[str, Any]:
+    def _call(self, arm_spec: dict[str, Any], label: str, request: dict[str, Any]) -> dict[str, Any]:
         cont = self.spec.continuation_tokens
         total = sum(len(s.ids) + cont for s in self.samples) + sum(len(p.ids) + passkey.MAX_NEW_TOKENS
                                                                    for p in self.prompts)
@@ -82,7 +107,7 @@ class EngineRun:
             def on_progress(p: dict[str, int]) -> None:
                 stage.advance(p.get("tokens", 0) - seen[0], samples=p.get("samples", 0), prompts=p.get("passkey", 0))
                 seen[0] = p.get("tokens", 0)
-            resp = driver.run(self.spec, self._request(arm_spec), on_progress, self.version)
+            resp = driver.run(self.spec, request, on_progress, self.version)
             if resp["status"] != protocol.OK:
                 stage.labels = {"arm": label, "status": f"not run: {resp['reason']}"}
             return resp
@@ -126,11 +151,14 @@ class EngineRun:
                                  "reason": f"the engine's {reference.name.upper()}-KV reference run did not run "
                                            f"({self.reference_reason})"}
                 continue
-            resp = self._call(spec, label)
+            request = self._request(spec)
+            resp = self._call(spec, label, request)
             if arm is reference:
                 if resp["status"] == protocol.OK:
                     self.reference = resp
                 else:
                     self.reference_reason = resp["reason"]
             out[arm.name] = self._entry(resp)
+            if self.spec.serving is not None and out[arm.name]["status"] == protocol.OK:
+                out[arm.name]["serving"] = self._serving_entry(arm.name, spec, resp, request)
         return out
