@@ -42,10 +42,9 @@ def _quality(entry: Any, ref: Any, th: eval_report.Thresholds, is_ref: bool) -> 
 def _decide(quality: dict[str, Any], engine: Mapping[str, Any] | None, speed: dict[str, Any]) -> tuple[str, str]:
     if not engine or engine.get("status") != "ok":
         return NOT_RUN, f"not served by the engine: {(engine or {}).get('reason') or 'no engine run'}"
-    reasons = [f"quality: {'; '.join(quality['failures'])}"] if not quality["ok"] else []
-    if speed["ok"] is not True:
-        reasons.append(f"speed: {speed['why']}")
-    return (GO, f"quality within the bar; speed: {speed['why']}") if not reasons else (NO_GO, "; ".join(reasons))
+    q = "quality within the bar" if quality["ok"] else f"quality: {'; '.join(quality['failures'])}"
+    s = f"speed: {speed['why']}" if speed["ok"] is not None else f"speed: {speed['why']} (no go without it)"
+    return (GO if quality["ok"] and speed["ok"] is True else NO_GO), f"{q}; {s}"
 
 
 def build(result: Any, thresholds: eval_report.Thresholds, spec: serving.ServingSpec) -> dict[str, Any]:
@@ -116,6 +115,8 @@ def markdown(doc: Mapping[str, Any]) -> str:
         for b in doc["buckets"]:
             q = a["quality"]["buckets"].get(str(b), {})
             g = (s.get("buckets") or {}).get(str(b), {})
+            if not q and not g:            # no held-out sample fell in this bucket
+                continue
             rows.append([f"`{n}`", f"<= {b}", _n(q.get("kl")), "–" if q.get("ppl_rel") is None
                          else f"{100 * q['ppl_rel']:+.2f}%",
                          *(f"{_ms((g.get(k) or {}).get('p50'))} / {_ms((g.get(k) or {}).get('p90'))} / "
