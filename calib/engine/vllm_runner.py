@@ -168,14 +168,14 @@ def measure(req: dict) -> dict:
 
 def _preemption_counter(llm) -> int | None:
     """The engine's cumulative preemption count (its `vllm:num_preemptions` counter, `LLM.get_metrics()` with
-    statistics on), None when this vLLM does not report it."""
-    try:
-        for m in llm.get_metrics():
-            if getattr(m, "name", "") == "vllm:num_preemptions":
-                return int(getattr(m, "value"))
+    statistics on), None when this vLLM does not report it. The counter is registered in
+    vllm/v1/metrics/loggers.py (PrometheusStatLogger) from IterationStats.num_preempted_reqs in
+    vllm/v1/metrics/stats.py, in the CPU build 0.32 installed here and in the v1 engine's earlier releases."""
+    try:      # one counter per engine (data parallel): their sum
+        counts = [int(m.value) for m in llm.get_metrics() if getattr(m, "name", "") == "vllm:num_preemptions"]
     except Exception:
         return None
-    return None
+    return sum(counts) if counts else None
 
 
 def _running(llm) -> int | None:
