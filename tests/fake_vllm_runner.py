@@ -6,8 +6,8 @@ default), run through kvcalib's default emulation (FAKE_ENGINE=fp8), or both: on
 refused (FAKE_ENGINE=refuse-default). FAKE_ENGINE=crash / hang make FP8
 arms exit without an answer / never finish, to test the driver. A serving phase (`kvcalib validate`) runs on
 a simulated clock (`serve`): FP8 steps are faster than model-dtype ones; FAKE_SERVING=preempt reports
-preemptions for FP8 arms, FAKE_SERVING=oom ends their phase with a CUDA out-of-memory message. KV capacity is the pool divided by the
-cache's bytes per token (layers x 2 x kv heads x head dim x element size), as a paged cache would hold.
+preemptions for FP8 arms. KV capacity is the pool divided by the cache's bytes per token (layers x 2 x kv
+heads x head dim x element size), as a paged cache would hold.
 """
 
 from __future__ import annotations
@@ -111,9 +111,6 @@ def serve(req: dict, fp8: bool) -> dict:
            "preemptions_source": "fake counter", "max_num_seqs": c}
     if fp8 and mode == "preempt":
         out["preemptions"] = 2
-    if fp8 and mode == "oom":
-        out.update(groups=groups[:1], error="OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
-                   oom=True)
     return out
 
 

@@ -194,8 +194,8 @@ def _memory(on_cpu: bool) -> tuple[int | None, str]:
             "process peak RSS (CPU: model, KV pool and activations in host memory)"
     import torch
 
-    return int(torch.cuda.max_memory_allocated()), ("torch.cuda.max_memory_allocated of the engine process during serving (weights and "
-                                               "KV pool included)")
+    return int(torch.cuda.max_memory_allocated()), \
+        "torch.cuda.max_memory_allocated of the engine process during serving (weights and KV pool included)"
 
 
 def _closed_loop(llm, prompts: list[list[int]], concurrency: int, params, tag: str) -> dict:
