@@ -441,5 +441,9 @@ from calib.routes.cli import plan as _plan  # noqa: E402
 
 main.add_command(_plan)
 
+from calib.validate.cli import validate as _validate  # noqa: E402
+
+main.add_command(_validate)
+
 if __name__ == "__main__":
     main()

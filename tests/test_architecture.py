@@ -207,7 +207,8 @@ def test_no_import_cycles():
 # its right. data, model, capture and scales come before every consumer of their values; the recipe and the
 # checkpoint layout sit under everything, except that the recipe reads the engine targets' names and rules
 # from calib.export's registry (recipe.recipe imports calib.export, which imports no torch).
-LATER = ("calib.export", "calib.verify", "calib.evaluation", "calib.engine", "calib.tune", "calib.routes", "calib.pipeline",
+LATER = ("calib.export", "calib.verify", "calib.evaluation", "calib.engine", "calib.tune", "calib.routes", "calib.validate",
+         "calib.pipeline",
          "calib.cli")
 LAYERS = {**{p: LATER for p in ("calib.data", "calib.model", "calib.capture", "calib.scales")},
           **{p: tuple(q for q in LATER if q != "calib.export") for p in LIGHT_PACKAGES}}

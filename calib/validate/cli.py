@@ -1,0 +1,104 @@
+"""`kvcalib validate`: a thin Click command over calib.validate.run (registered on the `kvcalib` group).
+
+Importing it must stay cheap (no torch): the evaluation is imported inside the command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import click
+
+from calib import resources
+from calib.errors import KvcalibError
+from calib.evaluation import emulate as emulate_mod
+from calib.evaluation import significance
+
+
+@click.command("validate")
+@click.option("--model", "model_src", help="Model directory or hub id. Default: the embedded default model.")
+@click.option("--data", "data_src", help="Your held-out prompts (same formats as calibrate). Default: the sample text.")
+@click.option("--scales", multiple=True, help="A checkpoint whose KV scales form an arm (any tool's layout); repeatable.")
+@click.option("--buckets", default="256,512", show_default=True, help="Prompt-length buckets (tokens).")
+@click.option("--samples", type=int, default=8, show_default=True, help="Held-out samples (prompts), over the buckets.")
+@click.option("--pack/--no-pack", default=False, help="Concatenate records so prompts fill every bucket.")
+@click.option("--min-tokens", type=int, default=16, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--passkey-trials", type=int, default=0, show_default=True,
+              help=f"Passkey prompts per depth and bucket (0: off; {significance.DEFAULT_TRIALS} detects a 10-point drop).")
+@click.option("--concurrency", type=int, default=4, show_default=True,
+              help="Requests kept in flight while serving (closed loop: a finished request is replaced at once).")
+@click.option("--output-tokens", type=int, default=32, show_default=True,
+              help="Tokens each served request generates (end-of-sequence ignored); at least 2: TPOT excludes the first.")
+@click.option("--requests", type=int, default=0, show_default=True,
+              help="Requests served per bucket (its prompts repeated in order); 0: max(prompts, 2 x concurrency).")
+@click.option("--emulate", "emulation", type=click.Choice(emulate_mod.names()), default=emulate_mod.DEFAULT,
+              show_default=True, help="Whose FP8 arithmetic the emulated quality numbers follow (the engine's decide).")
+@click.option("--max-kl", type=float, default=0.01, show_default=True, help="Quality bar: mean KL (nats) per bucket.")
+@click.option("--max-ppl-increase", type=float, default=0.01, show_default=True, help="Quality bar: relative ppl rise.")
+@click.option("--passkey-drop", type=int, default=0, show_default=True)
+@click.option("--max-skip", type=int, default=3, show_default=True, help="Most layers tried in BF16 (skip trials).")
+@click.option("--failures", type=int, default=3, show_default=True, help="Worst samples kept per arm, with their text.")
+@click.option("--vllm-venv", envvar="KVCALIB_VLLM_VENV", type=click.Path(file_okay=False, path_type=Path),
+              help="Virtual environment with vLLM installed (env KVCALIB_VLLM_VENV). Required.")
+@click.option("--engine-kv-gib", type=int, default=1, show_default=True,
+              help="KV-cache pool per engine start in GiB; capacity and the largest batch follow from it.")
+@click.option("--engine-timeout", type=float, default=3600.0, show_default=True,
+              help="Seconds one engine start (quality and serving) may take.")
+@click.option("--device")
+@click.option("--cpu-dtype", type=click.Choice(("float32", "bfloat16")),
+              help="Model dtype on CPU for the emulation. Default: the checkpoint's own, which the engine serves.")
+@click.option("--plots/--no-plots", default=True)
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress lines on stderr.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Report folder. Default: out/<model>-validate.")
+@click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never other files).")
+def validate(model_src, data_src, scales, buckets, samples, pack, min_tokens, seed, passkey_trials, concurrency,
+             output_tokens, requests, emulation, max_kl, max_ppl_increase, passkey_drop, max_skip, failures, vllm_venv,
+             engine_kv_gib, engine_timeout, device, cpu_dtype, plots, progress, out, force) -> None:
+    """Quality and serving speed per arm in the real engine (BF16 KV, FP8 scale 1.0, each --scales checkpoint,
+    skip trials) on your held-out prompts by length bucket: KL / perplexity / passkey beside TTFT, TPOT, ITL
+    (p50/p90/p99), latency, throughput at --concurrency, KV capacity, largest batch, peak memory, preemptions /
+    OOM; a go / no-go per arm. Writes OUT/validate.md, validate.json, validate.png and OUT/eval/ (the evaluation)."""
+    from calib.engine.driver import EngineSpec
+    from calib.engine.serving import ServingSpec
+    from calib.evaluation.config import EvalConfig
+    from calib.evaluation.report import Thresholds
+    from calib.progress import Progress
+    from calib.safety import options, outputs
+    from calib.validate.run import check, run_validate
+
+    try:
+        bucket_list = tuple(int(b) for b in buckets.split(",") if b.strip())
+    except ValueError:
+        raise click.ClickException(f"--buckets {buckets!r}: give token lengths like 256,512") from None
+    if vllm_venv is None:
+        raise click.ClickException("validate needs --vllm-venv PATH (or KVCALIB_VLLM_VENV): the virtual environment "
+                                   "where vLLM is installed (`make engine-venv` builds one)")
+    spec = EngineSpec("vllm", vllm_venv, kv_gib=engine_kv_gib, timeout=engine_timeout,
+                      serving=ServingSpec(concurrency, output_tokens, requests))
+    try:
+        cfg = EvalConfig(
+            model=str(model_src or ""), data=data_src or str(resources.default_data()), out=out or Path("out"),
+            scales=tuple(scales), emulate=emulation, buckets=bucket_list, samples=samples, min_tokens=min_tokens,
+            pack=pack, seed=seed, passkey_trials=passkey_trials, failures=failures, plots=plots,
+            thresholds=Thresholds(max_kl=max_kl, max_ppl_increase=max_ppl_increase, passkey_drop=passkey_drop,
+                                  max_skip=max_skip),
+            device=device, cpu_dtype=cpu_dtype, force=force, engine=spec)
+        check(cfg)                   # the serving options first: one line naming the option, nothing written
+        options.evaluation(cfg)
+        if model_src is None:
+            from calib.model.default_model import ensure_default_model
+
+            model_src = str(ensure_default_model(resources.build_dir(), log=lambda m: click.echo(m, err=True)))
+        cfg = dataclasses.replace(cfg, model=str(model_src),
+                                  out=out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-validate")
+        with outputs.terminate_as_interrupt():
+            res = run_validate(cfg, log=lambda m: click.echo(m, err=True),
+                               progress=Progress((lambda m: click.echo(m, err=True)) if progress else None))
+    except KvcalibError as e:
+        raise click.ClickException(str(e)) from None
+    for name, arm in res.doc["arms"].items():
+        click.echo(f"{name}: {arm['decision']} ({arm['why']})")
+    click.echo(f"report: {res.out / 'validate.md'} (speed measured on {res.doc['device']})")
