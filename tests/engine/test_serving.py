@@ -108,6 +108,7 @@ def test_request_field_groups_samples_by_bucket_and_sizes_requests():
 
 
 def test_the_response_cap_grows_with_the_serving_phase():
-    req = {"samples": [[1, 2, 3]], "top_k": 2, "continuation_tokens": 1, "passkey": [], "passkey_tokens": 1}
+    req = {"samples": [[1, 2, 3]], "top_k": 2, "continuation_tokens": 1, "passkey": [], "passkey_tokens": 1,
+           "arms": [{"scales": None}]}
     field = serving.request_field(serving.ServingSpec(concurrency=8, output_tokens=512), [64], [64])
     assert protocol.response_cap({**req, "serving": field}) > protocol.response_cap(req) + 16 * 512 * 32
