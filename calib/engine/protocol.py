@@ -11,8 +11,8 @@ This module is the one home of the format: the runner imports it by file path (i
 not installed), so it uses the standard library only and no relative imports.
 
 Request (one arm):
-    {"protocol": 1, "arm": {"name", "model", "kv_cache_dtype": "auto" | "fp8" | "fp8_e5m2",
-     "skip_layers": [int]},
+    {"protocol": 1, "arm": {"name", "model", "kv_cache_dtype": "auto" | "fp8" | "fp8_e5m2" | "<x>_per_token_head",
+     "skip_layers": [int], "attention_backend": str (optional: the backend the format needs, e.g. TRITON_ATTN)},
      "samples": [[token ids]], "continuation_tokens": int,  # greedy tokens generated after each sample
      "passkey": [[token ids]], "passkey_tokens": int, "stop_token_ids": [int],
      "top_k": int, "kv_gib": int, "max_model_len": int, "dtype": "bfloat16", "seed": int,
@@ -23,6 +23,8 @@ Response:
      "samples": [{"target": [logprob of the actual next token, per position 1..n-1],
                   "top_ids": [[k ids] per position], "top_logprobs": [[k logprobs] per position]}],
      "continuations": [[generated ids]], "passkey": [[generated ids]]}
+Probe (`runner --probe`, one line on stdout): {"engine": str, "version": str, "kv_cache_dtypes": [str] | null}
+(the cache dtypes the engine's own config type accepts; `probe_formats` reads them).
 Progress lines on stdout: `{"progress": {"tokens": int, "samples": int, "passkey": int}}` (running totals).
 """
 
@@ -96,6 +98,15 @@ def parse_progress(line: str) -> dict[str, int] | None:
     counts = {k: p.get(k) for k in ("tokens", "samples", "passkey")}
     ok = all(type(v) is int and v >= 0 for v in counts.values())
     return counts if ok else None
+
+
+def probe_formats(doc: Any) -> tuple[str, ...] | None:
+    """The cache dtypes a probe answer lists (cleaned, at most 64); None when it lists none or is not a list."""
+    names = doc.get("kv_cache_dtypes") if isinstance(doc, dict) else None
+    if not isinstance(names, list):
+        return None
+    out = tuple(clean_text(n, 40) for n in names[:64] if isinstance(n, str) and n.strip())
+    return out or None
 
 
 def not_run(reason: str, engine: str = "", version: str = "", kv_gib: int = 0) -> dict[str, Any]:

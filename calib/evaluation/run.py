@@ -22,7 +22,8 @@ from calib.evaluation import passkey
 from calib.evaluation import plan as plan_mod
 from calib.evaluation import report, served
 from calib.evaluation.config import EvalConfig, check_buckets, check_eval
-from calib.evaluation.fakequant import Arm, EvalError, Geometry, arms_for, fake_quant_kv, read_stats, reference_arm
+from calib.evaluation.fakequant import (Arm, EvalError, Geometry, arms_for, fake_quant_kv, format_arms, read_stats,
+                                       reference_arm)
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference, with_passkey
 from calib.evaluation.retrieval import passkey_stage, run_passkey
@@ -87,7 +88,7 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             ref, results, engine = measure_arms(cfg, p, s, progress, planned.parts)
             measurable.check(ref, results, p.reference.name)     # before skip trials are planned on the numbers
             results.update(skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts))
-        decided = report.verdict(ref, results, cfg.thresholds, p.reference.name)
+        decided = report.verdict(ref, results, cfg.thresholds, p.reference.name, (p.geo.kv_heads, p.geo.head_dim))
         seconds = time.perf_counter() - t_start
         log(f"eval: done in {duration(seconds)} (planned {duration(planned.total)} after loading)")
         meta = _meta(cfg, p, ([note] if note else []) + plan_notes(planned, p.buckets, cfg.engine is not None),
@@ -106,6 +107,7 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     geo = Geometry.of(config, loaded.attention_layers)
     arms, served_note = served.as_served(arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv),
                                          cfg.target, cfg.engine_version, emulation.name)
+    arms += format_arms(geo, cfg.formats)
     vocab = getattr(config, "vocab_size", None)
     ctx = model_context.of_loaded(config, tok)
     if not cfg.fit_buckets:
