@@ -107,15 +107,20 @@ def rht(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     return hadamard(x) * signs if inverse else hadamard(x * signs)
 
 
-def int4_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes 0..15, zero points, the scale attention reads) of `int4_per_token_head` for x [..., d] (already rotated)."""
+def int4_codes(x: torch.Tensor, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes 0..15, zero points, the scale attention reads) of `int4_per_token_head` for x [..., d] (already rotated).
+    `fused`: `x * inv + zp` rounded once, as an FMA (Triton fuses it on GPUs: `enable_fp_fusion`); False rounds the
+    product first, as Triton's CPU interpreter computes it (tests/engine/test_vllm_formats.py)."""
     xf = _f32(x)
     lo, hi = xf.amin(dim=-1, keepdim=True), xf.amax(dim=-1, keepdim=True)
     scale = torch.clamp_min((hi - lo) / torch.tensor(INT4_LEVELS, dtype=torch.float32), SCALE_FLOOR)
     zp = torch.clamp(_half_away(-lo / scale), 0.0, INT4_LEVELS)
     inv = 1.0 / scale
-    fused = (xf.double() * inv.double() + zp.double()).to(torch.float32)       # one rounding, as an FMA
-    q = torch.clamp(_half_away(fused), 0.0, INT4_LEVELS)
+    if fused:
+        s = (xf.double() * inv.double() + zp.double()).to(torch.float32)       # one rounding, as an FMA
+    else:
+        s = xf * inv + zp
+    q = torch.clamp(_half_away(s), 0.0, INT4_LEVELS)
     read = (scale.view(torch.int32) & -16).view(torch.float32)                  # zp lives in the low mantissa bits
     return q, zp, read
 
