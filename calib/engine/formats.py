@@ -22,7 +22,8 @@ from calib.engine import support
 from calib.engine.verdict import decisive, engine_ok, implausible
 from calib.recipe import dtypes
 
-STATIC_KINDS = ("default", "checkpoint", "stats")       # static scales: 1.0, a checkpoint's, a what-if's
+# static scales: 1.0, a checkpoint's, a statistics file's what-if, a tune candidate's
+STATIC_KINDS = ("default", "checkpoint", "stats", "candidate")
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def static_vs_dynamic(table: list[FormatRow]) -> str | None:
     size = (f"{fewer:g} fewer bytes per token per layer (no per-token scales)" if fewer > 0 else
             f"{-fewer:g} more bytes per token per layer" if fewer < 0 else "the same bytes")
     if s_best.passes and (not d_best.passes or s_best.ppl_rel <= d_best.ppl_rel):
-        return f"Here {what} {s_best.format} beats the dynamic formats: {nums}; as good or better, with {size}."
+        return f"Here {what} {s_best.format} is as good as the dynamic formats or better: {nums}, with {size}."
     if d_best.passes and not s_best.passes:
         return (f"Here the dynamic {d_best.format} beats {what} {s_best.format}: {nums}; only the dynamic cache is "
                 "within the bar (its scales follow each token's range; it needs vLLM's Triton backend).")
