@@ -28,8 +28,9 @@ STATIC_KINDS = ("default", "checkpoint", "stats", "candidate")
 
 @dataclass(frozen=True)
 class FormatRow:
-    """One arm as a format: bytes per token per layer (model), the engine's measured bytes per token (all layers,
-    None where it did not run), how many engine backends serve the format, and why it misses the bar."""
+    """One arm as a format: bytes per token per layer (model), the engine's measured bytes per token per layer (its
+    pool over the tokens it fits, over the layers; None where it did not run or its numbers are implausible), how
+    many engine backends serve the format, and why it misses the bar."""
     arm: str
     format: str
     kind: str
@@ -79,8 +80,8 @@ def served_by(fmt: str) -> int:
     return n
 
 
-def rows(results: Mapping[str, Any], failures: Callable[[Any], list[str]], kv_heads: int,
-         head_dim: int) -> list[FormatRow]:
+def rows(results: Mapping[str, Any], failures: Callable[[Any], list[str]], kv_heads: int, head_dim: int,
+         layers: int = 1) -> list[FormatRow]:
     """Every quantised, shippable arm without a skip trial as a FormatRow (the reference is the fallback)."""
     out = []
     for name, e in results.items():
@@ -92,7 +93,7 @@ def rows(results: Mapping[str, Any], failures: Callable[[Any], list[str]], kv_he
         eng = None
         if engine_ok(e) and not implausible(e):
             tpg = e.engine.get("tokens_per_gib")
-            eng = 2 ** 30 / tpg if tpg else None
+            eng = 2 ** 30 / tpg / max(layers, 1) if tpg else None
         out.append(FormatRow(name, fmt.name, info.kind, fmt.bytes_per_token(kv_heads, head_dim), eng,
                              served_by(fmt.name), nums.summary.ppl_rel, nums.summary.kl, nums.source,
                              tuple(failures(e))))
@@ -105,9 +106,9 @@ def order(table: list[FormatRow]) -> list[FormatRow]:
 
 
 def choose(results: Mapping[str, Any], failures: Callable[[Any], list[str]], model_dtype: str, kv_heads: int,
-           head_dim: int, reference: str) -> FormatChoice:
+           head_dim: int, reference: str, layers: int = 1) -> FormatChoice:
     """The format to serve by the module's rule, with the static-vs-dynamic statement."""
-    table = rows(results, failures, kv_heads, head_dim)
+    table = rows(results, failures, kv_heads, head_dim, layers)
     ref_bytes = dtypes.model_bytes_per_token(model_dtype, kv_heads, head_dim)
     ok = order(table)
     if ok:

@@ -269,7 +269,7 @@ class Report:
             return None
         m = self.meta
         return kv_formats.choose(self.arms, lambda e: failures(e, self.reference, self.thresholds),
-                                 m["model_dtype"], m["kv_heads"], m["head_dim"], self.reference_name)
+                                 m["model_dtype"], m["kv_heads"], m["head_dim"], self.reference_name, len(m["layers"]))
 
     def to_dict(self) -> dict[str, Any]:
         """report.json: the description, every arm's numbers with whether it is within the threshold and why
@@ -435,10 +435,10 @@ def _format_lines(rep: Report) -> list[str]:
     lines = ["## KV formats", "", f"**{fmt.text}**", ""]
     lines += [fmt.static_vs_dynamic, ""] if fmt.static_vs_dynamic else []
     lines += ["Bytes per token per layer: K and V of every KV head plus the per-token float32 scales of the dynamic "
-              "formats; engine: its pool over the tokens it fits (all layers). Served by: engine backends that serve "
+              "formats; engine: its pool over the tokens it fits, per layer (block rounding included). Served by: engine backends that serve "
               "the format (the support matrix). Rule: the fewest bytes within the bar, ties to the format more "
               "backends serve, then the lower KL.", ""]
-    return lines + table(["arm", "format", "bytes/token/layer", "engine bytes/token", "served by", "Δppl", "mean KL",
+    return lines + table(["arm", "format", "bytes/token/layer", "engine bytes/token/layer", "served by", "Δppl", "mean KL",
                           "numbers", "within the bar"], rows)
 
 

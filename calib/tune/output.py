@@ -127,7 +127,7 @@ def formats(cfg: TuneConfig, loaded: Any, found: Search, chosen: dict[str, Any] 
         entries[chosen["name"]] = found.entry(chosen["name"])
     choice = kv_formats.choose(entries, lambda e: report.failures(e, found.ref, cfg.thresholds),
                                str(loaded.dtype).removeprefix("torch."), geo.kv_heads, geo.head_dim,
-                               reference_arm(loaded.dtype).name)
+                               reference_arm(loaded.dtype).name, len(geo.layers))
     missing = [n for n in cfg.formats if n not in found.entries]
     return {"formats": {**choice.to_dict(), "not_scored": missing}}
 

@@ -156,6 +156,8 @@ def test_eval_with_every_format_reports_each_and_chooses_by_bytes(evaluated):
     assert res.verdict.arm == fm["chosen"]            # the verdict ships the fewest bytes within the bar too
     assert not rows["fp8_per_token_head"]["passes"] and not rows["int8_per_token_head"]["passes"]
     # the engine's capacity: fp8_e5m2 holds twice the tokens of the float32 reference... per element byte
+    # the engine's bytes per token per layer beside the model's (the fake engine's pool: 1 GiB in blocks of 16 tokens)
+    assert rows["fp8_e5m2"]["engine_bytes_per_token"] == pytest.approx(rows["fp8_e5m2"]["bytes_per_token"], rel=1e-3)
     ref_cap = arms[res.report["reference"]]["engine"]["kv_capacity_tokens"]
     assert arms["fp8_e5m2"]["engine"]["kv_capacity_tokens"] == pytest.approx(4 * ref_cap, rel=1e-3)
     md = (res.out / "report.md").read_text()
