@@ -107,7 +107,7 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     geo = Geometry.of(config, loaded.attention_layers)
     arms, served_note = served.as_served(arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv),
                                          cfg.target, cfg.engine_version, emulation.name)
-    arms += format_arms(geo, cfg.formats)
+    arms += served.formats_as_served(format_arms(geo, cfg.formats), cfg.target, cfg.engine_version, emulation.name)
     vocab = getattr(config, "vocab_size", None)
     ctx = model_context.of_loaded(config, tok)
     if not cfg.fit_buckets:
