@@ -140,8 +140,9 @@ def static_vs_dynamic(table: list[FormatRow]) -> str | None:
     eight = [r for r in dyn if dtypes.kv_format(r.format).bits == 8]
     d_best = min(eight or dyn, key=lambda r: (not r.passes, r.ppl_rel))
     what = "static (scale 1.0)" if s_best.kind == "default" else "calibrated static"
-    nums = (f"`{s_best.arm}` {100 * s_best.ppl_rel:+.2f}% at {s_best.bytes_per_token:g} bytes per token per layer vs "
-            f"`{d_best.arm}` {100 * d_best.ppl_rel:+.2f}% at {d_best.bytes_per_token:g}")
+    nums = (f"`{s_best.arm}` {100 * s_best.ppl_rel:+.2f}% ({s_best.numbers}) at {s_best.bytes_per_token:g} bytes per "
+            f"token per layer vs `{d_best.arm}` {100 * d_best.ppl_rel:+.2f}% ({d_best.numbers}) at "
+            f"{d_best.bytes_per_token:g}")
     fewer = d_best.bytes_per_token - s_best.bytes_per_token
     size = (f"{fewer:g} fewer bytes per token per layer (no per-token scales)" if fewer > 0 else
             f"{-fewer:g} more bytes per token per layer" if fewer < 0 else "the same bytes")

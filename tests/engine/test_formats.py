@@ -50,7 +50,7 @@ def test_the_fewest_bytes_within_the_bar_wins():
     c = choose(results)
     assert c.chosen == "default"
     assert c.static_vs_dynamic == ("Both are within the bar; the dynamic fp8_per_token_head loses less (`default` "
-                                   "+0.50% at 384 bytes per token per layer vs `fp8_per_token_head` +0.20% at 408); "
+                                   "+0.50% (emulation) at 384 bytes per token per layer vs `fp8_per_token_head` +0.20% (emulation) at 408); "
                                    "static fp8_e4m3 stores 24 fewer bytes per token per layer (no per-token scales) "
                                    "and more backends serve it.")
 
@@ -68,8 +68,9 @@ def test_calibrated_static_fp8_beating_the_dynamic_formats_is_said_with_the_numb
                 "int8_per_token_head": fmt("int8_per_token_head", ppl_rel=0.02)})
     assert c.chosen == "calibrated:ck"
     assert c.static_vs_dynamic == ("Here calibrated static fp8_e4m3 is as good as the dynamic formats or better: "
-                                   "`calibrated:ck` +0.30% at 384 bytes per token per layer vs `fp8_per_token_head` "
-                                   "+0.40% at 408, with 24 fewer bytes per token per layer (no per-token scales).")
+                                   "`calibrated:ck` +0.30% (emulation) at 384 bytes per token per layer vs "
+                                   "`fp8_per_token_head` +0.40% (emulation) at 408, with 24 fewer bytes per token per "
+                                   "layer (no per-token scales).")
     c = choose({"calibrated:ck": fmt("fp8_e4m3", "checkpoint", ppl_rel=0.03),
                 "int8_per_token_head": fmt("int8_per_token_head", ppl_rel=0.001)})
     assert c.chosen == "int8_per_token_head"
