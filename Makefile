@@ -116,6 +116,9 @@ engine-test: $(STAMP) $(VLLM_STAMP)
 	# (one generated token: vLLM CPU runs FP8 weights through torch's CPU float8 matmul, measured at 11.7 s for one
 	# 256x576x3072 GEMM on a 2-core host, so 16 greedy tokens ran the probe past its 900 s limit)
 	$(call engine_pytest,$(ENGINE_CKPT)-into,6,-k "not control" --probe-max-tokens 1)
+	# vLLM's own KV formats: the probe's list, its per-token-head write kernels against kvcalib's emulation (Triton's
+	# CPU interpreter), and a per-token-head cache on CPU vLLM reported not run with the reason
+	$(VLLM_VENV)/bin/python -m pytest -q -rs -m engine tests/engine/test_vllm_formats.py --ckpt $(ENGINE_CKPT) --min-passed 6
 	# kvcalib eval --engine vllm on the default model, prose and chat: the emulation's FP8 perplexity rise must
 	# match the real engine's on the same token ids (where the engine runs FP8)
 	$(VLLM_VENV)/bin/python -m pytest -q -rs -m engine tests/engine/test_vllm_eval.py --kvcalib $(abspath $(BIN)/kvcalib) \

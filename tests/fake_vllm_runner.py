@@ -4,7 +4,9 @@ It is not vLLM: the model-dtype arm runs the model's own forward (a second code 
 chunked head), FP8 arms either are refused with vLLM's message on AVX2 CPUs (FAKE_ENGINE=refuse, the
 default), run through kvcalib's default emulation (FAKE_ENGINE=fp8), or both: only the `default` arm is
 refused (FAKE_ENGINE=refuse-default). FAKE_ENGINE=crash / hang make FP8
-arms exit without an answer / never finish, to test the driver. KV capacity is the pool divided by the
+arms exit without an answer / never finish, to test the driver. A per-token-head cache runs kvcalib's exact
+emulation of it; FAKE_DYNAMIC=garbage makes it answer nonsense instead, as CPU vLLM 0.32 does (docs/design.md
+§11). The probe lists FAKE_KV_DTYPES (comma-separated) as the cache dtypes it accepts, or none. KV capacity is the pool divided by the
 cache's bytes per token (layers x 2 x kv heads x head dim x element size), as a paged cache would hold.
 A request of several arms (one engine start) is answered arm by arm; each arm's scales are read back as sent,
 except with FAKE_SCALES=drop, where every arm after the first holds what the first held (scales that did not
@@ -66,7 +68,7 @@ def measure_arm(req: dict, arm: dict, j: int = 0) -> dict:
     import torch
 
     from calib.evaluation import emulate, passkey
-    from calib.evaluation.fakequant import Geometry, checkpoint_arms, default_arm, fake_quant_kv
+    from calib.evaluation.fakequant import Geometry, checkpoint_arms, default_arm, fake_quant_kv, format_arms
     from calib.evaluation.run import load_causal_lm
     from calib.recipe.dtypes import kv_dtype
 
@@ -75,8 +77,11 @@ def measure_arm(req: dict, arm: dict, j: int = 0) -> dict:
     lm, config = loaded.model, loaded.config
     geo = Geometry.of(config, loaded.attention_layers)
     q = None
-    if fp8:
-        dtype = kv_dtype("fp8_e5m2" if arm["kv_cache_dtype"] == "fp8_e5m2" else "fp8_e4m3")
+    dynamic = arm["kv_cache_dtype"].endswith("_per_token_head")
+    if dynamic or arm["kv_cache_dtype"] == "fp8_e5m2":       # the whole-format arms: their names are vLLM's
+        q = format_arms(geo, [arm["kv_cache_dtype"]])[0]
+    elif fp8:
+        dtype = kv_dtype("fp8_e4m3")
         kv_info = Path(arm["model"], "kvcalib.json")
         q = checkpoint_arms(arm["model"], geo)[0] if kv_info.is_file() else default_arm(geo, dtype)
         if arm["skip_layers"]:       # indices, or vLLM's "sliding_window" (every layer with a sliding window)
@@ -88,7 +93,11 @@ def measure_arm(req: dict, arm: dict, j: int = 0) -> dict:
     samples, continuations, answers, tokens = [], [], [], 0
     with fake_quant_kv(lm, emulate.by_name(emulate.DEFAULT)) as hook, torch.inference_mode(), hook.applying(q):
         for ids in req["samples"]:
-            lp = torch.log_softmax(lm(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float(), -1)[:-1]
+            logits = lm(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+            if dynamic and os.environ.get("FAKE_DYNAMIC") == "garbage":
+                logits = torch.zeros_like(logits)
+                logits[:, 0] = 60.0                        # always token 0, sure of it: e^60 perplexity
+            lp = torch.log_softmax(logits, -1)[:-1]
             top = lp.topk(k, dim=-1)
             samples.append({"target": lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist(),
                             "top_ids": top.indices.tolist(), "top_logprobs": top.values.tolist()})
@@ -101,8 +110,12 @@ def measure_arm(req: dict, arm: dict, j: int = 0) -> dict:
             answers.append(passkey.greedy(lm, ids, max_new_tokens=req["passkey_tokens"], eos_id=stop))
             tokens += len(ids) + req["passkey_tokens"]
             print(protocol.progress_line(tokens, len(samples), len(answers), j), flush=True)
-    elem = 1 if fp8 else torch.finfo(loaded.dtype).bits // 8
-    per_token = len(geo.layers) * 2 * geo.kv_heads * geo.head_dim * elem
+    from calib.recipe.dtypes import kv_format
+
+    name = {"fp8": "fp8_e4m3"}.get(arm["kv_cache_dtype"], arm["kv_cache_dtype"])
+    per_token = len(geo.layers) * (kv_format(name).bytes_per_token(geo.kv_heads, geo.head_dim) if fp8 else
+                                   2 * geo.kv_heads * geo.head_dim * (torch.finfo(loaded.dtype).bits // 8))
+    per_token = int(per_token)
     capacity = req["kv_gib"] * 2 ** 30 // per_token // 16 * 16
     return {"status": protocol.OK, "reason": None, "engine": "vllm", "scales": None,
             "version": "0.0-fake", "kv_cache_dtype": arm["kv_cache_dtype"], "kv_capacity_tokens": capacity,
@@ -144,7 +157,8 @@ def main(argv: list[str]) -> int:
         if os.environ.get("FAKE_ENGINE") == "missing":
             print("ModuleNotFoundError: No module named 'vllm'", file=sys.stderr)
             return 1
-        print(json.dumps({"engine": "vllm", "version": "0.0-fake"}))
+        listed = [n for n in os.environ.get("FAKE_KV_DTYPES", "").split(",") if n] or None
+        print(json.dumps({"engine": "vllm", "version": "0.0-fake", "kv_cache_dtypes": listed}))
         return 0
     req = protocol.read(Path(argv[0]), protocol.REQUEST_FIELDS, "request")
     protocol.write(Path(argv[1]), measure(req))

@@ -256,7 +256,18 @@ def check(spec: EngineSpec) -> str:
     if not isinstance(doc, dict) or not isinstance(doc.get("version", "unknown"), str):
         raise EngineError(f"{spec.name} runner {spec.runner}: its --probe answer is not "
                           f'{{"engine": ..., "version": "..."}}: {protocol.clean_text(answer, 120)}')
+    _PROBED[(str(spec.python), str(spec.runner))] = protocol.probe_formats(doc)
     return protocol.clean_text(doc.get("version", "unknown"), 80) or "unknown"
+
+
+# the cache dtypes each engine environment's probe listed, kept from `check` (one probe per evaluation)
+_PROBED: dict[tuple[str, str], tuple[str, ...] | None] = {}
+
+
+def offered(spec: EngineSpec) -> tuple[str, ...] | None:
+    """The --kv-cache-dtype values the engine in `spec` accepts, as its `check` probe listed them (None: its
+    probe listed none, or it was not probed)."""
+    return _PROBED.get((str(spec.python), str(spec.runner)))
 
 
 def run(spec: EngineSpec, request: dict[str, Any], on_progress: Callable[[dict[str, int]], Any] | None = None,

@@ -17,8 +17,8 @@ This module is the one home of the format: the runner imports it by file path (i
 not installed), so it uses the standard library only and no relative imports.
 
 Request (one engine start):
-    {"protocol": 2, "arms": [{"name", "model", "kv_cache_dtype": "auto" | "fp8" | "fp8_e5m2",
-      "skip_layers": [int],
+    {"protocol": 2, "arms": [{"name", "model", "kv_cache_dtype": "auto" | "fp8" | "fp8_e5m2" | "<x>_per_token_head",
+      "skip_layers": [int], "attention_backend": str (optional: the backend the format needs, e.g. TRITON_ATTN),
       "scales": null | {"layout": "tensor" | "head",            # what the engine must hold for this arm
                         "layers": [{"layer": int, "k": [float], "v": [float], "q": [float]}]}}],
      "samples": [[token ids]], "continuation_tokens": int,  # greedy tokens generated after each sample
@@ -44,6 +44,8 @@ Response:
                                   # calib/engine/serving.py)
     `scales`: what the engine's attention layers held while the arm ran (their tensors and the Python
     floats some kernels read instead); null for an arm whose request carries none.
+Probe (`runner --probe`, one line on stdout): {"engine": str, "version": str, "kv_cache_dtypes": [str] | null}
+(the cache dtypes the engine's own config type accepts; `probe_formats` reads them).
 Progress lines on stdout: `{"progress": {"arm": int, "tokens": int, "samples": int, "passkey": int}}` (running
 totals of the arm with that index in the request).
 """
@@ -129,6 +131,15 @@ def parse_progress(line: str) -> dict[str, int] | None:
     counts["arm"] = p.get("arm", 0)
     ok = all(type(v) is int and v >= 0 for v in counts.values())
     return counts if ok else None
+
+
+def probe_formats(doc: Any) -> tuple[str, ...] | None:
+    """The cache dtypes a probe answer lists (cleaned, at most 64); None when it lists none or is not a list."""
+    names = doc.get("kv_cache_dtypes") if isinstance(doc, dict) else None
+    if not isinstance(names, list):
+        return None
+    out = tuple(clean_text(n, 40) for n in names[:64] if isinstance(n, str) and n.strip())
+    return out or None
 
 
 def not_run(reason: str, engine: str = "", version: str = "", kv_gib: int = 0) -> dict[str, Any]:

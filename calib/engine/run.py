@@ -22,14 +22,35 @@ from calib.evaluation import passkey
 from calib.progress import SILENT, Progress
 
 KV_DTYPES = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}      # kvcalib dtype -> vLLM --kv-cache-dtype
+# The attention backend vLLM needs for a per-token-head cache: only its Triton backend implements them
+# (vllm/v1/attention/backends/triton_attn.py `TritonAttentionBackend.supported_kv_cache_dtypes`; the support
+# matrix, calib.engine.support, cites it).
+DYNAMIC_BACKEND = "TRITON_ATTN"
 INT8_SERVED_BY = ("vLLM has no INT8 KV cache (the support matrix, calib.engine.support: "
                   + support.who_serves("int8") + ")")
 
 
-def request_arm(arm: Any, model: str) -> dict[str, Any] | str:
+def format_arm(arm: Any, model: str, offered: Sequence[str] | None = None) -> dict[str, Any] | str:
+    """The runner's arm spec for a whole-format arm (kind `format`: fp8_e5m2, the per-token-head caches), or why
+    the engine cannot serve it. `offered`: the cache dtypes the engine's probe listed (None: not known)."""
+    name = arm.dtype.engine
+    if name is None:
+        return f"vLLM has no {arm.dtype.name} KV cache"
+    if offered is not None and name not in offered:
+        return f"this vLLM does not offer --kv-cache-dtype {name} (it offers: {', '.join(offered)})"
+    spec = {"name": arm.name, "model": model, "kv_cache_dtype": name,
+            "skip_layers": sorted(set(arm.skip) | set(arm.serve_skip)), "scales": None}
+    if arm.dtype.dynamic:
+        spec["attention_backend"] = DYNAMIC_BACKEND
+    return spec
+
+
+def request_arm(arm: Any, model: str, offered: Sequence[str] | None = None) -> dict[str, Any] | str:
     """The runner's arm spec for an evaluation arm, or why the engine cannot serve it."""
     if arm.dtype is None:
         return {"name": arm.name, "model": model, "kv_cache_dtype": "auto", "skip_layers": [], "scales": None}
+    if arm.kind == "format":
+        return format_arm(arm, model, offered)
     if arm.dtype.name not in KV_DTYPES:
         return INT8_SERVED_BY
     if arm.kind == "stats":
@@ -167,6 +188,7 @@ class EngineRun:
         out = {**base, "status": protocol.OK, "kv_cache_dtype": resp["kv_cache_dtype"], **nums,
                "kv_capacity_tokens": cap, "kv_gib": resp["kv_gib"],
                "tokens_per_gib": cap / resp["kv_gib"] if cap and resp["kv_gib"] else None,
+               "bytes_per_token": _bytes_per_token(cap, resp["kv_gib"]),
                "seconds": resp["seconds"]}
         if resp.get("kv_groups"):             # the engine's capacity as its hybrid cache manager counts it
             out["kv_groups"] = resp["kv_groups"]
@@ -183,7 +205,7 @@ class EngineRun:
         todo = ([] if self.reference is not None or self.reference_reason else [reference]) + list(arms)
         runnable: list[tuple[Any, dict[str, Any], str]] = []
         for j, arm in enumerate(todo):
-            spec = request_arm(arm, self.model)
+            spec = request_arm(arm, self.model, driver.offered(self.spec))
             if isinstance(spec, str):
                 out[arm.name] = {"engine": self.spec.name, "version": self.version, "status": protocol.NOT_RUN,
                                  "reason": spec}
@@ -226,3 +248,8 @@ class EngineRun:
                 out[arm.name]["serving"] = self._serving_entry(
                     arm.name, spec, {"serving": timing, "kv_capacity_tokens": resp.get("kv_capacity_tokens")},
                     request)
+
+
+def _bytes_per_token(capacity: int | None, kv_gib: int) -> float | None:
+    """The engine's measured cache bytes per token (all layers): its pool over the tokens it fits."""
+    return kv_gib * 2 ** 30 / capacity if capacity and kv_gib else None

@@ -106,6 +106,8 @@ def how_to_serve(info: ArmInfo) -> str:
     skip: list[int | str] = sorted(set(info.serve_skip) | set(info.skip))
     if getattr(info, "skip_kind", None):          # served by the kind's name, which covers exactly those layers
         skip = [info.skip_kind, *sorted(info.serve_skip)]
+    if info.kind == "format":
+        return format_serving(info.dtype, skip)
     if info.dtype == "int8":
         if info.kind == "stats":
             return f"calibrate with `granularity: {info.granularity}`, dtype int8, only for an engine that applies it: {int8_serving()}"
@@ -118,6 +120,16 @@ def how_to_serve(info: ArmInfo) -> str:
     if info.kind == "stats":
         return f"calibrate with `granularity: {info.granularity}` on this data and serve the result (vLLM: `{flag}`)"
     return f"serve `{info.source}` (vLLM: `{flag}`)"
+
+
+def format_serving(fmt: str, skip: Sequence[int] = ()) -> str:
+    """How to serve a whole KV format (no kvcalib scales): its vLLM flag and, for the per-token-head caches, the
+    attention backend that implements them (the support matrix, calib.engine.support)."""
+    flag = f"--kv-cache-dtype {fmt}" + (f" {SKIP_FLAG} {' '.join(map(str, skip))}" if skip else "")
+    if fmt in support.DYNAMIC_FORMATS:
+        return (f"serve with `{flag} --attention-backend TRITON_ATTN` (vLLM; scales are computed per token and head "
+                "at the cache write, no calibration; only vLLM's Triton backend implements it)")
+    return f"serve with `{flag}` (vLLM; no scales, no calibration)"
 
 
 def _paired(a: Sequence[float], b: Sequence[float], tokens: Sequence[int]) -> tuple[float, float] | None:

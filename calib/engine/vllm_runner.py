@@ -6,7 +6,8 @@ Runs with the vLLM environment's python, never kvcalib's (docs/design.md §8): i
 `calib` and reads the format from `protocol.py` beside it, by file path.
 
     <vllm venv>/bin/python vllm_runner.py REQUEST.json RESPONSE.json
-    <vllm venv>/bin/python vllm_runner.py --probe            # prints {"engine": "vllm", "version": ...}
+    <vllm venv>/bin/python vllm_runner.py --probe            # prints {"engine": "vllm", "version": ...,
+                                                             #         "kv_cache_dtypes": [...]}
 
 Why these settings: the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so an engine
 that refuses a configuration (vLLM's CPU build refuses an FP8 cache on CPUs without AVX-512/AMX) raises
@@ -62,6 +63,44 @@ def _version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
 
 
+def _kv_cache_dtypes() -> list[str] | None:
+    """The --kv-cache-dtype values this vLLM accepts, from its own config type (`vllm/config/cache.py`
+    `CacheDType`, a Literal); None when this version has no such type."""
+    import typing
+
+    try:
+        from vllm.config.cache import CacheDType
+    except ImportError:
+        return None
+    names = [str(x) for x in typing.get_args(CacheDType)]
+    return names or None
+
+
+def _backend_kwargs(backend: str) -> dict:
+    """How this vLLM takes an attention backend: the engine argument `attention_backend` (0.32),
+    `attention_config={"backend": ...}`, or else the VLLM_ATTENTION_BACKEND variable of older versions."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    if "attention_backend" in fields:
+        return {"attention_backend": backend}
+    if "attention_config" in fields:
+        return {"attention_config": {"backend": backend}}
+    os.environ["VLLM_ATTENTION_BACKEND"] = backend
+    return {}
+
+
+def _backends_used(llm) -> set[str]:
+    """The attention backends the engine's attention layers run (empty when this version does not say)."""
+    try:
+        ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+        return {m.attn_backend.get_name() for m in ctx.values() if hasattr(m, "attn_backend")}
+    except Exception:
+        return set()
+
+
 def _engine(req: dict, on_cpu: bool):
     from vllm import LLM
 
@@ -76,6 +115,8 @@ def _engine(req: dict, on_cpu: bool):
                       disable_log_stats=False, enable_prefix_caching=False)
     if arm["skip_layers"]:
         kwargs["kv_cache_dtype_skip_layers"] = [str(i) for i in arm["skip_layers"]]
+    if arm.get("attention_backend"):
+        kwargs.update(_backend_kwargs(arm["attention_backend"]))
     if not on_cpu:
         import torch
 
@@ -227,6 +268,13 @@ def measure(req: dict) -> dict:
     except Exception as e:                     # the engine refused this configuration: say why, do not crash
         return protocol.not_run_all(_reason(e), req, "vllm", version, req["kv_gib"])
     startup = time.perf_counter() - t0
+    wanted, used = req["arms"][0].get("attention_backend"), _backends_used(llm)
+    if wanted and used and used != {wanted}:
+        # vLLM's CPU platform logs "Cannot use <backend> backend on CPU" and runs its own, which computes
+        # garbage for a per-token-head cache (docs/design.md §11): not this arm's format as designed
+        return protocol.not_run_all(f"{req['arms'][0]['kv_cache_dtype']} needs the {wanted} attention backend; "
+                                    f"this engine ran {', '.join(sorted(used))} instead", req, "vllm", version,
+                                    req["kv_gib"])
     capacity, cache_dtype = _capacity(llm)
     groups = _kv_groups(llm)
     answers = []
@@ -420,7 +468,7 @@ def serve(llm, req: dict, on_cpu: bool) -> dict:
 def main(argv: list[str]) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # engine errors surface here, with their message
     if argv[:1] == ["--probe"]:
-        print(json.dumps({"engine": "vllm", "version": _version()}))
+        print(json.dumps({"engine": "vllm", "version": _version(), "kv_cache_dtypes": _kv_cache_dtypes()}))
         return 0
     if len(argv) != 2:
         print(__doc__.strip().splitlines()[0], file=sys.stderr)

@@ -15,6 +15,7 @@ comparison); each lives in one short module, and callers import each name from t
 - report.py      the verdict, report.json, report.md and the plots
 - run.py         `run_eval`: checks, lock, load, measure, skip trials, engine, report
 - emulate.py     what each engine computes when its KV cache is FP8 (one registry of modes, torch-free)
+- dynamic.py     vLLM's per-token-head caches (FP8, INT8, INT4) as its kernels write and read them
 - passkey.py     the passkey prompts (generated, no dataset) and their exact-match scoring
 - significance.py  passkey decisions from an exact paired test (McNemar) and the prompts a drop needs
 """

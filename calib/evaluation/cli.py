@@ -15,6 +15,7 @@ from calib import resources
 from calib.errors import KvcalibError
 from calib.evaluation import emulate as emulate_mod
 from calib.evaluation import significance
+from calib.recipe import dtypes as dtypes_mod
 from calib.recipe import recipe as recipe_mod
 from calib.safety import outputs
 
@@ -22,6 +23,22 @@ from calib.safety import outputs
 DEFAULT_MODEL_EVAL = {"samples": 8, "buckets": "256,512", "passkey_trials": 0}
 # passkey: prompts per depth enough to detect a 10-point drop in each bucket (calib/evaluation/significance.py)
 EVAL_DEFAULTS = {"samples": 64, "buckets": "512,2048,8192", "passkey_trials": significance.DEFAULT_TRIALS}
+# --formats: the KV formats that need no kvcalib scales (the static ones are the default and checkpoint arms)
+FORMAT_CHOICES = tuple(n for n, d in dtypes_mod.KV_FORMATS.items() if d.scaling != dtypes_mod.STATIC)
+
+
+def parse_formats(text: str | None) -> tuple[str, ...]:
+    """--formats as format names (`all`: every one of FORMAT_CHOICES); a click error naming the choices."""
+    if not text:
+        return ()
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return FORMAT_CHOICES
+    bad = [n for n in names if n not in FORMAT_CHOICES]
+    if bad:
+        raise click.ClickException(f"--formats {text!r}: unknown {', '.join(bad)}; choose from "
+                                   f"{', '.join(FORMAT_CHOICES)} or all")
+    return tuple(dict.fromkeys(names))
 
 
 @click.command("eval")
@@ -30,6 +47,9 @@ EVAL_DEFAULTS = {"samples": 64, "buckets": "512,2048,8192", "passkey_trials": si
 @click.option("--scales", multiple=True, help="A checkpoint whose KV scales form an arm (any tool's layout); repeatable.")
 @click.option("--stats", "stats_src", help="A kvcalib statistics output: adds per-tensor/head/channel/token arms.")
 @click.option("--dtype", type=click.Choice(recipe_mod.DTYPES), default="fp8_e4m3", show_default=True)
+@click.option("--formats", "formats", help="Also evaluate the engine's own KV formats, comma-separated: "
+              f"{', '.join(FORMAT_CHOICES)}, or `all`; the report then chooses the format with the fewest bytes "
+              "per token within the bar (static calibrated FP8 against the dynamic caches).")
 @click.option("--emulate", "emulation", type=click.Choice(emulate_mod.names()), default=emulate_mod.DEFAULT,
               show_default=True, help="Whose FP8 arithmetic the emulated arms follow: vLLM's CPU build (the default: "
               "the engine this tool's users run), vLLM FlashAttention-3 (Hopper), TensorRT-LLM, or K/V rounding only.")
@@ -79,7 +99,7 @@ EVAL_DEFAULTS = {"samples": 64, "buckets": "512,2048,8192", "passkey_trials": si
 def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, samples, min_tokens, pack, batch_size,
              seed, passkey_trials, failures, plots, progress, max_kl, max_ppl_increase, passkey_drop, max_skip, device,
              cpu_dtype, trust_remote_code, engine, vllm_venv, engine_top_k, engine_kv_gib, engine_timeout, target,
-             engine_version, budget_minutes, emulate_up_to, out, force) -> None:
+             engine_version, budget_minutes, emulate_up_to, out, force, formats=None) -> None:
     """Compare BF16, default-scale and calibrated FP8 KV by layer and context length; write a report + verdict."""
     from calib.evaluation.config import EvalConfig
     from calib.evaluation.report import Thresholds
@@ -111,7 +131,7 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
     try:
         cfg = EvalConfig(
             model=str(model_src or ""), data=data_src or str(resources.default_data()), out=out or Path("out"), scales=tuple(scales),
-            stats=stats_src, dtype=dtype, emulate=emulation, buckets=bucket_list, samples=samples,
+            stats=stats_src, formats=parse_formats(formats), dtype=dtype, emulate=emulation, buckets=bucket_list, samples=samples,
             min_tokens=min_tokens, pack=pack,
             batch_size=batch_size, seed=seed, passkey_trials=passkey_trials, failures=failures, plots=plots,
             thresholds=Thresholds(max_kl=max_kl, max_ppl_increase=max_ppl_increase,

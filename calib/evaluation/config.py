@@ -30,6 +30,7 @@ class EvalConfig:
     out: Path
     scales: tuple[str, ...] = ()
     stats: str | None = None
+    formats: tuple[str, ...] = ()     # whole KV formats of the engine as arms (fakequant.format_arms)
     dtype: str = "fp8_e4m3"
     emulate: str = emulate.DEFAULT
     buckets: tuple[int, ...] = (512, 2048, 8192)
@@ -59,7 +60,7 @@ class EvalConfig:
         if self.engine is not None:
             d["engine"] = {k: str(v) if isinstance(v, Path) else vars(v) if k == "serving" and v is not None else v
                            for k, v in vars(self.engine).items()}
-        d.update(out=str(self.out), scales=list(self.scales), buckets=list(self.buckets),
+        d.update(out=str(self.out), scales=list(self.scales), formats=list(self.formats), buckets=list(self.buckets),
                  thresholds=self.thresholds.to_dict())
         return d
 

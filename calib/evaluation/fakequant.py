@@ -35,10 +35,10 @@ from calib.capture.stats import LayerStats, Stats
 from calib.ckpt.kvinfo import KVInfo, read_kv_info
 from calib.engine import support
 from calib.errors import KvcalibError
-from calib.evaluation import emulate, fa3
+from calib.evaluation import dynamic, emulate, fa3
 from calib.evaluation.results import ArmInfo
 from calib.model.attention import route_attention
-from calib.recipe.dtypes import FP8_E4M3, INT8, KVDtype, kv_dtype
+from calib.recipe.dtypes import FP8_E4M3, FP8_E5M2, INT8, KVDtype, kv_dtype, kv_format
 from calib.scales import fp8
 from calib.scales.fold import MIN_SCALE, amax_to_scale
 from calib.scales.quant import quantize
@@ -60,7 +60,7 @@ class Arm:
     dtype: KVDtype | None
     k: Mapping[int, torch.Tensor | str] = field(default_factory=dict)
     v: Mapping[int, torch.Tensor | str] = field(default_factory=dict)
-    kind: str = "reference"           # reference | default | checkpoint | stats
+    kind: str = "reference"           # reference | default | checkpoint | stats | format
     granularity: str = "tensor"
     shippable: bool = True            # an engine can serve it (per-channel/per-token are what-ifs)
     source: str | None = None
@@ -275,6 +275,31 @@ def arms_for(geo: Geometry, dtype: str, scales: Sequence[str] = (), stats: str |
     return out
 
 
+FORMAT = "format"          # the kind of an arm that is a whole KV format of the engine's (no kvcalib scales)
+
+
+def format_arms(geo: Geometry, names: Sequence[str]) -> list[Arm]:
+    """One arm per KV format in `names` that needs no scales of kvcalib's: `fp8_e5m2` (always scale 1.0) and the
+    dynamic per-token-head caches (scales computed at the cache write, calib.evaluation.dynamic). The static
+    formats are already the default and checkpoint arms, so they add nothing here."""
+    out = []
+    for name in dict.fromkeys(names):
+        try:
+            d = kv_format(name)
+        except ValueError as e:
+            raise EvalError(f"--formats: {e}") from None
+        if d.dynamic:
+            marker = {i: d.name for i in geo.layers}
+            out.append(Arm(d.name, d, marker, dict(marker), kind=FORMAT, granularity="token_head",
+                           notes=(f"{d.name}: one float32 scale per token and KV head computed at the cache write "
+                                  "(vLLM's Triton backend); no calibration",)))
+        elif d is FP8_E5M2:
+            one = torch.tensor(1.0)
+            out.append(Arm(d.name, d, {i: one for i in geo.layers}, {i: one for i in geo.layers}, kind=FORMAT,
+                           notes=("fp8_e5m2: unscaled (scale 1.0), 2 mantissa bits, range to 57344",)))
+    return out
+
+
 # ------------------------------------------------------------------------------- the fake-quant hook
 
 _TERMS = ("sat", "flush", "nonzero", "n", "signal", "noise")
@@ -285,6 +310,10 @@ def cache_codes(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype,
     """The codes (float32 grid values) the engine's cache write stores for x: `cast` says how an FP8 cache
     rounds and applies the scale (None: `quant.quantize`, x / scale rounded to nearest). INT8 always rounds
     to nearest: every engine serving INT8 KV does."""
+    if dtype is FP8_E5M2:           # vLLM's CPU write truncates e5m2 as it does e4m3; CUDA rounds to nearest
+        rounding = fp8.RZ if cast is not None and cast.rounding.startswith("rz") else fp8.RNE
+        op = cast.scale_op if cast is not None and cast.scale_op != "reciprocal-model" else "divide"
+        return fp8.quantize(x, scale, fp8.E5M2, rounding, op)
     if cast is None or dtype is not FP8_E4M3:
         return quantize(x, scale, dtype)
     return fp8.cache_write(x, scale, cast.rounding, cast.scale_op)
@@ -296,6 +325,8 @@ def fake_quant_terms(x: torch.Tensor, scale: torch.Tensor | str, dtype: KVDtype,
     """(what the cache gives back for x, in `out_dtype` (default x's), and when `measure` the float64 sums
     `_TERMS` over real tokens: saturated values, nonzero values stored as 0, nonzero values, values, sum x^2,
     sum (x - x_hat)^2). `cast`: the engine's FP8 conversion (`cache_codes`)."""
+    if dtype.dynamic:               # the engine's own per-token-head cache: exactly its write and read
+        return _dynamic_terms(x, dtype, mask, measure, out_dtype)
     dynamic = isinstance(scale, str)
     if dynamic:
         scale = x.detach().abs().amax(dim=-1, keepdim=True).float().div(dtype.qmax).clamp_min(MIN_SCALE)
@@ -309,6 +340,22 @@ def fake_quant_terms(x: torch.Tensor, scale: torch.Tensor | str, dtype: KVDtype,
     sat = torch.zeros_like(xf, dtype=torch.bool) if dynamic else (xf / scale).abs() > dtype.qmax
     nonzero = xf != 0
     parts = (sat, (codes == 0) & nonzero, nonzero, torch.ones_like(xf), xf * xf, (xf - x_hat.float()) ** 2)
+    return x_hat, torch.stack([(p * w).sum(dtype=torch.float64) for p in parts])
+
+
+def _dynamic_terms(x: torch.Tensor, dtype: KVDtype, mask: torch.Tensor | None, measure: bool,
+                   out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`fake_quant_terms` for a per-token-head cache (calib.evaluation.dynamic): nothing saturates (each
+    token's own range is the scale); a nonzero value read back as 0 counts as flushed."""
+    x_hat32 = dynamic.read_back(x, dtype)
+    x_hat = x_hat32.to(out_dtype or x.dtype)
+    if not measure:
+        return x_hat, None
+    w = torch.ones((), device=x.device) if mask is None else mask[:, None, :, None].to(torch.float32)
+    xf = x.float()
+    nonzero = xf != 0
+    parts = (torch.zeros_like(xf), (x_hat32 == 0) & nonzero, nonzero, torch.ones_like(xf), xf * xf,
+             (xf - x_hat.float()) ** 2)
     return x_hat, torch.stack([(p * w).sum(dtype=torch.float64) for p in parts])
 
 

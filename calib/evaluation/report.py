@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from calib.engine import formats as kv_formats
 from calib.engine import report as engine_report
 from calib.engine import verdict as honest
 from calib.engine.verdict import SKIP_FLAG, decisive
@@ -152,7 +153,7 @@ class Verdict:
 
 
 def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
-            bytes_model: "memory.Model | None" = None) -> Verdict:
+            bytes_model: "memory.Model | None" = None, geometry: tuple[int, int] | None = None) -> Verdict:
     """The decision: ship an arm, ship it with layers skipped (measured), or keep the reference KV dtype.
     Raises measurable.CannotMeasure ("cannot measure", naming the arm, where and which number) when any
     measured quantity is NaN or infinite: a comparison with NaN is false, so such an arm would "miss" nothing.
@@ -160,6 +161,10 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
     measurable.check(ref, results, reference)
     plain = _plain(results)
     ok = sorted((n for n in plain if not failures(plain[n], ref, th)), key=lambda n: _kl(plain[n]))
+    if geometry and any(plain[n].info.kind == "format" for n in ok):
+        # whole KV formats compete: the fewest bytes per token within the bar first (calib/engine/formats.py)
+        first = [r.arm for r in kv_formats.order(kv_formats.rows({n: plain[n] for n in ok}, lambda e: [], *geometry))]
+        ok = first + [n for n in ok if n not in first]
     skipped = sorted((n for n, e in results.items() if e.info.skip and not failures(e, ref, th)),
                      key=lambda n: (len(results[n].info.skip), _kl(results[n])))
     best_any = min(plain, key=lambda n: _kl(plain[n])) if plain else None
@@ -268,6 +273,15 @@ class Report:
     def within(self, name: str) -> bool:
         return self.arms[name].info.shippable and not self.misses(name)
 
+    def formats(self) -> kv_formats.FormatChoice | None:
+        """The KV format to serve by bytes per token (calib/engine/formats.py), when the run has whole-format
+        arms (`--formats`); None otherwise."""
+        if not any(e.info.kind == "format" for e in self.arms.values()):
+            return None
+        m = self.meta
+        return kv_formats.choose(self.arms, lambda e: failures(e, self.reference, self.thresholds),
+                                 m["model_dtype"], m["kv_heads"], m["head_dim"], self.reference_name, len(m["layers"]))
+
     def to_dict(self) -> dict[str, Any]:
         """report.json: the description, every arm's numbers with whether it is within the threshold and why
         not, and the verdict."""
@@ -277,8 +291,10 @@ class Report:
             pk = passkey_decision(e, self.reference, self.thresholds)
             if pk is not None:
                 arms[n]["passkey_significance"] = pk.to_dict()
-        return {"kvcalib_eval": 1, **self.meta, "thresholds": self.thresholds.to_dict(),
-                "arms": {self.reference_name: self.reference.to_dict(), **arms}, "verdict": self.verdict.to_dict()}
+        out = {"kvcalib_eval": 1, **self.meta, "thresholds": self.thresholds.to_dict(),
+               "arms": {self.reference_name: self.reference.to_dict(), **arms}, "verdict": self.verdict.to_dict()}
+        fmt = self.formats()
+        return {**out, "formats": fmt.to_dict()} if fmt else out
 
 
 def _skip_trial(results: Results, name: str) -> tuple[list[int], str, str]:
@@ -362,6 +378,7 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
              f"Dominant layers: attention-output error >= {th.dominance:g}x the median layer's.", ""]
     if v.dominant_layers:
         lines += [f"Layers dominating the error of `{v.dominant_in}`: {list(v.dominant_layers)}.", ""]
+    lines += _format_lines(rep)
     if held.get("checked_against"):
         held_txt = f"{held['excluded_samples']} calibration samples of `{held['checked_against']}` left out"
         held_txt += "" if held.get("reproduced_exactly") else " (calibration stream not reproduced exactly)"
@@ -442,6 +459,24 @@ def memory_lines(mem: Mapping[str, Any] | None) -> list[str]:
              "flight) vs the bytes model's in that definition.", ""]
             + table(["arm", *(f"tokens/GiB at {L}" for L in lengths), "engine tokens/GiB (blocks)",
                      "engine capacity vs bytes model"], rows))
+
+
+def _format_lines(rep: Report) -> list[str]:
+    """The '## KV formats' section: each format arm's bytes per token, the choice and static vs dynamic."""
+    fmt = rep.formats()
+    if fmt is None:
+        return []
+    rows = [[r.arm, r.format, r.bytes_per_token, "–" if r.engine_bytes_per_token is None else
+             f"{r.engine_bytes_per_token:.4g}", r.served_by, _pct(r.ppl_rel), r.kl, r.numbers,
+             "yes" if r.passes else "; ".join(r.misses)] for r in fmt.rows]
+    lines = ["## KV formats", "", f"**{fmt.text}**", ""]
+    lines += [fmt.static_vs_dynamic, ""] if fmt.static_vs_dynamic else []
+    lines += ["Bytes per token per layer: K and V of every KV head plus the per-token float32 scales of the dynamic "
+              "formats; engine: its pool over the tokens it fits, per layer (block rounding included). Served by: engine backends that serve "
+              "the format (the support matrix). Rule: the fewest bytes within the bar, ties to the format more "
+              "backends serve, then the lower KL.", ""]
+    return lines + table(["arm", "format", "bytes/token/layer", "engine bytes/token/layer", "served by", "Δppl", "mean KL",
+                          "numbers", "within the bar"], rows)
 
 
 def _significance_lines(rep: Report) -> list[str]:

@@ -23,8 +23,8 @@ from calib.evaluation import passkey
 from calib.evaluation import plan as plan_mod
 from calib.evaluation import report, served
 from calib.evaluation.config import EvalConfig, check_buckets, check_eval
-from calib.evaluation.fakequant import (Arm, EvalError, Geometry, arms_for, fake_quant_kv, read_stats, reference_arm,
-                                       sliding_skip_arms)
+from calib.evaluation.fakequant import (Arm, EvalError, Geometry, arms_for, fake_quant_kv, format_arms, read_stats,
+                                       reference_arm, sliding_skip_arms)
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference, with_passkey
 from calib.evaluation.retrieval import passkey_stage, run_passkey
@@ -93,7 +93,7 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             measurable.check(ref, results, p.reference.name)     # before skip trials are planned on the numbers
             results.update(skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts))
         bm = bytes_model(cfg, p)
-        decided = report.verdict(ref, results, cfg.thresholds, p.reference.name, bm)
+        decided = report.verdict(ref, results, cfg.thresholds, p.reference.name, bm, (p.geo.kv_heads, p.geo.head_dim))
         seconds = time.perf_counter() - t_start
         log(f"eval: done in {duration(seconds)} (planned {duration(planned.total)} after loading)")
         meta = _meta(cfg, p, ([note] if note else []) + plan_notes(planned, p.buckets, cfg.engine is not None),
@@ -119,6 +119,7 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     # every layer sliding (Mistral-style): skipping them all is the reference again, not an experiment
     sliding = kinds.sliding if kinds and can_skip and len(kinds.sliding) < len(kinds.kinds) else ()
     arms = [*arms, *sliding_skip_arms(arms, sliding)]
+    arms += served.formats_as_served(format_arms(geo, cfg.formats), cfg.target, cfg.engine_version, emulation.name)
     vocab = getattr(config, "vocab_size", None)
     ctx = model_context.of_loaded(config, tok)
     if not cfg.fit_buckets:

@@ -77,3 +77,21 @@ def _served(arm: Arm, target: str, v: support.Version, backend: str, where: str)
             arm = replace(arm, q={})
             notes.append(f"q_scale unused: {q.effect.value} on {where} ({q.note})")
     return replace(arm, notes=tuple(notes))
+
+
+def formats_as_served(arms: Sequence[Arm], target: str | None, version: str | None, emulation: str) -> list[Arm]:
+    """Whole-format arms (`--formats`) with a target: an arm whose format the target's backend does not serve at
+    all (refused or broken in the support matrix; read from the format's `skip_layers` cell, which a scale-free
+    format's serving decides) is kept for comparison but marked not shippable, with the matrix's reason."""
+    if target is None:
+        return list(arms)
+    v = support.version_of(target, version)
+    backend = backend_for(target, emulation)
+    where = f"{support.ENGINES[target].title} {v}"
+    out = []
+    for a in arms:
+        cell = support.cell(target, v, backend, a.dtype.name, "skip_layers")
+        if cell.effect in (support.Effect.REFUSED, support.Effect.BROKEN):
+            a = replace(a, shippable=False, notes=a.notes + (f"{where} does not serve {a.dtype.name}: {cell.note}",))
+        out.append(a)
+    return out

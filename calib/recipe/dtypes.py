@@ -15,16 +15,52 @@ from typing import Any
 # ---------------------------------------------------------------- KV-cache dtypes
 
 
+STATIC, UNSCALED, PER_TOKEN_HEAD = "static", "unscaled", "per_token_head"
+
+
 @dataclass(frozen=True)
 class KVDtype:
-    """A KV-cache storage type: its name and the largest magnitude it represents."""
+    """A KV-cache storage type: its name, the largest magnitude it represents, and how it is stored.
+
+    `scaling`: `static` (scales from a checkpoint: what kvcalib calibrates), `unscaled` (always scale 1.0),
+    `per_token_head` (the engine computes one float32 scale per token and KV head at the cache write and stores
+    it beside the values: `scale_bytes` per K or V vector). `bits`: storage bits per element (INT4 packs two per
+    byte). `engine`: the name vLLM's --kv-cache-dtype gives it (None: vLLM has no such cache)."""
     name: str
     qmax: float
+    bits: int = 8
+    scaling: str = STATIC
+    scale_bytes: int = 0
+    engine: str | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        return self.scaling == PER_TOKEN_HEAD
+
+    def bytes_per_token(self, kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> float:
+        """Cache bytes one token takes in one attention layer: K and V of every KV head, plus the per-token
+        scales. vLLM's Triton backend packs them the same way (vllm/v1/attention/backends/triton_attn.py
+        `TritonAttentionBackend.customize_spec`: (hs_k + hs_v) * element size + 2 float32 scales per head,
+        INT4 halving the head sizes)."""
+        dims = head_dim + (head_dim if v_head_dim is None else v_head_dim)
+        return kv_heads * (dims * self.bits / 8 + 2 * self.scale_bytes)
 
 
-FP8_E4M3 = KVDtype("fp8_e4m3", 448.0)
+FP8_E4M3 = KVDtype("fp8_e4m3", 448.0, engine="fp8")
 INT8 = KVDtype("int8", 127.0)
-KV_DTYPES: dict[str, KVDtype] = {d.name: d for d in (FP8_E4M3, INT8)}
+FP8_E5M2 = KVDtype("fp8_e5m2", 57344.0, scaling=UNSCALED, engine="fp8_e5m2")
+# the dynamic caches: qmax as the kernel's QUANT_MAX (INT4: 15 steps of an asymmetric [min, max] range)
+FP8_PER_TOKEN_HEAD = KVDtype("fp8_per_token_head", 448.0, scaling=PER_TOKEN_HEAD, scale_bytes=4,
+                             engine="fp8_per_token_head")
+INT8_PER_TOKEN_HEAD = KVDtype("int8_per_token_head", 127.0, scaling=PER_TOKEN_HEAD, scale_bytes=4,
+                              engine="int8_per_token_head")
+INT4_PER_TOKEN_HEAD = KVDtype("int4_per_token_head", 15.0, bits=4, scaling=PER_TOKEN_HEAD, scale_bytes=4,
+                              engine="int4_per_token_head")
+# Every KV format kvcalib knows (evaluation arms); KV_DTYPES: the ones a recipe calibrates (static scales).
+KV_FORMATS: dict[str, KVDtype] = {d.name: d for d in (FP8_E4M3, INT8, FP8_E5M2, FP8_PER_TOKEN_HEAD,
+                                                      INT8_PER_TOKEN_HEAD, INT4_PER_TOKEN_HEAD)}
+KV_DTYPES: dict[str, KVDtype] = {n: d for n, d in KV_FORMATS.items() if d.scaling == STATIC}
+MODEL_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def kv_dtype(name: str) -> KVDtype:
@@ -33,6 +69,20 @@ def kv_dtype(name: str) -> KVDtype:
         return KV_DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown KV dtype {name!r}; accepted: {sorted(KV_DTYPES)}") from None
+
+
+def kv_format(name: str) -> KVDtype:
+    """Any KV format called `name` (static, unscaled or dynamic); ValueError naming the accepted ones otherwise."""
+    try:
+        return KV_FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown KV format {name!r}; accepted: {sorted(KV_FORMATS)}") from None
+
+
+def model_bytes_per_token(model_dtype: str, kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> float:
+    """Cache bytes per token per layer of the reference: K and V in the model's dtype."""
+    dims = head_dim + (head_dim if v_head_dim is None else v_head_dim)
+    return kv_heads * dims * MODEL_DTYPE_BYTES[model_dtype.removeprefix("torch.")]
 
 
 # ---------------------------------------------------------------- observers

@@ -12,6 +12,7 @@ import click
 
 from calib import resources
 from calib.errors import KvcalibError
+from calib.evaluation.cli import parse_formats
 from calib.recipe import recipe as recipe_mod
 from calib.safety import outputs
 from calib.tune.space import OBSERVERS, TARGETS
@@ -58,6 +59,9 @@ TUNE_DEFAULTS = {"samples": 128, "seq_len": 512, "eval_samples": 32, "buckets": 
 @click.option("--vllm-venv", envvar="KVCALIB_VLLM_VENV", type=click.Path(file_okay=False, path_type=Path),
               help="Virtual environment with vLLM (env KVCALIB_VLLM_VENV); used with --engine vllm.")
 @click.option("--confirm", type=int, default=3, show_default=True, help="Candidates confirmed in the engine.")
+@click.option("--formats", "formats", help="Also score the engine's own KV formats (comma list or `all`: "
+              "fp8_e5m2 and the per-token-head caches, emulated) and say which has the fewest bytes per token within "
+              "the bar, static calibrated FP8 included.")
 @click.option("--plots/--no-plots", default=True)
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress lines on stderr.")
 @click.option("--device")
@@ -69,7 +73,7 @@ TUNE_DEFAULTS = {"samples": 128, "seq_len": 512, "eval_samples": 32, "buckets": 
 def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms, stats, stats_out, samples, seq_len,
          pack, batch_size, seed, eval_samples, buckets, sensitivity_samples, max_skip, max_kl, max_ppl_increase,
          budget_minutes, engine, vllm_venv, confirm, plots, progress, device, cpu_dtype, trust_remote_code, out,
-         force) -> None:
+         force, formats=None) -> None:
     """Search the recipes the target engine can load; score each on held-out text; write the best checkpoint."""
     from calib.model.default_model import DIR_NAME
     from calib.progress import Progress
@@ -107,7 +111,7 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
             max_skip=max_skip, max_kl=max_kl, max_ppl_increase=max_ppl_increase, budget_minutes=budget_minutes,
             plots=plots, force=force, device=device,
             cpu_dtype=cpu_dtype or (None if engine else "float32"), trust_remote_code=trust_remote_code,
-            engine=engine_spec, confirm=confirm)
+            engine=engine_spec, confirm=confirm, formats=parse_formats(formats))
         search.check(cfg)             # before the default model is built or any model loads
         if model_src is None:
             from calib.model.default_model import ensure_default_model

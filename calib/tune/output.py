@@ -21,6 +21,7 @@ from typing import Any
 
 from calib import __version__
 from calib import pipeline
+from calib.engine import formats as kv_formats
 from calib.evaluation import report
 from calib.model import load as model_mod
 from calib.safety import files as new_file, outputs
@@ -107,7 +108,28 @@ def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any,
                    "serve": serve_command(cfg.target, Path(cfg.out), chosen["skip"]) if chosen else None},
         "budget": {"minutes": cfg.budget_minutes, "stopped": found.stopped, "not_scored": found.not_scored},
         "measuring_passes": found.passes, "seconds": seconds,
+        **formats(cfg, loaded, found, chosen),
     }
+
+
+def formats(cfg: TuneConfig, loaded: Any, found: Search, chosen: dict[str, Any] | None) -> dict[str, Any]:
+    """{"formats": the KV format with the fewest bytes per token within the bar (calib/engine/formats.py) among the
+    engine's own formats (`--formats`), the chosen recipe and the default scale 1.0}; {} without --formats."""
+    if not cfg.formats or found.ref is None:
+        return {}
+    from calib.evaluation.fakequant import Geometry, reference_arm
+
+    geo = Geometry.of(loaded.config, loaded.attention_layers)
+    entries = {n: found.entries[n] for n in cfg.formats if n in found.entries}
+    if found.entries.get(BASELINE) is not None:
+        entries[BASELINE] = found.entries[BASELINE]
+    if chosen is not None and found.entry(chosen["name"]) is not None:
+        entries[chosen["name"]] = found.entry(chosen["name"])
+    choice = kv_formats.choose(entries, lambda e: report.failures(e, found.ref, cfg.thresholds),
+                               str(loaded.dtype).removeprefix("torch."), geo.kv_heads, geo.head_dim,
+                               reference_arm(loaded.dtype).name, len(geo.layers))
+    missing = [n for n in cfg.formats if n not in found.entries]
+    return {"formats": {**choice.to_dict(), "not_scored": missing}}
 
 
 def headline(doc: dict[str, Any]) -> str:
@@ -164,8 +186,22 @@ def markdown(doc: dict[str, Any]) -> str:
         top = sens["ranking"][:8]
         lines += ["", f"Layer sensitivity (KL with only that layer quantised, recipe {sens['base']}): " +
                   ", ".join(f"{i}: {sens['kl_only_this_layer'][str(i)]:.3g}" for i in top)]
+    lines += format_lines(doc)
     lines += ["", "Rule:", "", doc["rule"], ""]
     return "\n".join(lines) + "\n"
+
+
+def format_lines(doc: dict[str, Any]) -> list[str]:
+    """tune.md's KV-format part: the fewest bytes within the bar, and static calibration against the dynamic caches."""
+    fm = doc.get("formats")
+    if not fm:
+        return []
+    lines = ["", "KV formats (`--formats`, emulated; the chosen recipe and scale 1.0 included): " + fm["text"]]
+    lines += [fm["static_vs_dynamic"]] if fm["static_vs_dynamic"] else []
+    lines += [f"Not scored (budget): {', '.join(fm['not_scored'])}."] if fm["not_scored"] else []
+    lines += [f"- {r['arm']}: {r['format']}, {r['bytes_per_token']:g} bytes/token/layer, ppl {100 * r['ppl_rel']:+.2f}%, "
+              + ("within the bar" if r["passes"] else "; ".join(r["misses"])) for r in fm["rows"]]
+    return lines
 
 
 def plot_svg(doc: dict[str, Any]) -> str | None:

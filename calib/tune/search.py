@@ -31,7 +31,7 @@ from calib.errors import KvcalibError
 from calib.evaluation import emulate
 from calib.evaluation import report
 from calib.evaluation.config import EvalConfig
-from calib.evaluation.fakequant import Geometry, default_arm, fake_quant_kv
+from calib.evaluation.fakequant import Geometry, default_arm, fake_quant_kv, format_arms
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference
 from calib.evaluation.samples import calibration_windows, select_samples, usable_buckets
@@ -87,6 +87,7 @@ class TuneConfig:
     trust_remote_code: bool = False
     engine: Any = None                          # calib.engine.driver.EngineSpec: confirm the short list there
     confirm: int = 3
+    formats: tuple[str, ...] = ()               # the engine's own KV formats, emulated next to the candidates
 
     @property
     def emulation(self) -> str:
@@ -293,6 +294,7 @@ def search(cfg: TuneConfig, loaded: Any, source: Path, clock: Clock, log: Log,
         else:
             first[key] = found.measured_as[c.name] = c.name
             arms.append(arm)
+    arms += format_arms(geo, cfg.formats)       # entries under the format's name (calib/tune/output.py `formats`)
     sens_n = min(cfg.sensitivity_samples or len(samples), len(samples))
     n_tok = sum(len(x.ids) for x in samples)
     sens_tok = sum(len(x.ids) for x in samples[:sens_n])
