@@ -20,6 +20,8 @@ from calib.evaluation import significance
 @click.option("--model", "model_src", help="Model directory or hub id. Default: the embedded default model.")
 @click.option("--data", "data_src", help="Your held-out prompts (same formats as calibrate). Default: the sample text.")
 @click.option("--scales", multiple=True, help="A checkpoint whose KV scales form an arm (any tool's layout); repeatable.")
+@click.option("--formats", "formats", help="Also serve the engine's own KV formats (as `kvcalib eval --formats`): "
+              "comma-separated names, or `all`.")
 @click.option("--buckets", default="256,512", show_default=True, help="Prompt-length buckets (tokens).")
 @click.option("--samples", type=int, default=8, show_default=True, help="Held-out samples (prompts), over the buckets.")
 @click.option("--pack/--no-pack", default=False, help="Concatenate records so prompts fill every bucket.")
@@ -46,6 +48,10 @@ from calib.evaluation import significance
               help="KV-cache pool per engine start in GiB; capacity and the largest batch follow from it.")
 @click.option("--engine-timeout", type=float, default=3600.0, show_default=True,
               help="Seconds one engine start (quality and serving) may take.")
+@click.option("--budget-minutes", type=float, help="Bound the evaluation's measuring (as `kvcalib eval`): the plan "
+              "drops passkey depths, skip trials, emulated long buckets, then the engine's passkey, and says which.")
+@click.option("--emulate-up-to", type=int, help="Emulate buckets up to this many tokens (default 8192; longer "
+              "buckets are measured in the engine only).")
 @click.option("--device")
 @click.option("--cpu-dtype", type=click.Choice(("float32", "bfloat16")),
               help="Model dtype on CPU for the emulation. Default: the checkpoint's own, which the engine serves.")
@@ -56,13 +62,15 @@ from calib.evaluation import significance
 @click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never other files).")
 def validate(model_src, data_src, scales, buckets, samples, pack, min_tokens, seed, passkey_trials, concurrency,
              output_tokens, requests, emulation, max_kl, max_ppl_increase, passkey_drop, max_skip, failures, vllm_venv,
-             engine_kv_gib, engine_timeout, device, cpu_dtype, plots, progress, out, force) -> None:
+             engine_kv_gib, engine_timeout, device, cpu_dtype, plots, progress, out, force, formats=None,
+             budget_minutes=None, emulate_up_to=None) -> None:
     """Quality and serving speed per arm in the real engine (BF16 KV, FP8 scale 1.0, each --scales checkpoint,
     skip trials) on your held-out prompts by length bucket: KL / perplexity / passkey beside TTFT, TPOT, ITL
     (p50/p90/p99), latency, throughput at --concurrency, KV capacity, largest batch, peak memory, preemptions /
     OOM; a go / no-go per arm. Writes OUT/validate.md, validate.json, validate.png and OUT/eval/ (the evaluation)."""
     from calib.engine.driver import EngineSpec
     from calib.engine.serving import ServingSpec
+    from calib.evaluation.cli import parse_formats
     from calib.evaluation.config import EvalConfig
     from calib.evaluation.report import Thresholds
     from calib.progress import Progress
@@ -81,11 +89,12 @@ def validate(model_src, data_src, scales, buckets, samples, pack, min_tokens, se
     try:
         cfg = EvalConfig(
             model=str(model_src or ""), data=data_src or str(resources.default_data()), out=out or Path("out"),
-            scales=tuple(scales), emulate=emulation, buckets=bucket_list, samples=samples, min_tokens=min_tokens,
+            scales=tuple(scales), formats=parse_formats(formats), emulate=emulation, buckets=bucket_list, samples=samples, min_tokens=min_tokens,
             pack=pack, seed=seed, passkey_trials=passkey_trials, failures=failures, plots=plots,
             thresholds=Thresholds(max_kl=max_kl, max_ppl_increase=max_ppl_increase, passkey_drop=passkey_drop,
                                   max_skip=max_skip),
-            device=device, cpu_dtype=cpu_dtype, force=force, engine=spec)
+            device=device, cpu_dtype=cpu_dtype, force=force, engine=spec, budget_minutes=budget_minutes,
+            emulate_up_to=emulate_up_to)
         check(cfg)                   # the serving options first: one line naming the option, nothing written
         options.evaluation(cfg)
         if model_src is None:

@@ -110,9 +110,9 @@ def test_a_per_token_head_cache_in_cpu_vllm_is_not_run_with_the_reason(request, 
     sys.path.insert(0, str(RUNNER.parent))
     import protocol
 
-    req = {"protocol": 1, "arm": {"name": "fp8_per_token_head", "model": str(model),
-                                  "kv_cache_dtype": "fp8_per_token_head", "skip_layers": [],
-                                  "attention_backend": "TRITON_ATTN"},
+    req = {"protocol": protocol.PROTOCOL, "arms": [{"name": "fp8_per_token_head", "model": str(model),
+                                                    "kv_cache_dtype": "fp8_per_token_head", "skip_layers": [],
+                                                    "attention_backend": "TRITON_ATTN", "scales": None}],
            "samples": [list(range(100, 140))], "continuation_tokens": 1, "passkey": [], "passkey_tokens": 1,
            "stop_token_ids": [], "top_k": 1, "kv_gib": 1, "max_model_len": 64, "dtype": "bfloat16", "seed": 0,
            "chunk": 1}
@@ -120,6 +120,6 @@ def test_a_per_token_head_cache_in_cpu_vllm_is_not_run_with_the_reason(request, 
     r = subprocess.run([sys.executable, str(RUNNER), str(tmp_path / "req.json"), str(tmp_path / "resp.json")],
                        capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
-    resp = protocol.read_response(tmp_path / "resp.json", req)
+    resp = protocol.read_response(tmp_path / "resp.json", req)["arms"][0]
     print(f"fp8_per_token_head on CPU vLLM: {resp['status']}: {resp['reason']}")
     assert resp["status"] == protocol.NOT_RUN and resp["reason"] and resp["samples"] == []

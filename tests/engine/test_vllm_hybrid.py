@@ -57,7 +57,8 @@ def model(tmp_path_factory) -> Path:
 
 def _run(model: Path, tmp: Path, name: str, kv: str, skip: list) -> dict:
     rng = random.Random(0)
-    req = {"protocol": 1, "arm": {"name": name, "model": str(model), "kv_cache_dtype": kv, "skip_layers": skip},
+    req = {"protocol": 2, "arms": [{"name": name, "model": str(model), "kv_cache_dtype": kv, "skip_layers": skip,
+                                    "scales": None}],
            "samples": [[rng.randrange(3, 500) for _ in range(200)] for _ in range(2)], "continuation_tokens": 1,
            "passkey": [], "passkey_tokens": 1, "stop_token_ids": [], "top_k": 5, "kv_gib": KV_GIB,
            "max_model_len": MAX_LEN, "dtype": "bfloat16", "seed": 0, "chunk": 2}
@@ -65,7 +66,7 @@ def _run(model: Path, tmp: Path, name: str, kv: str, skip: list) -> dict:
     r = subprocess.run([sys.executable, str(RUNNER), str(tmp / "req.json"), str(tmp / "resp.json")],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    resp = json.loads((tmp / "resp.json").read_text())
+    resp = json.loads((tmp / "resp.json").read_text())["arms"][0]
     assert resp["status"] == "ok", resp["reason"]
     return resp
 
