@@ -104,7 +104,7 @@ def test_format_arms_ask_the_engine_for_its_own_format_and_backend():
                                                   "int4_per_token_head"])}
     spec = run.request_arm(arms["int4_per_token_head"], "m")
     assert spec == {"name": "int4_per_token_head", "model": "m", "kv_cache_dtype": "int4_per_token_head",
-                    "skip_layers": [], "attention_backend": "TRITON_ATTN"}
+                    "skip_layers": [], "attention_backend": "TRITON_ATTN", "scales": None}
     assert "attention_backend" not in run.request_arm(arms["fp8_e5m2"], "m")
     old = ("auto", "fp8", "fp8_e5m2", "fp8_per_token_head", "int8_per_token_head")     # a vLLM before INT4
     assert run.request_arm(arms["int4_per_token_head"], "m", old) == (
