@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The long-context runs behind bench/RESULTS.md's "long context" section, as steps on the GPU machine (run from
+# the repository root; each step fits one device call and leaves what the next needs under /tmp):
+#   kernels RES   - calib/evaluation/fa3.py's CUDA tests, then bench/gpu/longctx.py: an emulated FP8 arm against
+#                   the bf16 reference at 8K (default model's shape), 32K and 128K (Llama-3.1-8B shape)
+#   model SHAPE   - a random-weight checkpoint of SHAPE (bench/gpu/random_model.py) in /tmp/kvcalib-SHAPE, with
+#                   the tokenizer carried in .tok/
+#   default RES [validate args] - default model, three checkpoints, `kvcalib validate` of 8 arms at 2K/8K
+#   long RES SHAPE BUCKETS [validate args] - `kvcalib validate` of a random-weight model (BF16 vs FP8 1.0)
+#   routes RES [plan args] - `kvcalib plan --routes`: short chat vs long documents on the default model, plan.json
+# vLLM comes from bench/gpu/vllm_setup.sh (stage the four parts, then install).
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+ck=/tmp/kvcalib-ck data=/tmp/kvcalib-data
+
+venv() {     # kvcalib runs the engine as <venv>/bin/python: the image's python3 here
+  mkdir -p /tmp/vllm-env/bin
+  printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/vllm-env/bin/python && chmod +x /tmp/vllm-env/bin/python
+}
+
+texts() {    # the project's own files as domain text: docs to calibrate on, Python sources held out
+  mkdir -p "$data/calib" "$data/held"
+  cp docs/*.md "$data/calib/" && cp README.md "$data/calib/readme.md"
+  for f in "$data"/calib/*.md; do mv -f "$f" "${f%.md}.txt"; done
+  find calib -name '*.py' | while read -r f; do cp "$f" "$data/held/$(echo "$f" | tr / _).txt"; done
+}
+
+kernels() {
+  local res=${1:?RES}; mkdir -p "$res"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/evaluation/test_fa3.py 2>&1 | tail -6
+  timeout 150 python3 bench/gpu/longctx.py --json "$res/longctx-8k.json" --cases smollm2-135m:8192x4 2>&1 | grep -v '^ ' | tail -6
+  timeout 240 python3 bench/gpu/longctx.py --json "$res/longctx-8b.json" --variants fused,global --profile \
+    --cases llama-3.1-8b:32768x1,llama-3.1-8b:131072x1 --skip-variants-above 32768 2>&1 | grep -v '^ ' | tail -8
+}
+
+model() {
+  local shape=${1:?SHAPE}
+  [ -f "/tmp/kvcalib-$shape/config.json" ] && return 0
+  python3 bench/gpu/random_model.py --shape "$shape" --tokenizer .tok --out "/tmp/kvcalib-$shape" 2>&1 | tail -2
+}
+
+default() {
+  local res=${1:?RES}; shift; mkdir -p "$res"; venv; texts
+  local t0=$SECONDS
+  python3 -m calib.cli default-model > "$res/default-model.log" 2>&1 || { tail -5 "$res/default-model.log"; return 1; }
+  for v in "plain:" "head-q:--granularity head --q-scale" "mse:--observer mse"; do
+    local name=${v%%:*} flags=${v#*:}
+    python3 -m calib.cli calibrate --data "$data/calib" --pack --samples 16 --seq-len 2048 --out "$ck/$name" $flags \
+      > "$res/calibrate-$name.log" 2>&1 || { tail -5 "$res/calibrate-$name.log"; return 1; }
+  done
+  echo "default model + 3 checkpoints: $((SECONDS - t0)) s"
+  t0=$SECONDS
+  python3 -m calib.cli validate --vllm-venv /tmp/vllm-env --emulate vllm-fa3 --data "$data/held" --pack \
+    --scales "$ck/plain" --scales "$ck/head-q" --scales "$ck/mse" --buckets 2048,8192 --samples 8 --max-skip 3 \
+    --out "$res/validate" --no-plots "$@" > "$res/validate.log" 2>&1
+  local rc=$?
+  echo "validate rc=$rc in $((SECONDS - t0)) s"
+  grep -E "plan|total:|emulation|engine .*:|serving" "$res/validate.log" | grep -v "·" | head -20
+  tail -25 "$res/validate.log"
+  return $rc
+}
+
+long() {
+  local res=${1:?RES} shape=${2:?SHAPE} buckets=${3:?BUCKETS}; shift 3; mkdir -p "$res"; venv; texts
+  model "$shape" || return 1
+  local t0=$SECONDS
+  python3 -m calib.cli validate --vllm-venv /tmp/vllm-env --model "/tmp/kvcalib-$shape" --data "$data/held" --pack \
+    --buckets "$buckets" --max-skip 0 --out "$res/validate-$shape" --no-plots "$@" > "$res/validate-$shape.log" 2>&1
+  local rc=$?
+  echo "validate $shape rc=$rc in $((SECONDS - t0)) s"
+  tail -25 "$res/validate-$shape.log"
+  return $rc
+}
+
+routes() {
+  local res=${1:?RES}; shift; mkdir -p "$res"; venv; texts
+  cp data/sample_chat.jsonl "$data/chat.jsonl"
+  cat > "$data/routes.yaml" <<YAML
+routes:
+  chat:
+    data: chat.jsonl
+    buckets: [512, 2048]
+    samples: 8
+    bar: {max_kl: 0.01, max_ppl_increase: 0.01}
+  long-documents:
+    data: held
+    buckets: [8192]
+    samples: 4
+    pack: true
+    bar: {max_kl: 0.02, max_ppl_increase: 0.02, min_passkey: 0.8}
+YAML
+  local t0=$SECONDS
+  python3 -m calib.cli plan --routes "$data/routes.yaml" --scales "$ck/plain" --engine vllm --vllm-venv /tmp/vllm-env \
+    --emulate vllm-fa3 --out "$res/plan" "$@" > "$res/plan.log" 2>&1
+  local rc=$?
+  echo "plan rc=$rc in $((SECONDS - t0)) s"; tail -15 "$res/plan.log"
+  return $rc
+}
+
+"$@"
