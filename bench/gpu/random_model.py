@@ -43,6 +43,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     t0 = time.perf_counter()
+    packed = Path(args.tokenizer) / "tokenizer.json.gz"        # a tokenizer carried compressed
+    if packed.exists() and not (Path(args.tokenizer) / "tokenizer.json").exists():
+        import gzip
+
+        (Path(args.tokenizer) / "tokenizer.json").write_bytes(gzip.decompress(packed.read_bytes()))
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     kind, spec = SHAPES[args.shape]
     config = AutoConfig.for_model(kind, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
