@@ -118,6 +118,9 @@ def test_a_quality_miss_or_preemption_is_no_go_with_failure_samples(strict):
     (["--requests", "-1"], "--requests -1"),
     (["--engine-kv-gib", "0"], "--engine-kv-gib"),
     (["--buckets", "x"], "--buckets 'x'"),
+    (["--formats", "fp9"], "--formats 'fp9'"),
+    (["--budget-minutes", "0"], "--budget-minutes 0"),
+    (["--emulate-up-to", "-5"], "--emulate-up-to"),
 ])
 def test_bad_options_are_one_line_and_nothing_is_written(model, tmp_path, extra, message):
     r = _run(_args(model, tmp_path / "bad", *extra))
