@@ -13,6 +13,13 @@ A budget drops optional parts in a fixed order, each fully before the next, unti
 depths (5 -> 3 -> 1), skip trials, emulated long buckets (longest first; with an engine they are still
 measured there), then the engine's passkey prompts (the retrieval confirmation). What it dropped is
 printed and recorded; a plan that still does not fit runs its minimum and says so.
+
+The engine's figures were measured on one H200 with GPU vLLM 0.24 (FlashAttention-3, enforce_eager; bench/RESULTS.md,
+"long context"): a start (runner process, LLM(), the answer read back) ~35 s once the machine's caches are warm, the
+first one 40 s more; prompt-logprob scoring is bound by per-token overhead on a small model (12K tokens/s on a 135M
+model at 2K-8K) and by compute on a large one (about 1.5x kvcalib's own bf16 reference pass: an 8B shape scored
+32K + 128K tokens in 18-20 s, the reference pass took 13.5 s); a serving phase (`kvcalib validate`) costs each
+bucket's prefills plus its decode rounds (~25 ms a step). The CPU figures are rougher (vLLM's CPU build).
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ from calib.progress import duration
 MAX_NEW_TOKENS = 8                             # calib.evaluation.passkey.MAX_NEW_TOKENS (no torch import here)
 DEPTH_STEPS = ((0.0, 0.25, 0.5, 0.75, 1.0), (0.0, 0.5, 1.0), (0.5,))
 SHORT_WINDOW = 8192                            # with an engine, buckets above this are measured there only
-# Stated, not probed: an engine start and its prompt-logprob rate. H200, vLLM 0.24 FA3, a 270M model: one arm
-# (start + 2 x 8K + 2 x 32K tokens, enforce_eager) took 56-71 s (docs/design.md §11); CPU vLLM is far slower.
-ENGINE_START_S = {"cuda": 45.0, "cpu": 60.0}
-ENGINE_TOKENS_PER_S = {"cuda": 10_000.0, "cpu": 500.0}
+# Stated, not probed (a start costs too much to probe): measured figures, see the module docstring.
+ENGINE_START_S = {"cuda": 35.0, "cpu": 60.0}
+ENGINE_FIRST_START_S = {"cuda": 40.0, "cpu": 0.0}     # added once: CUDA context, kernel caches, imports
+ENGINE_TOKENS_PER_S = {"cuda": 12_000.0, "cpu": 500.0}
+ENGINE_OVER_REFERENCE = 1.5                   # compute-bound scoring: x the reference pass on the same tokens
+DECODE_STEP_S = {"cuda": 0.025, "cpu": 0.5}
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,8 @@ class Rates:
     engine_start: float
     engine_tokens_per_s: float
     probed_at: int              # tokens of the probe sample
+    engine_first_start: float = 0.0
+    decode_step: float = 0.0    # seconds per decode step while serving
 
 
 @dataclass(frozen=True)
@@ -75,12 +86,15 @@ class Parts:
 @dataclass(frozen=True)
 class Work:
     """The run's inputs, as lengths: held-out samples (length, bucket), passkey prompts (length, bucket,
-    depth), arms besides the reference, whether an engine runs, its starts for those arms (None: one per arm)."""
+    depth), arms besides the reference, whether an engine runs, its starts for those arms (None: one per arm),
+    and the serving phase of `kvcalib validate` (concurrency, output tokens, requests per bucket; 0: the
+    runner's default, max(prompts, 2 x concurrency)), run once per start."""
     samples: tuple[tuple[int, int], ...]
     prompts: tuple[tuple[int, int, float], ...]
     arms: int
     engine: bool
     engine_starts: int | None = None
+    serving: tuple[int, int, int] | None = None
 
     @property
     def starts(self) -> int:
@@ -100,8 +114,9 @@ class Plan:
         return sum(s for _, s in self.phases)
 
     def lines(self, rates: Rates) -> list[str]:
-        out = [f"eval plan (probe: one forward at {rates.probed_at} tokens; engine {rates.engine_start:.0f} s per start + "
-               f"{rates.engine_tokens_per_s:,.0f} tok/s, stated defaults):"]
+        out = [f"eval plan (probe: one forward at {rates.probed_at} tokens; engine {rates.engine_start:.0f} s per start "
+               f"(+{rates.engine_first_start:.0f} s the first), scoring at {rates.engine_tokens_per_s:,.0f} tok/s or "
+               f"{ENGINE_OVER_REFERENCE:g}x the reference pass, measured defaults):"]
         out += [f"  {name}: {duration(s)}" for name, s in self.phases if s > 0]
         out.append(f"  total: {duration(self.total)}" + (f" (budget {duration(self.budget_s)})" if self.budget_s else ""))
         if self.dropped:
@@ -120,14 +135,35 @@ def estimate(w: Work, parts: Parts, cost: Cost, rates: Rates) -> tuple[tuple[str
     per_pk = sum(cost.work(n) + cost.decode(n) for n, _ in pk_emu)
     metrics = per_pass * (rates.ref + w.arms * rates.arm)
     passkey = per_pk * (rates.ref + w.arms * rates.arm)
-    engine_tokens = sum(n for n, _ in w.samples) + (sum(n + MAX_NEW_TOKENS for n, _ in pk) if parts.engine_passkey else 0)
-    engine_arm = (rates.engine_start + engine_tokens / rates.engine_tokens_per_s) if w.engine else 0.0
-    engine = (w.starts * rates.engine_start + (w.arms + 1) * engine_tokens / rates.engine_tokens_per_s) if w.engine else 0.0
+    engine_pk = pk if parts.engine_passkey else []
+    engine_tokens = sum(n for n, _ in w.samples) + sum(n + MAX_NEW_TOKENS for n, _ in engine_pk)
+    reference_pass = (sum(cost.work(n) for n, _ in w.samples)
+                      + sum(cost.work(n) + cost.decode(n) for n, _ in engine_pk)) * rates.ref
+    scoring = max(engine_tokens / rates.engine_tokens_per_s, ENGINE_OVER_REFERENCE * reference_pass)
+    start = rates.engine_start + serving_seconds(w, cost, rates)
+    engine_arm = (start + scoring) if w.engine else 0.0
+    engine = (rates.engine_first_start + w.starts * start + (w.arms + 1) * scoring) if w.engine else 0.0
     skips = parts.skip_trials * ((per_pass + per_pk) * (rates.ref + rates.arm) + engine_arm)
     return ((f"emulation: reference + {w.arms} arm(s) on {len(emu)} samples", metrics),
             (f"emulation passkey: {len(pk_emu)} prompts x {w.arms + 1}", passkey),
-            (f"engine: {w.arms + 1} arms on {w.starts} start(s)" if w.engine else "engine", engine),
+            (f"engine: {w.arms + 1} arms on {w.starts} start(s)" + (" with serving" if w.serving else "")
+             if w.engine else "engine", engine),
             (f"skip trials: up to {parts.skip_trials}", skips))
+
+
+def serving_seconds(w: Work, cost: Cost, rates: Rates) -> float:
+    """One start's serving phase: per bucket its requests' prefills (compute-bound, one after another) plus the
+    decode rounds (requests / concurrency of them, `output tokens` steps each), and one warm-up request."""
+    if not w.serving or not w.engine:
+        return 0.0
+    concurrency, out, asked = w.serving
+    total = 0.0
+    for b in sorted({b for _, b in w.samples}):
+        lengths = [n for n, bb in w.samples if bb == b]
+        requests = asked or max(len(lengths), 2 * concurrency)
+        prefill = ENGINE_OVER_REFERENCE * cost.work(max(lengths)) * rates.ref
+        total += requests * prefill + -(-requests // concurrency) * out * rates.decode_step
+    return total + out * rates.decode_step
 
 
 def fit(w: Work, parts: Parts, cost: Cost, rates: Rates, budget_s: float | None) -> Plan:
@@ -162,19 +198,20 @@ def fit(w: Work, parts: Parts, cost: Cost, rates: Rates, budget_s: float | None)
 
 
 def engine_figures(device_type: str) -> tuple[float, float]:
-    """(seconds to start one engine arm, its prompt tokens/s): the stated defaults for this device."""
+    """(seconds to start one engine arm, its prompt tokens/s): the measured defaults for this device."""
     key = "cuda" if device_type == "cuda" else "cpu"
     return ENGINE_START_S[key], ENGINE_TOKENS_PER_S[key]
 
 
 def default_rates(device_type: str, ref: float, arm: float, probed_at: int) -> Rates:
-    return Rates(ref, arm, *engine_figures(device_type), probed_at)
+    key = "cuda" if device_type == "cuda" else "cpu"
+    return Rates(ref, arm, *engine_figures(device_type), probed_at, ENGINE_FIRST_START_S[key], DECODE_STEP_S[key])
 
 
 def work_of(samples: Sequence[Any], prompts: Sequence[Any], arms: int, engine: bool,
-            engine_starts: int | None = None) -> Work:
+            engine_starts: int | None = None, serving: tuple[int, int, int] | None = None) -> Work:
     return Work(tuple((len(x.ids), x.bucket) for x in samples),
-                tuple((len(p.ids), p.bucket, p.depth) for p in prompts), arms, engine, engine_starts)
+                tuple((len(p.ids), p.bucket, p.depth) for p in prompts), arms, engine, engine_starts, serving)
 
 
 def emulation_limit(requested: int | None, buckets: Sequence[int], engine: bool) -> int | None:

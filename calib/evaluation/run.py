@@ -193,7 +193,9 @@ def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Pl
         from calib.engine.run import starts as engine_starts
 
         starts = engine_starts(p.arms, str(cfg.model))
-    work = plan_mod.work_of(p.samples, p.prompts, len(p.arms), cfg.engine is not None, starts)
+    timing = getattr(cfg.engine, "serving", None)
+    serving = (timing.concurrency, timing.output_tokens, timing.requests) if timing is not None else None
+    work = plan_mod.work_of(p.samples, p.prompts, len(p.arms), cfg.engine is not None, starts, serving)
     budget = None if cfg.budget_minutes is None else 60 * cfg.budget_minutes
     planned = plan_mod.fit(work, parts, cost, rates, budget)
     for line in planned.lines(rates):

@@ -34,12 +34,46 @@ def test_work_grows_with_the_square_of_the_length():
     assert (c.linear, c.quadratic) == (20_000.0, 2.0 * 3 * 4 * 16)
 
 
+def _scoring(work: Work, rates: Rates = RATES) -> float:
+    """One engine arm's scoring, written out: per-token overhead or 1.5x the reference pass, whichever is longer."""
+    tokens = sum(n for n, _ in work.samples) + sum(n + plan.MAX_NEW_TOKENS for n, _, _ in work.prompts)
+    ref = (sum(COST.work(n) for n, _ in work.samples)
+           + sum(COST.work(n) + COST.decode(n) for n, _, _ in work.prompts)) * rates.ref
+    return max(tokens / rates.engine_tokens_per_s, 1.5 * ref)
+
+
 def test_phases_add_up_from_the_rates():
     phases = dict(estimate(WORK, FULL, COST, RATES))
     per_pass = sum(COST.work(n) for n, _ in WORK.samples)
     assert phases["emulation: reference + 3 arm(s) on 12 samples"] == pytest.approx(per_pass * (1e-6 + 3 * 2e-6))
-    engine_tokens = sum(n for n, _ in WORK.samples) + sum(n + plan.MAX_NEW_TOKENS for n, _, _ in WORK.prompts)
-    assert phases["engine: 4 arms on 4 start(s)"] == pytest.approx(4 * (45 + engine_tokens / 1e4))
+    assert phases["engine: 4 arms on 4 start(s)"] == pytest.approx(4 * (45 + _scoring(WORK)))
+
+
+def test_engine_scoring_is_overhead_bound_on_a_small_model_and_compute_bound_on_a_large_one():
+    from dataclasses import replace
+
+    fast = replace(RATES, ref=1e-12)                  # a tiny model: the per-token overhead decides
+    tokens = sum(n for n, _ in WORK.samples) + sum(n + plan.MAX_NEW_TOKENS for n, _, _ in WORK.prompts)
+    assert dict(estimate(WORK, FULL, COST, fast))["engine: 4 arms on 4 start(s)"] == pytest.approx(
+        4 * (45 + tokens / 1e4))
+    assert _scoring(WORK) > tokens / 1e4              # RATES' reference pass is the slower one: compute decides
+
+
+def test_the_first_start_and_the_serving_phase_are_counted():
+    from dataclasses import replace
+
+    rates = replace(RATES, engine_first_start=40.0, decode_step=0.02)
+    served = replace(WORK, serving=(4, 32, 0))
+    phases = dict(estimate(served, FULL, COST, rates))
+    per_start = 0.0                                   # brute force: every bucket's requests one by one
+    for b in (512, 2048, 8192):
+        n = 4                                         # samples in the bucket; requests: max(4, 2 x 4) = 8
+        for _ in range(max(n, 8)):
+            per_start += 1.5 * COST.work(b - 10) * rates.ref
+        per_start += (8 // 4) * 32 * 0.02
+    per_start += 32 * 0.02                            # the warm-up request
+    want = 40 + 4 * (45 + per_start) + 4 * _scoring(served, rates)
+    assert phases["engine: 4 arms on 4 start(s) with serving"] == pytest.approx(want)
 
 
 def test_engine_starts_are_counted_per_serve_configuration():
@@ -50,7 +84,8 @@ def test_engine_starts_are_counted_per_serve_configuration():
     shared = replace(WORK, engine_starts=1)
     phases = dict(estimate(shared, FULL, COST, RATES))
     assert shared.starts == 2 and WORK.starts == 4
-    assert phases["engine: 4 arms on 2 start(s)"] == pytest.approx(2 * 45 + 4 * engine_tokens / 1e4)
+    assert phases["engine: 4 arms on 2 start(s)"] == pytest.approx(2 * 45 + 4 * _scoring(WORK))
+    assert engine_tokens > 0
     skips = dict(estimate(WORK, FULL, COST, RATES))["skip trials: up to 3"]
     assert dict(estimate(shared, FULL, COST, RATES))["skip trials: up to 3"] == skips    # a trial starts its own
 
