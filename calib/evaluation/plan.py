@@ -19,7 +19,8 @@ The engine's figures were measured on one H200 with GPU vLLM 0.24 (FlashAttentio
 first one 40 s more; prompt-logprob scoring is bound by per-token overhead on a small model (12K tokens/s on a 135M
 model at 2K-8K) and by compute on a large one (about 1.5x kvcalib's own bf16 reference pass: an 8B shape scored
 32K + 128K tokens in 18-20 s, the reference pass took 13.5 s); a serving phase (`kvcalib validate`) costs each
-bucket's prefills plus its decode rounds (~25 ms a step). The CPU figures are rougher (vLLM's CPU build).
+bucket's prefills plus its decode rounds (~25 ms a step). CPU figures: vLLM's CPU build on a 2-core machine
+(a start ~20 s, ~1.5K tokens/s with top-20 prompt log-probs on the default model), rougher.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ MAX_NEW_TOKENS = 8                             # calib.evaluation.passkey.MAX_NE
 DEPTH_STEPS = ((0.0, 0.25, 0.5, 0.75, 1.0), (0.0, 0.5, 1.0), (0.5,))
 SHORT_WINDOW = 8192                            # with an engine, buckets above this are measured there only
 # Stated, not probed (a start costs too much to probe): measured figures, see the module docstring.
-ENGINE_START_S = {"cuda": 35.0, "cpu": 60.0}
+ENGINE_START_S = {"cuda": 35.0, "cpu": 20.0}
 ENGINE_FIRST_START_S = {"cuda": 40.0, "cpu": 0.0}     # added once: CUDA context, kernel caches, imports
-ENGINE_TOKENS_PER_S = {"cuda": 12_000.0, "cpu": 500.0}
-ENGINE_OVER_REFERENCE = 1.5                   # compute-bound scoring: x the reference pass on the same tokens
+ENGINE_TOKENS_PER_S = {"cuda": 12_000.0, "cpu": 1_500.0}
+# compute-bound scoring: x the reference pass on the same tokens (GPU); on a CPU vLLM's bf16 kernels outrun
+# kvcalib's float32 reference pass, so the token rate alone is used there (0)
+ENGINE_OVER_REFERENCE = {"cuda": 1.5, "cpu": 0.0}
 DECODE_STEP_S = {"cuda": 0.025, "cpu": 0.5}
 
 
@@ -72,6 +75,7 @@ class Rates:
     probed_at: int              # tokens of the probe sample
     engine_first_start: float = 0.0
     decode_step: float = 0.0    # seconds per decode step while serving
+    engine_over_reference: float = 1.5
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,7 @@ class Plan:
     def lines(self, rates: Rates) -> list[str]:
         out = [f"eval plan (probe: one forward at {rates.probed_at} tokens; engine {rates.engine_start:.0f} s per start "
                f"(+{rates.engine_first_start:.0f} s the first), scoring at {rates.engine_tokens_per_s:,.0f} tok/s or "
-               f"{ENGINE_OVER_REFERENCE:g}x the reference pass, measured defaults):"]
+               f"{rates.engine_over_reference:g}x the reference pass, measured defaults):"]
         out += [f"  {name}: {duration(s)}" for name, s in self.phases if s > 0]
         out.append(f"  total: {duration(self.total)}" + (f" (budget {duration(self.budget_s)})" if self.budget_s else ""))
         if self.dropped:
@@ -139,7 +143,7 @@ def estimate(w: Work, parts: Parts, cost: Cost, rates: Rates) -> tuple[tuple[str
     engine_tokens = sum(n for n, _ in w.samples) + sum(n + MAX_NEW_TOKENS for n, _ in engine_pk)
     reference_pass = (sum(cost.work(n) for n, _ in w.samples)
                       + sum(cost.work(n) + cost.decode(n) for n, _ in engine_pk)) * rates.ref
-    scoring = max(engine_tokens / rates.engine_tokens_per_s, ENGINE_OVER_REFERENCE * reference_pass)
+    scoring = max(engine_tokens / rates.engine_tokens_per_s, rates.engine_over_reference * reference_pass)
     start = rates.engine_start + serving_seconds(w, cost, rates)
     engine_arm = (start + scoring) if w.engine else 0.0
     engine = (rates.engine_first_start + w.starts * start + (w.arms + 1) * scoring) if w.engine else 0.0
@@ -161,7 +165,9 @@ def serving_seconds(w: Work, cost: Cost, rates: Rates) -> float:
     for b in sorted({b for _, b in w.samples}):
         lengths = [n for n, bb in w.samples if bb == b]
         requests = asked or max(len(lengths), 2 * concurrency)
-        prefill = ENGINE_OVER_REFERENCE * cost.work(max(lengths)) * rates.ref
+        longest = max(lengths)
+        prefill = (rates.engine_over_reference * cost.work(longest) * rates.ref if rates.engine_over_reference
+                   else longest / rates.engine_tokens_per_s)
         total += requests * prefill + -(-requests // concurrency) * out * rates.decode_step
     return total + out * rates.decode_step
 
@@ -205,7 +211,8 @@ def engine_figures(device_type: str) -> tuple[float, float]:
 
 def default_rates(device_type: str, ref: float, arm: float, probed_at: int) -> Rates:
     key = "cuda" if device_type == "cuda" else "cpu"
-    return Rates(ref, arm, *engine_figures(device_type), probed_at, ENGINE_FIRST_START_S[key], DECODE_STEP_S[key])
+    return Rates(ref, arm, *engine_figures(device_type), probed_at, ENGINE_FIRST_START_S[key], DECODE_STEP_S[key],
+                 ENGINE_OVER_REFERENCE[key])
 
 
 def work_of(samples: Sequence[Any], prompts: Sequence[Any], arms: int, engine: bool,

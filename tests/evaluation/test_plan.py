@@ -167,3 +167,15 @@ def test_emulate_up_to_without_a_budget(model_and_data, tmp_path, monkeypatch):
     assert list(doc["arms"]["default"]["buckets"]) == ["32"]
     r = _eval(src, data, tmp_path / "ev2", "--budget-minutes", "0")
     assert r.exit_code == 1 and "--budget-minutes 0: give a positive number of minutes" in r.output
+
+
+def test_on_a_cpu_the_engine_is_costed_by_its_token_rate_alone():
+    from dataclasses import replace
+
+    rates = plan.default_rates("cpu", 1.0, 1.0, 32)          # a reference pass far slower than any engine
+    assert rates.engine_over_reference == 0
+    served = replace(WORK, serving=(4, 8, 2))
+    tokens = sum(n for n, _ in WORK.samples) + sum(n + plan.MAX_NEW_TOKENS for n, _, _ in WORK.prompts)
+    serving = sum(2 * (b - 10) / rates.engine_tokens_per_s + 1 * 8 * rates.decode_step for b in (512, 2048, 8192))
+    want = 4 * (rates.engine_start + serving + 8 * rates.decode_step) + 4 * tokens / rates.engine_tokens_per_s
+    assert dict(estimate(served, FULL, COST, rates))["engine: 4 arms on 4 start(s) with serving"] == pytest.approx(want)
