@@ -250,7 +250,7 @@ def test_engine_confirms_the_short_list(over448, tmp_path, monkeypatch):
     confirmed = [r for r in res.doc["candidates"] if r["numbers"] == "engine"]
     assert 1 <= len(confirmed) <= 2 and res.chosen["name"] in {r["name"] for r in confirmed}
     assert res.doc["reference"] is not None
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tokens.jsonl"]   # no temporary export left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["held.jsonl", "out"]   # no temporary export left
 
 
 def test_budget_keeps_the_best_so_far(over448, tmp_path, monkeypatch):
