@@ -334,3 +334,19 @@ def test_kernel_equals_reference_on_cuda(name, d, block_n):
 def test_hardware_p_cast_rounds_like_the_arithmetic_one():
     x = torch.rand(1 << 20, device="cuda") * 2.0 ** torch.randint(-14, 9, (1 << 20,), device="cuda")
     assert torch.equal(fa3.round_e4m3_triton(x), x.to(torch.float8_e4m3fn).float())
+
+
+def test_pipeline_fits_the_shared_memory_budget():
+    """The stage / query-block choice: what ran on the H200 keeps two stages (d 64 and d 128 with kBlockN 160);
+    what failed there (d 128 with 224, d 256 with 128: over 227 KB at two stages) drops to one stage, and the
+    float32 path (4-byte tiles at d 256) also halves its queries."""
+    assert fa3.pipeline(64, 160, 64, 64, 2, 2) == (64, 2)
+    assert fa3.pipeline(64, 160, 128, 128, 2, 2) == (64, 2)
+    assert fa3.pipeline(64, 224, 128, 128, 2, 2) == (64, 1)
+    assert fa3.pipeline(64, 128, 256, 256, 2, 2) == (64, 1)
+    bm, st = fa3.pipeline(32, 128, 256, 256, 4, 1)
+    assert st == 1 and bm < 32
+    for args in [(64, bn, d, d, e, 2) for bn in (64, 128, 160, 224) for d in (64, 128, 256) for e in (2, 4)]:
+        bm, st = fa3.pipeline(*args)
+        bn, d, e = args[1], args[2], args[4]
+        assert st * bn * 2 * d * e + bm * d * e <= fa3.SMEM_BUDGET or (st == 1 and bm == 16)
