@@ -8,6 +8,11 @@
 #   default RES [validate args] - default model, three checkpoints, `kvcalib validate` of 8 arms at 2K/8K
 #   long RES SHAPE BUCKETS [validate args] - `kvcalib validate` of a random-weight model (BF16 vs FP8 1.0)
 #   routes RES [plan args] - `kvcalib plan --routes`: short chat vs long documents on the default model, plan.json
+#   formats RES [eval args] - the engine's own KV formats (issue 25) on the default model at 2K/8K
+#   hybrid RES [validate args] - a Gemma-3-4B-like hybrid (random weights) at 8K/32K: capacity per arm from the
+#                   engine next to the bytes model, the sliding-window skip arm in GPU vLLM (issue 28)
+# Order for a fresh machine: kernels (with part-0), model llama-3.1-8b (part-1), model gemma3-4b-hybrid (part-2),
+# then part-3 + install, then default / long / routes / formats / hybrid, one call each.
 # vLLM comes from bench/gpu/vllm_setup.sh (stage the four parts, then install).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
@@ -95,6 +100,26 @@ YAML
   local rc=$?
   echo "plan rc=$rc in $((SECONDS - t0)) s"; tail -15 "$res/plan.log"
   return $rc
+}
+
+formats() {
+  local res=${1:?RES}; shift; mkdir -p "$res"; venv; texts
+  python3 -m calib.cli default-model > /dev/null 2>&1 || return 1
+  local t0=$SECONDS
+  python3 -m calib.cli eval --engine vllm --vllm-venv /tmp/vllm-env --emulate vllm-fa3 --formats all \
+    --data "$data/held" --pack --scales "$ck/plain" --buckets 2048,8192 --samples 4 --passkey-trials 0 --max-skip 0 \
+    --out "$res/formats" --no-plots "$@" > "$res/formats.log" 2>&1
+  local rc=$?
+  echo "formats rc=$rc in $((SECONDS - t0)) s"; grep -A14 "## KV formats" "$res/formats/report.md" | head -20
+  return $rc
+}
+
+hybrid() {
+  local res=${1:?RES}; shift
+  model gemma3-4b-hybrid || return 1
+  long "$res" gemma3-4b-hybrid 8192,32768 --samples 2 --concurrency 2 --output-tokens 32 --engine-kv-gib 16 \
+    --emulate vllm-fa3 --requests 2 "$@"
+  grep -A12 "## KV memory" "$res/validate-gemma3-4b-hybrid/eval/report.md" | head -16
 }
 
 "$@"

@@ -60,6 +60,13 @@ def main() -> None:
     for name in TOKENIZER_FILES:
         if (Path(args.tokenizer) / name).exists():
             shutil.copy(Path(args.tokenizer) / name, out / name)
+    tc = out / "tokenizer_config.json"      # the borrowed tokenizer's length limit is the donor's: use the shape's
+    if tc.exists():
+        import json
+
+        doc = json.loads(tc.read_text())
+        doc["model_max_length"] = int(spec["max_position_embeddings"])
+        tc.write_text(json.dumps(doc, indent=1))
     params = sum(p.numel() for p in model.parameters())
     print(f"{args.shape}: {params / 1e9:.2f} B parameters written to {out} in {time.perf_counter() - t0:.1f} s")
 
