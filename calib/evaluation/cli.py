@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -25,6 +26,21 @@ DEFAULT_MODEL_EVAL = {"samples": 8, "buckets": "256,512", "passkey_trials": 0}
 EVAL_DEFAULTS = {"samples": 64, "buckets": "512,2048,8192", "passkey_trials": significance.DEFAULT_TRIALS}
 # --formats: the KV formats that need no kvcalib scales (the static ones are the default and checkpoint arms)
 FORMAT_CHOICES = tuple(n for n, d in dtypes_mod.KV_FORMATS.items() if d.scaling != dtypes_mod.STATIC)
+
+
+def echo_err(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def with_model(cfg: Any, model_src: str | None, out: Path | None, kind: str) -> Any:
+    """`cfg` with its model (the embedded default built on first use when none was given) and its report folder
+    (default out/<model>-<kind>): shared by eval and validate, after their options are checked."""
+    if model_src is None:
+        from calib.model.default_model import ensure_default_model
+
+        model_src = str(ensure_default_model(resources.build_dir(), log=echo_err))
+    return dataclasses.replace(cfg, model=str(model_src),
+                               out=out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-{kind}")
 
 
 def parse_formats(text: str | None) -> tuple[str, ...]:
@@ -141,15 +157,9 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
             engine=engine_spec, target=target, engine_version=engine_version,
             budget_minutes=budget_minutes, emulate_up_to=emulate_up_to, fit_buckets=fit_buckets)
         options.evaluation(cfg)        # before the default model is built or any model loads
-        if model_src is None:
-            from calib.model.default_model import ensure_default_model
-
-            model_src = str(ensure_default_model(resources.build_dir(), log=lambda m: click.echo(m, err=True)))
-        cfg = dataclasses.replace(cfg, model=str(model_src),
-                                  out=out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-eval")
+        cfg = with_model(cfg, model_src, out, "eval")
         with outputs.terminate_as_interrupt():
-            result = run_eval(cfg, log=lambda m: click.echo(m, err=True),
-                              progress=Progress((lambda m: click.echo(m, err=True)) if progress else None))
+            result = run_eval(cfg, log=echo_err, progress=Progress(echo_err if progress else None))
     except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     click.echo(result.verdict.text)

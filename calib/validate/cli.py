@@ -5,7 +5,6 @@ Importing it must stay cheap (no torch): the evaluation is imported inside the c
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import click
@@ -70,7 +69,7 @@ def validate(model_src, data_src, scales, buckets, samples, pack, min_tokens, se
     OOM; a go / no-go per arm. Writes OUT/validate.md, validate.json, validate.png and OUT/eval/ (the evaluation)."""
     from calib.engine.driver import EngineSpec
     from calib.engine.serving import ServingSpec
-    from calib.evaluation.cli import parse_formats
+    from calib.evaluation.cli import echo_err, parse_formats, with_model
     from calib.evaluation.config import EvalConfig
     from calib.evaluation.report import Thresholds
     from calib.progress import Progress
@@ -97,15 +96,9 @@ def validate(model_src, data_src, scales, buckets, samples, pack, min_tokens, se
             emulate_up_to=emulate_up_to)
         check(cfg)                   # the serving options first: one line naming the option, nothing written
         options.evaluation(cfg)
-        if model_src is None:
-            from calib.model.default_model import ensure_default_model
-
-            model_src = str(ensure_default_model(resources.build_dir(), log=lambda m: click.echo(m, err=True)))
-        cfg = dataclasses.replace(cfg, model=str(model_src),
-                                  out=out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-validate")
+        cfg = with_model(cfg, model_src, out, "validate")
         with outputs.terminate_as_interrupt():
-            res = run_validate(cfg, log=lambda m: click.echo(m, err=True),
-                               progress=Progress((lambda m: click.echo(m, err=True)) if progress else None))
+            res = run_validate(cfg, log=echo_err, progress=Progress(echo_err if progress else None))
     except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     for name, arm in res.doc["arms"].items():
