@@ -128,6 +128,42 @@ def profile_pass(s: Session, arm) -> list[dict]:
     return rows[:25]
 
 
+def kernel_speed(lm: torch.nn.Module, length: int) -> dict:
+    """One layer's attention at `length` (batch 1, causal): the fused kernel as eval calls it (codes split and
+    checked, Q quantised, the launch) against torch's SDPA on the bf16 values (flash on CUDA); the first call
+    also tunes the kernel for this length bucket, so it runs before the timed passes."""
+    cfg = lm.config
+    h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    g = torch.Generator(device=DEV).manual_seed(2)
+    q = torch.randn(1, h, length, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(1, kvh, length, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(1, kvh, length, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    ks, vs = float(k.abs().amax()) / 448, float(v.abs().amax()) / 448
+    kc = (fp8.quantize(k.float(), ks, fp8.E4M3, fp8.RNE, "divide") * ks)
+    vc = (fp8.quantize(v.float(), vs, fp8.E4M3, fp8.RNE, "divide") * vs)
+    t0 = time.perf_counter()
+    fa3.fa3_attention(q, kc, vc, scaling=d ** -0.5, k_scale=ks, v_scale=vs)
+    _sync()
+    first = time.perf_counter() - t0
+
+    def timed(fn, n=3):
+        fn()
+        _sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        _sync()
+        return (time.perf_counter() - t) / n
+
+    fused = timed(lambda: fa3.fa3_attention(q, kc, vc, scaling=d ** -0.5, k_scale=ks, v_scale=vs))
+    kr, vr = k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1)
+    sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True))
+    tuned = getattr(getattr(fa3, "_fa3_tuned", None), "cache", {}) or {}
+    return {"length": length, "first_call_s": round(first, 3), "fused_s": round(fused, 4), "sdpa_s": round(sdpa, 4),
+            "fused_over_sdpa": round(fused / sdpa, 2), "hw_cast": fa3.hw_cast_agrees(DEV) if DEV.type == "cuda" else None,
+            "tuned": {str(k_): str(c) for k_, c in tuned.items()}}
+
+
 def kernel_check(lm: torch.nn.Module, length: int) -> dict:
     """Layer 0's Q/K/V of a random sequence: fused kernel vs float32 blockwise reference vs global max."""
     cfg = lm.config
@@ -182,6 +218,10 @@ def main() -> None:
         geo = Geometry.of(lm.config, model_mod.find_attention_layers(lm))
         arm = default_arm(geo, FP8_E4M3)
         row = {"shape": shape, "length": length, "batch": batch, "variants": {}}
+        if DEV.type == "cuda":
+            with torch.inference_mode():
+                row["kernel_speed"] = kernel_speed(lm, length)
+            print("kernel speed", row["kernel_speed"], flush=True)
         with fake_quant_kv(lm, emu) as hook, torch.inference_mode():
             s = Session(lm, hook, Head(lm), None, samples, (length,), batch_size=batch, failures=0)
             measure(replace_samples(s, samples[:1], min(length, 2048)), [arm])      # warm-up, compiles

@@ -117,15 +117,25 @@ def _engine(req: dict, on_cpu: bool):
         kwargs["kv_cache_dtype_skip_layers"] = [str(i) for i in arm["skip_layers"]]
     if arm.get("attention_backend"):
         kwargs.update(_backend_kwargs(arm["attention_backend"]))
-    if not on_cpu:
-        import torch
+    if on_cpu:
+        return LLM(**kwargs)
+    import time
 
-        # a fixed pool, and a utilization the start-up check accepts while kvcalib's own copy of the model
-        # still occupies part of the device
+    import torch
+
+    # a fixed pool, and a utilization the start-up check accepts while kvcalib's own copy of the model still
+    # occupies part of the device. On a device other processes share, free memory can drop between the reading
+    # and vLLM's check ("less than desired GPU memory utilization"): read it again and retry, a few times.
+    kwargs["kv_cache_memory_bytes"] = int(req["kv_gib"]) * 2 ** 30
+    for attempt in range(4):
         free, total = torch.cuda.mem_get_info()
-        kwargs["kv_cache_memory_bytes"] = int(req["kv_gib"]) * 2 ** 30
         kwargs["gpu_memory_utilization"] = max(0.05, min(0.9, free / total - 0.02))
-    return LLM(**kwargs)
+        try:
+            return LLM(**kwargs)
+        except ValueError as e:
+            if "memory utilization" not in str(e) or attempt == 3:
+                raise
+            time.sleep(10 * (attempt + 1))
 
 
 def _capacity(llm) -> tuple[int | None, str]:

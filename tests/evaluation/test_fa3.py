@@ -106,6 +106,7 @@ CASES = {
     "additive": dict(mask="additive", causal=False),
     "prefill-chunk": dict(s=19),                                  # fewer queries than keys: bottom-right
     "window-softcap": dict(window_left=12, softcap=4.0),
+    "long-window": dict(window_left=40),          # whole key blocks between the diagonal and the window's edge
 }
 
 
@@ -256,6 +257,7 @@ KERNEL_CASES = {
     "additive-bidirectional": dict(mask="additive", causal=False),
     "prefill-chunk": dict(s=19),
     "window-softcap": dict(window_left=12, softcap=4.0),
+    "long-window": dict(window_left=40),          # whole key blocks between the diagonal and the window's edge
 }
 
 
@@ -314,9 +316,10 @@ needs_cuda = pytest.mark.skipif(not CUDA or fa3.triton is None, reason="needs CU
 
 
 @needs_cuda
-@pytest.mark.parametrize("d,block_n", [(64, 160), (128, 224), (256, 128)])
-@pytest.mark.parametrize("name", ["causal-gqa-padding", "window-softcap", "prefill-chunk"])
-def test_kernel_equals_reference_on_cuda(name, d, block_n):
+@pytest.mark.parametrize("block_m", [None, 32, 128])      # None: the autotuned configuration
+@pytest.mark.parametrize("d,block_n", [(64, 160), (128, 160), (128, 224), (256, 128)])
+@pytest.mark.parametrize("name", ["causal-gqa-padding", "window-softcap", "prefill-chunk", "long-window"])
+def test_kernel_equals_reference_on_cuda(name, d, block_n, block_m):
     q, k, v, ks, vs, cfg = _case(KERNEL_CASES[name], seed=7, d=d)
     dev = torch.device("cuda")
     q, k, v = q.to(dev, torch.bfloat16), k.to(dev), v.to(dev)
@@ -324,7 +327,7 @@ def test_kernel_equals_reference_on_cuda(name, d, block_n):
     kw = dict(scaling=d ** -0.5, q_scale=0.05, k_scale=ks, v_scale=vs, block_n=block_n, **cfg)
     assert fa3.prepare(q, k, v, q_scale=0.05, k_scale=ks, v_scale=vs).bf16_exact          # tensor-core path
     want = fa3.blockwise_reference(q, k, v, **kw)
-    got = fa3.fa3_attention_triton(q, k, v, **kw)
+    got = fa3.fa3_attention_triton(q, k, v, block_m=block_m, **kw)
     # float32 summation order, and the GPU's approximate exp2 moving an occasional P across an e4m3 midpoint
     diff, scale = (got - want).abs(), want.abs().max()
     assert (diff > 1e-4 * scale).float().mean() < 0.02 and diff.max() < 0.05 * scale
@@ -334,6 +337,8 @@ def test_kernel_equals_reference_on_cuda(name, d, block_n):
 def test_hardware_p_cast_rounds_like_the_arithmetic_one():
     x = torch.rand(1 << 20, device="cuda") * 2.0 ** torch.randint(-14, 9, (1 << 20,), device="cuda")
     assert torch.equal(fa3.round_e4m3_triton(x), x.to(torch.float8_e4m3fn).float())
+    assert torch.equal(fa3.round_e4m3_triton(x, hardware=True), x.to(torch.float8_e4m3fn).float())
+    assert fa3.hw_cast_agrees(x.device)
 
 
 def test_pipeline_fits_the_shared_memory_budget():
