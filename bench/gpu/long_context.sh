@@ -37,7 +37,7 @@ texts() {    # the project's own files as domain text: docs to calibrate on, Pyt
 
 kernels() {
   local res=${1:?RES}; mkdir -p "$res"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/evaluation/test_fa3.py 2>&1 | tail -6
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/evaluation/test_fa3.py tests/evaluation/test_fa3_kernel.py 2>&1 | tail -6
   timeout 150 python3 bench/gpu/longctx.py --json "$res/longctx-8k.json" --cases smollm2-135m:8192x4 2>&1 | grep -v '^ ' | tail -6
   timeout 240 python3 bench/gpu/longctx.py --json "$res/longctx-8b.json" --variants fused,global --profile \
     --cases llama-3.1-8b:32768x1,llama-3.1-8b:131072x1 --skip-variants-above 32768 2>&1 | grep -v '^ ' | tail -8

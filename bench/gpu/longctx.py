@@ -4,7 +4,7 @@ Why: issue 30's evaluation ran its emulated arms at a tenth of a forward's speed
 model shape and length, one measuring pass exactly as `kvcalib eval` runs it (`calib.evaluation.measure`:
 the reference forward + losses, then the arm's forward under the fake-quant hook + KL against the
 reference), for three versions of the FP8 attention emulation:
-  fused    - calib/evaluation/fa3.py's Triton kernel (what eval uses on CUDA);
+  fused    - calib/evaluation/fa3_kernel.py's Triton kernel (what eval uses on CUDA);
   blockwise- the same algorithm as float32 torch blocks (KVCALIB_FUSED=0: the CPU path);
   global   - the emulation before fa3.py: calib.scales.fp8.fp8_attention (float32, one global row max).
 and, per length, the largest peak memory of each pass, a torch.profiler breakdown of the fused pass by
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from calib.evaluation import emulate, fa3, fakequant  # noqa: E402
+from calib.evaluation import emulate, fa3, fa3_kernel, fakequant  # noqa: E402
 from calib.evaluation.fakequant import Geometry, default_arm, fake_quant_kv  # noqa: E402
 from calib.evaluation.head import Head  # noqa: E402
 from calib.evaluation.measure import measure  # noqa: E402
@@ -158,9 +158,9 @@ def kernel_speed(lm: torch.nn.Module, length: int) -> dict:
     fused = timed(lambda: fa3.fa3_attention(q, kc, vc, scaling=d ** -0.5, k_scale=ks, v_scale=vs))
     kr, vr = k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1)
     sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True))
-    tuned = getattr(getattr(fa3, "_fa3_tuned", None), "cache", {}) or {}
+    tuned = getattr(getattr(fa3_kernel, "_fa3_tuned", None), "cache", {}) or {}
     return {"length": length, "first_call_s": round(first, 3), "fused_s": round(fused, 4), "sdpa_s": round(sdpa, 4),
-            "fused_over_sdpa": round(fused / sdpa, 2), "hw_cast": fa3.hw_cast_agrees(DEV) if DEV.type == "cuda" else None,
+            "fused_over_sdpa": round(fused / sdpa, 2), "hw_cast": fa3_kernel.hw_cast_agrees(DEV) if DEV.type == "cuda" else None,
             "tuned": {str(k_): str(c) for k_, c in tuned.items()}}
 
 
@@ -177,7 +177,7 @@ def kernel_check(lm: torch.nn.Module, length: int) -> dict:
     k = fp8.quantize(k, ks, fp8.E4M3, fp8.RNE, "divide") * ks
     v = fp8.quantize(v, vs, fp8.E4M3, fp8.RNE, "divide") * vs
     kw = dict(scaling=d ** -0.5, q_scale=1.0, k_scale=ks, v_scale=vs, causal=True)
-    fused = fa3.fa3_attention_triton(q, k, v, **kw) if DEV.type == "cuda" else fa3.fa3_attention(q, k, v, **kw)
+    fused = fa3_kernel.fa3_attention_triton(q, k, v, **kw) if DEV.type == "cuda" else fa3.fa3_attention(q, k, v, **kw)
     ref = fa3.blockwise_reference(q, k, v, **kw)
     glob = fp8.fp8_attention(q, k, v, scaling=d ** -0.5, q_scale=1.0, causal=True).float()
     top = ref.abs().max()
