@@ -130,7 +130,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, q_scale: Tensor | float = 1.0, k
     return Inputs(qc, kc, vc, qd, kd, vd, mask, q_exact and k_exact and v_exact)
 
 
-def _log2_scale(scaling: float, softcap: float | None, qk: Tensor) -> tuple[Tensor, Tensor | None]:
+def log2_scale(scaling: float, softcap: float | None, qk: Tensor) -> tuple[Tensor, Tensor | None]:
     """(scale_log2, softcap multiplier) per (b, kv head) in float32, as FA3 forms them: the host's
     softmax_scale * log2(e) (or softcap * log2(e)) times q_descale * k_descale (or that into the softcap)."""
     if softcap:
@@ -159,7 +159,7 @@ def _reference(x: Inputs, scaling: float, causal: bool, window_left: int | None,
     kvh, t, dv = x.k.shape[1], x.k.shape[2], x.v.shape[-1]
     rep = h // kvh
     dev = x.q.device
-    c, cap = _log2_scale(scaling, softcap, x.q_descale * x.k_descale)
+    c, cap = log2_scale(scaling, softcap, x.q_descale * x.k_descale)
     per_head = lambda a: a.repeat_interleave(rep, dim=1)[:, :, None, None]          # noqa: E731
     c, cap, vd = per_head(c), None if cap is None else per_head(cap), per_head(x.v_descale)
     out = torch.empty(b, h, s, dv, dtype=torch.float32, device=dev)

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from calib.evaluation.fa3 import Inputs, _log2_scale, fa3_block_n, prepare
+from calib.evaluation.fa3 import Inputs, log2_scale, fa3_block_n, prepare
 from calib.scales import fp8
 
 try:
@@ -119,7 +119,7 @@ def launch(x: Inputs, scaling: float, causal: bool, window_left: int | None, qua
     b, h, s, d = x.q.shape
     kvh, t, dv = x.k.shape[1], x.k.shape[2], x.v.shape[-1]
     t1, t2, t3 = _tiles(bn)
-    c, cap = _log2_scale(scaling, softcap, x.q_descale * x.k_descale)
+    c, cap = log2_scale(scaling, softcap, x.q_descale * x.k_descale)
     bf16 = x.bf16_exact and not _INTERPRET
     qc, kc, vc = (x.q, x.k, x.v) if not bf16 else (x.q.to(torch.bfloat16), x.k.to(torch.bfloat16),
                                                    x.v.to(torch.bfloat16))
