@@ -177,7 +177,7 @@ def kernel_check(lm: torch.nn.Module, length: int) -> dict:
     k = fp8.quantize(k, ks, fp8.E4M3, fp8.RNE, "divide") * ks
     v = fp8.quantize(v, vs, fp8.E4M3, fp8.RNE, "divide") * vs
     kw = dict(scaling=d ** -0.5, q_scale=1.0, k_scale=ks, v_scale=vs, causal=True)
-    fused = fa3_kernel.fa3_attention_triton(q, k, v, **kw) if DEV.type == "cuda" else fa3.fa3_attention(q, k, v, **kw)
+    fused = fa3.fa3_attention_triton(q, k, v, **kw) if DEV.type == "cuda" else fa3.fa3_attention(q, k, v, **kw)
     ref = fa3.blockwise_reference(q, k, v, **kw)
     glob = fp8.fp8_attention(q, k, v, scaling=d ** -0.5, q_scale=1.0, causal=True).float()
     top = ref.abs().max()

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from calib.evaluation import fa3_kernel
 from calib.scales import fp8
 
 Tensor = torch.Tensor
@@ -204,11 +205,28 @@ def _reference(x: Inputs, scaling: float, causal: bool, window_left: int | None,
 
 # ------------------------------------------------------------------------------- Triton kernel
 
+def fa3_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, scaling: float, q_scale: Tensor | float = 1.0,
+                         k_scale: Tensor | float | None = None, v_scale: Tensor | float | None = None,
+                         mask: Tensor | None = None, causal: bool = True, window_left: int | None = None,
+                         quant_q: bool = True, quant_p: bool = True, softcap: float | None = None,
+                         block_n: int | None = None, block_m: int | None = None) -> Tensor:
+    """The same computation as `blockwise_reference`, `fa3_kernel`'s Triton kernel, one program per (block_m queries, head); block_m
+    None: autotuned on CUDA, 64 under the interpreter.
+    Raises whatever Triton raises (the dispatcher falls back). Returns [b, s, h, dv] float32."""
+    x = prepare(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, mask=mask, quant_q=quant_q)
+    bn = block_n or fa3_block_n(q.shape[-1], local=window_left is not None, softcap=bool(softcap))
+    return _kernel(x, scaling, causal, window_left, quant_p, softcap, bn, block_m)
+
+
+def _kernel(x: Inputs, scaling: float, causal: bool, window_left: int | None, quant_p: bool,
+            softcap: float | None, bn: int, block_m: int | None = None) -> Tensor:
+    c, cap = log2_scale(scaling, softcap, x.q_descale * x.k_descale)
+    return fa3_kernel.launch(x, c, cap, causal, window_left, quant_p, softcap, bn, block_m)
+
+
 def fused(q: Tensor) -> bool:
     """Whether `fa3_attention` takes the Triton kernel for q (CUDA or the interpreter, Triton working,
     KVCALIB_FUSED not 0)."""
-    from calib.evaluation import fa3_kernel
-
     return (fa3_kernel.triton is not None and (q.is_cuda or fa3_kernel.KERNELS_ON_CPU)
             and os.environ.get("KVCALIB_FUSED", "1") != "0")
 
@@ -231,10 +249,8 @@ def fa3_attention(q: Tensor, k: Tensor, v: Tensor, *, scaling: float, q_scale: T
     args = (x, scaling, causal, window_left, quant_p, softcap, bn)
     config = (x.bf16_exact, x.q.shape[-1], x.v.shape[-1], bn, softcap is not None)
     if fused(q) and config not in _failed:
-        from calib.evaluation import fa3_kernel
-
         try:
-            return fa3_kernel.launch(*args)
+            return _kernel(*args)
         except Exception as e:           # compilation and resource checks fail before launch: nothing written
             _failed[config] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             print(f"kvcalib: the fused FA3 kernel is unavailable for {config} here ({_failed[config][:200]}); "

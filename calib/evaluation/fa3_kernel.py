@@ -20,7 +20,6 @@ import os
 
 import torch
 
-from calib.evaluation.fa3 import Inputs, log2_scale, fa3_block_n, prepare
 from calib.scales import fp8
 
 try:
@@ -42,19 +41,6 @@ def _tiles(block_n: int) -> tuple[int, int, int]:
     if len(parts) > 3:
         raise ValueError(f"fa3 attention: block_n {block_n} needs more than three power-of-two tiles")
     return tuple(parts + [0] * (3 - len(parts)))
-
-
-def fa3_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, scaling: float, q_scale: Tensor | float = 1.0,
-                         k_scale: Tensor | float | None = None, v_scale: Tensor | float | None = None,
-                         mask: Tensor | None = None, causal: bool = True, window_left: int | None = None,
-                         quant_q: bool = True, quant_p: bool = True, softcap: float | None = None,
-                         block_n: int | None = None, block_m: int | None = None) -> Tensor:
-    """The same computation as `blockwise_reference`, one Triton program per (block_m queries, head); block_m
-    None: autotuned on CUDA, 64 under the interpreter.
-    Raises whatever Triton raises (the dispatcher falls back). Returns [b, s, h, dv] float32."""
-    x = prepare(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, mask=mask, quant_q=quant_q)
-    bn = block_n or fa3_block_n(q.shape[-1], local=window_left is not None, softcap=bool(softcap))
-    return launch(x, scaling, causal, window_left, quant_p, softcap, bn, block_m)
 
 
 SMEM_BUDGET = 200 * 1024       # bytes of shared memory a program may plan for (Hopper: 227 KB per block)
@@ -112,14 +98,14 @@ def _prune(configs, named_args, **kwargs):
     return fit or [min(configs, key=lambda c: (c.kwargs["BM"], c.num_stages))]
 
 
-def launch(x: Inputs, scaling: float, causal: bool, window_left: int | None, quant_p: bool,
-            softcap: float | None, bn: int, block_m: int | None = None) -> Tensor:
-    """Launch `_fa3_fwd`. `block_m` None on CUDA: the autotuned configuration for this shape and length bucket;
+def launch(x, c: Tensor, cap: Tensor | None, causal: bool, window_left: int | None, quant_p: bool,
+           softcap: float | None, bn: int, block_m: int | None = None) -> Tensor:
+    """Launch `_fa3_fwd` on `fa3.Inputs` x with the log2-domain scale `c` (and softcap multiplier `cap`) per
+    (batch, KV head). `block_m` None on CUDA: the autotuned configuration for this shape and length bucket;
     given (or under the interpreter): that many queries per program, `pipeline`'s stages."""
     b, h, s, d = x.q.shape
     kvh, t, dv = x.k.shape[1], x.k.shape[2], x.v.shape[-1]
     t1, t2, t3 = _tiles(bn)
-    c, cap = log2_scale(scaling, softcap, x.q_descale * x.k_descale)
     bf16 = x.bf16_exact and not _INTERPRET
     qc, kc, vc = (x.q, x.k, x.v) if not bf16 else (x.q.to(torch.bfloat16), x.k.to(torch.bfloat16),
                                                    x.v.to(torch.bfloat16))

@@ -57,7 +57,7 @@ def test_kernel_equals_reference_under_the_interpreter(name, block_n):
     cfg = {**cfg, "mask": cfg["mask"][:, :1]} if "mask" in cfg else cfg
     kw = dict(scaling=0.25, q_scale=0.05, k_scale=ks[:1], v_scale=vs[:1], block_n=block_n, **cfg)
     want = fa3.blockwise_reference(q, k, v, **kw)
-    got = fa3_kernel.fa3_attention_triton(q, k, v, block_m=16, **kw)
+    got = fa3.fa3_attention_triton(q, k, v, block_m=16, **kw)
     assert (got - want).abs().max() <= 2e-6 * want.abs().max()
 
 
@@ -66,7 +66,7 @@ def test_kernel_float32_path_without_scales():
     """K/V that are not codes times a per-head scale (k_scale None, values off the grid), no FP8 at all:
     plain softmax attention up to float32 rounding."""
     q, k, v, _, _ = _inputs(5, b=1, h=2, kvh=1, s=37, t=37, d=24, dv=8)
-    got = fa3_kernel.fa3_attention_triton(q, k * 1.1, v, scaling=0.2, quant_q=False, quant_p=False, block_n=16,
+    got = fa3.fa3_attention_triton(q, k * 1.1, v, scaling=0.2, quant_q=False, quant_p=False, block_n=16,
                                    block_m=16)
     want = _softmax_attention(q, k * 1.1, v, 0.2)
     assert (got.double() - want).abs().max() <= 2e-6 * want.abs().max()
@@ -89,7 +89,7 @@ def test_dispatcher_takes_the_kernel_only_where_it_can(monkeypatch, capsys):
     def broken(*a):                           # what Triton does where it cannot build or fit the kernel
         calls.append("kernel")
         raise RuntimeError("out of resources: shared memory")
-    monkeypatch.setattr(fa3_kernel, "launch", broken)
+    monkeypatch.setattr(fa3, "_kernel", broken)
     for _ in range(2):
         assert torch.equal(fa3.fa3_attention(q, k, v, **kw), want)
     assert calls == ["kernel", "reference", "reference"]           # one try per configuration, said once
@@ -113,7 +113,7 @@ def test_kernel_equals_reference_on_cuda(name, d, block_n, block_m):
     kw = dict(scaling=d ** -0.5, q_scale=0.05, k_scale=ks, v_scale=vs, block_n=block_n, **cfg)
     assert fa3.prepare(q, k, v, q_scale=0.05, k_scale=ks, v_scale=vs).bf16_exact          # tensor-core path
     want = fa3.blockwise_reference(q, k, v, **kw)
-    got = fa3_kernel.fa3_attention_triton(q, k, v, block_m=block_m, **kw)
+    got = fa3.fa3_attention_triton(q, k, v, block_m=block_m, **kw)
     # float32 summation order, and the GPU's approximate exp2 moving an occasional P across an e4m3 midpoint
     diff, scale = (got - want).abs(), want.abs().max()
     assert (diff > 1e-4 * scale).float().mean() < 0.02 and diff.max() < 0.05 * scale
