@@ -455,9 +455,37 @@ class FakeQuantKV:
         else:
             out = delegate(module, query, k_hat, v_hat, attention_mask, **kwargs)
         if measure:
-            ref = delegate(module, query, key, value, attention_mask, **kwargs)
-            self.meter.add(layer, torch.cat([k_terms, v_terms, _output_terms(module, ref[0], out[0], mask)]))
+            ref, got, m = _reference_output(delegate, module, query, key, value, attention_mask, kwargs, out[0], mask)
+            self.meter.add(layer, torch.cat([k_terms, v_terms, _output_terms(module, ref, got, m)]))
         return out
+
+
+DIAG_QUERIES = 4096     # a longer sequence's attention error is read on its last this many queries
+
+
+def _reference_output(delegate: Callable, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Any, kwargs: dict[str, Any], out: torch.Tensor, mask: torch.Tensor | None):
+    """(reference output, arm output, token mask) for the attention-error diagnostic. Over DIAG_QUERIES queries of
+    a prefill through SDPA, only the last DIAG_QUERIES queries (which see the most keys) against every key: the
+    model's own attention over all queries again would cost as much as the reference pass's attention, a
+    quarter of the arm's time at 128K. Causality (bottom-right) and a sliding window go into the sliced mask."""
+    n, t = query.shape[2], key.shape[2]
+    sdpa = getattr(delegate, "__name__", "") == "sdpa_attention_forward"
+    if n <= DIAG_QUERIES or n != t or not sdpa or not (attention_mask is None or attention_mask.dim() == 4):
+        return delegate(module, query, key, value, attention_mask, **kwargs)[0], out, mask
+    w = DIAG_QUERIES
+    if attention_mask is None:
+        rows = torch.arange(t - w, t, device=query.device)[:, None]
+        cols = torch.arange(t, device=query.device)[None, :]
+        sub = cols <= rows
+        window = kwargs.get("sliding_window")
+        if window:
+            sub = sub & (cols > rows - int(window))
+        sub = sub[None, None]
+    else:
+        sub = attention_mask[:, :, -w:, :]
+    ref = delegate(module, query[:, :, -w:], key, value, sub, **kwargs)[0]
+    return ref, out[:, -w:], None if mask is None else mask[:, -w:]
 
 
 def _right_padded(token_mask: torch.Tensor) -> bool:

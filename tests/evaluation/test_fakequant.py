@@ -254,3 +254,38 @@ def test_geometry_shapes_scales_per_tensor_head_and_channel():
         geo.shape([1.0, -1.0], "layer 4")
     with pytest.raises(EvalError, match="4 scale values fit neither"):
         geo.shape([1.0] * 4, "w")
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "padding-mask"])
+def test_long_prefill_reads_the_attention_error_on_its_last_queries(monkeypatch, case):
+    """Past DIAG_QUERIES queries the reference attention runs for the last DIAG_QUERIES only: those rows equal the
+    same rows of a full reference call (transformers' SDPA with the full mask), and the metric reads them alone."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from calib.evaluation import fakequant
+
+    monkeypatch.setattr(fakequant, "DIAG_QUERIES", 8)
+    g = torch.Generator().manual_seed(5)
+    b, h, kvh, n, d = 2, 4, 2, 29, 8
+    q, k, v = torch.randn(b, h, n, d, generator=g), torch.randn(b, kvh, n, d, generator=g), torch.randn(b, kvh, n, d, generator=g)
+    layer = _Layer()
+    layer.is_causal, layer.num_key_value_groups = True, h // kvh
+    rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    full = (cols <= rows)[None, None].expand(b, 1, n, n).clone()
+    mask, kwargs = None, {}
+    if case == "window":
+        kwargs = {"sliding_window": 6}
+        full &= cols > rows - 6
+    if case == "padding-mask":
+        full[0, :, :, :3] = False                    # a left-padded row, as a 4-D mask hands it over
+        full[0, :, :3, 0] = True
+        mask = full
+    out = torch.randn(b, n, h, d, generator=g)
+    token_mask = torch.ones(b, n, dtype=torch.bool)
+    ref, got, m = fakequant._reference_output(sdpa_attention_forward, layer, q, k, v, mask, kwargs, out, token_mask)
+    want = sdpa_attention_forward(layer, q, k, v, full)[0][:, -8:]
+    assert ref.shape == want.shape == got.shape and torch.allclose(ref, want, atol=1e-6)
+    assert torch.equal(got, out[:, -8:]) and m.shape == (b, 8)
+    short = fakequant._reference_output(sdpa_attention_forward, layer, q[:, :, :8], k[:, :, :8], v[:, :, :8], None, {},
+                                        out[:, :8], token_mask[:, :8])
+    assert short[0].shape == (b, 8, h, d) and short[1] is not None          # up to DIAG_QUERIES: every query
