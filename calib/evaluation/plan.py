@@ -115,14 +115,25 @@ class Plan:
 
     @property
     def total(self) -> float:
+        """Every phase, each skip trial included (what a budget is held to)."""
         return sum(s for _, s in self.phases)
+
+    def with_trials(self, trials: int) -> float:
+        """The total when `trials` of the planned skip trials run: they are conditional (only when no arm passes
+        and a few layers dominate the best one's error), so the plan states both ends and the run its own."""
+        skip = sum(s for name, s in self.phases if name.startswith("skip trials"))
+        return self.total - skip + (skip * trials / self.parts.skip_trials if self.parts.skip_trials else 0.0)
 
     def lines(self, rates: Rates) -> list[str]:
         out = [f"eval plan (probe: one forward at {rates.probed_at} tokens; engine {rates.engine_start:.0f} s per start "
                f"(+{rates.engine_first_start:.0f} s the first), scoring at {rates.engine_tokens_per_s:,.0f} tok/s or "
                f"{rates.engine_over_reference:g}x the reference pass, measured defaults):"]
         out += [f"  {name}: {duration(s)}" for name, s in self.phases if s > 0]
-        out.append(f"  total: {duration(self.total)}" + (f" (budget {duration(self.budget_s)})" if self.budget_s else ""))
+        total = f"  total: {duration(self.total)}"
+        if self.with_trials(0) < self.total:
+            total += (f" with every skip trial, {duration(self.with_trials(0))} without (they run only when no arm passes "
+                      "and a few layers dominate the best one's error)")
+        out.append(total + (f" (budget {duration(self.budget_s)})" if self.budget_s else ""))
         if self.dropped:
             out.append("  dropped to fit the budget: " + "; ".join(self.dropped))
         if self.budget_s and self.total > self.budget_s:

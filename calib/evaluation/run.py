@@ -91,11 +91,14 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             planned = time_plan(cfg, p, s, log)
             ref, results, engine = measure_arms(cfg, p, s, progress, planned.parts)
             measurable.check(ref, results, p.reference.name)     # before skip trials are planned on the numbers
-            results.update(skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts))
+            trials = skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts)
+            results.update(trials)
         bm = bytes_model(cfg, p)
         decided = report.verdict(ref, results, cfg.thresholds, p.reference.name, bm, (p.geo.kv_heads, p.geo.head_dim))
         seconds = time.perf_counter() - t_start
-        log(f"eval: done in {duration(seconds)} (planned {duration(planned.total)} after loading)")
+        ran = "" if not planned.parts.skip_trials else \
+            f"; {duration(planned.with_trials(len(trials)))} for the {len(trials)} skip trial(s) that ran"
+        log(f"eval: done in {duration(seconds)} (planned {duration(planned.total)} after loading{ran})")
         meta = _meta(cfg, p, ([note] if note else []) + plan_notes(planned, p.buckets, cfg.engine is not None),
                      seconds)
         if bm is not None:
@@ -282,7 +285,11 @@ def skip_trials(cfg: EvalConfig, p: Prepared, s: Session, ref: Reference, result
     emulated = [x for x in p.samples if parts.emulate_up_to is None or x.bucket <= parts.emulate_up_to]
     prompts = _emulated_prompts(p, parts)
     out: dict[str, ArmMetrics] = {}
-    for name, layers in report.skip_plan(ref, results, cfg.thresholds):
+    planned = report.skip_plan(ref, results, cfg.thresholds)
+    log("eval: skip trials: " + ("none needed (an arm passes, or no small set of layers dominates the error)"
+                                 if not planned else
+                                 "; ".join(f"up to {len(ls)} on `{n}` (layers {list(ls)})" for n, ls in planned)))
+    for name, layers in planned:
         for k in range(1, len(layers) + 1):
             trial = by_name[name].skipping(layers[:k])
             log(f"eval: measuring {trial.name}")

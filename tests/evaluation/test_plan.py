@@ -4,6 +4,7 @@ rates monkeypatched: nothing here depends on how fast this machine is)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
@@ -11,6 +12,7 @@ from click.testing import CliRunner
 from calib.evaluation import plan
 from calib.evaluation import run as run_mod
 from calib.evaluation.plan import Cost, Parts, Rates, Work, estimate, fit
+from calib.progress import duration
 from tiny import random_sequences, tiny_causal_lm, tiny_config
 
 COST = Cost(linear=100.0, quadratic=1.0)
@@ -177,3 +179,19 @@ def test_on_a_cpu_the_engine_is_costed_by_its_token_rate_alone():
     serving = sum(2 * (b - 10) / rates.engine_tokens_per_s + 1 * 8 * rates.decode_step for b in (512, 2048, 8192))
     want = 4 * (rates.engine_start + serving + 8 * rates.decode_step) + 4 * tokens / rates.engine_tokens_per_s
     assert dict(estimate(served, FULL, COST, rates))["engine: 4 arms on 4 start(s) with serving"] == pytest.approx(want)
+
+
+def test_plan_states_both_ends_of_its_conditional_skip_trials():
+    """Skip trials run only when the numbers call for them: the plan prints its total with and without them, and
+    the total for k trials adds k / planned of the skip phase (the same per-trial figure the plan used)."""
+    parts = replace(FULL, skip_trials=3)
+    plan = fit(WORK, parts, COST, RATES, None)
+    skip = dict(plan.phases)[next(n for n, _ in plan.phases if n.startswith("skip trials"))]
+    assert skip > 0
+    assert plan.with_trials(3) == pytest.approx(plan.total)
+    assert plan.with_trials(0) == pytest.approx(plan.total - skip)
+    assert plan.with_trials(1) == pytest.approx(plan.total - skip * 2 / 3)
+    total_line = next(x for x in plan.lines(RATES) if x.strip().startswith("total:"))
+    assert duration(plan.total) in total_line and duration(plan.total - skip) in total_line
+    none = fit(WORK, replace(FULL, skip_trials=0), COST, RATES, None)
+    assert none.with_trials(0) == pytest.approx(none.total) and "without" not in " ".join(none.lines(RATES))
