@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 import signal
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from calib.data import sources as D
 from calib.evaluation import passkey
 from calib.evaluation.config import EvalConfig
 from calib.recipe import recipe as recipe_mod
+from calib.scales import fp8
 from calib.scales.fold import LayerScales
 from tiny import random_sequences, tiny_causal_lm
 
@@ -276,3 +278,75 @@ def overflowing_model(tmp: Path, name: str = "overflow") -> Path:
         model.lm_head.weight.mul_(1e38)
     model.save_pretrained(path)
     return path
+
+
+# ------------------------------------------------------------------ FA3 attention inputs (test_fa3*, reference)
+
+def e4m3_nearest(v: float) -> float:
+    """Nearest e4m3fn value (ties to even, saturating at 448) from the format's definition."""
+    a = abs(v)
+    if a == 0:
+        return 0.0
+    if a >= 448:
+        return math.copysign(448.0, v)
+    step = 2.0 ** (max(math.floor(math.log2(a)), -6) - 3)
+    return math.copysign(round(a / step) * step, v)
+
+
+def fa3_cache(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What vLLM's CUDA cache gives back: x / scale rounded to e4m3, times the scale (float32)."""
+    s = scale.reshape(1, -1, 1, 1)
+    return fp8.quantize(x, s, fp8.E4M3, fp8.RNE, "divide") * s
+
+
+def fa3_inputs(seed, b=2, h=4, kvh=2, s=45, t=45, d=16, dv=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, s, d, generator=g) * 2
+    k = torch.randn(b, kvh, t, d, generator=g) * 3
+    v = torch.randn(b, kvh, t, dv or d, generator=g)
+    ks, vs = torch.rand(kvh, generator=g) * 0.05 + 0.01, torch.rand(kvh, generator=g) * 0.01 + 0.002
+    return q, fa3_cache(k, ks), fa3_cache(v, vs), ks, vs
+
+
+def fa3_padding(b, s, t, cut=9):
+    """transformers' 4-D mask for right padding: causal, and the last `cut` keys of batch row 1 are padding."""
+    m = torch.ones(s, t, dtype=torch.bool).tril(t - s)[None, None].repeat(b, 1, 1, 1)
+    m[1, :, :, t - cut:] = False
+    return m
+
+
+def softmax_attention(q, k, v, scaling, mask=None, causal=True, window_left=None, softcap=None):
+    """Plain attention in float64: [b, s, h, dv]."""
+    rep = q.shape[1] // k.shape[1]
+    s, t = q.shape[2], k.shape[2]
+    sc = q.double() @ k.double().repeat_interleave(rep, 1).transpose(-1, -2) * scaling
+    if softcap:
+        sc = torch.tanh(sc / softcap) * softcap
+    rows = torch.arange(s)[:, None] + t - s
+    cols = torch.arange(t)[None, :]
+    keep = torch.ones(s, t, dtype=torch.bool)
+    if causal:
+        keep &= cols <= rows
+    if window_left is not None:
+        keep &= cols >= rows - window_left
+    if mask is not None and mask.dtype == torch.bool:
+        keep = keep & mask
+    elif mask is not None:
+        sc = sc + mask.double()
+    sc = sc.masked_fill(~keep, -math.inf)
+    return (sc.softmax(-1) @ v.double().repeat_interleave(rep, 1)).transpose(1, 2)
+
+
+def fa3_case(cfg, seed=0, d=16):
+    cfg = dict(cfg)
+    s = cfg.pop("s", 45)
+    q, k, v, ks, vs = fa3_inputs(seed, s=s, d=d)
+    kind = cfg.pop("mask", None)
+    if kind == "bool":
+        cfg["mask"] = fa3_padding(2, s, 45)
+    elif kind == "additive":
+        m = torch.zeros(2, 1, s, 45)
+        m[0, :, :, 30:] = torch.finfo(torch.float32).min
+        m[1] = torch.randn(1, s, 45, generator=torch.Generator().manual_seed(seed)) * 0.5   # a real bias
+        cfg["mask"] = m
+    return q, k, v, ks, vs, cfg

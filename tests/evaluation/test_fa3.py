@@ -20,20 +20,10 @@ import torch
 from calib.evaluation import fa3
 
 from calib.scales import fp8
+from helpers import e4m3_nearest, fa3_case, fa3_inputs, fa3_padding, softmax_attention
 
 LOG2E = math.log2(math.e)
 CUDA = torch.cuda.is_available()
-
-
-def e4m3(v: float) -> float:
-    """Nearest e4m3fn value (ties to even, saturating at 448) from the format's definition."""
-    a = abs(v)
-    if a == 0:
-        return 0.0
-    if a >= 448:
-        return math.copysign(448.0, v)
-    step = 2.0 ** (max(math.floor(math.log2(a)), -6) - 3)
-    return math.copysign(round(a / step) * step, v)
 
 
 def _grid_codes(shape, g, lo=1.0, hi=15.0, zeros=0.1) -> torch.Tensor:
@@ -44,28 +34,6 @@ def _grid_codes(shape, g, lo=1.0, hi=15.0, zeros=0.1) -> torch.Tensor:
     return torch.where(torch.rand(shape, generator=g) < zeros, 0.0, x)
 
 
-def _cache(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What vLLM's CUDA cache gives back: x / scale rounded to e4m3, times the scale (float32)."""
-    s = scale.reshape(1, -1, 1, 1)
-    return fp8.quantize(x, s, fp8.E4M3, fp8.RNE, "divide") * s
-
-
-def _inputs(seed, b=2, h=4, kvh=2, s=45, t=45, d=16, dv=None):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, s, d, generator=g) * 2
-    k = torch.randn(b, kvh, t, d, generator=g) * 3
-    v = torch.randn(b, kvh, t, dv or d, generator=g)
-    ks, vs = torch.rand(kvh, generator=g) * 0.05 + 0.01, torch.rand(kvh, generator=g) * 0.01 + 0.002
-    return q, _cache(k, ks), _cache(v, vs), ks, vs
-
-
-def _padding(b, s, t, cut=9):
-    """transformers' 4-D mask for right padding: causal, and the last `cut` keys of batch row 1 are padding."""
-    m = torch.ones(s, t, dtype=torch.bool).tril(t - s)[None, None].repeat(b, 1, 1, 1)
-    m[1, :, :, t - cut:] = False
-    return m
-
-
 def _rows_with_keys(mask: torch.Tensor | None, b, h, s) -> torch.Tensor:
     """[b, s, h] True where a query row attends to at least one key (an empty row is 0 in FA3)."""
     if mask is None:
@@ -74,28 +42,6 @@ def _rows_with_keys(mask: torch.Tensor | None, b, h, s) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------- the reference
-
-def _softmax_attention(q, k, v, scaling, mask=None, causal=True, window_left=None, softcap=None):
-    """Plain attention in float64: [b, s, h, dv]."""
-    rep = q.shape[1] // k.shape[1]
-    s, t = q.shape[2], k.shape[2]
-    sc = q.double() @ k.double().repeat_interleave(rep, 1).transpose(-1, -2) * scaling
-    if softcap:
-        sc = torch.tanh(sc / softcap) * softcap
-    rows = torch.arange(s)[:, None] + t - s
-    cols = torch.arange(t)[None, :]
-    keep = torch.ones(s, t, dtype=torch.bool)
-    if causal:
-        keep &= cols <= rows
-    if window_left is not None:
-        keep &= cols >= rows - window_left
-    if mask is not None and mask.dtype == torch.bool:
-        keep = keep & mask
-    elif mask is not None:
-        sc = sc + mask.double()
-    sc = sc.masked_fill(~keep, -math.inf)
-    return (sc.softmax(-1) @ v.double().repeat_interleave(rep, 1)).transpose(1, 2)
-
 
 CASES = {
     "causal-gqa": dict(),
@@ -108,27 +54,12 @@ CASES = {
 }
 
 
-def _case(cfg, seed=0, d=16):
-    cfg = dict(cfg)
-    s = cfg.pop("s", 45)
-    q, k, v, ks, vs = _inputs(seed, s=s, d=d)
-    kind = cfg.pop("mask", None)
-    if kind == "bool":
-        cfg["mask"] = _padding(2, s, 45)
-    elif kind == "additive":
-        m = torch.zeros(2, 1, s, 45)
-        m[0, :, :, 30:] = torch.finfo(torch.float32).min
-        m[1] = torch.randn(1, s, 45, generator=torch.Generator().manual_seed(seed)) * 0.5   # a real bias
-        cfg["mask"] = m
-    return q, k, v, ks, vs, cfg
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_reference_without_fp8_is_softmax_attention(name):
-    q, k, v, _, _, cfg = _case(CASES[name])
+    q, k, v, _, _, cfg = fa3_case(CASES[name])
     got = fa3.blockwise_reference(q, k, v, scaling=0.25, quant_q=False, quant_p=False, block_n=16, chunk=16,
                                   **cfg)
-    want = _softmax_attention(q, k, v, 0.25, **cfg)
+    want = softmax_attention(q, k, v, 0.25, **cfg)
     live = _rows_with_keys(cfg.get("mask") if isinstance(cfg.get("mask"), torch.Tensor)
                            and cfg["mask"].dtype == torch.bool else None, 2, 4, q.shape[2])
     err = (got.double() - want).abs().amax(-1)[live].max().item()
@@ -162,7 +93,7 @@ def _slow_fa3(qc, kc, vc, qd, kd, vd, scaling, block_n, mask):
                         l = f(l + pi)
                     acc = (acc * alpha).astype(np.float32)
                     for pi, n in zip(p, cols):
-                        acc = (acc + f(e4m3(float(pi))) * vc[bi, kh, n].numpy()).astype(np.float32)
+                        acc = (acc + f(e4m3_nearest(float(pi))) * vc[bi, kh, n].numpy()).astype(np.float32)
                     m = m_new
                 out[bi, i, hi] = acc * f(f(1) / l) * f(vd[kh]) if l > 0 else 0
     return torch.from_numpy(out)
@@ -176,7 +107,7 @@ def test_reference_is_the_per_row_algorithm(causal):
     qd, kd, vd = 0.25, torch.tensor([0.21]), torch.tensor([0.013])
     qc, kc = _grid_codes((b, h, s, d), g), _grid_codes((b, kvh, t, d), g)
     vc = _grid_codes((b, kvh, t, d), g, lo=2.0 ** -9, hi=448.0)
-    mask = _padding(b + 1, s, t, cut=4)[1:] if causal else torch.ones(b, 1, s, t, dtype=torch.bool)
+    mask = fa3_padding(b + 1, s, t, cut=4)[1:] if causal else torch.ones(b, 1, s, t, dtype=torch.bool)
     got = fa3.blockwise_reference(qc * qd, kc * kd, vc * vd, scaling=d ** -0.5, q_scale=qd, k_scale=kd,
                                   v_scale=vd, mask=mask, causal=causal, block_n=6, chunk=8)
     want = _slow_fa3(qc, kc, vc, qd, kd, vd, d ** -0.5, 6, mask)
@@ -186,7 +117,7 @@ def test_reference_is_the_per_row_algorithm(causal):
 def test_fp8_inputs_are_codes_times_scales():
     """prepare() recovers the cache's codes exactly from codes x per-head scale (bf16-exact, so the kernel can
     use tensor cores) and keeps other values as they are (per-channel scales: float32 dots)."""
-    q, k, v, ks, vs = _inputs(2)
+    q, k, v, ks, vs = fa3_inputs(2)
     x = fa3.prepare(q, k, v, q_scale=0.05, k_scale=ks, v_scale=vs)
     assert x.bf16_exact
     assert torch.equal(x.k * ks.reshape(1, -1, 1, 1), k) and torch.equal(x.k, fp8.round_fp8(x.k))
@@ -219,8 +150,8 @@ def test_reference_against_global_max_fp8_attention(block_n):
     """The running max changes which e4m3 values P takes (round then rescale by a non-power of two is not
     round the rescaled value): both stay within the rounding bound of exact attention, so they differ by at
     most twice it. One block holding every key (block_n 64 >= 45) is the global max: equal up to float32."""
-    q, k, v, ks, vs = _inputs(3)
-    mask = _padding(2, 45, 45)
+    q, k, v, ks, vs = fa3_inputs(3)
+    mask = fa3_padding(2, 45, 45)
     ours = fa3.blockwise_reference(q, k, v, scaling=0.25, q_scale=0.05, k_scale=ks, v_scale=vs, mask=mask,
                                    block_n=block_n)
     glob = fp8.fp8_attention(q, k, v, scaling=0.25, q_scale=0.05, mask=mask)

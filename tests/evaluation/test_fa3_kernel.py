@@ -16,7 +16,7 @@ import torch
 
 from calib.evaluation import fa3, fa3_kernel
 from calib.scales import fp8
-from tests.evaluation.test_fa3 import _case, _inputs, _softmax_attention, e4m3
+from helpers import e4m3_nearest, fa3_case, fa3_inputs, softmax_attention
 
 CUDA = torch.cuda.is_available()
 
@@ -35,7 +35,7 @@ def test_kernel_rounds_p_like_the_format():
                    2.0 ** torch.randint(-14, 9, (3000,), generator=torch.Generator().manual_seed(1))])
     got = fa3_kernel.round_e4m3_triton(x)
     assert torch.equal(got, fp8.round_fp8(x))
-    assert got[:len(edges)].tolist() == [e4m3(e) for e in edges]
+    assert got[:len(edges)].tolist() == [e4m3_nearest(e) for e in edges]
 
 
 KERNEL_CASES = {
@@ -52,7 +52,7 @@ KERNEL_CASES = {
 @pytest.mark.parametrize("block_n", [16, 28])                  # 28 = 16 + 8 + 4: three tiles, 45 = 28 + 17
 @pytest.mark.parametrize("name", KERNEL_CASES)
 def test_kernel_equals_reference_under_the_interpreter(name, block_n):
-    q, k, v, ks, vs, cfg = _case(KERNEL_CASES[name], seed=4)
+    q, k, v, ks, vs, cfg = fa3_case(KERNEL_CASES[name], seed=4)
     q, k, v = q[:, :2], k[:, :1], v[:, :1]                        # 2 query heads on 1 KV head
     cfg = {**cfg, "mask": cfg["mask"][:, :1]} if "mask" in cfg else cfg
     kw = dict(scaling=0.25, q_scale=0.05, k_scale=ks[:1], v_scale=vs[:1], block_n=block_n, **cfg)
@@ -65,16 +65,16 @@ def test_kernel_equals_reference_under_the_interpreter(name, block_n):
 def test_kernel_float32_path_without_scales():
     """K/V that are not codes times a per-head scale (k_scale None, values off the grid), no FP8 at all:
     plain softmax attention up to float32 rounding."""
-    q, k, v, _, _ = _inputs(5, b=1, h=2, kvh=1, s=37, t=37, d=24, dv=8)
+    q, k, v, _, _ = fa3_inputs(5, b=1, h=2, kvh=1, s=37, t=37, d=24, dv=8)
     got = fa3.fa3_attention_triton(q, k * 1.1, v, scaling=0.2, quant_q=False, quant_p=False, block_n=16,
                                    block_m=16)
-    want = _softmax_attention(q, k * 1.1, v, 0.2)
+    want = softmax_attention(q, k * 1.1, v, 0.2)
     assert (got.double() - want).abs().max() <= 2e-6 * want.abs().max()
 
 
 @needs_interpreter
 def test_dispatcher_takes_the_kernel_only_where_it_can(monkeypatch, capsys):
-    q, k, v, ks, vs = _inputs(6, b=1, h=2, kvh=1, s=20, t=20)
+    q, k, v, ks, vs = fa3_inputs(6, b=1, h=2, kvh=1, s=20, t=20)
     kw = dict(scaling=0.25, q_scale=0.05, k_scale=ks, v_scale=vs, block_n=16)
     want = fa3.blockwise_reference(q, k, v, **kw)
     assert not fa3.fused(q) and torch.equal(fa3.fa3_attention(q, k, v, **kw), want)      # CPU tensors
@@ -106,7 +106,7 @@ needs_cuda = pytest.mark.skipif(not CUDA or fa3_kernel.triton is None, reason="n
 @pytest.mark.parametrize("d,block_n", [(64, 160), (128, 160), (128, 224), (256, 128)])
 @pytest.mark.parametrize("name", ["causal-gqa-padding", "window-softcap", "prefill-chunk", "long-window"])
 def test_kernel_equals_reference_on_cuda(name, d, block_n, block_m):
-    q, k, v, ks, vs, cfg = _case(KERNEL_CASES[name], seed=7, d=d)
+    q, k, v, ks, vs, cfg = fa3_case(KERNEL_CASES[name], seed=7, d=d)
     dev = torch.device("cuda")
     q, k, v = q.to(dev, torch.bfloat16), k.to(dev), v.to(dev)
     cfg = {n: (x.to(dev) if isinstance(x, torch.Tensor) else x) for n, x in cfg.items()}
