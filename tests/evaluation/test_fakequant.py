@@ -11,8 +11,8 @@ import torch
 
 from calib.engine import verdict as honest
 from calib.evaluation import emulate
-from calib.evaluation.fakequant import (TOKEN, Arm, EvalError, FakeQuantKV, Geometry, Meter, checkpoint_arms,
-                                        default_arm, fake_quant_kv, fake_quant_terms, reference_arm)
+from calib.evaluation.arms import TOKEN, Arm, EvalError, Geometry, checkpoint_arms, default_arm, reference_arm
+from calib.evaluation.fakequant import FakeQuantKV, Meter, fake_quant_kv, fake_quant_terms
 from calib.recipe.dtypes import FP8_E4M3, INT8
 from calib.scales.quant import fake_quant
 from tiny import random_sequences, tiny_causal_lm
