@@ -51,7 +51,8 @@ def emulated(model: str, ids: list[list[int]], modes: list[str], cpu_dtype: str 
     import torch
 
     from calib.evaluation import emulate
-    from calib.evaluation.fakequant import Geometry, default_arm, fake_quant_kv
+    from calib.evaluation.arms import Geometry, default_arm
+    from calib.evaluation.fakequant import fake_quant_kv
     from calib.evaluation.run import load_causal_lm
     from calib.recipe.dtypes import FP8_E4M3
 

@@ -68,7 +68,8 @@ def measure_arm(req: dict, arm: dict, j: int = 0) -> dict:
     import torch
 
     from calib.evaluation import emulate, passkey
-    from calib.evaluation.fakequant import Geometry, checkpoint_arms, default_arm, fake_quant_kv, format_arms
+    from calib.evaluation.arms import Geometry, checkpoint_arms, default_arm, format_arms
+    from calib.evaluation.fakequant import fake_quant_kv
     from calib.evaluation.run import load_causal_lm
     from calib.recipe.dtypes import kv_dtype
 

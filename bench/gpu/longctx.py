@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from calib.evaluation import emulate, fa3, fa3_kernel, fakequant  # noqa: E402
-from calib.evaluation.fakequant import Geometry, default_arm, fake_quant_kv  # noqa: E402
+from calib.evaluation.arms import Geometry, default_arm  # noqa: E402
+from calib.evaluation.fakequant import fake_quant_kv  # noqa: E402
 from calib.evaluation.head import Head  # noqa: E402
 from calib.evaluation.measure import measure  # noqa: E402
 from calib.evaluation.samples import Sample  # noqa: E402

@@ -11,7 +11,8 @@ comparison); each lives in one short module, and callers import each name from t
 - measure.py     one pass over the samples: the reference once per batch, then every arm
 - retrieval.py   passkey retrieval under one arm
 - results.py     the typed results: per-bucket rows, passkey rows, per-arm and reference numbers, EvalResult
-- fakequant.py   the fake-quant hook and the arms (ways of storing the cache) it applies
+- arms.py        the arms (ways of storing the cache) an evaluation compares, and how each is built
+- fakequant.py   the fake-quant hook that stores K/V as one arm would
 - report.py      the verdict, report.json, report.md and the plots
 - run.py         `run_eval`: checks, lock, load, measure, skip trials, engine, report
 - emulate.py     what each engine computes when its KV cache is FP8 (one registry of modes, torch-free)

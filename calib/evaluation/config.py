@@ -13,7 +13,7 @@ from typing import Any
 
 from calib.data import sources as data_mod
 from calib.evaluation import emulate, served
-from calib.evaluation.fakequant import EvalError
+from calib.evaluation.arms import EvalError
 from calib.evaluation.report import Thresholds
 from calib.model import context
 from calib.model.context import Context
@@ -30,7 +30,7 @@ class EvalConfig:
     out: Path
     scales: tuple[str, ...] = ()
     stats: str | None = None
-    formats: tuple[str, ...] = ()     # whole KV formats of the engine as arms (fakequant.format_arms)
+    formats: tuple[str, ...] = ()     # whole KV formats of the engine as arms (arms.format_arms)
     dtype: str = "fp8_e4m3"
     emulate: str = emulate.DEFAULT
     buckets: tuple[int, ...] = (512, 2048, 8192)

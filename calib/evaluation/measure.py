@@ -15,7 +15,8 @@ import torch
 
 from calib.capture import hook as observe
 from calib.data.batching import pad
-from calib.evaluation.fakequant import Arm, Meter
+from calib.evaluation.arms import Arm
+from calib.evaluation.fakequant import Meter
 from calib.evaluation.results import ArmMetrics, BucketRow, Failure, KVRange, Position, Reference, Seconds, Summary
 from calib.evaluation.samples import Sample
 from calib.evaluation.session import Session, clock

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from calib.evaluation import passkey
-from calib.evaluation.fakequant import Arm
+from calib.evaluation.arms import Arm
 from calib.evaluation.results import PasskeyRow, passkey_rows
 from calib.evaluation.session import Session, clock
 from calib.progress import Progress, Stage

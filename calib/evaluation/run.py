@@ -22,9 +22,10 @@ from calib.evaluation import emulate, measurable, memory
 from calib.evaluation import passkey
 from calib.evaluation import plan as plan_mod
 from calib.evaluation import report, served
+from calib.evaluation.arms import (Arm, EvalError, Geometry, arms_for, format_arms, read_stats, reference_arm,
+                                   sliding_skip_arms)
 from calib.evaluation.config import EvalConfig, check_buckets, check_eval
-from calib.evaluation.fakequant import (Arm, EvalError, Geometry, arms_for, fake_quant_kv, format_arms, read_stats,
-                                       reference_arm, sliding_skip_arms)
+from calib.evaluation.fakequant import fake_quant_kv
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference, with_passkey
 from calib.evaluation.retrieval import passkey_stage, run_passkey

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from calib.data import sources as data_mod
+from calib.evaluation.arms import EvalError
 from calib.evaluation.config import EvalConfig
-from calib.evaluation.fakequant import EvalError
 from calib.model import load as model_mod
 
 OVERLAP_WINDOW = 16        # tokens compared to recognise a calibration sample among the eval samples

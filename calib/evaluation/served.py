@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from calib.engine import support
-from calib.evaluation.fakequant import Arm, EvalError
+from calib.evaluation.arms import Arm, EvalError
 
 # --emulate name -> the backend of the target engine whose arithmetic it follows
 _BACKEND_OF_EMULATION = {"vllm-cpu": "cpu", "vllm-fa3": "fa3"}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from calib.evaluation import report
-from calib.evaluation.fakequant import Arm, reference_arm
+from calib.evaluation.arms import Arm, reference_arm
 from calib.recipe.dtypes import kv_dtype
 from calib.safety import files
 from calib.tune import choose as choose_mod

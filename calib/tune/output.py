@@ -117,7 +117,7 @@ def formats(cfg: TuneConfig, loaded: Any, found: Search, chosen: dict[str, Any] 
     engine's own formats (`--formats`), the chosen recipe and the default scale 1.0}; {} without --formats."""
     if not cfg.formats or found.ref is None:
         return {}
-    from calib.evaluation.fakequant import Geometry, reference_arm
+    from calib.evaluation.arms import Geometry, reference_arm
 
     geo = Geometry.of(loaded.config, loaded.attention_layers)
     entries = {n: found.entries[n] for n in cfg.formats if n in found.entries}

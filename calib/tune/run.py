@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from calib.evaluation import plan
-from calib.evaluation.fakequant import reference_arm
+from calib.evaluation.arms import reference_arm
 from calib.evaluation.run import load_causal_lm
 from calib.model import load as model_mod
 from calib.progress import SILENT, Progress, duration

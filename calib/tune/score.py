@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from calib.evaluation import emulate
-from calib.evaluation.fakequant import Arm, Geometry
+from calib.evaluation.arms import Arm, Geometry
 from calib.evaluation.results import ArmMetrics
 from calib.recipe.dtypes import FP8_E4M3, kv_dtype
 from calib.scales import fold as scales_mod

@@ -30,8 +30,9 @@ from calib.data import sources as data_mod
 from calib.errors import KvcalibError
 from calib.evaluation import emulate
 from calib.evaluation import report
+from calib.evaluation.arms import Geometry, default_arm, format_arms
 from calib.evaluation.config import EvalConfig
-from calib.evaluation.fakequant import Geometry, default_arm, fake_quant_kv, format_arms
+from calib.evaluation.fakequant import fake_quant_kv
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference
 from calib.evaluation.samples import calibration_windows, select_samples, usable_buckets

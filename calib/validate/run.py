@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from calib.engine import serving
+from calib.evaluation.arms import EvalError
 from calib.evaluation.config import EvalConfig
-from calib.evaluation.fakequant import EvalError
 from calib.progress import SILENT, Progress
 from calib.safety.outputs import atomic_dir
 from calib.validate import report

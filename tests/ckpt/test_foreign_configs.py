@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from calib import export
 from calib.ckpt.kvinfo import read_kv_info
 from calib.cli import main
-from calib.evaluation.fakequant import EvalError, Geometry, checkpoint_arms
+from calib.evaluation.arms import EvalError, Geometry, checkpoint_arms
 from calib.export import trtllm, vllm as export_vllm
 from calib.verify import verify
 from tiny import tiny_causal_lm

@@ -17,7 +17,7 @@ from calib.engine import driver, formats, protocol, run, support
 from calib.engine import verdict as honest
 from calib.engine.driver import EngineSpec
 from calib.evaluation import report
-from calib.evaluation.fakequant import Geometry, format_arms
+from calib.evaluation.arms import Geometry, format_arms
 from calib.evaluation.run import run_eval
 from helpers import arm_metrics, eval_config, reference_metrics, save_model_and_data
 from tiny import tiny_causal_lm

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from calib.engine import protocol, serve
 from calib.engine.run import request_arm, starts
-from calib.evaluation.fakequant import Geometry, checkpoint_arms, default_arm, reference_arm
+from calib.evaluation.arms import Geometry, checkpoint_arms, default_arm, reference_arm
 from calib.recipe.dtypes import kv_dtype
 from helpers import calibrate_small, save_model_and_data
 from tiny import tiny_causal_lm

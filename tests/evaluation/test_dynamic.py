@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from calib.evaluation import dynamic
-from calib.evaluation.fakequant import Geometry, fake_quant_terms, format_arms
+from calib.evaluation.arms import Geometry, format_arms
+from calib.evaluation.fakequant import fake_quant_terms
 from calib.recipe import dtypes
 from calib.recipe.dtypes import FP8_PER_TOKEN_HEAD, INT4_PER_TOKEN_HEAD, INT8_PER_TOKEN_HEAD
 

@@ -15,8 +15,8 @@ import torch
 
 from calib.evaluation import emulate
 from calib.scales import fp8
-from calib.evaluation.fakequant import (Arm, FakeQuantKV, Geometry, cache_codes, checkpoint_arms, default_arm,
-                                        fake_quant_kv)
+from calib.evaluation.arms import Arm, Geometry, checkpoint_arms, default_arm
+from calib.evaluation.fakequant import FakeQuantKV, cache_codes, fake_quant_kv
 from calib.recipe.dtypes import FP8_E4M3, INT8
 from calib.scales.quant import fake_quant
 from tiny import random_sequences, tiny_causal_lm

@@ -14,7 +14,7 @@ import torch
 from calib.engine import driver
 from calib.engine.driver import EngineSpec
 from calib.engine.run import EngineRun
-from calib.evaluation.fakequant import Geometry, checkpoint_arms, default_arm, reference_arm
+from calib.evaluation.arms import Geometry, checkpoint_arms, default_arm, reference_arm
 from calib.evaluation.samples import Sample
 from calib.progress import SILENT, Progress
 from calib.recipe.dtypes import kv_dtype

@@ -15,7 +15,7 @@ from calib.cli import main
 from calib.engine import driver
 from calib.engine.driver import EngineSpec
 from calib.evaluation import run as run_mod
-from calib.evaluation.fakequant import EvalError
+from calib.evaluation.arms import EvalError
 from calib.evaluation.run import run_eval
 from calib.evaluation.samples import sample_length
 from helpers import eval_config, save_model_and_data

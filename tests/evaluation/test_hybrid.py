@@ -56,7 +56,7 @@ def test_memory_table_is_the_bytes_model(gemma3):
 
 
 def test_engine_serves_the_arm_by_kind(gemma3):
-    from calib.evaluation.fakequant import Geometry, default_arm, sliding_skip_arms
+    from calib.evaluation.arms import Geometry, default_arm, sliding_skip_arms
     from calib.recipe.dtypes import FP8_E4M3
 
     arms = sliding_skip_arms([default_arm(Geometry((0, 1, 2, 3), 2, 16), FP8_E4M3)], (0, 1, 2))

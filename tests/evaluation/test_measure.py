@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calib.evaluation.fakequant import Geometry, default_arm, fake_quant_kv
+from calib.evaluation.arms import Geometry, default_arm
+from calib.evaluation.fakequant import fake_quant_kv
 from calib.evaluation.head import Head
 from calib.evaluation.measure import measure
 from calib.evaluation.samples import Sample

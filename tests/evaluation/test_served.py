@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from calib.cli import main
 from calib.evaluation import served
-from calib.evaluation.fakequant import Arm, EvalError
+from calib.evaluation.arms import Arm, EvalError
 from calib.recipe.dtypes import FP8_E4M3, INT8
 
 

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from calib import pipeline
 from calib.evaluation import emulate
-from calib.evaluation.fakequant import Geometry, default_arm, fake_quant_kv
+from calib.evaluation.arms import Geometry, default_arm
+from calib.evaluation.fakequant import fake_quant_kv
 from calib.evaluation.measure import measure
 from calib.evaluation.samples import Sample
 from calib.evaluation.session import open_session
