@@ -140,10 +140,10 @@ rest() {         # routes, formats (default model and 8B shape) and hybrid at on
   sleep 20
   ( timeout 520 bash "$0" formats "$res/formats" > "$res/formats.out" 2>&1 ) &
   sleep 20
-  ( timeout 500 bash "$0" hybrid "$res/hybrid" > "$res/hybrid.out" 2>&1 ) &
+  ( timeout 500 bash "$0" hybrid "$res/hybrid" --engine-kv-gib "${KV_GIB:-16}" > "$res/hybrid.out" 2>&1 ) &
   sleep 25
   ( timeout 475 bash "$0" long "$res/formats-8b" llama-3.1-8b 32768 --formats all --samples 1 --concurrency 2 \
-      --output-tokens 32 --engine-kv-gib 16 --requests 2 > "$res/formats-8b.out" 2>&1 ) &
+      --output-tokens 32 --engine-kv-gib "${KV_GIB:-16}" --requests 2 > "$res/formats-8b.out" 2>&1 ) &
   wait
   echo "rest: $((SECONDS - t0)) s (four runs at once)"
   for f in routes formats hybrid formats-8b; do echo "== $f"; tail -12 "$res/$f.out"; done
