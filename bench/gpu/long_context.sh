@@ -136,13 +136,13 @@ rest() {         # routes, formats (default model and 8B shape) and hybrid at on
   local res=${1:?RES}; mkdir -p "$res"; venv; texts
   model llama-3.1-8b && model gemma3-4b-hybrid || return 1
   local t0=$SECONDS
-  ( timeout 540 bash "$0" routes "$res/routes" --passkey-trials 2 --max-skip 0 > "$res/routes.out" 2>&1 ) &
-  sleep 20
-  ( timeout 520 bash "$0" formats "$res/formats" > "$res/formats.out" 2>&1 ) &
-  sleep 20
-  ( timeout 500 bash "$0" hybrid "$res/hybrid" --engine-kv-gib "${KV_GIB:-16}" > "$res/hybrid.out" 2>&1 ) &
-  sleep 25
-  ( timeout 475 bash "$0" long "$res/formats-8b" llama-3.1-8b 32768 --formats all --samples 1 --concurrency 2 \
+  ( timeout "${T:-540}" bash "$0" routes "$res/routes" --passkey-trials 2 --max-skip 0 > "$res/routes.out" 2>&1 ) &
+  sleep 15
+  ( timeout "$(( ${T:-540} - 15 ))" bash "$0" formats "$res/formats" > "$res/formats.out" 2>&1 ) &
+  sleep 15
+  ( timeout "$(( ${T:-540} - 30 ))" bash "$0" hybrid "$res/hybrid" --engine-kv-gib "${KV_GIB:-16}" > "$res/hybrid.out" 2>&1 ) &
+  sleep 15
+  ( timeout "$(( ${T:-540} - 45 ))" bash "$0" long "$res/formats-8b" llama-3.1-8b 32768 --formats all --samples 1 --concurrency 2 \
       --output-tokens 32 --engine-kv-gib "${KV_GIB:-16}" --requests 2 > "$res/formats-8b.out" 2>&1 ) &
   wait
   echo "rest: $((SECONDS - t0)) s (four runs at once)"
