@@ -105,7 +105,8 @@ routes:
     bar: {max_kl: 0.02, max_ppl_increase: 0.02, min_passkey: 0.8}
 YAML
   local t0=$SECONDS
-  python3 -m calib.cli plan --routes "$data/routes.yaml" --scales "$ck/plain" --engine vllm --vllm-venv /tmp/vllm-env \
+  local sc=(); [ -d "$ck/plain" ] && sc=(--scales "$ck/plain")
+  python3 -m calib.cli plan --routes "$data/routes.yaml" "${sc[@]}" --engine vllm --vllm-venv /tmp/vllm-env \
     --emulate vllm-fa3 --out "$res/plan" "$@" > "$res/plan.log" 2>&1
   local rc=$?
   echo "plan rc=$rc in $((SECONDS - t0)) s"; tail -15 "$res/plan.log"
@@ -115,9 +116,9 @@ YAML
 formats() {
   local res=${1:?RES}; shift; mkdir -p "$res"; venv; texts
   python3 -m calib.cli default-model > /dev/null 2>&1 || return 1
-  local t0=$SECONDS
+  local t0=$SECONDS sc=(); [ -d "$ck/plain" ] && sc=(--scales "$ck/plain")
   python3 -m calib.cli eval --engine vllm --vllm-venv /tmp/vllm-env --emulate vllm-fa3 --formats all \
-    --data "$data/held" --pack --scales "$ck/plain" --buckets 2048,8192 --samples 4 --passkey-trials 0 --max-skip 0 \
+    --data "$data/held" --pack "${sc[@]}" --buckets 2048,8192 --samples 4 --passkey-trials 0 --max-skip 0 \
     --out "$res/formats" --no-plots "$@" > "$res/formats.log" 2>&1
   local rc=$?
   echo "formats rc=$rc in $((SECONDS - t0)) s"; grep -A14 "## KV formats" "$res/formats/report.md" | head -20
