@@ -113,7 +113,12 @@ def test_kernel_equals_reference_on_cuda(name, d, block_n, block_m):
     kw = dict(scaling=d ** -0.5, q_scale=0.05, k_scale=ks, v_scale=vs, block_n=block_n, **cfg)
     assert fa3.prepare(q, k, v, q_scale=0.05, k_scale=ks, v_scale=vs).bf16_exact          # tensor-core path
     want = fa3.blockwise_reference(q, k, v, **kw)
-    got = fa3.fa3_attention_triton(q, k, v, block_m=block_m, **kw)
+    try:
+        got = fa3.fa3_attention_triton(q, k, v, block_m=block_m, **kw)
+    except Exception as e:                 # a fixed query block too big for this GPU; the autotuner skips it
+        if block_m is None or type(e).__name__ != "OutOfResources":
+            raise
+        pytest.skip(f"{block_m} queries at d {d}, kBlockN {block_n} do not fit here: {str(e)[:100]}")
     # float32 summation order, and the GPU's approximate exp2 moving an occasional P across an e4m3 midpoint
     diff, scale = (got - want).abs(), want.abs().max()
     assert (diff > 1e-4 * scale).float().mean() < 0.02 and diff.max() < 0.05 * scale
