@@ -283,7 +283,8 @@ def overflowing_model(tmp: Path, name: str = "overflow") -> Path:
 # ------------------------------------------------------------------ FA3 attention inputs (test_fa3*, reference)
 
 def e4m3_nearest(v: float) -> float:
-    """Nearest e4m3fn value (ties to even, saturating at 448) from the format's definition."""
+    """Nearest e4m3fn value from the format's definition: 3 mantissa bits, exponent >= -6, subnormals spaced 2^-9
+    apart, ties to even (Python's round), saturating at 448."""
     a = abs(v)
     if a == 0:
         return 0.0

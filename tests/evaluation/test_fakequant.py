@@ -13,19 +13,8 @@ from calib.evaluation.arms import TOKEN, Arm, Geometry, default_arm
 from calib.evaluation.fakequant import FakeQuantKV, Meter, fake_quant_kv, fake_quant_terms
 from calib.recipe.dtypes import FP8_E4M3, INT8
 from calib.scales.quant import fake_quant
+from helpers import e4m3_nearest
 from tiny import random_sequences, tiny_causal_lm
-
-
-def e4m3_reference(v: float) -> float:
-    """Round-to-nearest-even onto the float8 e4m3fn grid with saturation at ±448, from the format's definition:
-    3 mantissa bits, exponent >= -6, subnormals spaced 2^-9 apart."""
-    a = abs(v)
-    if a == 0:
-        return 0.0
-    if a >= 448:
-        return math.copysign(448.0, v)
-    step = 2.0 ** (max(math.floor(math.log2(a)), -6) - 3)
-    return math.copysign(round(a / step) * step, v)        # Python's round() is half-to-even
 
 
 def _values() -> torch.Tensor:
@@ -42,11 +31,11 @@ def test_fp8_fake_quant_matches_bit_exact_emulation(scale):
     v = _values()                                   # in units of the scale: x / scale == v exactly
     x = (v * scale).reshape(2, 4, 25, 16)
     x_hat, terms = fake_quant_terms(x, torch.tensor(scale), FP8_E4M3, None, measure=True)
-    want = torch.tensor([e4m3_reference(float(t)) for t in v]) * scale
+    want = torch.tensor([e4m3_nearest(float(t)) for t in v]) * scale
     assert torch.equal(x_hat.reshape(-1), want)
     # the same through torch's float8 type, clamped explicitly
     assert torch.equal(x_hat.reshape(-1), v.clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale)
-    ref = [e4m3_reference(float(t)) for t in v]
+    ref = [e4m3_nearest(float(t)) for t in v]
     sat = sum(abs(float(t)) > 448 for t in v)
     flushed = sum(float(t) != 0 and r == 0 for t, r in zip(v, ref))
     assert sat >= 10 and flushed >= 10          # the edge values alone hold 10 of each
