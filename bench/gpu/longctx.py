@@ -161,7 +161,8 @@ def kernel_speed(lm: torch.nn.Module, length: int) -> dict:
     sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True))
     tuned = getattr(getattr(fa3_kernel, "_fa3_tuned", None), "cache", {}) or {}
     return {"length": length, "first_call_s": round(first, 3), "fused_s": round(fused, 4), "sdpa_s": round(sdpa, 4),
-            "fused_over_sdpa": round(fused / sdpa, 2), "hw_cast": fa3_kernel.hw_cast_agrees(DEV) if DEV.type == "cuda" else None,
+            "fused_over_sdpa": round(fused / sdpa, 2),
+            "hw_cast": fa3_kernel.hw_cast_agrees(DEV) if DEV.type == "cuda" else None,
             "tuned": {str(k_): str(c) for k_, c in tuned.items()}}
 
 

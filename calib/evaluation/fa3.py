@@ -210,8 +210,8 @@ def fa3_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, scaling: float, q_s
                          mask: Tensor | None = None, causal: bool = True, window_left: int | None = None,
                          quant_q: bool = True, quant_p: bool = True, softcap: float | None = None,
                          block_n: int | None = None, block_m: int | None = None) -> Tensor:
-    """The same computation as `blockwise_reference`, `fa3_kernel`'s Triton kernel, one program per (block_m queries, head); block_m
-    None: autotuned on CUDA, 64 under the interpreter.
+    """The same computation as `blockwise_reference` in `fa3_kernel`'s Triton kernel, one program per (block_m
+    queries, head); block_m None: autotuned on CUDA, 64 under the interpreter.
     Raises whatever Triton raises (the dispatcher falls back). Returns [b, s, h, dv] float32."""
     x = prepare(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, mask=mask, quant_q=quant_q)
     bn = block_n or fa3_block_n(q.shape[-1], local=window_left is not None, softcap=bool(softcap))

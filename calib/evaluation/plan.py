@@ -33,6 +33,7 @@ from calib.progress import duration
 
 MAX_NEW_TOKENS = 8                             # calib.evaluation.passkey.MAX_NEW_TOKENS (no torch import here)
 DEPTH_STEPS = ((0.0, 0.25, 0.5, 0.75, 1.0), (0.0, 0.5, 1.0), (0.5,))
+SKIP_PHASE = "skip trials"                     # the phase that runs only when the numbers call for it
 SHORT_WINDOW = 8192                            # with an engine, buckets above this are measured there only
 # Stated, not probed (a start costs too much to probe): measured figures, see the module docstring.
 ENGINE_START_S = {"cuda": 35.0, "cpu": 20.0}
@@ -121,7 +122,7 @@ class Plan:
     def with_trials(self, trials: int) -> float:
         """The total when `trials` of the planned skip trials run: they are conditional (only when no arm passes
         and a few layers dominate the best one's error), so the plan states both ends and the run its own."""
-        skip = sum(s for name, s in self.phases if name.startswith("skip trials"))
+        skip = sum(s for name, s in self.phases if name.startswith(SKIP_PHASE))
         return self.total - skip + (skip * trials / self.parts.skip_trials if self.parts.skip_trials else 0.0)
 
     def lines(self, rates: Rates) -> list[str]:
@@ -131,8 +132,8 @@ class Plan:
         out += [f"  {name}: {duration(s)}" for name, s in self.phases if s > 0]
         total = f"  total: {duration(self.total)}"
         if self.with_trials(0) < self.total:
-            total += (f" with every skip trial, {duration(self.with_trials(0))} without (they run only when no arm passes "
-                      "and a few layers dominate the best one's error)")
+            total += (f" with every skip trial, {duration(self.with_trials(0))} without (they run only when no arm "
+                      "passes and a few layers dominate the best one's error)")
         out.append(total + (f" (budget {duration(self.budget_s)})" if self.budget_s else ""))
         if self.dropped:
             out.append("  dropped to fit the budget: " + "; ".join(self.dropped))
@@ -163,7 +164,7 @@ def estimate(w: Work, parts: Parts, cost: Cost, rates: Rates) -> tuple[tuple[str
             (f"emulation passkey: {len(pk_emu)} prompts x {w.arms + 1}", passkey),
             (f"engine: {w.arms + 1} arms on {w.starts} start(s)" + (" with serving" if w.serving else "")
              if w.engine else "engine", engine),
-            (f"skip trials: up to {parts.skip_trials}", skips))
+            (f"{SKIP_PHASE}: up to {parts.skip_trials}", skips))
 
 
 def serving_seconds(w: Work, cost: Cost, rates: Rates) -> float:

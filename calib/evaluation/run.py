@@ -286,11 +286,11 @@ def skip_trials(cfg: EvalConfig, p: Prepared, s: Session, ref: Reference, result
     emulated = [x for x in p.samples if parts.emulate_up_to is None or x.bucket <= parts.emulate_up_to]
     prompts = _emulated_prompts(p, parts)
     out: dict[str, ArmMetrics] = {}
-    planned = report.skip_plan(ref, results, cfg.thresholds)
+    candidates = report.skip_plan(ref, results, cfg.thresholds)
     log("eval: skip trials: " + ("none needed (an arm passes, or no small set of layers dominates the error)"
-                                 if not planned else
-                                 "; ".join(f"up to {len(ls)} on `{n}` (layers {list(ls)})" for n, ls in planned)))
-    for name, layers in planned:
+                                 if not candidates else
+                                 "; ".join(f"up to {len(ls)} on `{n}` (layers {list(ls)})" for n, ls in candidates)))
+    for name, layers in candidates:
         for k in range(1, len(layers) + 1):
             trial = by_name[name].skipping(layers[:k])
             log(f"eval: measuring {trial.name}")

@@ -191,7 +191,8 @@ def test_long_prefill_reads_the_attention_error_on_its_last_queries(monkeypatch,
     monkeypatch.setattr(fakequant, "DIAG_QUERIES", 8)
     g = torch.Generator().manual_seed(5)
     b, h, kvh, n, d = 2, 4, 2, 29, 8
-    q, k, v = torch.randn(b, h, n, d, generator=g), torch.randn(b, kvh, n, d, generator=g), torch.randn(b, kvh, n, d, generator=g)
+    q = torch.randn(b, h, n, d, generator=g)
+    k, v = torch.randn(b, kvh, n, d, generator=g), torch.randn(b, kvh, n, d, generator=g)
     layer = _Layer()
     layer.is_causal, layer.num_key_value_groups = True, h // kvh
     rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
