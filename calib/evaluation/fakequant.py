@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from calib.capture import hook as observe
 from calib.evaluation import dynamic, emulate, fa3
@@ -203,19 +204,26 @@ def _reference_output(delegate: Callable, module: Any, query: torch.Tensor, key:
     """(reference output, arm output, token mask) for the attention-error diagnostic. Over DIAG_QUERIES queries of
     a prefill through SDPA, only the last DIAG_QUERIES queries (which see the most keys) against every key: the
     model's own attention over all queries again would cost as much as the reference pass's attention, a
-    quarter of the arm's time at 128K. Causality (bottom-right) and a sliding window go into the sliced mask."""
+    quarter of the arm's time at 128K. Plain causal goes in as a bottom-right causal bias (no mask tensor);
+    a sliding window or the model's 4-D mask goes in as a sliced mask."""
     n, t = query.shape[2], key.shape[2]
     sdpa = getattr(delegate, "__name__", "") == "sdpa_attention_forward"
     if n <= DIAG_QUERIES or n != t or not sdpa or not (attention_mask is None or attention_mask.dim() == 4):
         return delegate(module, query, key, value, attention_mask, **kwargs)[0], out, mask
     w = DIAG_QUERIES
+    window = kwargs.get("sliding_window")
+    if attention_mask is None and not window:
+        # bottom-right causal without a mask tensor: flash / memory-efficient kernels take it as is (an explicit
+        # [w, t] mask sends SDPA to a slower masked kernel); they want equal head counts, so GQA is expanded
+        groups = query.shape[1] // key.shape[1]
+        k, v = (key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)) if groups > 1 else (key, value)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, -w:], k, v, attn_mask=causal_lower_right(w, t), scale=kwargs.get("scaling"))
+        return ref.transpose(1, 2), out[:, -w:], None if mask is None else mask[:, -w:]
     if attention_mask is None:
         rows = torch.arange(t - w, t, device=query.device)[:, None]
         cols = torch.arange(t, device=query.device)[None, :]
-        sub = cols <= rows
-        window = kwargs.get("sliding_window")
-        if window:
-            sub = sub & (cols > rows - int(window))
+        sub = (cols <= rows) & (cols > rows - int(window))
         sub = sub[None, None]
     else:
         sub = attention_mask[:, :, -w:, :]

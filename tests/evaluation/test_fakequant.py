@@ -180,7 +180,7 @@ def test_applying_switches_the_hook_off_after_the_batch_even_on_error():
     assert hook.arm is None
 
 
-@pytest.mark.parametrize("case", ["causal", "window", "padding-mask"])
+@pytest.mark.parametrize("case", ["causal", "causal-scaled", "window", "padding-mask"])
 def test_long_prefill_reads_the_attention_error_on_its_last_queries(monkeypatch, case):
     """Past DIAG_QUERIES queries the reference attention runs for the last DIAG_QUERIES only: those rows equal the
     same rows of a full reference call (transformers' SDPA with the full mask), and the metric reads them alone."""
@@ -198,6 +198,8 @@ def test_long_prefill_reads_the_attention_error_on_its_last_queries(monkeypatch,
     rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
     full = (cols <= rows)[None, None].expand(b, 1, n, n).clone()
     mask, kwargs = None, {}
+    if case == "causal-scaled":
+        kwargs = {"scaling": 0.3}
     if case == "window":
         kwargs = {"sliding_window": 6}
         full &= cols > rows - 6
@@ -208,7 +210,7 @@ def test_long_prefill_reads_the_attention_error_on_its_last_queries(monkeypatch,
     out = torch.randn(b, n, h, d, generator=g)
     token_mask = torch.ones(b, n, dtype=torch.bool)
     ref, got, m = fakequant._reference_output(sdpa_attention_forward, layer, q, k, v, mask, kwargs, out, token_mask)
-    want = sdpa_attention_forward(layer, q, k, v, full)[0][:, -8:]
+    want = sdpa_attention_forward(layer, q, k, v, full, **kwargs)[0][:, -8:]
     assert ref.shape == want.shape == got.shape and torch.allclose(ref, want, atol=1e-6)
     assert torch.equal(got, out[:, -8:]) and m.shape == (b, 8)
     short = fakequant._reference_output(sdpa_attention_forward, layer, q[:, :, :8], k[:, :, :8], v[:, :, :8], None, {},
