@@ -54,7 +54,22 @@ def _reason(exc: BaseException) -> str:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         if lines:
             return f"{type(e).__name__}: {lines[-1]}"[:400]
-    return type(chain[0]).__name__
+    return (type(chain[-1]).__name__ + _where(chain[-1]))[:400]
+
+
+def _where(exc: BaseException) -> str:
+    """Where a message-less exception (a bare `assert`) was raised: the innermost frame's file (from the package
+    root on), line and source text, so "not run" names the check that refused."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    f = frames[-1]
+    parts = Path(f.filename).parts
+    roots = [i for i, p in enumerate(parts) if p in ("vllm", "flashinfer", "torch", "transformers")]
+    name = "/".join(parts[roots[0]:] if roots else parts[-2:])
+    return f" at {name}:{f.lineno}" + (f" ({f.line.strip()})" if f.line else "")
 
 
 def _version() -> str:

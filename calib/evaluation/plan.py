@@ -36,9 +36,10 @@ DEPTH_STEPS = ((0.0, 0.25, 0.5, 0.75, 1.0), (0.0, 0.5, 1.0), (0.5,))
 SKIP_PHASE = "skip trials"                     # the phase that runs only when the numbers call for it
 SHORT_WINDOW = 8192                            # with an engine, buckets above this are measured there only
 # Stated, not probed (a start costs too much to probe): measured figures, see the module docstring.
-ENGINE_START_S = {"cuda": 35.0, "cpu": 20.0}
+ENGINE_START_S = {"cuda": 26.0, "cpu": 20.0}
 ENGINE_FIRST_START_S = {"cuda": 40.0, "cpu": 0.0}     # added once: CUDA context, kernel caches, imports
-ENGINE_TOKENS_PER_S = {"cuda": 12_000.0, "cpu": 1_500.0}
+ENGINE_TOKENS_PER_S = {"cuda": 12_000.0, "cpu": 1_500.0}           # held-out samples, top-20 prompt log-probs
+ENGINE_PROMPT_TOKENS_PER_S = {"cuda": 100_000.0, "cpu": 1_500.0}   # passkey prompts, batched, no log-probs
 # compute-bound scoring: x the reference pass on the same tokens (GPU); on a CPU vLLM's bf16 kernels outrun
 # kvcalib's float32 reference pass, so the token rate alone is used there (0)
 ENGINE_OVER_REFERENCE = {"cuda": 1.5, "cpu": 0.0}
@@ -65,6 +66,12 @@ class Cost:
         """`steps` generated tokens after a prompt of `length` tokens (each reads every key)."""
         return steps * (self.linear + 2 * self.quadratic * length)
 
+    def prompt(self, length: int, rate: float, step: float) -> float:
+        """Seconds for one greedy passkey prompt: its prefill at `rate`, then MAX_NEW_TOKENS - 1 decode steps, each
+        the measured latency `step` (a small model's step is launch-bound, not FLOP-bound) or its work at `rate`,
+        whichever is longer (a long prompt's step reads every key)."""
+        return self.work(length) * rate + (MAX_NEW_TOKENS - 1) * max(step, self.decode(length, 1) * rate)
+
 
 @dataclass(frozen=True)
 class Rates:
@@ -77,6 +84,9 @@ class Rates:
     engine_first_start: float = 0.0
     decode_step: float = 0.0    # seconds per decode step while serving
     engine_over_reference: float = 1.5
+    step_ref: float = 0.0       # seconds per greedy decode step of the reference at the probe's length
+    step_arm: float = 0.0       # the same under one emulated arm (its hook quantises the cached K/V every step)
+    engine_prompt_tokens_per_s: float = 0.0     # the engine's passkey prompts (0: engine_tokens_per_s)
 
 
 @dataclass(frozen=True)
@@ -146,20 +156,22 @@ def estimate(w: Work, parts: Parts, cost: Cost, rates: Rates) -> tuple[tuple[str
     """Seconds per phase of `w` done as `parts` say."""
     emu = [(n, b) for n, b in w.samples if parts.emulate_up_to is None or b <= parts.emulate_up_to]
     pk = [(n, b) for n, b, d in w.prompts if d in parts.depths]
-    pk_emu = [(n, b) for n, b in pk if parts.emulate_up_to is None or b <= parts.emulate_up_to]
+    pk_emu = [n for n, b in pk if parts.emulate_up_to is None or b <= parts.emulate_up_to]
     per_pass = sum(cost.work(n) for n, _ in emu)
-    per_pk = sum(cost.work(n) + cost.decode(n) for n, _ in pk_emu)
+    pk_ref = sum(cost.prompt(n, rates.ref, rates.step_ref) for n in pk_emu)
+    pk_arm = sum(cost.prompt(n, rates.arm, rates.step_arm) for n in pk_emu)
     metrics = per_pass * (rates.ref + w.arms * rates.arm)
-    passkey = per_pk * (rates.ref + w.arms * rates.arm)
+    passkey = pk_ref + w.arms * pk_arm
     engine_pk = pk if parts.engine_passkey else []
-    engine_tokens = sum(n for n, _ in w.samples) + sum(n + MAX_NEW_TOKENS for n, _ in engine_pk)
-    reference_pass = (sum(cost.work(n) for n, _ in w.samples)
-                      + sum(cost.work(n) + cost.decode(n) for n, _ in engine_pk)) * rates.ref
-    scoring = max(engine_tokens / rates.engine_tokens_per_s, rates.engine_over_reference * reference_pass)
+    scoring = max(sum(n for n, _ in w.samples) / rates.engine_tokens_per_s,
+                  rates.engine_over_reference * sum(cost.work(n) for n, _ in w.samples) * rates.ref)
+    pk_rate = rates.engine_prompt_tokens_per_s or rates.engine_tokens_per_s
+    scoring += max(sum(n + MAX_NEW_TOKENS for n, _ in engine_pk) / pk_rate,
+                   rates.engine_over_reference * sum(cost.work(n) + cost.decode(n) for n, _ in engine_pk) * rates.ref)
     start = rates.engine_start + serving_seconds(w, cost, rates)
     engine_arm = (start + scoring) if w.engine else 0.0
     engine = (rates.engine_first_start + w.starts * start + (w.arms + 1) * scoring) if w.engine else 0.0
-    skips = parts.skip_trials * ((per_pass + per_pk) * (rates.ref + rates.arm) + engine_arm)
+    skips = parts.skip_trials * (per_pass * (rates.ref + rates.arm) + pk_ref + pk_arm + engine_arm)
     return ((f"emulation: reference + {w.arms} arm(s) on {len(emu)} samples", metrics),
             (f"emulation passkey: {len(pk_emu)} prompts x {w.arms + 1}", passkey),
             (f"engine: {w.arms + 1} arms on {w.starts} start(s)" + (" with serving" if w.serving else "")
@@ -221,10 +233,11 @@ def engine_figures(device_type: str) -> tuple[float, float]:
     return ENGINE_START_S[key], ENGINE_TOKENS_PER_S[key]
 
 
-def default_rates(device_type: str, ref: float, arm: float, probed_at: int) -> Rates:
+def default_rates(device_type: str, ref: float, arm: float, probed_at: int, step_ref: float = 0.0,
+                  step_arm: float = 0.0) -> Rates:
     key = "cuda" if device_type == "cuda" else "cpu"
     return Rates(ref, arm, *engine_figures(device_type), probed_at, ENGINE_FIRST_START_S[key], DECODE_STEP_S[key],
-                 ENGINE_OVER_REFERENCE[key])
+                 ENGINE_OVER_REFERENCE[key], step_ref, step_arm, ENGINE_PROMPT_TOKENS_PER_S[key])
 
 
 def work_of(samples: Sequence[Any], prompts: Sequence[Any], arms: int, engine: bool,

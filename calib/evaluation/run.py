@@ -30,7 +30,7 @@ from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference, with_passkey
 from calib.evaluation.retrieval import passkey_stage, run_passkey
 from calib.evaluation.samples import Sample, calibration_windows, pack_warning, select_samples, usable_buckets
-from calib.evaluation.session import Session, open_session
+from calib.evaluation.session import Session, clock, open_session
 from calib.model import context as model_context
 from calib.model import layer_kinds
 from calib.model import load as model_mod
@@ -191,7 +191,7 @@ def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Pl
     depths = tuple(sorted({x.depth for x in p.prompts})) or plan_mod.DEPTH_STEPS[0]
     parts = plan_mod.Parts(limit, depths, cfg.thresholds.max_skip if p.arms else 0, True)
     cost = plan_mod.Cost.of(p.loaded.config, sum(t.numel() for t in s.lm.parameters()))
-    rates = probe(s, p.arms[0] if p.arms else None, cost)
+    rates = probe(s, p.arms[0] if p.arms else None, cost, p.prompts)
     starts = None
     if cfg.engine is not None:
         from calib.engine.run import starts as engine_starts
@@ -207,9 +207,11 @@ def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Pl
     return planned
 
 
-def probe(s: Session, arm: Arm | None, cost: plan_mod.Cost) -> plan_mod.Rates:
+def probe(s: Session, arm: Arm | None, cost: plan_mod.Cost,
+          prompts: Sequence[passkey.Prompt] = ()) -> plan_mod.Rates:
     """Seconds per unit of work of the reference and of one emulated arm: one sample of the smallest bucket,
-    measured twice (the first run compiles kernels and fills caches; the second is timed)."""
+    measured twice (the first run compiles kernels and fills caches; the second is timed). With passkey prompts,
+    also the seconds per greedy decode step of each (`decode_step`)."""
     smallest = min(x.bucket for x in s.samples)
     sample = max((x for x in s.samples if x.bucket == smallest), key=lambda x: len(x.ids))
     sub = replace(s, samples=(replace(sample, index=0),), failures=0)
@@ -219,7 +221,26 @@ def probe(s: Session, arm: Arm | None, cost: plan_mod.Cost) -> plan_mod.Rates:
     work = cost.work(len(sample.ids))
     per_ref = ref.seconds.metrics / work
     per_arm = res[arm.name].seconds.metrics / work if arm is not None else per_ref
-    return plan_mod.default_rates(s.device.type, per_ref, per_arm, len(sample.ids))
+    steps = (0.0, 0.0)
+    if prompts:
+        first = min(prompts, key=lambda x: (x.bucket, len(x.ids)))
+        step_ref = decode_step(s, None, first.ids)
+        steps = (step_ref, decode_step(s, arm, first.ids) if arm is not None else step_ref)
+    return plan_mod.default_rates(s.device.type, per_ref, per_arm, len(sample.ids), *steps)
+
+
+def decode_step(s: Session, arm: Arm | None, ids: Sequence[int]) -> float:
+    """Seconds per greedy decode step after the prompt `ids` under `arm` (None: the reference), as the passkey
+    phase runs it: MAX_NEW_TOKENS tokens less one (the prefill's), after an untimed run (compiles, tunes). On a
+    small model a step costs its kernel launches, not its FLOPs, so it is measured rather than extrapolated."""
+    with s.hook.applying(arm.to(s.device) if arm is not None else None):
+        passkey.greedy(s.lm, ids)
+        t0 = clock(s.device)
+        passkey.greedy(s.lm, ids, max_new_tokens=1)
+        t1 = clock(s.device)
+        passkey.greedy(s.lm, ids)
+        t2 = clock(s.device)
+    return max(0.0, ((t2 - t1) - (t1 - t0)) / (passkey.MAX_NEW_TOKENS - 1))
 
 
 def plan_notes(planned: plan_mod.Plan, buckets: Sequence[int], engine: bool) -> list[str]:

@@ -176,3 +176,33 @@ def test_with_a_target_a_format_it_does_not_serve_is_kept_but_not_shipped():
     fa3 = {a.name: a for a in served.formats_as_served(arms, "vllm", None, "vllm-fa3")}
     assert not fa3["int8_per_token_head"].shippable          # FlashAttention-3 has no per-token-head cache
     assert served.formats_as_served(arms, None, None, "vllm-cpu") == arms
+
+
+def test_a_bare_assert_in_the_engine_is_reported_with_where_it_fired(tmp_path, monkeypatch):
+    """vLLM raises some refusals as a bare `assert`: the runner's reason names the file, line and check, not just
+    'AssertionError' (a formats arm on the GPU came back as that alone)."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(Path(driver.__file__).parent))
+    spec = importlib.util.spec_from_file_location("kvcalib_vllm_runner_under_test",
+                                                  Path(driver.__file__).parent / "vllm_runner.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    pkg = tmp_path / "vllm" / "v1" / "attention"
+    pkg.mkdir(parents=True)
+    (pkg / "backend.py").write_text("def check(ok):\n    assert ok\n")
+    code = compile((pkg / "backend.py").read_text(), str(pkg / "backend.py"), "exec")
+    scope: dict = {}
+    exec(code, scope)
+    try:
+        try:
+            scope["check"](False)
+        except AssertionError as inner:
+            raise RuntimeError() from inner
+    except RuntimeError as e:
+        reason = runner._reason(e)
+    assert reason == "AssertionError at vllm/v1/attention/backend.py:2 (assert ok)"
+    try:
+        raise ValueError("Selected backend is not valid\nReason: kv_cache_dtype not supported")
+    except ValueError as e:
+        assert runner._reason(e) == "ValueError: Reason: kv_cache_dtype not supported"

@@ -37,11 +37,15 @@ def test_work_grows_with_the_square_of_the_length():
 
 
 def _scoring(work: Work, rates: Rates = RATES) -> float:
-    """One engine arm's scoring, written out: per-token overhead or 1.5x the reference pass, whichever is longer."""
-    tokens = sum(n for n, _ in work.samples) + sum(n + plan.MAX_NEW_TOKENS for n, _, _ in work.prompts)
-    ref = (sum(COST.work(n) for n, _ in work.samples)
-           + sum(COST.work(n) + COST.decode(n) for n, _, _ in work.prompts)) * rates.ref
-    return max(tokens / rates.engine_tokens_per_s, 1.5 * ref)
+    """One engine arm's scoring, written out: the held-out samples (prompt log-probs) and the passkey prompts
+    (generation) each at their per-token overhead or 1.5x the reference pass, whichever is longer."""
+    samples = sum(n for n, _ in work.samples)
+    prompts = sum(n + plan.MAX_NEW_TOKENS for n, _, _ in work.prompts)
+    ref_samples = sum(COST.work(n) for n, _ in work.samples) * rates.ref
+    ref_prompts = sum(COST.work(n) + COST.decode(n) for n, _, _ in work.prompts) * rates.ref
+    prompt_rate = rates.engine_prompt_tokens_per_s or rates.engine_tokens_per_s
+    return (max(samples / rates.engine_tokens_per_s, 1.5 * ref_samples)
+            + max(prompts / prompt_rate, 1.5 * ref_prompts))
 
 
 def test_phases_add_up_from_the_rates():
@@ -59,6 +63,58 @@ def test_engine_scoring_is_overhead_bound_on_a_small_model_and_compute_bound_on_
     assert dict(estimate(WORK, FULL, COST, fast))["engine: 4 arms on 4 start(s)"] == pytest.approx(
         4 * (45 + tokens / 1e4))
     assert _scoring(WORK) > tokens / 1e4              # RATES' reference pass is the slower one: compute decides
+
+
+def test_passkey_prompts_cost_their_prefill_and_each_decode_step_at_the_measured_latency():
+    """Seven decode steps per prompt after its prefill (8 generated tokens), each the probe's measured latency or
+    the step's own work at the rate, whichever is longer: written out per prompt."""
+    rates = replace(RATES, step_ref=0.05, step_arm=0.125)
+    want = 0.0
+    for n, _, _ in WORK.prompts:
+        step_work = 100.0 + 2 * 1.0 * n                      # one token against n keys: linear + 2 x quadratic x n
+        want += n * (100.0 + n) * 1e-6 + 7 * max(0.05, step_work * 1e-6)
+        want += 3 * (n * (100.0 + n) * 2e-6 + 7 * max(0.125, step_work * 2e-6))
+    assert dict(estimate(WORK, FULL, COST, rates))["emulation passkey: 15 prompts x 4"] == pytest.approx(want)
+    assert COST.prompt(8000, 1e-6, 0.0) == pytest.approx(8000 * 8100 * 1e-6 + 7 * 16100 * 1e-6)   # FLOPs decide
+    assert COST.prompt(10, 1e-6, 0.5) == pytest.approx(10 * 110 * 1e-6 + 7 * 0.5)                # latency decides
+
+
+def test_the_engines_passkey_prompts_run_at_their_own_token_rate():
+    """Batched generation without log-probs runs far faster per token than prompt log-prob scoring: each part at
+    its own rate (a tiny model: the per-token overhead decides both)."""
+    rates = replace(RATES, ref=1e-12, engine_prompt_tokens_per_s=1e5)
+    samples = sum(n for n, _ in WORK.samples)
+    prompts = sum(n + plan.MAX_NEW_TOKENS for n, _, _ in WORK.prompts)
+    assert dict(estimate(WORK, FULL, COST, rates))["engine: 4 arms on 4 start(s)"] == pytest.approx(
+        4 * (45 + samples / 1e4 + prompts / 1e5))
+    no_pk = dict(estimate(WORK, replace(FULL, engine_passkey=False), COST, rates))
+    assert no_pk["engine: 4 arms on 4 start(s)"] == pytest.approx(4 * (45 + samples / 1e4))
+
+
+def test_the_probe_times_a_decode_step_as_the_passkey_phase_runs_it(monkeypatch):
+    """decode_step: an untimed run, then (8 tokens - 1 token) / 7 under the arm's hook; a fake clock makes it exact."""
+    import contextlib
+    from types import SimpleNamespace
+
+    now, calls, applied = [0.0], [], []
+
+    def greedy(lm, ids, max_new_tokens=plan.MAX_NEW_TOKENS, eos_id=None):
+        calls.append(max_new_tokens)
+        now[0] += 0.3 + (max_new_tokens - 1) * (0.02 if applied[-1] is None else 0.07)   # prefill, then the steps
+        return [1] * max_new_tokens
+
+    @contextlib.contextmanager
+    def applying(arm):
+        applied.append(arm)
+        yield
+
+    arm = SimpleNamespace(to=lambda device: "arm on device")
+    s = SimpleNamespace(lm=None, device="cpu", hook=SimpleNamespace(applying=applying))
+    monkeypatch.setattr(run_mod.passkey, "greedy", greedy)
+    monkeypatch.setattr(run_mod, "clock", lambda device: now[0])
+    assert run_mod.decode_step(s, None, [5] * 40) == pytest.approx(0.02)
+    assert run_mod.decode_step(s, arm, [5] * 40) == pytest.approx(0.07)
+    assert applied == [None, "arm on device"] and calls == [8, 1, 8] * 2
 
 
 def test_the_first_start_and_the_serving_phase_are_counted():
@@ -142,7 +198,7 @@ def test_eval_prints_the_plan_and_the_budget_drops_long_buckets(model_and_data, 
     bucket (no engine, no passkey here), says so before the work and in the report; the progress line
     counts only the samples it emulates."""
     src, data = model_and_data
-    monkeypatch.setattr(run_mod, "probe", lambda s, arm, cost: plan.default_rates("cpu", 1e-3, 2e-3, 32))
+    monkeypatch.setattr(run_mod, "probe", lambda s, arm, cost, prompts=(): plan.default_rates("cpu", 1e-3, 2e-3, 32))
     r = _eval(src, data, tmp_path / "ev", "--budget-minutes", "1")
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
@@ -157,7 +213,7 @@ def test_eval_prints_the_plan_and_the_budget_drops_long_buckets(model_and_data, 
 
 def test_emulate_up_to_without_a_budget(model_and_data, tmp_path, monkeypatch):
     src, data = model_and_data
-    monkeypatch.setattr(run_mod, "probe", lambda s, arm, cost: plan.default_rates("cpu", 1e-9, 1e-9, 32))
+    monkeypatch.setattr(run_mod, "probe", lambda s, arm, cost, prompts=(): plan.default_rates("cpu", 1e-9, 1e-9, 32))
     r = _eval(src, data, tmp_path / "ev", "--emulate-up-to", "40")
     assert r.exit_code == 0, r.output
     assert "dropped" not in r.output
