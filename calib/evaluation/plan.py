@@ -15,12 +15,16 @@ measured there), then the engine's passkey prompts (the retrieval confirmation).
 printed and recorded; a plan that still does not fit runs its minimum and says so.
 
 The engine's figures were measured on one H200 with GPU vLLM 0.24 (FlashAttention-3, enforce_eager; bench/RESULTS.md,
-"long context"): a start (runner process, LLM(), the answer read back) ~35 s once the machine's caches are warm, the
-first one 40 s more; prompt-logprob scoring is bound by per-token overhead on a small model (12K tokens/s on a 135M
-model at 2K-8K) and by compute on a large one (about 1.5x kvcalib's own bf16 reference pass: an 8B shape scored
-32K + 128K tokens in 18-20 s, the reference pass took 13.5 s); a serving phase (`kvcalib validate`) costs each
-bucket's prefills plus its decode rounds (~25 ms a step). CPU figures: vLLM's CPU build on a 2-core machine
-(a start ~20 s, ~1.5K tokens/s with top-20 prompt log-probs on the default model), rougher.
+"long context"): a start (runner process, LLM(), the answer read back) 24-27 s once the machine has run vLLM, the
+first one on a fresh machine about 40 s more; prompt-logprob scoring of held-out samples is bound by per-token
+overhead on a small model (12-19K tokens/s on a 135M model at 2K-8K) and by compute on a large one (about 1.5x
+kvcalib's own bf16 reference pass: an 8B shape scored 32K + 128K tokens in 18-20 s, the reference pass took 13.5 s);
+passkey prompts, submitted together and generating 8 tokens without log-probs, ran at 90-150K tokens/s there; a
+serving phase (`kvcalib validate`) costs each bucket's prefills plus its decode rounds (~25 ms a step). The
+emulated passkey phase decodes one prompt at a time: on a small model a decode step costs its launches (a prompt of
+2K-8K took ~0.33 s for the reference, ~0.66 s for an emulated arm on the H200), not its FLOPs, so the probe times a
+step (`run.decode_step`). CPU figures: vLLM's CPU build on a 2-core machine (a start ~20 s, ~1.5K tokens/s with
+top-20 prompt log-probs on the default model), rougher.
 """
 
 from __future__ import annotations
