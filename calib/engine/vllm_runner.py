@@ -58,18 +58,16 @@ def _reason(exc: BaseException) -> str:
 
 
 def _where(exc: BaseException) -> str:
-    """Where a message-less exception (a bare `assert`) was raised: the innermost frame's file (from the package
-    root on), line and source text, so "not run" names the check that refused."""
+    """Where a message-less exception (a bare `assert`) was raised: the innermost frame's file from the package
+    root on, its line and source, so "not run" names the check that refused."""
     import traceback
 
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
+    f = (traceback.extract_tb(exc.__traceback__) or [None])[-1]
+    if f is None:
         return ""
-    f = frames[-1]
     parts = Path(f.filename).parts
-    roots = [i for i, p in enumerate(parts) if p in ("vllm", "flashinfer", "torch", "transformers")]
-    name = "/".join(parts[roots[0]:] if roots else parts[-2:])
-    return f" at {name}:{f.lineno}" + (f" ({f.line.strip()})" if f.line else "")
+    root = next((i for i, p in enumerate(parts) if p in ("vllm", "flashinfer", "torch", "transformers")), -2)
+    return f" at {'/'.join(parts[root:])}:{f.lineno}" + (f" ({f.line.strip()})" if f.line else "")
 
 
 def _version() -> str:
