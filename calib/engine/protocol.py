@@ -19,6 +19,7 @@ not installed), so it uses the standard library only and no relative imports.
 Request (one engine start):
     {"protocol": 2, "arms": [{"name", "model", "kv_cache_dtype": "auto" | "fp8" | "fp8_e5m2" | "<x>_per_token_head",
       "skip_layers": [int], "attention_backend": str (optional: the backend the format needs, e.g. TRITON_ATTN),
+      "cuda_attention_backend": str (optional: the backend it needs on CUDA only, e.g. FLASHINFER for fp8_e5m2),
       "scales": null | {"layout": "tensor" | "head",            # what the engine must hold for this arm
                         "layers": [{"layer": int, "k": [float], "v": [float], "q": [float]}]}}],
      "samples": [[token ids]], "continuation_tokens": int,  # greedy tokens generated after each sample

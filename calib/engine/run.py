@@ -26,6 +26,10 @@ KV_DTYPES = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}      # kvcalib dtype -> 
 # (vllm/v1/attention/backends/triton_attn.py `TritonAttentionBackend.supported_kv_cache_dtypes`; the support
 # matrix, calib.engine.support, cites it).
 DYNAMIC_BACKEND = "TRITON_ATTN"
+# On CUDA only vLLM's FlashInfer backend keeps an fp8_e5m2 cache as e5m2 (read in vLLM 0.24: FLASH_ATTN takes FP8 as
+# e4m3 only, and TRITON_ATTN views every static FP8 cache as the platform's e4m3), so the runner asks for it there;
+# vLLM's CPU backend serves e5m2 as its own.
+CUDA_BACKEND = {"fp8_e5m2": "FLASHINFER"}
 INT8_SERVED_BY = ("vLLM has no INT8 KV cache (the support matrix, calib.engine.support: "
                   + support.who_serves("int8") + ")")
 
@@ -42,6 +46,8 @@ def format_arm(arm: Any, model: str, offered: Sequence[str] | None = None) -> di
             "skip_layers": sorted(set(arm.skip) | set(arm.serve_skip)), "scales": None}
     if arm.dtype.dynamic:
         spec["attention_backend"] = DYNAMIC_BACKEND
+    if name in CUDA_BACKEND:
+        spec["cuda_attention_backend"] = CUDA_BACKEND[name]
     return spec
 
 

@@ -105,6 +105,12 @@ def _backend_kwargs(backend: str) -> dict:
     return {}
 
 
+def wanted_backend(arm: dict, on_cpu: bool) -> str | None:
+    """The attention backend the arm asks for on this device (protocol: `attention_backend`, or on CUDA only
+    `cuda_attention_backend`); None: the engine's own choice."""
+    return arm.get("attention_backend") or (None if on_cpu else arm.get("cuda_attention_backend"))
+
+
 def _backends_used(llm) -> set[str]:
     """The attention backends the engine's attention layers run (empty when this version does not say)."""
     try:
@@ -128,8 +134,8 @@ def _engine(req: dict, on_cpu: bool):
                       disable_log_stats=False, enable_prefix_caching=False)
     if arm["skip_layers"]:
         kwargs["kv_cache_dtype_skip_layers"] = [str(i) for i in arm["skip_layers"]]
-    if arm.get("attention_backend"):
-        kwargs.update(_backend_kwargs(arm["attention_backend"]))
+    if wanted_backend(arm, on_cpu):
+        kwargs.update(_backend_kwargs(wanted_backend(arm, on_cpu)))
     if on_cpu:
         return LLM(**kwargs)
     import time
@@ -291,7 +297,7 @@ def measure(req: dict) -> dict:
     except Exception as e:                     # the engine refused this configuration: say why, do not crash
         return protocol.not_run_all(_reason(e), req, "vllm", version, req["kv_gib"])
     startup = time.perf_counter() - t0
-    wanted, used = req["arms"][0].get("attention_backend"), _backends_used(llm)
+    wanted, used = wanted_backend(req["arms"][0], on_cpu), _backends_used(llm)
     if wanted and used and used != {wanted}:
         # vLLM's CPU platform logs "Cannot use <backend> backend on CPU" and runs its own, which computes
         # garbage for a per-token-head cache (docs/design.md §11): not this arm's format as designed

@@ -105,7 +105,9 @@ def test_format_arms_ask_the_engine_for_its_own_format_and_backend():
     spec = run.request_arm(arms["int4_per_token_head"], "m")
     assert spec == {"name": "int4_per_token_head", "model": "m", "kv_cache_dtype": "int4_per_token_head",
                     "skip_layers": [], "attention_backend": "TRITON_ATTN", "scales": None}
-    assert "attention_backend" not in run.request_arm(arms["fp8_e5m2"], "m")
+    e5m2 = run.request_arm(arms["fp8_e5m2"], "m")
+    assert "attention_backend" not in e5m2 and e5m2["cuda_attention_backend"] == "FLASHINFER"
+    assert "cuda_attention_backend" not in run.request_arm(arms["int8_per_token_head"], "m")
     old = ("auto", "fp8", "fp8_e5m2", "fp8_per_token_head", "int8_per_token_head")     # a vLLM before INT4
     assert run.request_arm(arms["int4_per_token_head"], "m", old) == (
         "this vLLM does not offer --kv-cache-dtype int4_per_token_head (it offers: " + ", ".join(old) + ")")
@@ -178,31 +180,46 @@ def test_with_a_target_a_format_it_does_not_serve_is_kept_but_not_shipped():
     assert served.formats_as_served(arms, None, None, "vllm-cpu") == arms
 
 
-def test_a_bare_assert_in_the_engine_is_reported_with_where_it_fired(tmp_path, monkeypatch):
-    """vLLM raises some refusals as a bare `assert`: the runner's reason names the file, line and check, not just
-    'AssertionError' (a formats arm on the GPU came back as that alone)."""
+@pytest.fixture
+def runner_script(monkeypatch):
+    """calib/engine/vllm_runner.py loaded as the engine's python loads it (a script beside protocol.py)."""
     import importlib.util
 
     monkeypatch.syspath_prepend(str(Path(driver.__file__).parent))
     spec = importlib.util.spec_from_file_location("kvcalib_vllm_runner_under_test",
                                                   Path(driver.__file__).parent / "vllm_runner.py")
-    runner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runner)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_bare_assert_in_the_engine_is_reported_with_where_it_fired(tmp_path, runner_script):
+    """vLLM raises some refusals as a bare `assert`: the runner's reason names the file, line and check, not just
+    'AssertionError' (a formats arm on the GPU came back as that alone)."""
     pkg = tmp_path / "vllm" / "v1" / "attention"
     pkg.mkdir(parents=True)
     (pkg / "backend.py").write_text("def check(ok):\n    assert ok\n")
-    code = compile((pkg / "backend.py").read_text(), str(pkg / "backend.py"), "exec")
     scope: dict = {}
-    exec(code, scope)
+    exec(compile((pkg / "backend.py").read_text(), str(pkg / "backend.py"), "exec"), scope)
     try:
         try:
             scope["check"](False)
         except AssertionError as inner:
             raise RuntimeError() from inner
     except RuntimeError as e:
-        reason = runner._reason(e)
+        reason = runner_script._reason(e)
     assert reason == "AssertionError at vllm/v1/attention/backend.py:2 (assert ok)"
     try:
         raise ValueError("Selected backend is not valid\nReason: kv_cache_dtype not supported")
     except ValueError as e:
-        assert runner._reason(e) == "ValueError: Reason: kv_cache_dtype not supported"
+        assert runner_script._reason(e) == "ValueError: Reason: kv_cache_dtype not supported"
+
+
+def test_the_runner_asks_for_a_cuda_only_backend_on_cuda_alone(runner_script):
+    e5m2 = {"kv_cache_dtype": "fp8_e5m2", "cuda_attention_backend": "FLASHINFER"}
+    assert runner_script.wanted_backend(e5m2, on_cpu=False) == "FLASHINFER"    # CUDA: the backend that keeps e5m2
+    assert runner_script.wanted_backend(e5m2, on_cpu=True) is None               # CPU: the engine's own backend
+    dyn = {"kv_cache_dtype": "int8_per_token_head", "attention_backend": "TRITON_ATTN"}
+    assert runner_script.wanted_backend(dyn, on_cpu=True) == runner_script.wanted_backend(dyn, on_cpu=False) \
+        == "TRITON_ATTN"
+    assert runner_script.wanted_backend({"kv_cache_dtype": "fp8"}, on_cpu=False) is None
