@@ -91,6 +91,7 @@ class Rates:
     step_ref: float = 0.0       # seconds per greedy decode step of the reference at the probe's length
     step_arm: float = 0.0       # the same under one emulated arm (its hook quantises the cached K/V every step)
     engine_prompt_tokens_per_s: float = 0.0     # the engine's passkey prompts (0: engine_tokens_per_s)
+    probed_batch: int = 1       # samples in the probe's batch
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,8 @@ class Plan:
         return self.total - skip + (skip * trials / self.parts.skip_trials if self.parts.skip_trials else 0.0)
 
     def lines(self, rates: Rates) -> list[str]:
-        out = [f"eval plan (probe: one forward at {rates.probed_at} tokens; engine {rates.engine_start:.0f} s per start "
+        batch = f" x {rates.probed_batch}" if rates.probed_batch > 1 else ""
+        out = [f"eval plan (probe: one forward at {rates.probed_at} tokens{batch}; engine {rates.engine_start:.0f} s per start "
                f"(+{rates.engine_first_start:.0f} s the first), scoring at {rates.engine_tokens_per_s:,.0f} tok/s or "
                f"{rates.engine_over_reference:g}x the reference pass, measured defaults):"]
         out += [f"  {name}: {duration(s)}" for name, s in self.phases if s > 0]

@@ -207,18 +207,23 @@ def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Pl
     return planned
 
 
+PROBE_TOKENS = 16384     # the probe's batch holds at most this many tokens (one sample at least)
+
+
 def probe(s: Session, arm: Arm | None, cost: plan_mod.Cost,
           prompts: Sequence[passkey.Prompt] = ()) -> plan_mod.Rates:
-    """Seconds per unit of work of the reference and of one emulated arm: one sample of the smallest bucket,
-    measured twice (the first run compiles kernels and fills caches; the second is timed). With passkey prompts,
+    """Seconds per unit of work of the reference and of one emulated arm: one batch of the smallest bucket's
+    longest samples (the run's batch size, at most PROBE_TOKENS tokens), measured twice (the first run compiles kernels and fills caches; the second is timed). With passkey prompts,
     also the seconds per greedy decode step of each (`decode_step`)."""
     smallest = min(x.bucket for x in s.samples)
-    sample = max((x for x in s.samples if x.bucket == smallest), key=lambda x: len(x.ids))
-    sub = replace(s, samples=(replace(sample, index=0),), failures=0)
+    same = sorted((x for x in s.samples if x.bucket == smallest), key=lambda x: -len(x.ids))
+    # one batch as the run batches (a GPU runs a batch of 4 in about the time of one at short lengths), capped
+    batch = same[:max(1, min(s.batch_size, PROBE_TOKENS // max(1, len(same[0].ids))))]
+    sub = replace(s, samples=tuple(replace(x, index=i) for i, x in enumerate(batch)), failures=0)
     arms = [arm] if arm is not None else []
     measure(sub, arms)
     ref, res = measure(sub, arms)
-    work = cost.work(len(sample.ids))
+    work = sum(cost.work(len(x.ids)) for x in batch)
     per_ref = ref.seconds.metrics / work
     per_arm = res[arm.name].seconds.metrics / work if arm is not None else per_ref
     steps = (0.0, 0.0)
@@ -226,7 +231,8 @@ def probe(s: Session, arm: Arm | None, cost: plan_mod.Cost,
         first = min(prompts, key=lambda x: (x.bucket, len(x.ids)))
         step_ref = decode_step(s, None, first.ids)
         steps = (step_ref, decode_step(s, arm, first.ids) if arm is not None else step_ref)
-    return plan_mod.default_rates(s.device.type, per_ref, per_arm, len(sample.ids), *steps)
+    return replace(plan_mod.default_rates(s.device.type, per_ref, per_arm, len(batch[0].ids), *steps),
+                   probed_batch=len(batch))
 
 
 def decode_step(s: Session, arm: Arm | None, ids: Sequence[int]) -> float:

@@ -251,3 +251,37 @@ def test_plan_states_both_ends_of_its_conditional_skip_trials():
     assert duration(plan.total) in total_line and duration(plan.total - skip) in total_line
     none = fit(WORK, replace(FULL, skip_trials=0), COST, RATES, None)
     assert none.with_trials(0) == pytest.approx(none.total) and "without" not in " ".join(none.lines(RATES))
+
+
+def test_the_probe_measures_one_batch_of_the_smallest_buckets_longest_samples(monkeypatch):
+    """As the run batches: up to batch_size samples of the smallest bucket, longest first, capped at PROBE_TOKENS
+    tokens; the rates are the timed (second) run's seconds over the batch's summed work."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from calib.evaluation.samples import Sample
+    from calib.evaluation.session import Session
+
+    seen = []
+
+    def measure(sub, arms):
+        seen.append([len(x.ids) for x in sub.samples])
+        return (SimpleNamespace(seconds=SimpleNamespace(metrics=3.0)),
+                {a.name: SimpleNamespace(seconds=SimpleNamespace(metrics=6.0)) for a in arms})
+
+    monkeypatch.setattr(run_mod, "measure", measure)
+    lengths = [(30, 32), (25, 32), (32, 32), (20, 32), (31, 32), (60, 64)]
+    samples = tuple(Sample(i, tuple(range(n)), b) for i, (n, b) in enumerate(lengths))
+    s = Session(torch.nn.Linear(1, 1), None, None, None, samples, (32, 64), batch_size=4)
+    arm = SimpleNamespace(name="a")
+    rates = run_mod.probe(s, arm, COST)
+    assert seen == [[32, 31, 30, 25]] * 2                        # warm-up, then the timed run: the same batch
+    work = sum(COST.work(n) for n in (32, 31, 30, 25))
+    assert (rates.ref, rates.arm) == (pytest.approx(3.0 / work), pytest.approx(6.0 / work))
+    assert (rates.probed_at, rates.probed_batch, rates.step_ref) == (32, 4, 0.0)
+    monkeypatch.setattr(run_mod, "PROBE_TOKENS", 70)             # the cap: two samples of 32 tokens fit
+    seen.clear()
+    capped = run_mod.probe(s, arm, COST)
+    assert capped.probed_batch == 2 and seen == [[32, 31]] * 2
+    assert "one forward at 32 tokens x 2;" in fit(WORK, FULL, COST, capped, None).lines(capped)[0]
