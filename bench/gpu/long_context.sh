@@ -62,12 +62,13 @@ checkpoints() {   # the default model and three calibrations of it (no engine ne
 }
 
 default() {      # issue 30's 8-arm evaluation: BF16, scale 1.0, three checkpoints, three skip trials, engine + passkey
+                 # (--dominance 1: the trials run whenever no arm passes; no layer of the default model stands out)
   local res=${1:?RES}; shift; mkdir -p "$res"; venv; texts
   [ -d "$ck/mse" ] || checkpoints "$res" || return 1
   local t0=$SECONDS
   python3 -m calib.cli eval --engine vllm --vllm-venv /tmp/vllm-env --emulate vllm-fa3 --data "$data/held" --pack \
     --scales "$ck/plain" --scales "$ck/head-q" --scales "$ck/mse" --buckets 2048,8192 --samples 8 --max-skip 3 \
-    --out "$res/eval" --no-plots "$@" > "$res/eval.log" 2>&1
+    --dominance 1 --out "$res/eval" --no-plots "$@" > "$res/eval.log" 2>&1
   local rc=$?
   echo "eval rc=$rc in $((SECONDS - t0)) s"
   grep -E "plan|total|estimat" "$res/eval.log" | head -20

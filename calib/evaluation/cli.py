@@ -87,6 +87,9 @@ def parse_formats(text: str | None) -> tuple[str, ...]:
 @click.option("--max-ppl-increase", type=float, default=0.01, show_default=True, help="Ship threshold: relative ppl rise.")
 @click.option("--passkey-drop", type=int, default=0, show_default=True)
 @click.option("--max-skip", type=int, default=3, show_default=True, help="Most layers tried unquantised.")
+@click.option("--dominance", type=float, default=3.0, show_default=True,
+              help="A layer is tried unquantised (skip trial) when its attention-output error is at least this many "
+                   "times the median layer's; 1 tries the worst --max-skip layers whenever no arm passes.")
 @click.option("--device")
 @click.option("--cpu-dtype", type=click.Choice(("float32", "bfloat16")), help="Model dtype on CPU (GPUs run bf16); the reference "
               "arm runs in it. Default: float32; with --engine the checkpoint's own dtype, which the engine serves.")
@@ -113,8 +116,8 @@ def parse_formats(text: str | None) -> tuple[str, ...]:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Report directory.")
 @click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib report (never other files).")
 def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, samples, min_tokens, pack, batch_size,
-             seed, passkey_trials, failures, plots, progress, max_kl, max_ppl_increase, passkey_drop, max_skip, device,
-             cpu_dtype, trust_remote_code, engine, vllm_venv, engine_top_k, engine_kv_gib, engine_timeout, target,
+             seed, passkey_trials, failures, plots, progress, max_kl, max_ppl_increase, passkey_drop, max_skip, dominance,
+             device, cpu_dtype, trust_remote_code, engine, vllm_venv, engine_top_k, engine_kv_gib, engine_timeout, target,
              engine_version, budget_minutes, emulate_up_to, out, force, formats=None) -> None:
     """Compare BF16, default-scale and calibrated FP8 KV by layer and context length; write a report + verdict."""
     from calib.evaluation.config import EvalConfig
@@ -151,7 +154,7 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
             min_tokens=min_tokens, pack=pack,
             batch_size=batch_size, seed=seed, passkey_trials=passkey_trials, failures=failures, plots=plots,
             thresholds=Thresholds(max_kl=max_kl, max_ppl_increase=max_ppl_increase,
-                                  passkey_drop=passkey_drop, max_skip=max_skip),
+                                  passkey_drop=passkey_drop, max_skip=max_skip, dominance=dominance),
             device=device, cpu_dtype=cpu_dtype or (None if engine else "float32"),
             trust_remote_code=trust_remote_code, force=force,
             engine=engine_spec, target=target, engine_version=engine_version,

@@ -118,6 +118,7 @@ def evaluation(cfg: Any) -> None:
         whole("--engine-kv-gib", cfg.engine.kv_gib)
     number("--max-kl", cfg.thresholds.max_kl)
     number("--max-ppl-increase", cfg.thresholds.max_ppl_increase)
+    number("--dominance", cfg.thresholds.dominance, 1)      # below the median layer's error nothing dominates
     if not cfg.buckets:
         raise OptionError("--buckets: give at least one context length, e.g. 512,2048")
     for b in cfg.buckets:

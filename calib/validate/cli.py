@@ -40,6 +40,8 @@ from calib.evaluation import significance
 @click.option("--max-ppl-increase", type=float, default=0.01, show_default=True, help="Quality bar: relative ppl rise.")
 @click.option("--passkey-drop", type=int, default=0, show_default=True)
 @click.option("--max-skip", type=int, default=3, show_default=True, help="Most layers tried in BF16 (skip trials).")
+@click.option("--dominance", type=float, default=3.0, show_default=True,
+              help="Skip trials take layers whose attention-output error is at least this many times the median's.")
 @click.option("--failures", type=int, default=3, show_default=True, help="Worst samples kept per arm, with their text.")
 @click.option("--vllm-venv", envvar="KVCALIB_VLLM_VENV", type=click.Path(file_okay=False, path_type=Path),
               help="Virtual environment with vLLM installed (env KVCALIB_VLLM_VENV). Required.")
@@ -60,8 +62,8 @@ from calib.evaluation import significance
               help="Report folder. Default: out/<model>-validate.")
 @click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never other files).")
 def validate(model_src, data_src, scales, buckets, samples, pack, min_tokens, seed, passkey_trials, concurrency,
-             output_tokens, requests, emulation, max_kl, max_ppl_increase, passkey_drop, max_skip, failures, vllm_venv,
-             engine_kv_gib, engine_timeout, device, cpu_dtype, plots, progress, out, force, formats=None,
+             output_tokens, requests, emulation, max_kl, max_ppl_increase, passkey_drop, max_skip, dominance, failures,
+             vllm_venv, engine_kv_gib, engine_timeout, device, cpu_dtype, plots, progress, out, force, formats=None,
              budget_minutes=None, emulate_up_to=None) -> None:
     """Quality and serving speed per arm in the real engine (BF16 KV, FP8 scale 1.0, each --scales checkpoint,
     skip trials) on your held-out prompts by length bucket: KL / perplexity / passkey beside TTFT, TPOT, ITL
@@ -91,7 +93,7 @@ def validate(model_src, data_src, scales, buckets, samples, pack, min_tokens, se
             scales=tuple(scales), formats=parse_formats(formats), emulate=emulation, buckets=bucket_list, samples=samples, min_tokens=min_tokens,
             pack=pack, seed=seed, passkey_trials=passkey_trials, failures=failures, plots=plots,
             thresholds=Thresholds(max_kl=max_kl, max_ppl_increase=max_ppl_increase, passkey_drop=passkey_drop,
-                                  max_skip=max_skip),
+                                  max_skip=max_skip, dominance=dominance),
             device=device, cpu_dtype=cpu_dtype, force=force, engine=spec, budget_minutes=budget_minutes,
             emulate_up_to=emulate_up_to)
         check(cfg)                   # the serving options first: one line naming the option, nothing written

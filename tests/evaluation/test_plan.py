@@ -285,3 +285,22 @@ def test_the_probe_measures_one_batch_of_the_smallest_buckets_longest_samples(mo
     capped = run_mod.probe(s, arm, COST)
     assert capped.probed_batch == 2 and seen == [[32, 31]] * 2
     assert "one forward at 32 tokens x 2;" in fit(WORK, FULL, COST, capped, None).lines(capped)[0]
+
+
+def test_dominance_decides_which_layers_get_skip_trials(model_and_data, tmp_path, monkeypatch):
+    """--dominance 1: when no arm passes (a zero bar here), the worst --max-skip layers are tried unquantised even
+    if none stands out; a ratio below 1 is refused (below the median layer's error nothing dominates)."""
+    src, data = model_and_data
+    monkeypatch.setattr(run_mod, "probe", lambda s, arm, cost, prompts=(): plan.default_rates("cpu", 1e-9, 1e-9, 32))
+    r = _eval(src, data, tmp_path / "ev", "--max-kl", "0", "--max-ppl-increase", "0", "--max-skip", "1",
+              "--dominance", "1")
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("eval: skip trials: "))
+    assert line.startswith("eval: skip trials: up to 1 on `default` (layers [")
+    doc = json.loads((tmp_path / "ev" / "report.json").read_text())
+    layer = int(line.split("(layers [")[1].split("]")[0])
+    errs = {int(i): row["attn_rel_error"] for i, row in doc["arms"]["default"]["layers"].items()}
+    assert layer == max(errs, key=errs.get)                       # the worst layer by attention-output error
+    assert f"default skip {layer}" in doc["arms"] and doc["thresholds"]["dominance"] == 1.0
+    bad = _eval(src, data, tmp_path / "ev2", "--dominance", "0.5")
+    assert bad.exit_code == 1 and "--dominance 0.5: give a finite number >= 1" in bad.output
