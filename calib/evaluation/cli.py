@@ -116,9 +116,9 @@ def parse_formats(text: str | None) -> tuple[str, ...]:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Report directory.")
 @click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib report (never other files).")
 def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, samples, min_tokens, pack, batch_size,
-             seed, passkey_trials, failures, plots, progress, max_kl, max_ppl_increase, passkey_drop, max_skip, dominance,
-             device, cpu_dtype, trust_remote_code, engine, vllm_venv, engine_top_k, engine_kv_gib, engine_timeout, target,
-             engine_version, budget_minutes, emulate_up_to, out, force, formats=None) -> None:
+             seed, passkey_trials, failures, plots, progress, max_kl, max_ppl_increase, passkey_drop, max_skip,
+             dominance, device, cpu_dtype, trust_remote_code, engine, vllm_venv, engine_top_k, engine_kv_gib,
+             engine_timeout, target, engine_version, budget_minutes, emulate_up_to, out, force, formats=None) -> None:
     """Compare BF16, default-scale and calibrated FP8 KV by layer and context length; write a report + verdict."""
     from calib.evaluation.config import EvalConfig
     from calib.evaluation.report import Thresholds

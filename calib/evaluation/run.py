@@ -213,8 +213,9 @@ PROBE_TOKENS = 16384     # the probe's batch holds at most this many tokens (one
 def probe(s: Session, arm: Arm | None, cost: plan_mod.Cost,
           prompts: Sequence[passkey.Prompt] = ()) -> plan_mod.Rates:
     """Seconds per unit of work of the reference and of one emulated arm: one batch of the smallest bucket's
-    longest samples (the run's batch size, at most PROBE_TOKENS tokens), measured twice (the first run compiles kernels and fills caches; the second is timed). With passkey prompts,
-    also the seconds per greedy decode step of each (`decode_step`)."""
+    longest samples (the run's batch size, at most PROBE_TOKENS tokens), measured twice (the first run compiles
+    kernels and fills caches; the second is timed). With passkey prompts, also the seconds per greedy decode
+    step of each (`decode_step`)."""
     smallest = min(x.bucket for x in s.samples)
     same = sorted((x for x in s.samples if x.bucket == smallest), key=lambda x: -len(x.ids))
     # one batch as the run batches (a GPU runs a batch of 4 in about the time of one at short lengths), capped
