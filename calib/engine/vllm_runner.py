@@ -134,8 +134,9 @@ def _engine(req: dict, on_cpu: bool):
                       disable_log_stats=False, enable_prefix_caching=False)
     if arm["skip_layers"]:
         kwargs["kv_cache_dtype_skip_layers"] = [str(i) for i in arm["skip_layers"]]
-    if wanted_backend(arm, on_cpu):
-        kwargs.update(_backend_kwargs(wanted_backend(arm, on_cpu)))
+    backend = wanted_backend(arm, on_cpu)
+    if backend:
+        kwargs.update(_backend_kwargs(backend))
     if on_cpu:
         return LLM(**kwargs)
     import time
