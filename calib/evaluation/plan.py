@@ -143,8 +143,9 @@ class Plan:
     def lines(self, rates: Rates) -> list[str]:
         batch = f" x {rates.probed_batch}" if rates.probed_batch > 1 else ""
         out = [f"eval plan (probe: one forward at {rates.probed_at} tokens{batch}; engine "
-               f"{rates.engine_start:.0f} s per start (+{rates.engine_first_start:.0f} s the first), scoring at {rates.engine_tokens_per_s:,.0f} tok/s or "
-               f"{rates.engine_over_reference:g}x the reference pass, measured defaults):"]
+               f"{rates.engine_start:.0f} s per start (+{rates.engine_first_start:.0f} s the first), scoring at "
+               f"{rates.engine_tokens_per_s:,.0f} tok/s or {rates.engine_over_reference:g}x the reference pass, "
+               "measured defaults):"]
         out += [f"  {name}: {duration(s)}" for name, s in self.phases if s > 0]
         total = f"  total: {duration(self.total)}"
         if self.with_trials(0) < self.total:
