@@ -110,24 +110,51 @@ def _cache_kw(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-@torch.inference_mode()
 def greedy(model: torch.nn.Module, ids: Sequence[int], max_new_tokens: int = MAX_NEW_TOKENS,
            eos_id: int | None = None) -> list[int]:
     """Greedy continuation of one prompt with the model's KV cache (whatever attention hook is installed
     sees the whole cached K/V at every step, so fake quantisation covers the prompt too)."""
+    return greedy_batch(model, [ids], max_new_tokens, eos_id)[0]
+
+
+@torch.inference_mode()
+def greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int = MAX_NEW_TOKENS,
+                 eos_id: int | None = None, pad_id: int = 0) -> list[list[int]]:
+    """Greedy continuations of several prompts decoded together, each as if alone: prompts of unequal length are
+    left-padded (pads masked out, positions counted from each prompt's first real token, as batched generation
+    does), so every prompt ends at the same cache index and its new tokens follow it directly (a sliding window
+    then covers the same real tokens as for the prompt alone). Why batched: on a GPU a decode step of a small
+    model costs its kernel launches, and the emulation's hook adds its own per layer; one step for the batch
+    instead of one per prompt divides that by the batch size. A row stops at `eos_id` (kept)."""
     device = next(model.parameters()).device
     kw = _cache_kw(model)
-    x = torch.tensor([list(ids)], device=device)
-    out = model(input_ids=x, use_cache=True, logits_to_keep=1)
-    new: list[int] = []
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    x = torch.tensor([[pad_id] * (width - n) + list(p) for p, n in zip(prompts, lengths)], device=device)
+    extra: dict[str, torch.Tensor] = {}
+    mask = None
+    if min(lengths) < width:
+        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=device)
+        extra = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+    out = model(input_ids=x, use_cache=True, logits_to_keep=1, **extra)
+    new: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
     for step in range(max_new_tokens):
-        tok = int(out.logits[0, -1].argmax())
-        new.append(tok)
-        if tok == eos_id or step == max_new_tokens - 1:
+        toks = out.logits[:, -1].argmax(-1).tolist()
+        for i, tok in enumerate(toks):
+            if not done[i]:
+                new[i].append(tok)
+                done[i] = tok == eos_id
+        if all(done) or step == max_new_tokens - 1:
             break
         cache = out.get("cache", None)
         cache = out.get("past_key_values", None) if cache is None else cache
-        out = model(input_ids=torch.tensor([[tok]], device=device), use_cache=True, logits_to_keep=1, **{kw: cache})
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
+            extra = {"attention_mask": mask,
+                     "position_ids": torch.tensor(lengths, device=device)[:, None] + step}
+        out = model(input_ids=torch.tensor([[t] for t in toks], device=device), use_cache=True, logits_to_keep=1,
+                    **{kw: cache}, **extra)
     return new
 
 
@@ -141,15 +168,29 @@ class Outcome:
 
 
 def run(model: torch.nn.Module, tokenizer: Any, items: Sequence[Prompt],
-        on_done: Callable[[Prompt], Any] | None = None) -> list[Outcome]:
-    """Generate and score every prompt under whatever K/V treatment is currently installed; `on_done` is
-    called after each prompt (progress)."""
+        on_done: Callable[[Prompt], Any] | None = None, batch_size: int = 1, pad_id: int = 0) -> list[Outcome]:
+    """Generate and score every prompt under whatever K/V treatment is currently installed, up to `batch_size`
+    prompts of one bucket at a time (`greedy_batch`); outcomes in the order of `items`. `on_done` is called
+    after each prompt (progress)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     out = []
+    for group in _groups(items, max(1, batch_size)):
+        for p, new in zip(group, greedy_batch(model, [p.ids for p in group], eos_id=eos, pad_id=pad_id)):
+            out.append(score(p, tokenizer.decode(new, skip_special_tokens=True)))
+            if on_done is not None:
+                on_done(p)
+    return out
+
+
+def _groups(items: Sequence[Prompt], size: int) -> list[list[Prompt]]:
+    """Runs of consecutive prompts of one bucket, at most `size` each (a bucket's prompts differ by a few tokens:
+    little padding; a batch never mixes a short bucket's prompts with a long one's)."""
+    out: list[list[Prompt]] = []
     for p in items:
-        out.append(score(p, tokenizer.decode(greedy(model, p.ids, eos_id=eos), skip_special_tokens=True)))
-        if on_done is not None:
-            on_done(p)
+        if out and len(out[-1]) < size and out[-1][0].bucket == p.bucket:
+            out[-1].append(p)
+        else:
+            out.append([p])
     return out
 
 

@@ -20,10 +20,11 @@ first one on a fresh machine about 40 s more; prompt-logprob scoring of held-out
 overhead on a small model (12-19K tokens/s on a 135M model at 2K-8K) and by compute on a large one (about 1.5x
 kvcalib's own bf16 reference pass: an 8B shape scored 32K + 128K tokens in 18-20 s, the reference pass took 13.5 s);
 passkey prompts, submitted together and generating 8 tokens without log-probs, ran at 90-150K tokens/s there; a
-serving phase (`kvcalib validate`) costs each bucket's prefills plus its decode rounds (~25 ms a step). The
-emulated passkey phase decodes one prompt at a time: on a small model a decode step costs its launches (a prompt of
-2K-8K took ~0.33 s for the reference, ~0.66 s for an emulated arm on the H200), not its FLOPs, so the probe times a
-step (`run.decode_step`). CPU figures: vLLM's CPU build on a 2-core machine (a start ~20 s, ~1.5K tokens/s with
+serving phase (`kvcalib validate`) costs each bucket's prefills plus its decode rounds (~25 ms a step). On a
+small model a decode step costs its launches, not its FLOPs (decoded one at a time, a prompt of 2K-8K took ~0.33 s
+for the reference and ~0.6 s for an emulated arm on the H200, over a third of an 8-arm evaluation at 8K), so the
+emulated passkey phase decodes a bucket's prompts in batches of the run's batch size and the probe times a step
+(`run.decode_step`), charged once per batch. CPU figures: vLLM's CPU build on a 2-core machine (a start ~20 s, ~1.5K tokens/s with
 top-20 prompt log-probs on the default model), rougher.
 """
 
@@ -71,10 +72,16 @@ class Cost:
         return steps * (self.linear + 2 * self.quadratic * length)
 
     def prompt(self, length: int, rate: float, step: float) -> float:
-        """Seconds for one greedy passkey prompt: its prefill at `rate`, then MAX_NEW_TOKENS - 1 decode steps, each
-        the measured latency `step` (a small model's step is launch-bound, not FLOP-bound) or its work at `rate`,
-        whichever is longer (a long prompt's step reads every key)."""
-        return self.work(length) * rate + (MAX_NEW_TOKENS - 1) * max(step, self.decode(length, 1) * rate)
+        """Seconds for one greedy passkey prompt decoded alone (`batch` of one)."""
+        return self.batch([length], rate, step)
+
+    def batch(self, lengths: Sequence[int], rate: float, step: float) -> float:
+        """Seconds for passkey prompts decoded together (calib.evaluation.passkey.greedy_batch): their prefills at
+        `rate`, then MAX_NEW_TOKENS - 1 decode steps for the whole batch, each the measured latency `step` (a small
+        model's step is launch-bound, not FLOP-bound) or the batch's work at `rate`, whichever is longer (a long
+        prompt's step reads every key)."""
+        prefill = sum(self.work(n) for n in lengths) * rate
+        return prefill + (MAX_NEW_TOKENS - 1) * max(step, sum(self.decode(n, 1) for n in lengths) * rate)
 
 
 @dataclass(frozen=True)
@@ -108,13 +115,15 @@ class Work:
     """The run's inputs, as lengths: held-out samples (length, bucket), passkey prompts (length, bucket,
     depth), arms besides the reference, whether an engine runs, its starts for those arms (None: one per arm),
     and the serving phase of `kvcalib validate` (concurrency, output tokens, requests per bucket; 0: the
-    runner's default, max(prompts, 2 x concurrency)), run once per start."""
+    runner's default, max(prompts, 2 x concurrency)), run once per start; `passkey_batch`: emulated passkey
+    prompts of one bucket decoded together."""
     samples: tuple[tuple[int, int], ...]
     prompts: tuple[tuple[int, int, float], ...]
     arms: int
     engine: bool
     engine_starts: int | None = None
     serving: tuple[int, int, int] | None = None
+    passkey_batch: int = 1
 
     @property
     def starts(self) -> int:
@@ -163,10 +172,11 @@ def estimate(w: Work, parts: Parts, cost: Cost, rates: Rates) -> tuple[tuple[str
     """Seconds per phase of `w` done as `parts` say."""
     emu = [(n, b) for n, b in w.samples if parts.emulate_up_to is None or b <= parts.emulate_up_to]
     pk = [(n, b) for n, b, d in w.prompts if d in parts.depths]
-    pk_emu = [n for n, b in pk if parts.emulate_up_to is None or b <= parts.emulate_up_to]
+    pk_emu = [(n, b) for n, b in pk if parts.emulate_up_to is None or b <= parts.emulate_up_to]
     per_pass = sum(cost.work(n) for n, _ in emu)
-    pk_ref = sum(cost.prompt(n, rates.ref, rates.step_ref) for n in pk_emu)
-    pk_arm = sum(cost.prompt(n, rates.arm, rates.step_arm) for n in pk_emu)
+    batches = prompt_batches(pk_emu, w.passkey_batch)
+    pk_ref = sum(cost.batch(lengths, rates.ref, rates.step_ref) for lengths in batches)
+    pk_arm = sum(cost.batch(lengths, rates.arm, rates.step_arm) for lengths in batches)
     metrics = per_pass * (rates.ref + w.arms * rates.arm)
     passkey = pk_ref + w.arms * pk_arm
     engine_pk = pk if parts.engine_passkey else []
@@ -184,6 +194,18 @@ def estimate(w: Work, parts: Parts, cost: Cost, rates: Rates) -> tuple[tuple[str
             (f"engine: {w.arms + 1} arms on {w.starts} start(s)" + (" with serving" if w.serving else "")
              if w.engine else "engine", engine),
             (f"{SKIP_PHASE}: up to {parts.skip_trials}", skips))
+
+
+def prompt_batches(prompts: Sequence[tuple[int, int]], size: int) -> list[list[int]]:
+    """The lengths of each batch the emulated passkey phase decodes: runs of consecutive (length, bucket) prompts
+    of one bucket, at most `size` each (calib.evaluation.passkey.run groups them so)."""
+    out: list[tuple[int, list[int]]] = []
+    for n, b in prompts:
+        if out and out[-1][0] == b and len(out[-1][1]) < max(1, size):
+            out[-1][1].append(n)
+        else:
+            out.append((b, [n]))
+    return [lengths for _, lengths in out]
 
 
 def serving_seconds(w: Work, cost: Cost, rates: Rates) -> float:
@@ -248,9 +270,11 @@ def default_rates(device_type: str, ref: float, arm: float, probed_at: int, step
 
 
 def work_of(samples: Sequence[Any], prompts: Sequence[Any], arms: int, engine: bool,
-            engine_starts: int | None = None, serving: tuple[int, int, int] | None = None) -> Work:
+            engine_starts: int | None = None, serving: tuple[int, int, int] | None = None,
+            passkey_batch: int = 1) -> Work:
     return Work(tuple((len(x.ids), x.bucket) for x in samples),
-                tuple((len(p.ids), p.bucket, p.depth) for p in prompts), arms, engine, engine_starts, serving)
+                tuple((len(p.ids), p.bucket, p.depth) for p in prompts), arms, engine, engine_starts, serving,
+                passkey_batch)
 
 
 def emulation_limit(requested: int | None, buckets: Sequence[int], engine: bool) -> int | None:

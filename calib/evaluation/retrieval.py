@@ -17,13 +17,14 @@ from calib.progress import Progress, Stage
 
 def run_passkey(s: Session, arm: Arm | None, prompts: Sequence[passkey.Prompt],
                 stage: Stage | None = None) -> tuple[dict[str, PasskeyRow], float]:
-    """Passkey accuracy per bucket under `arm` (None: the reference) and the seconds it took; `stage` is
-    advanced after every prompt."""
+    """Passkey accuracy per bucket under `arm` (None: the reference) and the seconds it took, the prompts decoded
+    in batches of the session's batch size (`passkey.run`); `stage` is advanced after every prompt."""
     t0 = clock(s.device)
     on_done = None if stage is None else (lambda p: stage.advance(len(p.ids) + passkey.MAX_NEW_TOKENS,
                                                                  prompts=stage.counters["prompts"][0] + 1))
     with s.hook.applying(arm.to(s.device) if arm else None):
-        outcomes = passkey.run(s.lm, s.tokenizer, prompts, on_done=on_done)
+        outcomes = passkey.run(s.lm, s.tokenizer, prompts, on_done=on_done, batch_size=s.batch_size,
+                               pad_id=s.pad_id)
     return passkey_rows(passkey.summarize(outcomes)), clock(s.device) - t0
 
 

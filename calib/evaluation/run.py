@@ -90,6 +90,7 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
         with fake_quant_kv(lm, p.emulation) as hook, torch.inference_mode():
             s, note = open_session(lm, hook, p.loaded.tokenizer, p.samples, p.buckets, cfg.batch_size, cfg.failures)
             planned = time_plan(cfg, p, s, log)
+            t_plan = time.perf_counter()
             ref, results, engine = measure_arms(cfg, p, s, progress, planned.parts)
             measurable.check(ref, results, p.reference.name)     # before skip trials are planned on the numbers
             trials = skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts)
@@ -99,7 +100,9 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
         seconds = time.perf_counter() - t_start
         ran = "" if not planned.parts.skip_trials else \
             f"; {duration(planned.with_trials(len(trials)))} for the {len(trials)} skip trial(s) that ran"
-        log(f"eval: done in {duration(seconds)} (planned {duration(planned.total)} after loading{ran})")
+        # like with like: the plan covers the measuring passes after it, not loading, the probe or the report
+        log(f"eval: done in {duration(seconds)}; the measuring passes took {duration(time.perf_counter() - t_plan)} "
+            f"(planned {duration(planned.total)}{ran})")
         meta = _meta(cfg, p, ([note] if note else []) + plan_notes(planned, p.buckets, cfg.engine is not None),
                      seconds)
         if bm is not None:
@@ -199,7 +202,8 @@ def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Pl
         starts = engine_starts(p.arms, str(cfg.model))
     timing = getattr(cfg.engine, "serving", None)
     serving = (timing.concurrency, timing.output_tokens, timing.requests) if timing is not None else None
-    work = plan_mod.work_of(p.samples, p.prompts, len(p.arms), cfg.engine is not None, starts, serving)
+    work = plan_mod.work_of(p.samples, p.prompts, len(p.arms), cfg.engine is not None, starts, serving,
+                            s.batch_size)
     budget = None if cfg.budget_minutes is None else 60 * cfg.budget_minutes
     planned = plan_mod.fit(work, parts, cost, rates, budget)
     for line in planned.lines(rates):

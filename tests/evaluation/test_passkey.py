@@ -93,3 +93,67 @@ def test_greedy_with_cache_equals_recomputing_every_step():
             ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
     assert got == ids[len(prompt):]
     assert passkey.greedy(model, prompt, max_new_tokens=6, eos_id=got[0]) == got[:1]
+
+
+def _unequal_prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 200, (n,), generator=g).tolist() for n in (37, 40, 33, 40, 21)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "mistral"])
+def test_prompts_decoded_together_give_what_each_gives_alone(arch):
+    """Left padding, masks and per-row positions: batched greedy decoding equals decoding each prompt alone, also
+    where a sliding window (8 tokens in the tiny Gemma-3 / Mistral configs) is far shorter than the prompts, and
+    with an end-of-sequence token that stops one row early."""
+    model = tiny_causal_lm(arch)
+    prompts = _unequal_prompts()
+    alone = [passkey.greedy(model, p, max_new_tokens=6) for p in prompts]
+    assert passkey.greedy_batch(model, prompts, max_new_tokens=6, pad_id=1) == alone
+    eos = alone[2][1]
+    alone_eos = [passkey.greedy(model, p, max_new_tokens=6, eos_id=eos) for p in prompts]
+    assert passkey.greedy_batch(model, prompts, max_new_tokens=6, eos_id=eos) == alone_eos
+    assert any(len(r) < 6 for r in alone_eos) and alone_eos != alone
+
+
+@pytest.mark.parametrize("emulation,arm", [("vllm-fa3", "default"), ("vllm-cpu", "default"),
+                                           ("vllm-fa3", "fp8_per_token_head")])
+def test_batched_decoding_under_an_emulated_fp8_cache_equals_each_prompt_alone(emulation, arm):
+    """The same under the fake-quant hook: FlashAttention-3's FP8 attention (Q and P rounded, left-padded rows
+    masked), vLLM CPU's truncating cache write, a dynamic per-token-head cache. K is blown up so FP8 changes
+    the continuations (checked: they differ from the unquantised ones)."""
+    from calib.evaluation import emulate
+    from calib.evaluation.arms import Geometry, default_arm, format_arms
+    from calib.evaluation.fakequant import fake_quant_kv
+    from calib.recipe.dtypes import FP8_E4M3
+
+    model = tiny_causal_lm("llama", scale_k=400.0)
+    geo = Geometry((0, 1, 2), 2, 16)
+    a = default_arm(geo, FP8_E4M3) if arm == "default" else format_arms(geo, [arm])[0]
+    prompts = _unequal_prompts(3)
+    plain = [passkey.greedy(model, p) for p in prompts]
+    with fake_quant_kv(model, emulate.by_name(emulation)) as hook, hook.applying(a):
+        alone = [passkey.greedy(model, p) for p in prompts]
+        together = passkey.greedy_batch(model, prompts)
+    assert together == alone
+    assert alone != plain
+
+
+def test_run_batches_consecutive_prompts_of_one_bucket_and_keeps_their_order(tokenizer, monkeypatch):
+    """`run` decodes up to batch_size prompts of one bucket at a time; outcomes come back in prompt order and
+    equal the one-at-a-time outcomes."""
+    model = tiny_causal_lm("llama", vocab_size=len(tokenizer))
+    items, _ = passkey.prompts(tokenizer, [160, 256], trials=2, seed=1, depths=(0.0, 0.5, 1.0))
+    one = passkey.run(model, tokenizer, items)
+    seen, calls = [], []
+    real = passkey.greedy_batch
+
+    def spy(m, prompts, *a, **k):
+        calls.append([len(p) for p in prompts])
+        return real(m, prompts, *a, **k)
+
+    monkeypatch.setattr(passkey, "greedy_batch", spy)
+    four = passkey.run(model, tokenizer, items, on_done=seen.append, batch_size=4)
+    assert four == one and seen == list(items)
+    assert [p.bucket for p in items] == [160] * 6 + [256] * 6
+    assert [len(c) for c in calls] == [4, 2, 4, 2]
+    assert len({n for c in calls for n in c}) > 2          # unequal lengths inside a batch: padding was exercised

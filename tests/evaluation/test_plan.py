@@ -79,6 +79,28 @@ def test_passkey_prompts_cost_their_prefill_and_each_decode_step_at_the_measured
     assert COST.prompt(10, 1e-6, 0.5) == pytest.approx(10 * 110 * 1e-6 + 7 * 0.5)                # latency decides
 
 
+def test_passkey_prompts_decoded_together_pay_the_decode_latency_once_per_batch():
+    """With a batch size, a bucket's prompts are decoded together (at most that many, never across buckets): the
+    prefills are the same work, the seven decode steps are paid once per batch at the measured latency or the
+    batch's work at the rate, whichever is longer; written out per batch."""
+    rates = replace(RATES, step_ref=0.05, step_arm=0.125)
+    w = replace(WORK, passkey_batch=2)
+    assert plan.prompt_batches([(n, b) for n, b, _ in w.prompts], 2) == [
+        [b - 20] * k for b in (512, 2048, 8192) for k in (2, 2, 1)]
+    want = 0.0
+    for b in (512, 2048, 8192):
+        n = b - 20
+        for k in (2, 2, 1):
+            step_work = k * (100.0 + 2 * 1.0 * n)
+            want += k * n * (100.0 + n) * 1e-6 + 7 * max(0.05, step_work * 1e-6)
+            want += 3 * (k * n * (100.0 + n) * 2e-6 + 7 * max(0.125, step_work * 2e-6))
+    got = dict(estimate(w, FULL, COST, rates))["emulation passkey: 15 prompts x 4"]
+    assert got == pytest.approx(want)
+    assert got < dict(estimate(WORK, FULL, COST, rates))["emulation passkey: 15 prompts x 4"]
+    assert COST.batch([8000, 8000], 1e-6, 0.0) == pytest.approx(2 * COST.prompt(8000, 1e-6, 0.0))   # FLOPs decide
+    assert COST.batch([10, 10], 1e-6, 0.5) == pytest.approx(2 * 10 * 110 * 1e-6 + 7 * 0.5)            # latency: once
+
+
 def test_the_engines_passkey_prompts_run_at_their_own_token_rate():
     """Batched generation without log-probs runs far faster per token than prompt log-prob scoring: each part at
     its own rate (a tiny model: the per-token overhead decides both)."""
