@@ -56,16 +56,24 @@ class Cost:
     """Work of one forward over a sample of L tokens: L * (linear + quadratic * L) (FLOP-proportional)."""
     linear: float               # ~2 x parameters
     quadratic: float            # causal attention: 2 x layers x heads x head_dim per token per earlier key
+    head: float = 0.0           # the LM head's share of `linear` (2 x vocab x hidden): a measuring pass reads
+                                # logits at every position, a passkey prefill at its last one only
 
     @staticmethod
     def of(config: Any, parameters: int) -> "Cost":
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = cfg.num_attention_heads
         dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        return Cost(2.0 * parameters, 2.0 * cfg.num_hidden_layers * heads * dim)
+        head = 2.0 * cfg.vocab_size * cfg.hidden_size if getattr(cfg, "vocab_size", None) else 0.0
+        return Cost(2.0 * parameters, 2.0 * cfg.num_hidden_layers * heads * dim, min(head, 2.0 * parameters))
 
     def work(self, length: int) -> float:
         return length * (self.linear + self.quadratic * length)
+
+    def prefill(self, length: int) -> float:
+        """A generation's prefill: the forward without the LM head on all but the last position (on a 135M model
+        with a 49K vocabulary the head is a fifth of the work, and the log-softmax / KL of a measuring pass more)."""
+        return self.work(length) - max(0, length - 1) * self.head
 
     def decode(self, length: int, steps: int = MAX_NEW_TOKENS) -> float:
         """`steps` generated tokens after a prompt of `length` tokens (each reads every key)."""
@@ -76,11 +84,11 @@ class Cost:
         return self.batch([length], rate, step)
 
     def batch(self, lengths: Sequence[int], rate: float, step: float) -> float:
-        """Seconds for passkey prompts decoded together (calib.evaluation.passkey.greedy_batch): their prefills at
-        `rate`, then MAX_NEW_TOKENS - 1 decode steps for the whole batch, each the measured latency `step` (a small
-        model's step is launch-bound, not FLOP-bound) or the batch's work at `rate`, whichever is longer (a long
-        prompt's step reads every key)."""
-        prefill = sum(self.work(n) for n in lengths) * rate
+        """Seconds for passkey prompts decoded together (calib.evaluation.passkey.greedy_batch): their prefills
+        (`prefill`) at `rate`, then MAX_NEW_TOKENS - 1 decode steps for the whole batch, each the measured latency
+        `step` (a small model's step is launch-bound, not FLOP-bound) or the batch's work at `rate`, whichever is
+        longer (a long prompt's step reads every key)."""
+        prefill = sum(self.prefill(n) for n in lengths) * rate
         return prefill + (MAX_NEW_TOKENS - 1) * max(step, sum(self.decode(n, 1) for n in lengths) * rate)
 
 

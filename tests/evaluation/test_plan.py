@@ -101,6 +101,16 @@ def test_passkey_prompts_decoded_together_pay_the_decode_latency_once_per_batch(
     assert COST.batch([10, 10], 1e-6, 0.5) == pytest.approx(2 * 10 * 110 * 1e-6 + 7 * 0.5)            # latency: once
 
 
+def test_a_prefill_pays_the_lm_head_at_its_last_position_only():
+    """A measuring pass reads logits at every position, a generation's prefill at the last one: the head's share
+    of the linear term (2 x vocab x hidden, from the config) comes off every other position."""
+    c = Cost(linear=100.0, quadratic=1.0, head=40.0)
+    assert c.prefill(10) == pytest.approx(10 * (100 + 10) - 9 * 40) and c.prefill(1) == c.work(1)
+    assert c.batch([10], 1e-3, 0.0) == pytest.approx((10 * 110 - 9 * 40) * 1e-3 + 7 * (100 + 2 * 10) * 1e-3)
+    cfg = tiny_config("llama")
+    assert Cost.of(cfg, 10_000_000).head == 2.0 * cfg.vocab_size * cfg.hidden_size
+
+
 def test_the_engines_passkey_prompts_run_at_their_own_token_rate():
     """Batched generation without log-probs runs far faster per token than prompt log-prob scoring: each part at
     its own rate (a tiny model: the per-token overhead decides both)."""
