@@ -74,7 +74,8 @@ SCALE_REL = 1e-6              # float32 scales through JSON come back exact; thi
 MAX_LAYERS, MAX_HEADS = 4096, 1024
 # Optional per arm: "kv_groups": {"size_tokens", "max_concurrency", "max_model_len", "num_blocks", "in_flight_tokens",
 #   "groups": [{"layers": [int], "spec", "block_size", "page_bytes", "dtype", "window"}]} — the engine's capacity
-#   as its hybrid cache manager counts it (vllm_runner._kv_groups).
+#   as its hybrid cache manager counts it (vllm_runner._kv_groups). size_tokens, max_concurrency and in_flight_tokens
+#   may be null: an engine version that does not keep one still reports the groups.
 OPTIONAL_ARM_RESPONSE_FIELDS = ("kv_groups",)
 OPTIONAL_FIELDS = ("serving",)     # request and response (top level); absent means null
 
@@ -344,12 +345,14 @@ def kv_groups(doc: Any) -> dict[str, Any]:
     """The optional `kv_groups` of a response, every number checked (ProtocolError names the field)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("groups"), list) or len(doc["groups"]) > 4096:
         raise ProtocolError("kv_groups: expected an object with a list 'groups'")
-    out: dict[str, Any] = {k: _whole(doc.get(k), f"kv_groups.{k}") for k in
-                           ("size_tokens", "max_model_len", "num_blocks", "in_flight_tokens")}
+    out: dict[str, Any] = {k: _whole(doc.get(k), f"kv_groups.{k}") for k in ("max_model_len", "num_blocks")}
+    for k in ("size_tokens", "in_flight_tokens"):      # null: this engine version does not keep it
+        out[k] = None if doc.get(k) is None else _whole(doc[k], f"kv_groups.{k}")
     conc = doc.get("max_concurrency")
-    if isinstance(conc, bool) or not isinstance(conc, (int, float)) or not math.isfinite(conc) or conc < 0:
-        raise ProtocolError(f"kv_groups.max_concurrency = {_show(conc)}: expected a finite number >= 0")
-    out["max_concurrency"] = float(conc)
+    if conc is not None and (isinstance(conc, bool) or not isinstance(conc, (int, float)) or not math.isfinite(conc)
+                             or conc < 0):
+        raise ProtocolError(f"kv_groups.max_concurrency = {_show(conc)}: expected a finite number >= 0 or null")
+    out["max_concurrency"] = None if conc is None else float(conc)
     groups = []
     for j, g in enumerate(doc["groups"]):
         where = f"kv_groups.groups[{j}]"

@@ -46,11 +46,13 @@ class Model:
         return lk.kv_bytes(self.layers, self.kv_heads, self.head_dim, length, self.storage(info))
 
 
-def table(m: Model, ref_name: str, results: Mapping[str, ArmMetrics]) -> dict[str, Any]:
+def table(m: Model, ref_name: str, results: Mapping[str, ArmMetrics],
+          ref_engine: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """report.json's `memory`: per arm and length the bytes per sequence, tokens per GiB and share of the
-    reference's bytes saved (the bytes model), next to the engine's capacity where it ran."""
+    reference's bytes saved (the bytes model), next to the engine's capacity where it ran (`ref_engine`: the
+    reference's engine entry, `Reference.engine`)."""
     rows: dict[str, Any] = {}
-    for name, info, engine in [(ref_name, None, None), *((n, e.info, e.engine) for n, e in results.items())]:
+    for name, info, engine in [(ref_name, None, ref_engine), *((n, e.info, e.engine) for n, e in results.items())]:
         per = {}
         for L in m.lengths:
             b, r = m.bytes(info, L), m.bytes(None, L)
@@ -154,8 +156,10 @@ def of_config(config: Any, model: str, kv_heads: int, head_dim: int, model_dtype
 
 def engine_check(m: Model, info: ArmInfo | None, groups: Mapping[str, Any]) -> dict[str, Any]:
     """The engine's capacity next to the bytes model's, in the engine's own definition (vLLM: requests of
-    max_model_len the pool holds x max_model_len, each layer reserving what its kind needs: calib.model.layer_kinds
-    .engine_capacity_tokens), plus every layer whose kind or bytes per token the engine sees differently."""
+    max_model_len the pool holds x max_model_len, each group of layers reserving what its kind needs:
+    calib.model.layer_kinds.engine_capacity_tokens), plus every layer whose kind or bytes per token the engine sees
+    differently, and a grouping other than vLLM's rule as the bytes model applies it. `engine` is None where the
+    engine did not say its capacity; no prediction where it did not say its tokens in flight."""
     st = m.storage(info)
     kinds, block, bytes_per_token, problems = m.layers.kinds, {}, {}, []
     vllm_kind = {"FullAttentionSpec": lk.GLOBAL, "SlidingWindowSpec": lk.SLIDING,
@@ -175,6 +179,14 @@ def engine_check(m: Model, info: ArmInfo | None, groups: Mapping[str, Any]) -> d
             problems.append(f"layer {i}: not in any engine KV cache group")
         elif bytes_per_token[i] != mine:
             problems.append(f"layer {i}: {bytes_per_token[i]} bytes per token in the engine, {mine} in the bytes model")
+    if not problems:
+        lay = lk.engine_layout(m.layers, m.kv_heads, m.head_dim, st, block)
+        size = max(len(g["layers"]) for g in groups["groups"])
+        if (len(groups["groups"]), size) != (len(lay.groups), lay.group_size):
+            problems.append(f"the engine makes {len(groups['groups'])} KV cache groups of up to {size} layers, "
+                            f"vLLM's grouping rule on kvcalib's layer kinds {len(lay.groups)} of {lay.group_size}")
+    if groups["in_flight_tokens"] is None:
+        problems.append("the engine did not say the tokens in flight a sliding or chunked layer reserves")
     if problems:
         return {"engine": groups["size_tokens"], "bytes_model": None, "problems": problems}
     pool = groups["num_blocks"] * max(sum(g["page_bytes"] for _ in g["layers"]) for g in groups["groups"])

@@ -448,9 +448,10 @@ def memory_lines(mem: Mapping[str, Any] | None) -> list[str]:
     def check(c: Mapping[str, Any] | None) -> str:
         if not c:
             return "–"
+        engine = "not reported" if c["engine"] is None else f"{c['engine']:,}"
         if c["problems"]:
-            return f"{c['engine']:,} ({'; '.join(c['problems'])})"
-        return f"{c['engine']:,} vs {c['bytes_model']:,} at {c['max_model_len']:,}"
+            return f"{engine} ({'; '.join(c['problems'])})"
+        return f"{engine} vs {c['bytes_model']:,} at {c['max_model_len']:,}"
     rows = [[n, *(f"{r['model'][L]['tokens_per_gib']:,.0f} ({_pct(r['model'][L]['saving'])})" for L in lengths),
              _cell(r.get("engine_tokens_per_gib"), ",.0f"), check(r.get("engine_check"))]
             for n, r in mem["rows"].items()]

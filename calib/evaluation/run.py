@@ -106,7 +106,7 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
         meta = _meta(cfg, p, ([note] if note else []) + plan_notes(planned, p.buckets, cfg.engine is not None),
                      seconds)
         if bm is not None:
-            meta["memory"] = memory.table(bm, p.reference.name, results)
+            meta["memory"] = memory.table(bm, p.reference.name, results, ref.engine)
         doc = report.write(Path(cfg.out), report.Report(meta, ref, results, cfg.thresholds, decided), force=cfg.force,
                            plots=cfg.plots)
     return EvalResult(Path(cfg.out), ref, results, decided, doc, time.perf_counter() - t_start)

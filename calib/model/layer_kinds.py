@@ -14,9 +14,11 @@ layer global); Qwen2's `use_sliding_window` with `max_window_layers`; Llama 4's 
 global. `num_kv_shared_layers` (Gemma 3n) marks the last layers as reading earlier layers' KV. A kind kvcalib
 does not know (linear attention, Mamba state) is an error naming the field: its bytes are not tokens x heads.
 
-The engine's own reading of capacity (vLLM's hybrid cache manager, `engine_held_tokens`) reserves more than the
-window for a sliding layer: vLLM 0.32 v1/kv_cache_interface.py SlidingWindowSpec.max_admission_blocks_per_request
-holds window - 1 + the tokens in flight (one prefill chunk), rounded up to blocks, plus one block. The user's view
+The engine's own reading of capacity (vLLM's hybrid cache manager, `engine_held_tokens`, `engine_capacity_tokens`)
+reserves more than the window for a sliding layer: v1/kv_cache_interface.py
+SlidingWindowSpec.max_admission_blocks_per_request holds window - 1 + the tokens in flight, rounded up to blocks, plus
+one block (vLLM 0.24: in flight = scheduler max_num_batched_tokens; 0.32: VllmConfig.max_in_flight_tokens), and it
+counts layers by groups, the last group of a kind padded to the group size (`engine_layout`). The user's view
 (`held_tokens`) is min(length, window). Both use the same per-token bytes.
 
 This module imports neither torch nor transformers.
@@ -203,8 +205,10 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def engine_held_tokens(kind: LayerKind, max_model_len: int, in_flight: int, block_size: int) -> int:
-    """Tokens vLLM reserves per request for one layer when sizing the pool (vLLM 0.32 v1/kv_cache_interface.py:
-    FullAttentionSpec / SlidingWindowSpec / ChunkedLocalAttentionSpec.max_memory_usage_bytes), in whole blocks."""
+    """Tokens vLLM reserves per request for one layer when sizing the pool, in whole blocks (v1/kv_cache_interface.py
+    FullAttentionSpec / SlidingWindowSpec / ChunkedLocalAttentionSpec.max_memory_usage_bytes, the same formulas in
+    vLLM 0.24 and 0.32; `in_flight` is what the version adds to the window, see vllm_runner._in_flight_tokens. 0.32's
+    SlidingWindowSpec also adds extra_retained_tokens, 0 without speculative decoding)."""
     if kind.kind == SHARED:
         return 0
     if kind.kind == GLOBAL or not kind.window:
@@ -214,15 +218,54 @@ def engine_held_tokens(kind: LayerKind, max_model_len: int, in_flight: int, bloc
     return _cdiv(min(kind.window + in_flight, max_model_len), block_size) * block_size
 
 
+@dataclass(frozen=True)
+class EngineLayout:
+    """How vLLM lays the layers out in its one KV pool: layers of one spec (kind, window, bytes, block size) share a
+    block table in groups of `group_size` layers, the last group of a spec padded up to that size; every block id
+    stands for one page in each of `group_size` tensors, so a block costs page_bytes x group_size of the pool."""
+    groups: tuple[tuple[int, ...], ...]
+    group_size: int
+    page_bytes: int
+
+
+def engine_layout(layers: Layers, kv_heads: int, head_dim: int, storage: Mapping[int, Storage],
+                  block_sizes: Mapping[int, int]) -> EngineLayout:
+    """vLLM's grouping of the layers that keep KV (v1/core/kv_cache_utils.py _get_kv_cache_groups_uniform_page_size,
+    the same rule in 0.24 and 0.32): the group size is the fewest layers of one spec, or the most when the most is
+    under 1.5 x the fewest; a spec of n layers makes cdiv(n, size) groups, group j its layers j, j + groups, ...
+    (e.g. 29 sliding layers in groups of 5 make 6 groups, the last of 4 layers padded to 5). `block_sizes[i]`: layer
+    i's block size in the engine (vLLM enlarges the blocks of layers with smaller pages so every page has the same
+    bytes: unify_kv_cache_spec_page_size); the page is the largest. This is the layer-outer pool every attention
+    backend uses by default; vLLM 0.32's block-outer layouts pack mixed page sizes another way
+    (_get_packed_kv_cache_groups), which this does not model."""
+    specs: dict[tuple[Any, ...], list[int]] = {}
+    for i, k in enumerate(layers.kinds):
+        if k.kind != SHARED:          # a layer reading another's KV has no cache of its own in vLLM
+            specs.setdefault((k.kind, k.window, token_bytes(kv_heads, head_dim, storage[i]), block_sizes[i]),
+                             []).append(i)
+    counts = [len(v) for v in specs.values()]
+    size = max(counts) if max(counts) < 1.5 * min(counts) else min(counts)
+    groups = []
+    for idx in specs.values():
+        n = _cdiv(len(idx), size)
+        groups += [tuple(idx[j::n]) for j in range(n)]
+    page = max(block_sizes[i] * token_bytes(kv_heads, head_dim, storage[i]) for v in specs.values() for i in v)
+    return EngineLayout(tuple(groups), size, page)
+
+
 def engine_capacity_tokens(layers: Layers, kv_heads: int, head_dim: int, storage: Mapping[int, Storage],
                            pool_bytes: int, max_model_len: int, in_flight: int,
                            block_sizes: Mapping[int, int]) -> int:
-    """vLLM's `kv_cache_size_tokens` predicted from the bytes model: requests of `max_model_len` the pool holds
-    (pool / the bytes one request reserves) x max_model_len. `block_sizes[i]`: layer i's block size in the
-    engine (vLLM enlarges the blocks of layers with smaller pages so every page has the same bytes)."""
-    per_request = sum(engine_held_tokens(k, max_model_len, in_flight, block_sizes[i])
-                      * token_bytes(kv_heads, head_dim, storage[i]) for i, k in enumerate(layers.kinds))
-    return int(pool_bytes / per_request * max_model_len)
+    """vLLM's `kv_cache_size_tokens` predicted from the bytes model, the engine's way (v1/core/kv_cache_utils.py,
+    0.24 and 0.32): the pool makes pool // (page x group size) blocks (get_kv_cache_config_from_groups), a request of
+    max_model_len takes each group's reserved tokens in blocks, a padded group as much as a full one
+    (get_max_concurrency_for_kv_cache_config), and the capacity is int(blocks / blocks per request x max_model_len)
+    (get_kv_cache_capacity). `block_sizes[i]`: layer i's block size in the engine (see `engine_layout`)."""
+    lay = engine_layout(layers, kv_heads, head_dim, storage, block_sizes)
+    num_blocks = pool_bytes // (lay.page_bytes * lay.group_size)
+    per_request = sum(engine_held_tokens(layers.kinds[g[0]], max_model_len, in_flight, block_sizes[g[0]])
+                      // block_sizes[g[0]] for g in lay.groups)
+    return int(num_blocks / per_request * max_model_len)
 
 
 def memory_rows(layers: Layers, kv_heads: int, head_dim: int, lengths: Sequence[int],

@@ -125,6 +125,12 @@ def test_the_engine_runs_the_sliding_arm_by_kind_name(gemma3, tmp_path, monkeypa
                                engine=spec))
     arm = out.arms["default skip sliding_window"]
     assert arm.engine["status"] == "ok", arm.engine
+    # the memory table's reference row shows the engine's run of the reference, as every arm's row does
+    rows = json.loads((out.out / "report.json").read_text())["memory"]["rows"]
+    ref = out.report["reference"]
+    assert out.reference.engine["kv_capacity_tokens"] > 0
+    assert rows[ref]["engine_capacity_tokens"] == out.reference.engine["kv_capacity_tokens"]
+    assert rows[ref]["engine_tokens_per_gib"] == out.reference.engine["tokens_per_gib"]
     assert arm.engine["summary"]["ppl"] == pytest.approx(arm.summary.ppl, rel=1e-5)
     assert arm.engine["summary"]["ppl"] != pytest.approx(out.arms["default"].engine["summary"]["ppl"], rel=1e-6)
 
@@ -168,3 +174,54 @@ def test_protocol_checks_the_optional_kv_groups():
     bad = {**VLLM_032_FP8_SKIP_SLIDING, "groups": [{**VLLM_032_FP8_SKIP_SLIDING["groups"][0], "block_size": -1}]}
     with pytest.raises(protocol.ProtocolError, match=r"kv_groups.groups\[0\].block_size = -1"):
         protocol.kv_groups(bad)
+    # an engine version that does not keep its capacity or tokens in flight says null; a wrong type is still an error
+    unknown = {**VLLM_032_FP8_SKIP_SLIDING, "size_tokens": None, "max_concurrency": None, "in_flight_tokens": None}
+    assert protocol.kv_groups(unknown) == unknown
+    with pytest.raises(protocol.ProtocolError, match=r"kv_groups.in_flight_tokens = '1024'"):
+        protocol.kv_groups({**VLLM_032_FP8_SKIP_SLIDING, "in_flight_tokens": "1024"})
+    with pytest.raises(protocol.ProtocolError, match=r"kv_groups.num_blocks = None"):
+        protocol.kv_groups({**VLLM_032_FP8_SKIP_SLIDING, "num_blocks": None})
+
+
+def _gemma3_4b_groups(size_tokens: int) -> dict:
+    """GPU vLLM 0.24's groups for Gemma-3-4B's shape in bf16 (29 sliding layers of window 1024 in 6 groups, the last
+    of 4 layers; 5 global; 4 KV heads x 256; 16 GiB pool: 52,428 blocks of 16 tokens; max_num_batched_tokens 16384)."""
+    glob = [5, 11, 17, 23, 29]
+    sliding = [i for i in range(34) if i not in glob]
+    return {"size_tokens": size_tokens, "max_concurrency": size_tokens / 32768, "max_model_len": 32768,
+            "num_blocks": 52428, "in_flight_tokens": 16384, "groups": [
+                {"layers": sliding[j::6], "spec": "SlidingWindowSpec", "block_size": 16, "page_bytes": 65536,
+                 "dtype": "bfloat16", "window": 1024} for j in range(6)] + [
+                {"layers": glob, "spec": "FullAttentionSpec", "block_size": 16, "page_bytes": 65536,
+                 "dtype": "bfloat16", "window": None}]}
+
+
+def test_memory_table_shows_the_references_engine_run():
+    layers = lk.layer_kinds({"num_hidden_layers": 34, "sliding_window": 1024, "sliding_window_pattern": 6})
+    m = memory.Model(layers, 4, 256, "bfloat16", (32768,), "m")
+    ref = {"status": "ok", "kv_capacity_tokens": 838848, "kv_gib": 16, "tokens_per_gib": 838848 / 16,
+           "kv_groups": _gemma3_4b_groups(200181)}
+    doc = memory.table(m, "bf16", {}, ref)
+    row = doc["rows"]["bf16"]
+    assert (row["engine_capacity_tokens"], row["engine_tokens_per_gib"]) == (838848, 52428.0)
+    # vLLM's capacity for it: 52,428 blocks / (2,048 global + 6 x 1,089 sliding blocks per request) x 32,768; the
+    # padded sliding group counts as a full one (a per-layer count, 29 not 30 sliding layers, says 205,394)
+    assert row["engine_check"] == {"engine": 200181, "bytes_model": int(52428 / (2048 + 6 * 1089) * 32768),
+                                   "max_model_len": 32768, "problems": []}
+    assert row["engine_check"]["bytes_model"] == 200181
+    md = "\n".join(report.memory_lines(doc))
+    assert "| bf16 | " in md and "52,428" in md and "200,181 vs 200,181 at 32,768" in md
+    # without the reference's engine entry the row has no engine numbers (nothing made up)
+    bare = memory.table(m, "bf16", {})["rows"]["bf16"]
+    assert bare["engine_capacity_tokens"] is None and "engine_check" not in bare
+
+
+def test_engine_check_names_a_grouping_other_than_vllms_rule():
+    layers = lk.layer_kinds({"num_hidden_layers": 34, "sliding_window": 1024, "sliding_window_pattern": 6})
+    m = memory.Model(layers, 4, 256, "bfloat16", (32768,), "m")
+    groups = _gemma3_4b_groups(200181)
+    merged = {**groups, "groups": [{**groups["groups"][0], "layers": [i for g in groups["groups"][:6]
+                                                                      for i in g["layers"]]}, groups["groups"][6]]}
+    c = memory.engine_check(m, None, merged)
+    assert c["bytes_model"] is None and c["problems"] == [
+        "the engine makes 2 KV cache groups of up to 29 layers, vLLM's grouping rule on kvcalib's layer kinds 7 of 5"]

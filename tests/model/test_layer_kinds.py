@@ -97,3 +97,108 @@ def test_engine_reservation_of_a_sliding_layer():
     # window 8, a 16-token prefill chunk in flight, blocks of 16: cdiv(min(8 - 1 + 16, 64), 16) + 1 = 3 blocks
     assert lk.engine_held_tokens(lk.LayerKind("sliding_window", 8), 64, 16, 16) == 48
     assert lk.engine_held_tokens(lk.LayerKind("global"), 70, 16, 16) == 80
+
+
+# ------------------------------------------------------------------ the engine's capacity: vLLM's rule by brute force
+
+def vllm_sizing(layers: list[dict], pool: int, max_model_len: int, in_flight: int, version: str) -> tuple[int, int]:
+    """A second, literal reading of how vLLM sizes its KV pool (layer-outer layout; vLLM 0.24 and 0.32
+    v1/core/kv_cache_utils.py unify_kv_cache_spec_page_size, _get_kv_cache_groups_uniform_page_size,
+    get_kv_cache_config_from_groups, get_max_concurrency_for_kv_cache_config, get_kv_cache_capacity; the per-layer
+    reservation of v1/kv_cache_interface.py *Spec.max_memory_usage_bytes). `layers`: one dict per layer that keeps KV
+    ({"type", "window", "block", "bytes" per token}). Returns (num_blocks, kv_cache_size_tokens)."""
+    def cdiv(a, b):
+        return -(-a // b)
+    pages = [s["block"] * s["bytes"] for s in layers]
+    page = max(pages)
+    specs = [{**s, "block": s["block"] * page // p} for s, p in zip(layers, pages)]    # smaller pages: bigger blocks
+    by_spec: dict = {}
+    for name, s in enumerate(specs):
+        by_spec.setdefault(tuple(sorted(s.items())), []).append(name)
+    fewest, most = min(len(v) for v in by_spec.values()), max(len(v) for v in by_spec.values())
+    size = most if most < fewest * 1.5 else fewest
+    groups = []                               # (spec, layer names), the last group of a spec possibly short
+    for key, names in by_spec.items():
+        n = cdiv(len(names), size)
+        groups += [(dict(key), names[i::n]) for i in range(n)]
+    group_size = max(len(names) for _, names in groups)
+    num_blocks = int(pool // page // group_size)
+
+    def usage(s: dict) -> int:                # bytes one request of max_model_len reserves in one layer
+        if s["type"] == "full":
+            return cdiv(max_model_len, s["block"]) * page
+        if s["type"] == "sliding":
+            return (cdiv(min(s["window"] - 1 + in_flight, max_model_len), s["block"]) + 1) * page
+        return cdiv(min(s["window"] + in_flight, max_model_len), s["block"]) * page
+    if version == "0.24":                     # every group counted as group_size layers, padding included
+        per_request = group_size * sum(usage(s) for s, _ in groups)
+        concurrency = num_blocks / cdiv(per_request, page * group_size)
+    else:                                     # 0.32: whole blocks of each group from one pool
+        concurrency = num_blocks / sum(cdiv(usage(s), page) for s, _ in groups)
+    return num_blocks, int(concurrency * max_model_len)
+
+
+GEMMA3_4B = {"num_hidden_layers": 34, "sliding_window": 1024,       # every 6th layer global: 5, 11, 17, 23, 29
+             "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(34)]}
+
+
+def _both(cfg: dict, kv_heads: int, head_dim: int, kv: str | None, quantised, pool: int, max_model_len: int,
+          in_flight: int, block: int) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """vLLM 0.24's and 0.32's numbers by brute force, and kvcalib's prediction, for one arm."""
+    layers = lk.layer_kinds(cfg)
+    st = lk.storage_for(len(layers.kinds), "bfloat16", kv, quantised)
+    kept = [i for i, k in enumerate(layers.kinds) if k.kind != lk.SHARED]
+    name = {lk.GLOBAL: "full", lk.SLIDING: "sliding", lk.CHUNKED: "chunked"}
+    specs = [{"type": name[layers.kinds[i].kind], "window": layers.kinds[i].window or 0, "block": block,
+              "bytes": lk.token_bytes(kv_heads, head_dim, st[i])} for i in kept]
+    page = max(s["bytes"] for s in specs) * block
+    blocks = {i: page // s["bytes"] for i, s in zip(kept, specs)}    # the engine's enlarged blocks
+    mine = lk.engine_capacity_tokens(layers, kv_heads, head_dim, st, pool, max_model_len, in_flight, blocks)
+    return (vllm_sizing(specs, pool, max_model_len, in_flight, "0.24"),
+            vllm_sizing(specs, pool, max_model_len, in_flight, "0.32"), mine)
+
+
+@pytest.mark.parametrize("arm, kv, quantised, engine_blocks_x16, size_tokens", [
+    ("bf16", None, (), 838_848, 200_181),
+    ("fp8", "fp8_e4m3", range(34), 1_677_712, 400_367),
+    ("fp8 skip sliding_window", "fp8_e4m3", (5, 11, 17, 23, 29), 838_848, 227_303),
+])
+def test_engine_capacity_of_a_gemma3_like_model_follows_vllms_grouping(arm, kv, quantised, engine_blocks_x16,
+                                                                       size_tokens):
+    """Gemma-3-4B's shape (5 global, 29 sliding layers of window 1024; 4 KV heads x 256), a 16 GiB pool, blocks of
+    16, max_model_len 32768, 16384 tokens in flight (vLLM 0.24's max_num_batched_tokens default for LLM() on an
+    H100/H200: engine/arg_utils.py get_batch_defaults). vLLM groups the layers 5 to a group: 1 global group and 6
+    sliding groups, the last of 4 layers padded to 5, which counts as 5. engine_blocks_x16: blocks x block size as
+    GPU vLLM 0.24 reported it for these three arms; size_tokens: vLLM 0.32's own get_kv_cache_capacity on these
+    specs with max_in_flight_tokens 16384 gave the same."""
+    v024, v032, mine = _both(GEMMA3_4B, 4, 256, kv, quantised, 16 * 2 ** 30, 32768, 16384, 16)
+    assert v024 == v032 == (engine_blocks_x16 // 16, size_tokens)
+    assert mine == size_tokens
+    layers = lk.layer_kinds(GEMMA3_4B)
+    st = lk.storage_for(34, "bfloat16", kv, quantised)
+    enlarged = layers.of(lk.GLOBAL) if arm == "fp8 skip sliding_window" else ()     # fp8 pages among bf16 ones
+    lay = lk.engine_layout(layers, 4, 256, st, {i: 32 if i in enlarged else 16 for i in range(34)})
+    assert lay.group_size == 5 and sorted(map(len, lay.groups)) == [4, 5, 5, 5, 5, 5, 5]
+
+
+@pytest.mark.parametrize("cfg, kv_heads, head_dim, pool, max_model_len, in_flight, block", [
+    # the CPU engine test's tiny Gemma 3 (3 sliding, 1 global): 4 groups of 1 layer
+    ({"num_hidden_layers": 4, "sliding_window": 64, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
+     1, 64, 2 ** 30, 512, 1024, 128),
+    # 12 sliding and 13 global layers: the group size is the larger count (13 < 1.5 x 12), the sliding group padded
+    ({"num_hidden_layers": 25, "sliding_window": 128,
+      "layer_types": ["sliding_attention", "full_attention"] * 12 + ["full_attention"]}, 8, 64, 3 * 2 ** 30, 8192,
+     2048, 16),
+    # Llama 4's chunked layers, 3 of every 4
+    ({"num_hidden_layers": 8, "attention_chunk_size": 8192}, 8, 128, 8 * 2 ** 30, 131072, 8192, 16),
+    # Gemma 2: half the layers sliding, group size 6
+    ({"model_type": "gemma2", "num_hidden_layers": 12, "sliding_window": 4096}, 4, 256, 5 * 2 ** 30, 8192, 2048,
+     16),
+])
+@pytest.mark.parametrize("kv, share", [(None, ()), ("fp8_e4m3", "all"), ("fp8_e4m3", "global")])
+def test_engine_capacity_matches_vllms_rule_by_brute_force(cfg, kv_heads, head_dim, pool, max_model_len, in_flight,
+                                                           block, kv, share):
+    layers = lk.layer_kinds(cfg)
+    quantised = range(len(layers.kinds)) if share == "all" else layers.of(lk.GLOBAL)
+    v024, v032, mine = _both(cfg, kv_heads, head_dim, kv, quantised, pool, max_model_len, in_flight, block)
+    assert v024 == v032 and mine == v024[1] > 0
