@@ -81,6 +81,11 @@ class Candidate:
     saving_given_back: float
     numbers: str
     flag: str
+    # the same share in the engine's own pool accounting (vLLM: bytes a request of max_model_len reserves, from the
+    # capacity it reported for the reference, the base arm and the skip arm), and that max_model_len; None where
+    # the engine did not report all three
+    engine_given_back: float | None = None
+    engine_max_model_len: int | None = None
 
     @property
     def regained(self) -> float:
@@ -95,6 +100,9 @@ class Candidate:
         k = f"{self.length // 1024}K" if self.length >= 1024 and self.length % 1024 == 0 else str(self.length)
         text = (f"{self.label}: ppl loss {100 * self.loss_before:+.2f} % -> {100 * self.loss_after:+.2f} % for "
                 f"{100 * self.saving_given_back:.0f} % of the memory saving at {k} ({self.numbers})")
+        if self.engine_given_back is not None:
+            text += (f", {100 * self.engine_given_back:.0f} % in the engine's own accounting at max_model_len "
+                     f"{self.engine_max_model_len:,} (what it reserves per request)")
         if self.regained <= 0:
             return text + ": measured, and it does not help"
         return text + f"; serve: `{SERVE.format(model=model, dtype='fp8')} {self.flag}`"
@@ -102,7 +110,8 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         return {"arm": self.arm, "base": self.base, "label": self.label, "length": self.length,
                 "ppl_loss_before": self.loss_before, "ppl_loss_after": self.loss_after,
-                "saving_given_back": self.saving_given_back, "numbers": self.numbers, "flag": self.flag}
+                "saving_given_back": self.saving_given_back, "numbers": self.numbers, "flag": self.flag,
+                "engine_saving_given_back": self.engine_given_back, "engine_max_model_len": self.engine_max_model_len}
 
 
 def _loss(entry: ArmMetrics, length: int) -> tuple[float, str] | None:
@@ -111,9 +120,28 @@ def _loss(entry: ArmMetrics, length: int) -> tuple[float, str] | None:
     return (row.ppl_rel, nums.source) if row is not None else None
 
 
-def candidates(m: Model, results: Mapping[str, ArmMetrics]) -> list[Candidate]:
+def _engine_bytes(engine: Mapping[str, Any] | None) -> tuple[float, int] | None:
+    """(bytes per context token, max_model_len) the engine reserves for a request of max_model_len: its pool over
+    the capacity it reported in its own definition (vLLM's `kv_cache_size_tokens`); None where it did not say."""
+    groups = (engine or {}).get("kv_groups") or {}
+    size, gib, length = groups.get("size_tokens"), (engine or {}).get("kv_gib"), groups.get("max_model_len")
+    return (gib * 2 ** 30 / size, int(length)) if size and gib and length else None
+
+
+def _engine_share(ref: tuple[float, int] | None, base: tuple[float, int] | None,
+                  skip: tuple[float, int] | None) -> tuple[float | None, int | None]:
+    if ref is None or base is None or skip is None or len({ref[1], base[1], skip[1]}) != 1 or ref[0] <= base[0]:
+        return None, None
+    return (skip[0] - base[0]) / (ref[0] - base[0]), ref[1]
+
+
+def candidates(m: Model, results: Mapping[str, ArmMetrics],
+               ref_engine: Mapping[str, Any] | None = None) -> list[Candidate]:
     """Every measured skip arm against the arm it was cut from, at the longest length both measured with the same
-    numbers (engine or emulation), best quality regained per memory given back first."""
+    numbers (engine or emulation), best quality regained per memory given back first. The share given back is the
+    bytes model's (what the layers hold at that length); where the engine reported its capacity for the reference,
+    the base arm and the skip arm, its own share is stated too: vLLM reserves for a sliding-window layer its window
+    plus the tokens in flight (up to max_num_batched_tokens), not the window alone, so its share can be far larger."""
     out = []
     for name, e in results.items():
         if not e.info.skip or e.info.dtype is None:
@@ -134,7 +162,8 @@ def candidates(m: Model, results: Mapping[str, ArmMetrics]) -> list[Candidate]:
             else:
                 label = f"skip layer{'s' if len(e.info.skip) > 1 else ''} {', '.join(map(str, e.info.skip))}"
                 flag = f"{honest.SKIP_FLAG} {' '.join(map(str, e.info.skip))}"
-            out.append(Candidate(name, base_name, label, L, b[0], a[0], back, a[1], flag))
+            eng = _engine_share(_engine_bytes(ref_engine), _engine_bytes(base.engine), _engine_bytes(e.engine))
+            out.append(Candidate(name, base_name, label, L, b[0], a[0], back, a[1], flag, *eng))
             break
     return sorted(out, key=lambda c: -c.per_memory)
 

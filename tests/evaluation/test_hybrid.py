@@ -225,3 +225,36 @@ def test_engine_check_names_a_grouping_other_than_vllms_rule():
     c = memory.engine_check(m, None, merged)
     assert c["bytes_model"] is None and c["problems"] == [
         "the engine makes 2 KV cache groups of up to 29 layers, vLLM's grouping rule on kvcalib's layer kinds 7 of 5"]
+
+
+def test_the_verdict_adds_the_engines_own_share_of_the_saving_a_skip_gives_back():
+    """vLLM reserves for a sliding-window layer its window plus the tokens in flight, so in its own accounting a
+    sliding-window skip gives back far more of FP8's saving than the bytes model's share. With the capacities the
+    engine reported (a Gemma-3-4B shape, 16 GiB, max_model_len 32768, 16384 tokens in flight: 200,181 BF16, 400,367
+    FP8, 227,303 FP8 with the sliding layers in BF16), the line states both; without them, only the bytes model's."""
+    from dataclasses import replace as dc_replace
+
+    def arm(rel, skip=(), kind=None, layers=range(18), size=None):
+        m = arm_metrics("default", ppl_rel=rel, skip=skip)
+        info = m.info.__class__(*[getattr(m.info, f) for f in ("kind", "dtype", "granularity", "shippable",
+                                                                "source", "skip", "serve_skip", "notes")],
+                                {"k": {str(i): 1.0 for i in layers}, "v": {}, "q": {}}, kind)
+        rows = {"32768": m.buckets["64"].__class__(**{**m.buckets["64"].__dict__, "ppl_rel": rel})}
+        engine = {"kv_gib": 16, "kv_groups": {"size_tokens": size, "max_model_len": 32768}} if size else None
+        return dc_replace(m, info=info, buckets=rows, engine=engine)
+
+    bm = _bytes_model()
+    sliding = bm.layers.sliding
+    rest = [i for i in range(18) if i not in sliding]
+    results = {"default": arm(0.0120, size=400_367),
+               "default skip sliding_window": arm(0.0061, sliding, "sliding_window", rest, size=227_303)}
+    ref = reference_metrics(engine={"kv_gib": 16, "kv_groups": {"size_tokens": 200_181, "max_model_len": 32768}})
+    v = report.verdict(ref, results, report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
+    per_token = {n: 16 * 2 ** 30 / n for n in (200_181, 400_367, 227_303)}
+    share = (per_token[227_303] - per_token[400_367]) / (per_token[200_181] - per_token[400_367])
+    assert abs(v.skips_by_memory[0]["engine_saving_given_back"] - share) < 1e-12 and round(100 * share) == 76
+    assert ("for 7 % of the memory saving at 32K (emulation), 76 % in the engine's own accounting at max_model_len "
+            "32,768 (what it reserves per request); serve:" in v.text)
+    # the reference's capacity missing: only the bytes model's share
+    v = report.verdict(reference_metrics(), results, report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
+    assert v.skips_by_memory[0]["engine_saving_given_back"] is None and "engine's own accounting" not in v.text
