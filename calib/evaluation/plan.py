@@ -196,7 +196,8 @@ def estimate(w: Work, parts: Parts, cost: Cost, rates: Rates) -> tuple[tuple[str
     start = rates.engine_start + serving_seconds(w, cost, rates)
     engine_arm = (start + scoring) if w.engine else 0.0
     engine = (rates.engine_first_start + w.starts * start + (w.arms + 1) * scoring) if w.engine else 0.0
-    skips = parts.skip_trials * (per_pass * (rates.ref + rates.arm) + pk_ref + pk_arm + engine_arm)
+    # a trial re-runs the reference forward (its KL needs the logits), not the reference's passkey
+    skips = parts.skip_trials * (per_pass * (rates.ref + rates.arm) + pk_arm + engine_arm)
     return ((f"emulation: reference + {w.arms} arm(s) on {len(emu)} samples", metrics),
             (f"emulation passkey: {len(pk_emu)} prompts x {w.arms + 1}", passkey),
             (f"engine: {w.arms + 1} arms on {w.starts} start(s)" + (" with serving" if w.serving else "")

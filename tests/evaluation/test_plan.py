@@ -178,6 +178,16 @@ def test_engine_starts_are_counted_per_serve_configuration():
     assert dict(estimate(shared, FULL, COST, RATES))["skip trials: up to 3"] == skips    # a trial starts its own
 
 
+def test_a_skip_trial_costs_a_measuring_pass_its_own_passkey_and_one_engine_arm():
+    """Per trial: the reference forward and the trial's (KL needs the reference's logits), the trial's passkey
+    prompts (the reference's answers are kept from the first pass), one engine start and one arm's scoring."""
+    rates = replace(RATES, step_ref=0.05, step_arm=0.125)
+    per_pass = sum(COST.work(n) for n, _ in WORK.samples) * (1e-6 + 2e-6)
+    passkey = sum(COST.prompt(n, 2e-6, 0.125) for n, _, _ in WORK.prompts)
+    want = 3 * (per_pass + passkey + 45 + _scoring(WORK, rates))
+    assert dict(estimate(WORK, FULL, COST, rates))["skip trials: up to 3"] == pytest.approx(want)
+
+
 def test_budget_drops_parts_in_the_stated_order():
     assert fit(WORK, FULL, COST, RATES, None).dropped == ()
     assert fit(WORK, FULL, COST, RATES, _total(FULL) + 1).dropped == ()
