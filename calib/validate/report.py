@@ -71,6 +71,8 @@ def build(result: Any, thresholds: eval_report.Thresholds, spec: serving.Serving
         arms[name] = {"quality": quality, "serving": s, "serving_shown": shown, "speed": {"ok": ok, "why": why},
                       "decision": decision, "why": because,
                       "failures": [] if is_ref else (doc_arms.get(name) or {}).get("failures", [])}
+    for a in arms.values():
+        a["vs_reference"] = vs_reference(arms[ref_name]["serving_shown"], a["serving_shown"], result.report["buckets"])
     labels = sorted({m.get("label") for m in measured.values() if m.get("label")})
     eng = result.report.get("engine") or {}
     return {"producer": "kvcalib validate", "model": result.report["model"], "reference": ref_name,
@@ -79,6 +81,39 @@ def build(result: Any, thresholds: eval_report.Thresholds, spec: serving.Serving
             "concurrency": spec.concurrency, "output_tokens": spec.output_tokens,
             "buckets": result.report["buckets"], "thresholds": thresholds.to_dict(), "rule": RULE,
             "verdict": result.verdict.text, "eval_report": "eval/report.md", "arms": arms}
+
+
+SLOW = 1.5      # a go arm this many times slower than the reference (TTFT or TPOT p50) is named in the report
+
+
+def vs_reference(ref: Mapping[str, Any] | None, arm: Mapping[str, Any] | None,
+                 buckets: Sequence[int]) -> dict[str, Any] | None:
+    """The arm's TTFT and TPOT p50 over the reference's, at the longest bucket both served (the one the
+    pre-launch question is about): a KV format can pass the quality bar and still serve several times slower
+    (vLLM 0.24's per-token-head caches need its Triton attention: 7.7x FlashAttention-3's TTFT at 32K on an
+    H200, bench/RESULTS.md). None where either was not served."""
+    for b in sorted(buckets, reverse=True):
+        r, a = ((ref or {}).get("buckets") or {}).get(str(b)), ((arm or {}).get("buckets") or {}).get(str(b))
+        if not r or not a:
+            continue
+        ratio = {}
+        for key, name in (("ttft_s", "ttft"), ("tpot_s", "tpot")):
+            num, den = (a.get(key) or {}).get("p50"), (r.get(key) or {}).get("p50")
+            ratio[name] = num / den if num is not None and den else None
+        return {"bucket": b, **ratio}
+    return None
+
+
+def slow_lines(doc: Mapping[str, Any]) -> list[str]:
+    """One line per go arm that serves at least SLOW times the reference's TTFT or TPOT."""
+    out = []
+    for n, a in doc["arms"].items():
+        v = a.get("vs_reference") or {}
+        worst = [(k, v[k]) for k in ("ttft", "tpot") if v.get(k) is not None and v[k] >= SLOW]
+        if a["decision"] == GO and n != doc["reference"] and worst:
+            parts = " and ".join(f"{x:.1f}x the reference's {k.upper()} (p50)" for k, x in worst)
+            out.append(f"- `{n}` is within the bar but serves at {parts} at <= {v['bucket']} tokens.")
+    return out
 
 
 # ------------------------------------------------------------------------------------------- markdown
@@ -126,6 +161,13 @@ def markdown(doc: Mapping[str, Any]) -> str:
                          _n(g.get("largest_batch_fits"), ",d")])
     out += table(["arm", "bucket", "KL", "Δppl", "TTFT p50/p90/p99", "TPOT p50/p90/p99", "ITL p50/p90/p99",
                   "E2E p50", "req/s", "out tok/s", "max running", "largest batch fits"], rows)
+    out += ["", "## Speed against the reference", "",
+            f"TTFT and TPOT p50 over the reference's (`{doc['reference']}`) at the longest bucket both served.", ""]
+    out += table(["arm", "bucket", "TTFT", "TPOT"],
+                 [[f"`{n}`", f"<= {v['bucket']}", *("–" if v.get(k) is None else f"{v[k]:.2f}x" for k in ("ttft", "tpot"))]
+                  for n, a in doc["arms"].items() if (v := a.get("vs_reference"))])
+    slow = slow_lines(doc)
+    out += ["", *slow] if slow else []
     out += ["", "## Serving per engine configuration", ""]
     rows = []
     for n, a in doc["arms"].items():

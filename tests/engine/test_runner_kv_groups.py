@@ -1,5 +1,5 @@
-"""The runner's reading of vLLM's KV cache groups (calib/engine/vllm_runner.py `_kv_groups`) from engine objects shaped
-like vLLM 0.24's and 0.32's, without vLLM: the tokens in flight a sliding layer reserves come from
+"""The runner's reading of vLLM's KV cache groups (calib/engine/vllm_capacity.py `kv_groups`, loaded beside the
+runner) from engine objects shaped like vLLM 0.24's and 0.32's, without vLLM: the tokens in flight a sliding layer reserves come from
 `VllmConfig.max_in_flight_tokens` where the version has it (0.32) and from the scheduler's max_num_batched_tokens
 where not (0.24), and a number a version does not keep costs that number, not the groups. Fast, CPU only."""
 
@@ -79,7 +79,7 @@ SKIP_SLIDING = ArmInfo("default", "fp8_e4m3", "tensor", True, None, SLIDING, (),
 
 
 def test_vllm_024_in_flight_tokens_are_the_schedulers_batch(runner):
-    got = runner._kv_groups(_engine("0.24"))
+    got = runner.kv_groups(_engine("0.24"))
     assert got["in_flight_tokens"] == 16384
     assert (got["size_tokens"], got["max_model_len"], got["num_blocks"]) == (227303, 32768, 52428)
     assert got["max_concurrency"] == pytest.approx(6.9367557554908705)
@@ -96,13 +96,13 @@ def test_vllm_024_in_flight_tokens_are_the_schedulers_batch(runner):
 
 
 def test_vllm_032_in_flight_tokens_are_the_configs_own(runner):
-    got = runner._kv_groups(_engine("0.32"))
+    got = runner.kv_groups(_engine("0.32"))
     assert got["in_flight_tokens"] == 32768          # max_in_flight_tokens, not the scheduler's 16384
-    assert got["groups"] == runner._kv_groups(_engine("0.24"))["groups"]
+    assert got["groups"] == runner.kv_groups(_engine("0.24"))["groups"]
 
 
 def test_a_number_the_engine_does_not_keep_costs_only_that_number(runner):
-    got = runner._kv_groups(_engine("0.24", cache={}))      # no kv_cache_size_tokens / kv_cache_max_concurrency
+    got = runner.kv_groups(_engine("0.24", cache={}))      # no kv_cache_size_tokens / kv_cache_max_concurrency
     assert got["size_tokens"] is None and got["max_concurrency"] is None and len(got["groups"]) == 7
     checked = protocol.kv_groups(json.loads(json.dumps(got)))
     c = memory.engine_check(_model(), SKIP_SLIDING, checked)
@@ -111,7 +111,7 @@ def test_a_number_the_engine_does_not_keep_costs_only_that_number(runner):
         {"layer_kinds": "k", "note": "n", "rows": {"a": {"model": {"32768": {"tokens_per_gib": 1.0, "saving": 0.5}},
                                                           "engine_check": c}}}))
     # neither max_in_flight_tokens nor the scheduler's batch: no prediction, and the check says why
-    got = runner._kv_groups(_engine("0.24", scheduler={}))
+    got = runner.kv_groups(_engine("0.24", scheduler={}))
     assert got["in_flight_tokens"] is None and got["size_tokens"] == 227303
     c = memory.engine_check(_model(), SKIP_SLIDING, protocol.kv_groups(got))
     assert c["bytes_model"] is None and c["problems"] == [
@@ -121,4 +121,4 @@ def test_a_number_the_engine_does_not_keep_costs_only_that_number(runner):
 def test_no_groups_where_the_engine_core_runs_elsewhere(runner):
     llm = _engine("0.24")
     llm.llm_engine.engine_core = SimpleNamespace()          # the engine core in another process
-    assert runner._kv_groups(llm) is None
+    assert runner.kv_groups(llm) is None

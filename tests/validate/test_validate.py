@@ -132,3 +132,39 @@ def test_bad_options_are_one_line_and_nothing_is_written(model, tmp_path, extra,
 def test_validate_needs_the_engine(model, tmp_path):
     r = CliRunner().invoke(main, _args(model, tmp_path / "n"), env={"KVCALIB_VLLM_VENV": ""})
     assert r.exit_code != 0 and "--vllm-venv" in r.output and not (tmp_path / "n").exists()
+
+
+def test_speed_against_the_reference_at_the_longest_bucket(served):
+    """Each arm's TTFT / TPOT p50 over the reference's at the longest bucket both served (the fake clock: FP8
+    decode steps 3 ms, the model dtype's 4 ms)."""
+    _, out, doc = served
+    ref = doc["arms"][doc["reference"]]["serving"]["buckets"]["64"]
+    default = doc["arms"]["default"]
+    v = default["vs_reference"]
+    assert v["bucket"] == 64 and v["tpot"] == pytest.approx(0.75)
+    assert v["ttft"] == pytest.approx(default["serving"]["buckets"]["64"]["ttft_s"]["p50"] / ref["ttft_s"]["p50"])
+    md = (out / "validate.md").read_text()
+    assert "## Speed against the reference" in md and "| `default` | <= 64 |" in md and "0.75x" in md
+
+
+def test_a_go_arm_that_serves_far_slower_than_the_reference_is_named():
+    """The H200 case: a dynamic per-token-head cache within the bar at 7.7x the reference's TTFT."""
+    from calib.validate import report as vreport
+
+    def served_at(ttft, tpot):
+        return {"buckets": {"32768": {"ttft_s": {"p50": ttft}, "tpot_s": {"p50": tpot}}}}
+
+    ref = served_at(1.82, 0.0455)
+    fast, slow = served_at(1.78, 0.0363), served_at(14.0, 0.185)
+    assert vreport.vs_reference(ref, slow, [8192, 32768]) == pytest.approx(
+        {"bucket": 32768, "ttft": 14.0 / 1.82, "tpot": 0.185 / 0.0455})
+    assert vreport.vs_reference(ref, None, [32768]) is None
+    assert vreport.vs_reference(ref, {"buckets": {"8192": {}}}, [8192, 32768]) is None
+    doc = {"reference": "bf16", "arms": {
+        "bf16": {"decision": "go", "vs_reference": vreport.vs_reference(ref, ref, [32768])},
+        "default": {"decision": "go", "vs_reference": vreport.vs_reference(ref, fast, [32768])},
+        "int8_per_token_head": {"decision": "go", "vs_reference": vreport.vs_reference(ref, slow, [32768])},
+        "fp8_e5m2": {"decision": "not run", "vs_reference": vreport.vs_reference(ref, slow, [32768])}}}
+    assert vreport.slow_lines(doc) == [
+        "- `int8_per_token_head` is within the bar but serves at 7.7x the reference's TTFT (p50) and 4.1x the "
+        "reference's TPOT (p50) at <= 32768 tokens."]
