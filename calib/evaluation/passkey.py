@@ -183,15 +183,11 @@ def run(model: torch.nn.Module, tokenizer: Any, items: Sequence[Prompt],
 
 
 def _groups(items: Sequence[Prompt], size: int) -> list[list[Prompt]]:
-    """Runs of consecutive prompts of one bucket, at most `size` each (a bucket's prompts differ by a few tokens:
-    little padding; a batch never mixes a short bucket's prompts with a long one's)."""
-    out: list[list[Prompt]] = []
-    for p in items:
-        if out and len(out[-1]) < size and out[-1][0].bucket == p.bucket:
-            out[-1].append(p)
-        else:
-            out.append([p])
-    return out
+    """The batches `calib.evaluation.plan.batch_indices` makes (one bucket each, at most `size` prompts and
+    PASSKEY_BATCH_TOKENS tokens): the plan costs the same batches the run decodes."""
+    from calib.evaluation.plan import batch_indices
+
+    return [[items[i] for i in group] for group in batch_indices([(len(p.ids), p.bucket) for p in items], size)]
 
 
 def score(p: Prompt, generated: str) -> Outcome:

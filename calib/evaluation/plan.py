@@ -205,16 +205,31 @@ def estimate(w: Work, parts: Parts, cost: Cost, rates: Rates) -> tuple[tuple[str
             (f"{SKIP_PHASE}: up to {parts.skip_trials}", skips))
 
 
-def prompt_batches(prompts: Sequence[tuple[int, int]], size: int) -> list[list[int]]:
-    """The lengths of each batch the emulated passkey phase decodes: runs of consecutive (length, bucket) prompts
-    of one bucket, at most `size` each (calib.evaluation.passkey.run groups them so)."""
-    out: list[tuple[int, list[int]]] = []
-    for n, b in prompts:
-        if out and out[-1][0] == b and len(out[-1][1]) < max(1, size):
-            out[-1][1].append(n)
+PASSKEY_BATCH_TOKENS = 32768   # a batch of passkey prompts holds at most this many tokens (one prompt at least)
+
+
+def batch_indices(prompts: Sequence[tuple[int, int]], size: int) -> list[list[int]]:
+    """How the emulated passkey phase batches (length, bucket) prompts (calib.evaluation.passkey.run): runs of
+    consecutive prompts of one bucket, at most `size` prompts and PASSKEY_BATCH_TOKENS tokens each. Why the token
+    cap: prompts of unequal length need a padding mask, which a [batch, 1, length, length] tensor costs; capped,
+    it stays under 32K x 16K (512 MB of bools), and a prompt past 16K runs alone, unpadded, with no mask at all."""
+    out: list[list[int]] = []
+    tokens = 0
+    for i, (n, b) in enumerate(prompts):
+        last = out[-1] if out else None
+        if (last is not None and prompts[last[0]][1] == b and len(last) < max(1, size)
+                and tokens + n <= PASSKEY_BATCH_TOKENS):
+            last.append(i)
+            tokens += n
         else:
-            out.append((b, [n]))
-    return [lengths for _, lengths in out]
+            out.append([i])
+            tokens = n
+    return out
+
+
+def prompt_batches(prompts: Sequence[tuple[int, int]], size: int) -> list[list[int]]:
+    """The lengths of each batch `batch_indices` makes."""
+    return [[prompts[i][0] for i in group] for group in batch_indices(prompts, size)]
 
 
 def serving_seconds(w: Work, cost: Cost, rates: Rates) -> float:

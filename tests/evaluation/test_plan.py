@@ -346,3 +346,12 @@ def test_dominance_decides_which_layers_get_skip_trials(model_and_data, tmp_path
     assert f"default skip {layer}" in doc["arms"] and doc["thresholds"]["dominance"] == 1.0
     bad = _eval(src, data, tmp_path / "ev2", "--dominance", "0.5")
     assert bad.exit_code == 1 and "--dominance 0.5: give a finite number >= 1" in bad.output
+
+
+def test_passkey_batches_stay_in_one_bucket_and_under_the_token_cap():
+    """At most `size` prompts and PASSKEY_BATCH_TOKENS tokens a batch, never across buckets; a prompt past the cap
+    runs alone (unpadded, so no mask tensor is built for it)."""
+    cap = plan.PASSKEY_BATCH_TOKENS
+    prompts = [(100, 512)] * 5 + [(cap // 2, cap)] * 3 + [(cap + 5, 2 * cap)] * 2 + [(100, 512)]
+    assert plan.batch_indices(prompts, 4) == [[0, 1, 2, 3], [4], [5, 6], [7], [8], [9], [10]]
+    assert plan.prompt_batches(prompts, 1) == [[n] for n, _ in prompts]
