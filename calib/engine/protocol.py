@@ -74,7 +74,7 @@ SCALE_REL = 1e-6              # float32 scales through JSON come back exact; thi
 MAX_LAYERS, MAX_HEADS = 4096, 1024
 # Optional per arm: "kv_groups": {"size_tokens", "max_concurrency", "max_model_len", "num_blocks", "in_flight_tokens",
 #   "groups": [{"layers": [int], "spec", "block_size", "page_bytes", "dtype", "window"}]} — the engine's capacity
-#   as its hybrid cache manager counts it (vllm_runner._kv_groups). size_tokens, max_concurrency and in_flight_tokens
+#   as its hybrid cache manager counts it (vllm_capacity.kv_groups). size_tokens, max_concurrency and in_flight_tokens
 #   may be null: an engine version that does not keep one still reports the groups.
 OPTIONAL_ARM_RESPONSE_FIELDS = ("kv_groups",)
 OPTIONAL_FIELDS = ("serving",)     # request and response (top level); absent means null

@@ -24,8 +24,8 @@ serving phase (`kvcalib validate`) costs each bucket's prefills plus its decode 
 small model a decode step costs its launches, not its FLOPs (decoded one at a time, a prompt of 2K-8K took ~0.33 s
 for the reference and ~0.6 s for an emulated arm on the H200, over a third of an 8-arm evaluation at 8K), so the
 emulated passkey phase decodes a bucket's prompts in batches of the run's batch size and the probe times a step
-(`run.decode_step`), charged once per batch. CPU figures: vLLM's CPU build on a 2-core machine (a start ~20 s, ~1.5K tokens/s with
-top-20 prompt log-probs on the default model), rougher.
+(`run.decode_step`), charged once per batch. CPU figures: vLLM's CPU build on a 2-core machine (a start ~20 s,
+~1.5K tokens/s with top-20 prompt log-probs on the default model), rougher.
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ def _cdiv(a: int, b: int) -> int:
 def engine_held_tokens(kind: LayerKind, max_model_len: int, in_flight: int, block_size: int) -> int:
     """Tokens vLLM reserves per request for one layer when sizing the pool, in whole blocks (v1/kv_cache_interface.py
     FullAttentionSpec / SlidingWindowSpec / ChunkedLocalAttentionSpec.max_memory_usage_bytes, the same formulas in
-    vLLM 0.24 and 0.32; `in_flight` is what the version adds to the window, see vllm_runner._in_flight_tokens. 0.32's
+    vLLM 0.24 and 0.32; `in_flight` is what the version adds to the window, see vllm_capacity._in_flight_tokens. 0.32's
     SlidingWindowSpec also adds extra_retained_tokens, 0 without speculative decoding)."""
     if kind.kind == SHARED:
         return 0

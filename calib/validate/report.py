@@ -164,7 +164,8 @@ def markdown(doc: Mapping[str, Any]) -> str:
     out += ["", "## Speed against the reference", "",
             f"TTFT and TPOT p50 over the reference's (`{doc['reference']}`) at the longest bucket both served.", ""]
     out += table(["arm", "bucket", "TTFT", "TPOT"],
-                 [[f"`{n}`", f"<= {v['bucket']}", *("–" if v.get(k) is None else f"{v[k]:.2f}x" for k in ("ttft", "tpot"))]
+                 [[f"`{n}`", f"<= {v['bucket']}",
+                   *("–" if v.get(k) is None else f"{v[k]:.2f}x" for k in ("ttft", "tpot"))]
                   for n, a in doc["arms"].items() if (v := a.get("vs_reference"))])
     slow = slow_lines(doc)
     out += ["", *slow] if slow else []
