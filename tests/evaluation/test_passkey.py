@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
@@ -115,12 +116,22 @@ def test_prompts_decoded_together_give_what_each_gives_alone(arch):
     assert any(len(r) < 6 for r in alone_eos) and alone_eos != alone
 
 
-@pytest.mark.parametrize("emulation,arm", [("vllm-fa3", "default"), ("vllm-cpu", "default"),
-                                           ("vllm-fa3", "fp8_per_token_head")])
-def test_batched_decoding_under_an_emulated_fp8_cache_equals_each_prompt_alone(emulation, arm):
+@pytest.mark.parametrize("emulation,arm,kernel", [("vllm-fa3", "default", False), ("vllm-fa3", "default", True),
+                                                  ("vllm-cpu", "default", False),
+                                                  ("vllm-fa3", "fp8_per_token_head", False)])
+def test_batched_decoding_under_an_emulated_fp8_cache_equals_each_prompt_alone(emulation, arm, kernel, monkeypatch):
     """The same under the fake-quant hook: FlashAttention-3's FP8 attention (Q and P rounded, left-padded rows
     masked), vLLM CPU's truncating cache write, a dynamic per-token-head cache. K is blown up so FP8 changes
-    the continuations (checked: they differ from the unquantised ones)."""
+    the continuations (checked: they differ from the unquantised ones). `kernel`: FA3's attention through the
+    fused Triton kernel (Triton's interpreter on CPU tensors: the padding mask and one-query decode steps as a
+    GPU runs them) instead of the float32 blockwise reference."""
+    from calib.evaluation import fa3, fa3_kernel
+    if kernel:
+        if fa3_kernel.triton is None or os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs Triton's interpreter")
+        monkeypatch.setattr(fa3_kernel, "KERNELS_ON_CPU", True)
+        monkeypatch.setattr(fa3, "_failed", {})
+        monkeypatch.setattr(fa3, "_reference", lambda *a: pytest.fail("the fused kernel fell back"))
     from calib.evaluation import emulate
     from calib.evaluation.arms import Geometry, default_arm, format_arms
     from calib.evaluation.fakequant import fake_quant_kv
@@ -129,11 +140,12 @@ def test_batched_decoding_under_an_emulated_fp8_cache_equals_each_prompt_alone(e
     model = tiny_causal_lm("llama", scale_k=400.0)
     geo = Geometry((0, 1, 2), 2, 16)
     a = default_arm(geo, FP8_E4M3) if arm == "default" else format_arms(geo, [arm])[0]
-    prompts = _unequal_prompts(3)
-    plain = [passkey.greedy(model, p) for p in prompts]
+    prompts = _unequal_prompts(3)[:3] if kernel else _unequal_prompts(3)      # the interpreter is slow: fewer
+    steps = 4 if kernel else passkey.MAX_NEW_TOKENS
+    plain = [passkey.greedy(model, p, max_new_tokens=steps) for p in prompts]
     with fake_quant_kv(model, emulate.by_name(emulation)) as hook, hook.applying(a):
-        alone = [passkey.greedy(model, p) for p in prompts]
-        together = passkey.greedy_batch(model, prompts)
+        alone = [passkey.greedy(model, p, max_new_tokens=steps) for p in prompts]
+        together = passkey.greedy_batch(model, prompts, max_new_tokens=steps)
     assert together == alone
     assert alone != plain
 
