@@ -117,6 +117,13 @@ def greedy(model: torch.nn.Module, ids: Sequence[int], max_new_tokens: int = MAX
     return greedy_batch(model, [ids], max_new_tokens, eos_id)[0]
 
 
+def _chunked(model: torch.nn.Module) -> bool:
+    """Whether the model has chunked-local attention layers (Llama 4's `attention_chunk_size`)."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return bool(getattr(cfg, "attention_chunk_size", None))
+
+
 @torch.inference_mode()
 def greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int = MAX_NEW_TOKENS,
                  eos_id: int | None = None, pad_id: int = 0) -> list[list[int]]:
@@ -130,6 +137,9 @@ def greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_n
     kw = _cache_kw(model)
     lengths = [len(p) for p in prompts]
     width = max(lengths)
+    if min(lengths) < width and _chunked(model):
+        # chunked-local attention cuts chunks by cache index: left padding would move every chunk boundary
+        return [greedy_batch(model, [p], max_new_tokens, eos_id, pad_id)[0] for p in prompts]
     x = torch.tensor([[pad_id] * (width - n) + list(p) for p, n in zip(prompts, lengths)], device=device)
     extra: dict[str, torch.Tensor] = {}
     mask = None

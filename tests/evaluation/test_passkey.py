@@ -101,7 +101,7 @@ def _unequal_prompts(seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 200, (n,), generator=g).tolist() for n in (37, 40, 33, 40, 21)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"])
 def test_prompts_decoded_together_give_what_each_gives_alone(arch):
     """Left padding, masks and per-row positions: batched greedy decoding equals decoding each prompt alone, also
     where a sliding window (8 tokens in the tiny Gemma-3 / Mistral configs) is far shorter than the prompts, and
@@ -114,6 +114,25 @@ def test_prompts_decoded_together_give_what_each_gives_alone(arch):
     alone_eos = [passkey.greedy(model, p, max_new_tokens=6, eos_id=eos) for p in prompts]
     assert passkey.greedy_batch(model, prompts, max_new_tokens=6, eos_id=eos) == alone_eos
     assert any(len(r) < 6 for r in alone_eos) and alone_eos != alone
+
+
+def test_a_chunked_attention_model_decodes_unequal_prompts_one_at_a_time(monkeypatch):
+    """Chunked-local attention cuts its chunks by cache index, so left padding would move every boundary: prompts
+    of unequal length go one at a time there (equal lengths still together)."""
+    model = tiny_causal_lm("llama")
+    monkeypatch.setattr(model.config, "attention_chunk_size", 16, raising=False)
+    prompts = _unequal_prompts()[:3]
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: seen.append(k["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        assert passkey.greedy_batch(model, prompts, max_new_tokens=2) == \
+            [passkey.greedy_batch(model, [p], max_new_tokens=2)[0] for p in prompts]
+        assert set(seen) == {1}
+        seen.clear()
+        passkey.greedy_batch(model, [prompts[0]] * 3, max_new_tokens=2)
+        assert set(seen) == {3}
+    finally:
+        hook.remove()
 
 
 @pytest.mark.parametrize("emulation,arm,kernel", [("vllm-fa3", "default", False), ("vllm-fa3", "default", True),
