@@ -351,3 +351,18 @@ def fa3_case(cfg, seed=0, d=16):
         m[1] = torch.randn(1, s, 45, generator=torch.Generator().manual_seed(seed)) * 0.5   # a real bias
         cfg["mask"] = m
     return q, k, v, ks, vs, cfg
+
+
+def engine_script(monkeypatch, name: str = "vllm_runner"):
+    """calib/engine/<name>.py loaded as the engine's python loads it: a script beside protocol.py and its other
+    siblings, outside the calib package."""
+    import importlib.util
+
+    from calib.engine import driver
+
+    folder = Path(driver.__file__).parent
+    monkeypatch.syspath_prepend(str(folder))
+    spec = importlib.util.spec_from_file_location(f"kvcalib_engine_script_{name}", folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

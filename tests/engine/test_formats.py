@@ -19,7 +19,7 @@ from calib.engine.driver import EngineSpec
 from calib.evaluation import report
 from calib.evaluation.arms import Geometry, format_arms
 from calib.evaluation.run import run_eval
-from helpers import arm_metrics, eval_config, reference_metrics, save_model_and_data
+from helpers import arm_metrics, engine_script, eval_config, reference_metrics, save_model_and_data
 from tiny import tiny_causal_lm
 
 FAKE = Path(__file__).resolve().parents[1] / "fake_vllm_runner.py"
@@ -182,15 +182,7 @@ def test_with_a_target_a_format_it_does_not_serve_is_kept_but_not_shipped():
 
 @pytest.fixture
 def runner_script(monkeypatch):
-    """calib/engine/vllm_runner.py loaded as the engine's python loads it (a script beside protocol.py)."""
-    import importlib.util
-
-    monkeypatch.syspath_prepend(str(Path(driver.__file__).parent))
-    spec = importlib.util.spec_from_file_location("kvcalib_vllm_runner_under_test",
-                                                  Path(driver.__file__).parent / "vllm_runner.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return engine_script(monkeypatch)
 
 
 def test_a_bare_assert_in_the_engine_is_reported_with_where_it_fired(tmp_path, runner_script):

@@ -5,17 +5,16 @@ where not (0.24), and a number a version does not keep costs that number, not th
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from calib.engine import driver, protocol
+from calib.engine import protocol
 from calib.evaluation import memory, report
 from calib.evaluation.results import ArmInfo
 from calib.model import layer_kinds as lk
+from helpers import engine_script
 
 GLOBAL = (5, 11, 17, 23, 29)
 SLIDING = tuple(i for i in range(34) if i not in GLOBAL)
@@ -23,13 +22,8 @@ SLIDING = tuple(i for i in range(34) if i not in GLOBAL)
 
 @pytest.fixture
 def runner(monkeypatch):
-    """calib/engine/vllm_runner.py loaded as the engine's python loads it (a script beside protocol.py)."""
-    monkeypatch.syspath_prepend(str(Path(driver.__file__).parent))
-    spec = importlib.util.spec_from_file_location("kvcalib_vllm_runner_kv_groups",
-                                                  Path(driver.__file__).parent / "vllm_runner.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The engine-side reader (calib/engine/vllm_capacity.py), loaded as the runner's python loads it."""
+    return engine_script(monkeypatch, "vllm_capacity")
 
 
 class SlidingWindowSpec(SimpleNamespace):       # named as vLLM's classes: the runner reports type(spec).__name__
