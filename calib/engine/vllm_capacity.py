@@ -8,8 +8,11 @@ CPU); each number is read on its own so one attribute a version lacks costs that
 
 from __future__ import annotations
 
+import re
+
 
 def pool(llm) -> tuple[int | None, str]:
+    """(the pool in tokens as blocks x block size, the cache dtype as served): one group's tokens on a hybrid model."""
     cfg = llm.llm_engine.vllm_config.cache_config
     blocks = getattr(cfg, "num_gpu_blocks", None)
     tokens = int(blocks) * int(cfg.block_size) if blocks else None
@@ -39,8 +42,6 @@ def _in_flight_tokens(cfg) -> int | None:
 
 def _kv_group(g) -> dict:
     """One KV cache group: its layers (the number in each layer name) and its spec's block size, page and dtype."""
-    import re
-
     spec = g.kv_cache_spec
     idx = [int(m.group(1)) for m in (re.search(r"\.(\d+)\.", f".{n}.") for n in g.layer_names) if m]
     return {"layers": idx, "spec": type(spec).__name__, "block_size": int(spec.block_size),

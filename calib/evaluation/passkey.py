@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from calib.evaluation.plan import batch_indices
+
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 MAX_NEW_TOKENS = 8
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -137,13 +139,14 @@ def greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_n
     kw = _cache_kw(model)
     lengths = [len(p) for p in prompts]
     width = max(lengths)
-    if min(lengths) < width and _chunked(model):
+    padded = min(lengths) < width
+    if padded and _chunked(model):
         # chunked-local attention cuts chunks by cache index: left padding would move every chunk boundary
         return [greedy_batch(model, [p], max_new_tokens, eos_id, pad_id)[0] for p in prompts]
     x = torch.tensor([[pad_id] * (width - n) + list(p) for p, n in zip(prompts, lengths)], device=device)
     extra: dict[str, torch.Tensor] = {}
     mask = None
-    if min(lengths) < width:
+    if padded:
         mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=device)
         extra = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
     out = model(input_ids=x, use_cache=True, logits_to_keep=1, **extra)
@@ -195,8 +198,6 @@ def run(model: torch.nn.Module, tokenizer: Any, items: Sequence[Prompt],
 def _groups(items: Sequence[Prompt], size: int) -> list[list[Prompt]]:
     """The batches `calib.evaluation.plan.batch_indices` makes (one bucket each, at most `size` prompts and
     PASSKEY_BATCH_TOKENS tokens): the plan costs the same batches the run decodes."""
-    from calib.evaluation.plan import batch_indices
-
     return [[items[i] for i in group] for group in batch_indices([(len(p.ids), p.bucket) for p in items], size)]
 
 

@@ -79,10 +79,6 @@ class Cost:
         """`steps` generated tokens after a prompt of `length` tokens (each reads every key)."""
         return steps * (self.linear + 2 * self.quadratic * length)
 
-    def prompt(self, length: int, rate: float, step: float) -> float:
-        """Seconds for one greedy passkey prompt decoded alone (`batch` of one)."""
-        return self.batch([length], rate, step)
-
     def batch(self, lengths: Sequence[int], rate: float, step: float) -> float:
         """Seconds for passkey prompts decoded together (calib.evaluation.passkey.greedy_batch): their prefills
         (`prefill`) at `rate`, then MAX_NEW_TOKENS - 1 decode steps for the whole batch, each the measured latency

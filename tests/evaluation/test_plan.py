@@ -75,8 +75,8 @@ def test_passkey_prompts_cost_their_prefill_and_each_decode_step_at_the_measured
         want += n * (100.0 + n) * 1e-6 + 7 * max(0.05, step_work * 1e-6)
         want += 3 * (n * (100.0 + n) * 2e-6 + 7 * max(0.125, step_work * 2e-6))
     assert dict(estimate(WORK, FULL, COST, rates))["emulation passkey: 15 prompts x 4"] == pytest.approx(want)
-    assert COST.prompt(8000, 1e-6, 0.0) == pytest.approx(8000 * 8100 * 1e-6 + 7 * 16100 * 1e-6)   # FLOPs decide
-    assert COST.prompt(10, 1e-6, 0.5) == pytest.approx(10 * 110 * 1e-6 + 7 * 0.5)                # latency decides
+    assert COST.batch([8000], 1e-6, 0.0) == pytest.approx(8000 * 8100 * 1e-6 + 7 * 16100 * 1e-6)   # FLOPs decide
+    assert COST.batch([10], 1e-6, 0.5) == pytest.approx(10 * 110 * 1e-6 + 7 * 0.5)                # latency decides
 
 
 def test_passkey_prompts_decoded_together_pay_the_decode_latency_once_per_batch():
@@ -97,7 +97,7 @@ def test_passkey_prompts_decoded_together_pay_the_decode_latency_once_per_batch(
     got = dict(estimate(w, FULL, COST, rates))["emulation passkey: 15 prompts x 4"]
     assert got == pytest.approx(want)
     assert got < dict(estimate(WORK, FULL, COST, rates))["emulation passkey: 15 prompts x 4"]
-    assert COST.batch([8000, 8000], 1e-6, 0.0) == pytest.approx(2 * COST.prompt(8000, 1e-6, 0.0))   # FLOPs decide
+    assert COST.batch([8000, 8000], 1e-6, 0.0) == pytest.approx(2 * COST.batch([8000], 1e-6, 0.0))   # FLOPs decide
     assert COST.batch([10, 10], 1e-6, 0.5) == pytest.approx(2 * 10 * 110 * 1e-6 + 7 * 0.5)            # latency: once
 
 
@@ -183,7 +183,7 @@ def test_a_skip_trial_costs_a_measuring_pass_its_own_passkey_and_one_engine_arm(
     prompts (the reference's answers are kept from the first pass), one engine start and one arm's scoring."""
     rates = replace(RATES, step_ref=0.05, step_arm=0.125)
     per_pass = sum(COST.work(n) for n, _ in WORK.samples) * (1e-6 + 2e-6)
-    passkey = sum(COST.prompt(n, 2e-6, 0.125) for n, _, _ in WORK.prompts)
+    passkey = sum(COST.batch([n], 2e-6, 0.125) for n, _, _ in WORK.prompts)
     want = 3 * (per_pass + passkey + 45 + _scoring(WORK, rates))
     assert dict(estimate(WORK, FULL, COST, rates))["skip trials: up to 3"] == pytest.approx(want)
 
