@@ -130,7 +130,8 @@ class EngineRun:
         except serving.ServingError as e:
             return {"status": "failed", "config": key, "measured_by": arm_name, "oom": False, "concurrency":
                     self.spec.serving.concurrency, "error": f"the runner's serving answer breaks the protocol: {e}"}
-        return {**serving.summarize(checked, request["serving"], resp.get("kv_capacity_tokens")), "config": key,
+        return {**serving.summarize(checked, request["serving"], resp.get("kv_capacity_tokens"),
+                                     resp.get("kv_groups")), "config": key,
                 "measured_by": arm_name}
 
     def _request(self, arm_specs: Sequence[dict[str, Any]]) -> dict[str, Any]:

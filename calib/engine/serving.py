@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from calib.errors import KvcalibError
+from calib.model.layer_kinds import engine_requests_fit
 
 PERCENTILES = (50, 90, 99)
 MAX_TEXT = 400
@@ -169,8 +170,11 @@ def request_times(added: float, times: Sequence[float]) -> dict[str, Any]:
 
 
 def group_summary(group: dict[str, Any], concurrency: int, output_tokens: int,
-                  capacity: int | None) -> dict[str, Any]:
-    """One bucket's serving numbers from its checked raw requests."""
+                  capacity: int | None, kv_groups: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One bucket's serving numbers from its checked raw requests. The largest batch is the engine's own count
+    where it reported its KV cache groups (`layer_kinds.engine_requests_fit`: on a hybrid model the pool in tokens
+    counts one group's blocks, so the pool over the request's tokens overstates it several times), else the pool
+    over the request's tokens."""
     reqs = group["requests"]
     per = [request_times(r["added"], r["token_times"]) for r in reqs]
     done = [r for r in reqs if len(r["token_times"]) == output_tokens]
@@ -190,18 +194,29 @@ def group_summary(group: dict[str, Any], concurrency: int, output_tokens: int,
         "wall_s": wall,
         "request_throughput": len(done) / wall if wall else None,
         "output_throughput": generated / wall if wall else None,
-        "largest_batch_fits": capacity // per_request_tokens if capacity and per_request_tokens else None,
+        "largest_batch_fits": _fits(capacity, kv_groups, per_request_tokens),
         "per_request_tokens": per_request_tokens,
         "max_running": group["max_running"],
         "request_preemptions": None if any(p is None for p in pre) or not pre else sum(pre),
     }
 
 
-def summarize(checked: dict[str, Any], field: dict[str, Any], capacity: int | None) -> dict[str, Any]:
+def _fits(capacity: int | None, kv_groups: dict[str, Any] | None, tokens: int) -> int | None:
+    if not tokens:
+        return None
+    if kv_groups:
+        return engine_requests_fit(kv_groups, tokens)
+    return capacity // tokens if capacity else None
+
+
+def summarize(checked: dict[str, Any], field: dict[str, Any], capacity: int | None,
+              kv_groups: dict[str, Any] | None = None) -> dict[str, Any]:
     """The serving entry of one engine run: per bucket (`group_summary`) plus the run's memory, preemptions,
-    errors and whether it ran on a CPU (its numbers are then CPU numbers and say so)."""
+    errors and whether it ran on a CPU (its numbers are then CPU numbers and say so). `kv_capacity_tokens` is the
+    pool (blocks x block size); `kv_context_tokens` the engine's own capacity in context tokens at
+    `kv_context_max_model_len` where it reported its cache groups (on a hybrid model far below the pool)."""
     c, n = int(field["concurrency"]), int(field["output_tokens"])
-    buckets = {str(g["bucket"]): group_summary(g, c, n, capacity) for g in checked["groups"]}
+    buckets = {str(g["bucket"]): group_summary(g, c, n, capacity, kv_groups) for g in checked["groups"]}
     pre = checked["preemptions"]
     if pre is None:                         # the engine's counter absent: the per-request counts, if every bucket has them
         per = [b["request_preemptions"] for b in buckets.values()]
@@ -211,6 +226,8 @@ def summarize(checked: dict[str, Any], field: dict[str, Any], capacity: int | No
             "error": checked["error"], "oom": checked["oom"], "device": checked["device"],
             "on_cpu": checked["on_cpu"], "label": "CPU" if checked["on_cpu"] else "GPU",
             "concurrency": c, "output_tokens": n, "kv_capacity_tokens": capacity,
+            "kv_context_tokens": (kv_groups or {}).get("size_tokens"),
+            "kv_context_max_model_len": (kv_groups or {}).get("max_model_len"),
             "peak_memory_bytes": checked["peak_memory_bytes"], "memory_kind": checked["memory_kind"],
             "preemptions": pre, "preemptions_source": checked["preemptions_source"] if pre is not None
             else "not reported by this vLLM", "max_num_seqs": checked["max_num_seqs"],

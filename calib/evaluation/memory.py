@@ -191,13 +191,11 @@ def engine_check(m: Model, info: ArmInfo | None, groups: Mapping[str, Any]) -> d
     engine did not say its capacity; no prediction where it did not say its tokens in flight."""
     st = m.storage(info)
     kinds, block, bytes_per_token, problems = m.layers.kinds, {}, {}, []
-    vllm_kind = {"FullAttentionSpec": lk.GLOBAL, "SlidingWindowSpec": lk.SLIDING,
-                 "ChunkedLocalAttentionSpec": lk.CHUNKED}
     for g in groups["groups"]:
         for i in g["layers"]:
             block[i] = g["block_size"]
             bytes_per_token[i] = g["page_bytes"] // g["block_size"]
-            seen = vllm_kind.get(g["spec"], g["spec"])
+            seen = lk.ENGINE_SPEC_KINDS.get(g["spec"], g["spec"])
             if i < len(kinds) and seen != kinds[i].kind:
                 problems.append(f"layer {i}: kvcalib reads {kinds[i].kind}, the engine groups it as {g['spec']}")
     for i, k in enumerate(kinds):

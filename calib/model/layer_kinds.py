@@ -33,6 +33,8 @@ from typing import Any
 from calib.model.geometry import GeometryError, text_part
 
 GLOBAL, SLIDING, CHUNKED, SHARED = "global", "sliding_window", "chunked_local", "shared"
+# vLLM's KV cache spec class per kind (v1/kv_cache_interface.py): how the engine names a group it reports
+ENGINE_SPEC_KINDS = {"FullAttentionSpec": GLOBAL, "SlidingWindowSpec": SLIDING, "ChunkedLocalAttentionSpec": CHUNKED}
 TYPE_NAMES = {"full_attention": GLOBAL, "sliding_attention": SLIDING, "chunked_attention": CHUNKED}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
 LLAMA4_GLOBAL_EVERY = 4      # transformers Llama4TextConfig: no_rope_layers default, every 4th layer global
@@ -266,6 +268,24 @@ def engine_capacity_tokens(layers: Layers, kv_heads: int, head_dim: int, storage
     per_request = sum(engine_held_tokens(layers.kinds[g[0]], max_model_len, in_flight, block_sizes[g[0]])
                       // block_sizes[g[0]] for g in lay.groups)
     return int(num_blocks / per_request * max_model_len)
+
+
+def engine_requests_fit(groups: Mapping[str, Any], tokens: int) -> int | None:
+    """Requests of `tokens` tokens (prompt and output) the engine's pool holds at once by its own count: its blocks
+    over the blocks one request reserves in every KV cache group (`engine_held_tokens`; vLLM's
+    get_max_concurrency_for_kv_cache_config at that length). `groups` is what the engine reported
+    (calib/engine/vllm_capacity.kv_groups). On a hybrid model this is far fewer than the pool's tokens over `tokens`:
+    the pool counts one group's blocks. It is the count vLLM logs as its maximum concurrency: each request held at
+    what its longest step needs (a whole prefill in flight); a decoding request's sliding layers keep about their
+    window, so more requests can decode at once than start together. None where a group's kind is not one vLLM's spec names here, or a windowed
+    group needs the tokens in flight and the engine did not say them."""
+    per_request, in_flight = 0, groups.get("in_flight_tokens")
+    for g in groups["groups"]:
+        kind, block = ENGINE_SPEC_KINDS.get(g["spec"]), g["block_size"]
+        if kind is None or block <= 0 or (kind != GLOBAL and in_flight is None):
+            return None
+        per_request += engine_held_tokens(LayerKind(kind, g.get("window")), tokens, in_flight or 0, block) // block
+    return groups["num_blocks"] // per_request if per_request else None
 
 
 def memory_rows(layers: Layers, kv_heads: int, head_dim: int, lengths: Sequence[int],

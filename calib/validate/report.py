@@ -130,6 +130,14 @@ def _gib(x: int | None) -> str:
     return "–" if x is None else f"{x / 2 ** 30:.2f}"
 
 
+def _capacity(s: Mapping[str, Any]) -> str:
+    """The pool in tokens, and the engine's own context capacity beside it where the two differ (hybrid models)."""
+    pool, ctx, length = s.get("kv_capacity_tokens"), s.get("kv_context_tokens"), s.get("kv_context_max_model_len")
+    if ctx is None or ctx == pool or not length:
+        return _n(pool, ",d")
+    return f"{ctx:,} at max_model_len {length:,} (pool {_n(pool, ',d')}: one group's blocks)"
+
+
 def markdown(doc: Mapping[str, Any]) -> str:
     table = eval_report.table
     label = doc["device"]
@@ -143,7 +151,10 @@ def markdown(doc: Mapping[str, Any]) -> str:
                                             for n, a in doc["arms"].items()])
     out += ["", "## Quality and speed per bucket", "",
             f"Times in ms ({label}); TPOT excludes each request's first token; ITL is every gap between two tokens "
-            "of a request; throughput over the bucket's wall time.", ""]
+            "of a request; throughput over the bucket's wall time; largest batch: requests of the bucket's length "
+            "the KV pool holds at once, by the engine's own count where it reported its cache groups (vLLM's maximum "
+            "concurrency: a sliding-window layer counted at its window plus the tokens in flight, as at a prefill; "
+            "once decoding it keeps about its window).", ""]
     rows = []
     for n, a in doc["arms"].items():
         s = a["serving_shown"] or {}
@@ -178,7 +189,7 @@ def markdown(doc: Mapping[str, Any]) -> str:
         if s.get("status") == "shared":
             rows.append([f"`{n}`", s["config"], f"shares `{s['shared_with']}`'s measurement", "", "", "", ""])
             continue
-        rows.append([f"`{n}`", s.get("config"), s.get("status"), _n(s.get("kv_capacity_tokens"), ",d"),
+        rows.append([f"`{n}`", s.get("config"), s.get("status"), _capacity(s),
                      f"{_gib(s.get('peak_memory_bytes'))} ({s.get('memory_kind') or 'n/a'})",
                      f"{_n(s.get('preemptions'), 'd')} ({s.get('preemptions_source')})",
                      "yes: " + str(s.get("error")) if s.get("oom") else (s.get("error") or "no")])

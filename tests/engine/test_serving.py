@@ -54,6 +54,22 @@ def test_ttft_tpot_itl_e2e_and_throughput_by_brute_force():
     assert s["largest_batch_fits"] == 1000 // (60 + 5) and s["request_preemptions"] == 0
 
 
+def test_the_largest_batch_is_the_engines_count_where_it_reported_its_groups():
+    """A hybrid model's pool in tokens counts one group's blocks: with the engine's groups the batch is its own
+    count (calib.model.layer_kinds.engine_requests_fit), not the pool over the request's tokens."""
+    reqs = [(0.0, [1.0, 1.1, 1.2, 1.3, 1.4]) for _ in range(2)]
+    groups = {"num_blocks": 52428, "in_flight_tokens": 16384, "groups": [
+        {"layers": [j], "spec": "SlidingWindowSpec", "block_size": 16, "window": 1024} for j in range(6)] + [
+        {"layers": [6], "spec": "FullAttentionSpec", "block_size": 16, "window": None}]}
+    group = _group(reqs, bucket=8192)
+    for r in group["requests"]:
+        r["prompt_tokens"] = 8219
+    plain = serving.group_summary(group, concurrency=2, output_tokens=5, capacity=52428 * 16)
+    engine = serving.group_summary(group, concurrency=2, output_tokens=5, capacity=52428 * 16, kv_groups=groups)
+    assert plain["largest_batch_fits"] == 52428 * 16 // 8224 == 102
+    assert engine["largest_batch_fits"] == 52428 // (514 + 6 * 515) == 14
+
+
 def test_a_short_request_is_not_completed_and_speed_says_no():
     field = {"concurrency": 2, "output_tokens": 3, "groups": [{"bucket": 64, "samples": [0], "requests": 2}]}
     raw = {"groups": [_group([(0.0, [1.0, 1.1, 1.2]), (0.0, [1.0, 1.1])])], "error": None, "oom": False,

@@ -94,6 +94,8 @@ def test_capacity_matches_the_bytes_model(model, tmp_path, arm):
     groups = resp["kv_groups"]
     layers = lk.layer_kinds(json.loads((model / "config.json").read_text()))
     assert layers.sliding == (0, 1, 2)
+    # the largest batch kvcalib reports is the engine's own count of max_model_len requests
+    assert lk.engine_requests_fit(groups, groups["max_model_len"]) == int(groups["max_concurrency"]) > 0
     if arm == "bf16":
         assert _predicted(model, groups, None, ()) == groups["size_tokens"]
         return

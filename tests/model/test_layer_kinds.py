@@ -202,3 +202,34 @@ def test_engine_capacity_matches_vllms_rule_by_brute_force(cfg, kv_heads, head_d
     quantised = range(len(layers.kinds)) if share == "all" else layers.of(lk.GLOBAL)
     v024, v032, mine = _both(cfg, kv_heads, head_dim, kv, quantised, pool, max_model_len, in_flight, block)
     assert v024 == v032 and mine == v024[1] > 0
+
+
+def _groups(num_blocks, in_flight, sliding, glob, window=1024, block=16):
+    """An engine's reported KV cache groups (calib/engine/vllm_capacity.kv_groups): lists of layers per kind."""
+    return {"num_blocks": num_blocks, "in_flight_tokens": in_flight, "groups": [
+        {"layers": g, "spec": "SlidingWindowSpec", "block_size": block, "window": window} for g in sliding] + [
+        {"layers": g, "spec": "FullAttentionSpec", "block_size": block, "window": None} for g in glob]}
+
+
+def test_requests_that_fit_are_the_engines_own_count():
+    # GPU vLLM 0.24, Gemma-3-4B shape (6 sliding groups of window 1024, 1 global group), bf16, 16 GiB: 52,428 blocks,
+    # 16,384 tokens in flight; the engine said kv_cache_size_tokens 200,330 at max_model_len 32,800, i.e. 6 requests
+    g = _groups(52428, 16384, [[0]] * 6, [[5]])
+    assert lk.engine_requests_fit(g, 32800) == 200330 // 32800 == 6
+    # by hand at 8,224 tokens: global cdiv(8224, 16) = 514 blocks, each sliding group cdiv(min(1023 + 16384, 8224),
+    # 16) + 1 = 515; the pool over 8,224 tokens (52,428 x 16 // 8,224 = 102) overstates it seven times
+    assert lk.engine_requests_fit(g, 8224) == 52428 // (514 + 6 * 515) == 14
+    # CPU vLLM 0.32's answer for tests/engine/test_vllm_hybrid.py's tiny model: floor of its own max_concurrency
+    cpu = {"num_blocks": 32768, "in_flight_tokens": 1024, "groups": [
+        {"layers": [i], "spec": "SlidingWindowSpec", "block_size": 128, "window": 64} for i in range(3)] + [
+        {"layers": [3], "spec": "FullAttentionSpec", "block_size": 256, "window": None}]}
+    assert lk.engine_requests_fit(cpu, 512) == int(1927.5294117647059)
+    # every layer global: the blocks over the request's blocks, each request rounded up to whole blocks
+    assert lk.engine_requests_fit(_groups(1000, None, [], [[0, 1]]), 65) == 1000 // 5
+
+
+def test_requests_that_fit_are_unknown_rather_than_guessed():
+    assert lk.engine_requests_fit(_groups(1000, None, [[0]], [[1]]), 4096) is None      # window needs in-flight
+    mamba = _groups(1000, 512, [], [[0]])
+    mamba["groups"].append({"layers": [1], "spec": "MambaSpec", "block_size": 16, "window": None})
+    assert lk.engine_requests_fit(mamba, 4096) is None

@@ -168,3 +168,15 @@ def test_a_go_arm_that_serves_far_slower_than_the_reference_is_named():
     assert vreport.slow_lines(doc) == [
         "- `int8_per_token_head` is within the bar but serves at 7.7x the reference's TTFT (p50) and 4.1x the "
         "reference's TPOT (p50) at <= 32768 tokens."]
+
+
+def test_a_hybrid_models_capacity_is_the_engines_context_count_beside_its_pool():
+    """The H100 run of a Gemma-3-4B-shaped model: the pool (52,428 blocks x 16) counts one group's blocks; the
+    engine's own capacity at max_model_len 32,800 is 200,330 tokens. The cell says both; a model whose two numbers
+    agree shows one."""
+    from calib.validate import report as vreport
+
+    hybrid = {"kv_capacity_tokens": 838848, "kv_context_tokens": 200330, "kv_context_max_model_len": 32800}
+    assert vreport._capacity(hybrid) == "200,330 at max_model_len 32,800 (pool 838,848: one group's blocks)"
+    assert vreport._capacity({**hybrid, "kv_context_tokens": 838848}) == "838,848"
+    assert vreport._capacity({"kv_capacity_tokens": 4096}) == "4,096"
