@@ -132,7 +132,7 @@ def format_serving(fmt: str, skip: Sequence[int] = ()) -> str:
     return f"serve with `{flag}` (vLLM; no scales, no calibration)"
 
 
-def _paired(a: Sequence[float], b: Sequence[float], tokens: Sequence[int]) -> tuple[float, float] | None:
+def paired(a: Sequence[float], b: Sequence[float], tokens: Sequence[int]) -> tuple[float, float] | None:
     """(log ppl ratio a/b, its standard error) from per-sample NLL sums; None with fewer than 2 samples."""
     n, t = len(a), float(sum(tokens))
     if n < 2 or n != len(b) or n != len(tokens) or t <= 0:
@@ -157,7 +157,7 @@ def scales_within_noise(ref: Reference, results: Mapping[str, ArmMetrics],
         nd, na = decisive(default), decisive(e)
         if nd.source != na.source or not nd.sample_nll or not na.sample_nll:
             continue
-        r = _paired(na.sample_nll, nd.sample_nll, sample_tokens)
+        r = paired(na.sample_nll, nd.sample_nll, sample_tokens)
         if r is None:
             continue
         ratio, se = r

@@ -12,6 +12,7 @@ bytes model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,19 @@ class Candidate:
     # the engine did not report all three
     engine_given_back: float | None = None
     engine_max_model_len: int | None = None
+    # the skip arm's perplexity against its base arm's, paired by sample over every sample of the run (log of the
+    # ratio, and 2 standard errors of it: `verdict.paired`); None with fewer than two samples measured alike
+    change: float | None = None
+    noise: float | None = None
+
+    @property
+    def within_noise(self) -> bool:
+        return self.noise is not None and self.change is not None and abs(self.change) <= self.noise
+
+    @property
+    def helps(self) -> bool:
+        """Measured to regain quality: a lower loss, outside the paired noise where it could be estimated."""
+        return self.regained > 0 and not self.within_noise
 
     @property
     def regained(self) -> float:
@@ -105,13 +119,17 @@ class Candidate:
                      f"{self.engine_max_model_len:,} (what it reserves per request)")
         if self.regained <= 0:
             return text + ": measured, and it does not help"
+        if self.within_noise:
+            return text + (f": measured, within noise (ppl x{math.exp(self.change):.4f} against `{self.base}` over "
+                           f"every sample, noise ±{100 * self.noise:.2g} %), so it does not help")
         return text + f"; serve: `{SERVE.format(model=model, dtype='fp8')} {self.flag}`"
 
     def to_dict(self) -> dict[str, Any]:
         return {"arm": self.arm, "base": self.base, "label": self.label, "length": self.length,
                 "ppl_loss_before": self.loss_before, "ppl_loss_after": self.loss_after,
                 "saving_given_back": self.saving_given_back, "numbers": self.numbers, "flag": self.flag,
-                "engine_saving_given_back": self.engine_given_back, "engine_max_model_len": self.engine_max_model_len}
+                "engine_saving_given_back": self.engine_given_back, "engine_max_model_len": self.engine_max_model_len,
+                "ppl_log_ratio_vs_base": self.change, "noise": self.noise, "helps": self.helps}
 
 
 def _loss(entry: ArmMetrics, length: int) -> tuple[float, str] | None:
@@ -135,13 +153,16 @@ def _engine_share(ref: tuple[float, int] | None, base: tuple[float, int] | None,
     return (skip[0] - base[0]) / (ref[0] - base[0]), ref[1]
 
 
-def candidates(m: Model, results: Mapping[str, ArmMetrics],
-               ref_engine: Mapping[str, Any] | None = None) -> list[Candidate]:
+def candidates(m: Model, results: Mapping[str, ArmMetrics], ref_engine: Mapping[str, Any] | None = None,
+               sample_tokens: Sequence[int] = ()) -> list[Candidate]:
     """Every measured skip arm against the arm it was cut from, at the longest length both measured with the same
     numbers (engine or emulation), best quality regained per memory given back first. The share given back is the
     bytes model's (what the layers hold at that length); where the engine reported its capacity for the reference,
     the base arm and the skip arm, its own share is stated too: vLLM reserves for a sliding-window layer its window
-    plus the tokens in flight (up to max_num_batched_tokens), not the window alone, so its share can be far larger."""
+    plus the tokens in flight (up to max_num_batched_tokens), not the window alone, so its share can be far larger.
+    A skip whose perplexity against its base arm is within the paired noise (2 standard errors, paired by sample over
+    every sample: per-sample bucket membership is not kept) does not count as helping, and is ranked after those
+    that do."""
     out = []
     for name, e in results.items():
         if not e.info.skip or e.info.dtype is None:
@@ -163,9 +184,11 @@ def candidates(m: Model, results: Mapping[str, ArmMetrics],
                 label = f"skip layer{'s' if len(e.info.skip) > 1 else ''} {', '.join(map(str, e.info.skip))}"
                 flag = f"{honest.SKIP_FLAG} {' '.join(map(str, e.info.skip))}"
             eng = _engine_share(_engine_bytes(ref_engine), _engine_bytes(base.engine), _engine_bytes(e.engine))
-            out.append(Candidate(name, base_name, label, L, b[0], a[0], back, a[1], flag, *eng))
+            pair = honest.paired(honest.decisive(e).sample_nll, honest.decisive(base).sample_nll, sample_tokens)
+            change, noise = (pair[0], 2 * pair[1]) if pair else (None, None)
+            out.append(Candidate(name, base_name, label, L, b[0], a[0], back, a[1], flag, *eng, change, noise))
             break
-    return sorted(out, key=lambda c: -c.per_memory)
+    return sorted(out, key=lambda c: (not c.helps, -c.per_memory))
 
 
 def lines(cands: Sequence[Candidate], model: str) -> list[str]:

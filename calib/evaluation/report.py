@@ -214,7 +214,7 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
     noise, saturated, notes = _honest(arm, numbers, ref, results)
     notes = [*notes, *_passkey_notes(ref, results, th)]
     notes += [f"`{n}`: {honest.implausible(e)}." for n, e in results.items() if honest.implausible(e)]
-    cands = memory.candidates(bytes_model, results, ref.engine) if bytes_model is not None else []
+    cands = memory.candidates(bytes_model, results, ref.engine, ref.sample_tokens) if bytes_model is not None else []
     notes += memory.lines(cands, bytes_model.model) if bytes_model is not None else []
     return Verdict(action, arm, tuple(layers), flag, tuple(ok), tuple(dominant), best_any, th, numbers,
                    " ".join([text, *notes]), noise, saturated, tuple(c.to_dict() for c in cands))

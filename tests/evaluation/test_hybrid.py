@@ -258,3 +258,49 @@ def test_the_verdict_adds_the_engines_own_share_of_the_saving_a_skip_gives_back(
     # the reference's capacity missing: only the bytes model's share
     v = report.verdict(reference_metrics(), results, report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
     assert v.skips_by_memory[0]["engine_saving_given_back"] is None and "engine's own accounting" not in v.text
+
+
+def test_a_skip_within_the_paired_noise_does_not_help_and_gets_no_serve_command():
+    """The H100 run of the random-weight hybrid shape at 32K: the sliding-window skip moved perplexity by 0.01 %,
+    far inside the noise, and the verdict printed its serve command. Paired by sample against the base arm
+    (brute force below), a change within 2 standard errors is said to be within noise and ranked last; a change
+    outside them keeps the serve command."""
+    import math
+    from dataclasses import replace as dc_replace
+
+    bm = _bytes_model()
+    sliding = bm.layers.sliding
+    rest = [i for i in range(18) if i not in sliding]
+    tokens = (1000, 1000, 1000, 1000)
+
+    def arm(rel, nll, skip=(), kind=None, layers=range(18)):
+        m = arm_metrics("default", ppl_rel=rel, skip=skip, sample_nll=nll)
+        info = m.info.__class__(*[getattr(m.info, f) for f in ("kind", "dtype", "granularity", "shippable",
+                                                                "source", "skip", "serve_skip", "notes")],
+                                {"k": {str(i): 1.0 for i in layers}, "v": {}, "q": {}}, kind)
+        rows = {"32768": m.buckets["64"].__class__(**{**m.buckets["64"].__dict__, "ppl_rel": rel})}
+        return dc_replace(m, info=info, buckets=rows)
+
+    base_nll = (2000.0, 2100.0, 1900.0, 2050.0)
+    noisy = (2004.0, 2092.0, 1906.0, 2047.0)            # lower in sum by 1 nat, scattered by several per sample
+    d = [x - y for x, y in zip(noisy, base_nll)]
+    mean = sum(d) / 4000
+    se = math.sqrt(sum((di - 1000 * mean) ** 2 for di in d) * 4 / 3) / 4000
+    assert abs(mean) <= 2 * se                          # the brute force says: within noise
+    results = {"default": arm(0.0120, base_nll),
+               "default skip sliding_window": arm(0.0119, noisy, sliding, "sliding_window", rest)}
+    v = report.verdict(reference_metrics(sample_tokens=tokens), results,
+                       report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
+    c = v.skips_by_memory[0]
+    assert c["helps"] is False and c["ppl_log_ratio_vs_base"] == pytest.approx(mean)
+    assert c["noise"] == pytest.approx(2 * se)
+    assert (f"within noise (ppl x{math.exp(mean):.4f} against `default` over every sample, noise "
+            f"±{100 * 2 * se:.2g} %), so it does not help") in v.text
+    assert "--kv-cache-dtype-skip-layers sliding_window`" not in v.text
+    # the same mean change, steady across samples: outside the noise, the serve command stays
+    steady = tuple(x - 0.25 for x in base_nll)
+    results["default skip sliding_window"] = arm(0.0119, steady, sliding, "sliding_window", rest)
+    v = report.verdict(reference_metrics(sample_tokens=tokens), results,
+                       report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
+    assert v.skips_by_memory[0]["helps"] is True
+    assert "serve: `vllm serve m --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers sliding_window`" in v.text
