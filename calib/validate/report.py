@@ -17,6 +17,7 @@ from typing import Any
 
 from calib.engine import serving
 from calib.engine import verdict as honest
+from calib.evaluation import markdown as render
 from calib.evaluation import report as eval_report
 from calib.safety import files
 
@@ -139,7 +140,7 @@ def _capacity(s: Mapping[str, Any]) -> str:
 
 
 def markdown(doc: Mapping[str, Any]) -> str:
-    table = eval_report.table
+    table = render.table
     label = doc["device"]
     out = [f"# kvcalib validate: {doc['model']}", "",
            f"Engine {doc['engine']['name']} {doc['engine']['version']}, KV pool {doc['engine']['kv_gib']} GiB, "

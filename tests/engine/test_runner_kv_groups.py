@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from calib.engine import protocol
-from calib.evaluation import memory, report
+from calib.evaluation import markdown, memory
 from calib.evaluation.results import ArmInfo
 from calib.model import layer_kinds as lk
 from helpers import engine_script
@@ -101,7 +101,7 @@ def test_a_number_the_engine_does_not_keep_costs_only_that_number(runner):
     checked = protocol.kv_groups(json.loads(json.dumps(got)))
     c = memory.engine_check(_model(), SKIP_SLIDING, checked)
     assert c == {"engine": None, "bytes_model": 227303, "max_model_len": 32768, "problems": []}
-    assert "not reported vs 227,303 at 32,768" in "\n".join(report.memory_lines(
+    assert "not reported vs 227,303 at 32,768" in "\n".join(markdown.memory_lines(
         {"layer_kinds": "k", "note": "n", "rows": {"a": {"model": {"32768": {"tokens_per_gib": 1.0, "saving": 0.5}},
                                                           "engine_check": c}}}))
     # neither max_in_flight_tokens nor the scheduler's batch: no prediction, and the check says why

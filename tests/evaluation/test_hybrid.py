@@ -8,7 +8,7 @@ import json
 import pytest
 
 from calib.engine.run import request_arm
-from calib.evaluation import memory, report
+from calib.evaluation import markdown, memory, report
 from calib.evaluation.run import run_eval
 from calib.model import layer_kinds as lk
 from helpers import arm_metrics, boosted, eval_config, reference_metrics, save_model_and_data
@@ -209,7 +209,7 @@ def test_memory_table_shows_the_references_engine_run():
     assert row["engine_check"] == {"engine": 200181, "bytes_model": int(52428 / (2048 + 6 * 1089) * 32768),
                                    "max_model_len": 32768, "problems": []}
     assert row["engine_check"]["bytes_model"] == 200181
-    md = "\n".join(report.memory_lines(doc))
+    md = "\n".join(markdown.memory_lines(doc))
     assert "| bf16 | " in md and "52,428" in md and "200,181 vs 200,181 at 32,768" in md
     # without the reference's engine entry the row has no engine numbers (nothing made up)
     bare = memory.table(m, "bf16", {})["rows"]["bf16"]

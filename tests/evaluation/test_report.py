@@ -9,15 +9,15 @@ from dataclasses import replace
 
 import pytest
 
-from calib.evaluation import report
+from calib.evaluation import markdown, report
 from calib.evaluation.report import Thresholds
 from calib.evaluation.results import ArmInfo, ArmMetrics, BucketRow, KVRange, PasskeyRow, Reference, Seconds, Summary
 
 
 def test_markdown_table_rejects_ragged_rows():
-    assert report.table(["a", "b"], [[1, "x|y"]])[2] == "| 1 | x\\|y |"
+    assert markdown.table(["a", "b"], [[1, "x|y"]])[2] == "| 1 | x\\|y |"
     with pytest.raises(ValueError, match="cells"):
-        report.table(["a", "b"], [[1]])
+        markdown.table(["a", "b"], [[1]])
 
 
 def _known(ppl: float) -> tuple[dict, Reference, dict[str, ArmMetrics]]:

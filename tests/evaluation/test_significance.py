@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import pytest
 
-from calib.evaluation import passkey, report, significance
+from calib.evaluation import markdown, passkey, report, significance
 from calib.evaluation.report import Thresholds
 from calib.evaluation.results import PasskeyRow, passkey_rows
 from helpers import arm_metrics, reference_metrics
@@ -136,7 +136,7 @@ def test_report_shows_the_paired_test_per_bucket_and_depth():
     arm = arm_metrics(passkey=passkey_rows(_rows("64", [True] * 6 + [False] * 4)))
     rep = report.Report({"reference": "bf16"}, ref, {"calibrated": arm}, Thresholds(),
                         report.verdict(ref, {"calibrated": arm}, Thresholds(), "bf16"))
-    lines = report._significance_lines(rep)
+    lines = markdown._significance_lines(rep)
     assert "| calibrated | 64 | 10 | 7 | 6 | 1 | 0 | 0.5 | 0.05 | within noise (underpowered) | 0:1-/0+ 0.5:0-/0+ |" \
         in lines
     sig = rep.to_dict()["arms"]["calibrated"]["passkey_significance"]
