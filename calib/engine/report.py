@@ -55,7 +55,8 @@ def markdown(doc: dict[str, Any], table: Callable[[Sequence[str], Sequence[Seque
         if g.get("status") == "not_run":
             not_run.append(f"- `{n}`: not run: {g['reason']}")
         elif g.get("status") == "ok":
-            cap.append([n, g.get("kv_cache_dtype"), g.get("kv_capacity_tokens"), g.get("kv_gib"), g.get("tokens_per_gib")])
+            cap.append([n, g.get("kv_cache_dtype"), g.get("kv_capacity_tokens"), g.get("kv_gib"), g.get("tokens_per_gib"),
+                        context_capacity(g.get("kv_groups"))])
     lines = ["## Emulation vs engine", "",
              f"Engine: {eng.get('name')} {eng.get('version')} on exactly the evaluation's token ids (prompt "
              f"log-probabilities, top-{eng.get('top_k')}). Engine KL is a lower bound from the top-k (`unresolved`: the "
@@ -66,14 +67,22 @@ def markdown(doc: dict[str, Any], table: Callable[[Sequence[str], Sequence[Seque
                     "KL engine (≥)", "unresolved", "top-1 emulated", "top-1 engine", "greedy engine",
                     "passkey emulated", "passkey engine", "engine"], rows)
     if cap:
-        lines += ["KV-cache capacity measured by the engine (same pool size for every arm):", ""]
-        lines += table(["arm", "KV cache dtype", "tokens", "GiB", "tokens/GiB"], cap)
+        lines += ["KV-cache capacity measured by the engine (same pool size for every arm). Pool: blocks x block "
+                  "size, which on a hybrid model counts one group's blocks; context: the engine's own capacity in "
+                  "context tokens (requests of max_model_len its pool holds x max_model_len), where it said.", ""]
+        lines += table(["arm", "KV cache dtype", "pool tokens", "GiB", "pool tokens/GiB", "context tokens"], cap)
     if implausible:
         lines += ["Engine numbers implausible for the arm's format (orders of magnitude off the reference while the "
                   "emulation is not; never ranked):", ""] + implausible + [""]
     if not_run:
         lines += ["Arms the engine did not run:", ""] + not_run + [""]
     return lines
+
+
+def context_capacity(groups: dict[str, Any] | None) -> str:
+    """The engine's capacity in context tokens at its max_model_len ("–" where it did not report it)."""
+    size, length = (groups or {}).get("size_tokens"), (groups or {}).get("max_model_len")
+    return "–" if size is None or not length else f"{size:,} at max_model_len {length:,}"
 
 
 def plot(doc: dict[str, Any], out: Path) -> str | None:

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from calib.engine import report as engine_report
 from calib.engine import serving
 from calib.engine import verdict as honest
 from calib.evaluation import markdown as render
@@ -133,10 +134,11 @@ def _gib(x: int | None) -> str:
 
 def _capacity(s: Mapping[str, Any]) -> str:
     """The pool in tokens, and the engine's own context capacity beside it where the two differ (hybrid models)."""
-    pool, ctx, length = s.get("kv_capacity_tokens"), s.get("kv_context_tokens"), s.get("kv_context_max_model_len")
-    if ctx is None or ctx == pool or not length:
+    pool, ctx = s.get("kv_capacity_tokens"), s.get("kv_context_tokens")
+    if ctx is None or ctx == pool or not s.get("kv_context_max_model_len"):
         return _n(pool, ",d")
-    return f"{ctx:,} at max_model_len {length:,} (pool {_n(pool, ',d')}: one group's blocks)"
+    groups = {"size_tokens": ctx, "max_model_len": s["kv_context_max_model_len"]}
+    return f"{engine_report.context_capacity(groups)} (pool {_n(pool, ',d')}: one group's blocks)"
 
 
 def markdown(doc: Mapping[str, Any]) -> str:
