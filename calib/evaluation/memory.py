@@ -19,6 +19,7 @@ from typing import Any
 
 from calib.engine import verdict as honest
 from calib.evaluation.results import ArmInfo, ArmMetrics
+from calib.evaluation.samples import bucket_of
 from calib.model import layer_kinds as lk
 
 SERVE = "vllm serve {model} --kv-cache-dtype {dtype}"
@@ -87,10 +88,12 @@ class Candidate:
     # the engine did not report all three
     engine_given_back: float | None = None
     engine_max_model_len: int | None = None
-    # the skip arm's perplexity against its base arm's, paired by sample over every sample of the run (log of the
-    # ratio, and 2 standard errors of it: `verdict.paired`); None with fewer than two samples measured alike
+    # the skip arm's perplexity against its base arm's, paired by sample (log of the ratio, and 2 standard errors of
+    # it: `verdict.paired`) over `noise_over` (the samples of the candidate's bucket, or every sample where the
+    # bucket has fewer than two); None with fewer than two samples measured alike
     change: float | None = None
     noise: float | None = None
+    noise_over: str = ""
 
     @property
     def within_noise(self) -> bool:
@@ -121,7 +124,7 @@ class Candidate:
             return text + ": measured, and it does not help"
         if self.within_noise:
             return text + (f": measured, within noise (ppl x{math.exp(self.change):.4f} against `{self.base}` over "
-                           f"every sample, noise ±{100 * self.noise:.2g} %), so it does not help")
+                           f"{self.noise_over}, noise ±{100 * self.noise:.2g} %), so it does not help")
         return text + f"; serve: `{SERVE.format(model=model, dtype='fp8')} {self.flag}`"
 
     def to_dict(self) -> dict[str, Any]:
@@ -129,7 +132,8 @@ class Candidate:
                 "ppl_loss_before": self.loss_before, "ppl_loss_after": self.loss_after,
                 "saving_given_back": self.saving_given_back, "numbers": self.numbers, "flag": self.flag,
                 "engine_saving_given_back": self.engine_given_back, "engine_max_model_len": self.engine_max_model_len,
-                "ppl_log_ratio_vs_base": self.change, "noise": self.noise, "helps": self.helps}
+                "ppl_log_ratio_vs_base": self.change, "noise": self.noise, "noise_over": self.noise_over,
+                "helps": self.helps}
 
 
 def _loss(entry: ArmMetrics, length: int) -> tuple[float, str] | None:
@@ -153,6 +157,19 @@ def _engine_share(ref: tuple[float, int] | None, base: tuple[float, int] | None,
     return (skip[0] - base[0]) / (ref[0] - base[0]), ref[1]
 
 
+def _paired_at(arm: ArmMetrics, base: ArmMetrics, tokens: Sequence[int], buckets: Sequence[int],
+               length: int) -> tuple[float | None, float | None, str]:
+    """(log ppl ratio arm / base, 2 standard errors, which samples) on the decisive numbers, paired by sample over
+    bucket `length`'s samples, or every sample where that bucket has fewer than two."""
+    a, b = honest.decisive(arm).sample_nll, honest.decisive(base).sample_nll
+    idx = [i for i, t in enumerate(tokens) if bucket_of(t + 1, buckets) == length]
+    over = f"the {len(idx)} samples of bucket <= {length}"
+    if len(idx) < 2 or len(a) != len(tokens) or len(b) != len(tokens):
+        idx, over = list(range(len(tokens))), "every sample"
+    pair = honest.paired([a[i] for i in idx if i < len(a)], [b[i] for i in idx if i < len(b)], [tokens[i] for i in idx])
+    return (pair[0], 2 * pair[1], over) if pair else (None, None, over)
+
+
 def candidates(m: Model, results: Mapping[str, ArmMetrics], ref_engine: Mapping[str, Any] | None = None,
                sample_tokens: Sequence[int] = ()) -> list[Candidate]:
     """Every measured skip arm against the arm it was cut from, at the longest length both measured with the same
@@ -161,8 +178,9 @@ def candidates(m: Model, results: Mapping[str, ArmMetrics], ref_engine: Mapping[
     the base arm and the skip arm, its own share is stated too: vLLM reserves for a sliding-window layer its window
     plus the tokens in flight (up to max_num_batched_tokens), not the window alone, so its share can be far larger.
     A skip whose perplexity against its base arm is within the paired noise (2 standard errors, paired by sample over
-    every sample: per-sample bucket membership is not kept) does not count as helping, and is ranked after those
-    that do."""
+    the samples of that length's bucket, or over every sample where the bucket has fewer than two) does not count as
+    helping, and is ranked after those that do. `sample_tokens`: the reference's scored tokens per sample (its
+    length - 1), which also give each sample's bucket."""
     out = []
     for name, e in results.items():
         if not e.info.skip or e.info.dtype is None:
@@ -184,9 +202,8 @@ def candidates(m: Model, results: Mapping[str, ArmMetrics], ref_engine: Mapping[
                 label = f"skip layer{'s' if len(e.info.skip) > 1 else ''} {', '.join(map(str, e.info.skip))}"
                 flag = f"{honest.SKIP_FLAG} {' '.join(map(str, e.info.skip))}"
             eng = _engine_share(_engine_bytes(ref_engine), _engine_bytes(base.engine), _engine_bytes(e.engine))
-            pair = honest.paired(honest.decisive(e).sample_nll, honest.decisive(base).sample_nll, sample_tokens)
-            change, noise = (pair[0], 2 * pair[1]) if pair else (None, None)
-            out.append(Candidate(name, base_name, label, L, b[0], a[0], back, a[1], flag, *eng, change, noise))
+            change, noise, over = _paired_at(e, base, sample_tokens, m.lengths, L)
+            out.append(Candidate(name, base_name, label, L, b[0], a[0], back, a[1], flag, *eng, change, noise, over))
             break
     return sorted(out, key=lambda c: (not c.helps, -c.per_memory))
 

@@ -37,6 +37,11 @@ def usable_buckets(requested: Iterable[int], max_positions: int | None) -> tuple
     return tuple(kept or [int(max_positions)]), [b for b in req if b not in kept]
 
 
+def bucket_of(length: int, buckets: Iterable[int]) -> int:
+    """A sample's bucket: the smallest bucket >= its length in tokens (samples are cut to the largest)."""
+    return min(b for b in buckets if b >= length)
+
+
 def sample_length(bucket: int, context: int | None) -> int:
     """Tokens one sample of `bucket` holds: the bucket, or context - 1 for a bucket at the model's context. An
     engine generates at least one token after a prompt (vLLM refuses a prompt as long as max_model_len), and
@@ -95,7 +100,7 @@ def select_samples(cfg: EvalConfig, tokenizer: Any, vocab: int | None, buckets: 
     with model_mod.quiet_transformers():      # packing tokenizes whole records, beyond the model's length on purpose
         for ids in itertools.islice(seqs, cfg.samples):
             used.add(ids)
-            out.append(Sample(len(out), tuple(ids), next(b for b in sorted(buckets) if b >= len(ids))))
+            out.append(Sample(len(out), tuple(ids), bucket_of(len(ids), buckets)))
     used.column, used.skipped_short = read.column, read.skipped_short
     if not out:
         raise EvalError(f"DATA {cfg.data}: no held-out samples left ({excluded} were calibration samples)")

@@ -304,3 +304,44 @@ def test_a_skip_within_the_paired_noise_does_not_help_and_gets_no_serve_command(
                        report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
     assert v.skips_by_memory[0]["helps"] is True
     assert "serve: `vllm serve m --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers sliding_window`" in v.text
+
+
+def test_the_skip_noise_pairs_the_samples_of_the_candidates_bucket():
+    """The loss line is read at the longest bucket, so its noise is too: two 8K samples that scatter widely do not
+    hide a steady gain on the two 32K samples (brute force: within noise over every sample, outside it over the
+    32K bucket's)."""
+    import math
+    from dataclasses import replace as dc_replace
+
+    bm = _bytes_model()
+    sliding = bm.layers.sliding
+    rest = [i for i in range(18) if i not in sliding]
+    tokens = (8000, 8000, 30000, 30000)                 # samples of 8,001 and 30,001 tokens: buckets 8192 and 32768
+
+    def arm(rel, nll, skip=(), kind=None, layers=range(18)):
+        m = arm_metrics("default", ppl_rel=rel, skip=skip, sample_nll=nll)
+        info = m.info.__class__(*[getattr(m.info, f) for f in ("kind", "dtype", "granularity", "shippable",
+                                                                "source", "skip", "serve_skip", "notes")],
+                                {"k": {str(i): 1.0 for i in layers}, "v": {}, "q": {}}, kind)
+        rows = {"32768": m.buckets["64"].__class__(**{**m.buckets["64"].__dict__, "ppl_rel": rel})}
+        return dc_replace(m, info=info, buckets=rows)
+
+    def paired(a, b, t):
+        d = [x - y for x, y in zip(a, b)]
+        mean = sum(d) / sum(t)
+        var = sum((di - ti * mean) ** 2 for di, ti in zip(d, t)) * len(d) / (len(d) - 1)
+        return mean, 2 * math.sqrt(var) / sum(t)
+
+    base = (16000.0, 16100.0, 60000.0, 60200.0)
+    skip = (16200.0, 15850.0, 59970.0, 60171.0)         # 8K: +200 / -250; 32K: -30 / -29, steady
+    every = paired(skip, base, tokens)
+    at_32k = paired(skip[2:], base[2:], tokens[2:])
+    assert abs(every[0]) <= every[1] and abs(at_32k[0]) > at_32k[1]
+    results = {"default": arm(0.0120, base),
+               "default skip sliding_window": arm(0.0061, skip, sliding, "sliding_window", rest)}
+    v = report.verdict(reference_metrics(sample_tokens=tokens), results,
+                       report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
+    c = v.skips_by_memory[0]
+    assert c["noise_over"] == "the 2 samples of bucket <= 32768" and c["helps"] is True
+    assert c["ppl_log_ratio_vs_base"] == pytest.approx(at_32k[0]) and c["noise"] == pytest.approx(at_32k[1])
+    assert "serve: `vllm serve m --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers sliding_window`" in v.text
