@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from calib.engine import verdict as honest
-from calib.evaluation.results import ArmInfo, ArmMetrics
-from calib.evaluation.samples import bucket_of
+from calib.evaluation.results import ArmInfo, ArmMetrics, bucket_of
 from calib.model import layer_kinds as lk
 
 SERVE = "vllm serve {model} --kv-cache-dtype {dtype}"

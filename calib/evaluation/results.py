@@ -10,9 +10,15 @@ protocol defines (calib/engine/run.py); `calib.engine.verdict.decisive` reads bo
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
+
+
+def bucket_of(length: int, buckets: Iterable[int]) -> int:
+    """A sample's bucket, the `b` of every "bucket <= b" row: the smallest bucket >= its length in tokens
+    (samples are cut to the largest)."""
+    return min(b for b in buckets if b >= length)
 
 
 def exp(x: float) -> float:

@@ -16,6 +16,7 @@ from typing import Any
 from calib.data import sources as data_mod
 from calib.evaluation.arms import EvalError
 from calib.evaluation.config import EvalConfig
+from calib.evaluation.results import bucket_of
 from calib.model import load as model_mod
 
 OVERLAP_WINDOW = 16        # tokens compared to recognise a calibration sample among the eval samples
@@ -35,11 +36,6 @@ def usable_buckets(requested: Iterable[int], max_positions: int | None) -> tuple
         raise EvalError(f"buckets {req}: every bucket must be at least 2 tokens")
     kept = [b for b in req if not max_positions or b <= max_positions]
     return tuple(kept or [int(max_positions)]), [b for b in req if b not in kept]
-
-
-def bucket_of(length: int, buckets: Iterable[int]) -> int:
-    """A sample's bucket: the smallest bucket >= its length in tokens (samples are cut to the largest)."""
-    return min(b for b in buckets if b >= length)
 
 
 def sample_length(bucket: int, context: int | None) -> int:
