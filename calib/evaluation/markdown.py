@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from calib.engine import report as engine_report
 from calib.evaluation import significance
 from calib.evaluation.results import passkey_correct
 
-if TYPE_CHECKING:
-    from calib.evaluation.report import Report
+# `rep` below is a calib.evaluation.report.Report; it is not imported (report.py imports this module: no cycle)
+Report = Any
 
 def _cell(x: Any, fmt: str = ".3g") -> str:
     if x is None:
