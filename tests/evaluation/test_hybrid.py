@@ -4,6 +4,8 @@ the bytes model prices them, and the verdict weighs every measured skip by the m
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace as dc_replace
 
 import pytest
 
@@ -69,29 +71,39 @@ def _bytes_model():
     return memory.Model(layers, 1, 256, "bfloat16", (8192, 32768), "m")
 
 
+def _arm(rel, skip=(), kind=None, layers=range(18), nll=(), size=None):
+    """An FP8 arm of `_bytes_model`'s 18 layers: perplexity loss `rel` at 32K, scales on `layers` (the rest kept
+    unquantised), per-sample NLL `nll`, and the engine's capacity `size` at max_model_len 32768 on 16 GiB."""
+    m = arm_metrics("default", ppl_rel=rel, skip=skip, sample_nll=nll)
+    info = dc_replace(m.info, scales={"k": {str(i): 1.0 for i in layers}, "v": {}, "q": {}}, skip_kind=kind)
+    rows = {"32768": dc_replace(m.buckets["64"], ppl_rel=rel)}
+    engine = {"kv_gib": 16, "kv_groups": {"size_tokens": size, "max_model_len": 32768}} if size else None
+    return dc_replace(m, info=info, buckets=rows, engine=engine)
+
+
+def _paired(a, b, tokens):
+    """Brute force of the paired test: (log ppl ratio a / b, 2 standard errors), per-sample NLL sums over tokens."""
+    d = [x - y for x, y in zip(a, b)]
+    mean = sum(d) / sum(tokens)
+    var = sum((di - ti * mean) ** 2 for di, ti in zip(d, tokens)) * len(d) / (len(d) - 1)
+    return mean, 2 * math.sqrt(var) / sum(tokens)
+
+
 def test_verdict_words_the_measured_sliding_arm_in_memory_terms():
     # the issue's numbers: FP8 +1.20 % at 32K, sliding-window layers skipped +0.61 %; 15 x 512 vs 3 x 32K tokens
-    def arm(name, rel, skip=(), kind=None, layers=range(18)):
-        m = arm_metrics("default", ppl_rel=rel, skip=skip)
-        info = m.info.__class__(*[getattr(m.info, f) for f in ("kind", "dtype", "granularity", "shippable",
-                                                                "source", "skip", "serve_skip", "notes")],
-                                {"k": {str(i): 1.0 for i in layers}, "v": {}, "q": {}}, kind)
-        rows = {"32768": m.buckets["64"].__class__(**{**m.buckets["64"].__dict__, "ppl_rel": rel})}
-        return m.__class__(**{**m.__dict__, "info": info, "buckets": rows})
-
     bm = _bytes_model()
     sliding = bm.layers.sliding
-    results = {"default": arm("default", 0.0120),
-               "default skip sliding_window": arm("x", 0.0061, sliding, "sliding_window",
-                                                  [i for i in range(18) if i not in sliding])}
+    results = {"default": _arm(0.0120),
+               "default skip sliding_window": _arm(0.0061, sliding, "sliding_window",
+                                                   [i for i in range(18) if i not in sliding])}
     v = report.verdict(reference_metrics(), results, report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
     share = (15 * 512) / (15 * 512 + 3 * 32768)     # the sliding layers' share of the bytes at 32K
     assert abs(v.skips_by_memory[0]["saving_given_back"] - share) < 1e-12
     assert ("skip sliding-window layers: ppl loss +1.20 % -> +0.61 % for 7 % of the memory saving at 32K "
             "(emulation); serve: `vllm serve m --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers sliding_window`"
             in v.text)
-    worse = {**results, "default skip sliding_window": arm("x", 0.0130, sliding, "sliding_window",
-                                                           [i for i in range(18) if i not in sliding])}
+    worse = {**results, "default skip sliding_window": _arm(0.0130, sliding, "sliding_window",
+                                                            [i for i in range(18) if i not in sliding])}
     v = report.verdict(reference_metrics(), worse, report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
     assert "+1.20 % -> +1.30 % for 7 % of the memory saving at 32K (emulation): measured, and it does not help" in v.text
     # nothing measured, nothing claimed
@@ -232,22 +244,11 @@ def test_the_verdict_adds_the_engines_own_share_of_the_saving_a_skip_gives_back(
     sliding-window skip gives back far more of FP8's saving than the bytes model's share. With the capacities the
     engine reported (a Gemma-3-4B shape, 16 GiB, max_model_len 32768, 16384 tokens in flight: 200,181 BF16, 400,367
     FP8, 227,303 FP8 with the sliding layers in BF16), the line states both; without them, only the bytes model's."""
-    from dataclasses import replace as dc_replace
-
-    def arm(rel, skip=(), kind=None, layers=range(18), size=None):
-        m = arm_metrics("default", ppl_rel=rel, skip=skip)
-        info = m.info.__class__(*[getattr(m.info, f) for f in ("kind", "dtype", "granularity", "shippable",
-                                                                "source", "skip", "serve_skip", "notes")],
-                                {"k": {str(i): 1.0 for i in layers}, "v": {}, "q": {}}, kind)
-        rows = {"32768": m.buckets["64"].__class__(**{**m.buckets["64"].__dict__, "ppl_rel": rel})}
-        engine = {"kv_gib": 16, "kv_groups": {"size_tokens": size, "max_model_len": 32768}} if size else None
-        return dc_replace(m, info=info, buckets=rows, engine=engine)
-
     bm = _bytes_model()
     sliding = bm.layers.sliding
     rest = [i for i in range(18) if i not in sliding]
-    results = {"default": arm(0.0120, size=400_367),
-               "default skip sliding_window": arm(0.0061, sliding, "sliding_window", rest, size=227_303)}
+    results = {"default": _arm(0.0120, size=400_367),
+               "default skip sliding_window": _arm(0.0061, sliding, "sliding_window", rest, size=227_303)}
     ref = reference_metrics(engine={"kv_gib": 16, "kv_groups": {"size_tokens": 200_181, "max_model_len": 32768}})
     v = report.verdict(ref, results, report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
     per_token = {n: 16 * 2 ** 30 / n for n in (200_181, 400_367, 227_303)}
@@ -265,41 +266,28 @@ def test_a_skip_within_the_paired_noise_does_not_help_and_gets_no_serve_command(
     far inside the noise, and the verdict printed its serve command. Paired by sample against the base arm
     (brute force below), a change within 2 standard errors is said to be within noise and ranked last; a change
     outside them keeps the serve command."""
-    import math
-    from dataclasses import replace as dc_replace
-
     bm = _bytes_model()
     sliding = bm.layers.sliding
     rest = [i for i in range(18) if i not in sliding]
     tokens = (1000, 1000, 1000, 1000)
 
-    def arm(rel, nll, skip=(), kind=None, layers=range(18)):
-        m = arm_metrics("default", ppl_rel=rel, skip=skip, sample_nll=nll)
-        info = m.info.__class__(*[getattr(m.info, f) for f in ("kind", "dtype", "granularity", "shippable",
-                                                                "source", "skip", "serve_skip", "notes")],
-                                {"k": {str(i): 1.0 for i in layers}, "v": {}, "q": {}}, kind)
-        rows = {"32768": m.buckets["64"].__class__(**{**m.buckets["64"].__dict__, "ppl_rel": rel})}
-        return dc_replace(m, info=info, buckets=rows)
-
     base_nll = (2000.0, 2100.0, 1900.0, 2050.0)
     noisy = (2004.0, 2092.0, 1906.0, 2047.0)            # lower in sum by 1 nat, scattered by several per sample
-    d = [x - y for x, y in zip(noisy, base_nll)]
-    mean = sum(d) / 4000
-    se = math.sqrt(sum((di - 1000 * mean) ** 2 for di in d) * 4 / 3) / 4000
-    assert abs(mean) <= 2 * se                          # the brute force says: within noise
-    results = {"default": arm(0.0120, base_nll),
-               "default skip sliding_window": arm(0.0119, noisy, sliding, "sliding_window", rest)}
+    mean, noise = _paired(noisy, base_nll, tokens)
+    assert abs(mean) <= noise                           # the brute force says: within noise
+    results = {"default": _arm(0.0120, nll=base_nll),
+               "default skip sliding_window": _arm(0.0119, sliding, "sliding_window", rest, nll=noisy)}
     v = report.verdict(reference_metrics(sample_tokens=tokens), results,
                        report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
     c = v.skips_by_memory[0]
     assert c["helps"] is False and c["ppl_log_ratio_vs_base"] == pytest.approx(mean)
-    assert c["noise"] == pytest.approx(2 * se)
+    assert c["noise"] == pytest.approx(noise)
     assert (f"within noise (ppl x{math.exp(mean):.4f} against `default` over every sample, noise "
-            f"±{100 * 2 * se:.2g} %), so it does not help") in v.text
+            f"±{100 * noise:.2g} %), so it does not help") in v.text
     assert "--kv-cache-dtype-skip-layers sliding_window`" not in v.text
     # the same mean change, steady across samples: outside the noise, the serve command stays
     steady = tuple(x - 0.25 for x in base_nll)
-    results["default skip sliding_window"] = arm(0.0119, steady, sliding, "sliding_window", rest)
+    results["default skip sliding_window"] = _arm(0.0119, sliding, "sliding_window", rest, nll=steady)
     v = report.verdict(reference_metrics(sample_tokens=tokens), results,
                        report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
     assert v.skips_by_memory[0]["helps"] is True
@@ -310,35 +298,18 @@ def test_the_skip_noise_pairs_the_samples_of_the_candidates_bucket():
     """The loss line is read at the longest bucket, so its noise is too: two 8K samples that scatter widely do not
     hide a steady gain on the two 32K samples (brute force: within noise over every sample, outside it over the
     32K bucket's)."""
-    import math
-    from dataclasses import replace as dc_replace
-
     bm = _bytes_model()
     sliding = bm.layers.sliding
     rest = [i for i in range(18) if i not in sliding]
     tokens = (8000, 8000, 30000, 30000)                 # samples of 8,001 and 30,001 tokens: buckets 8192 and 32768
 
-    def arm(rel, nll, skip=(), kind=None, layers=range(18)):
-        m = arm_metrics("default", ppl_rel=rel, skip=skip, sample_nll=nll)
-        info = m.info.__class__(*[getattr(m.info, f) for f in ("kind", "dtype", "granularity", "shippable",
-                                                                "source", "skip", "serve_skip", "notes")],
-                                {"k": {str(i): 1.0 for i in layers}, "v": {}, "q": {}}, kind)
-        rows = {"32768": m.buckets["64"].__class__(**{**m.buckets["64"].__dict__, "ppl_rel": rel})}
-        return dc_replace(m, info=info, buckets=rows)
-
-    def paired(a, b, t):
-        d = [x - y for x, y in zip(a, b)]
-        mean = sum(d) / sum(t)
-        var = sum((di - ti * mean) ** 2 for di, ti in zip(d, t)) * len(d) / (len(d) - 1)
-        return mean, 2 * math.sqrt(var) / sum(t)
-
     base = (16000.0, 16100.0, 60000.0, 60200.0)
     skip = (16200.0, 15850.0, 59970.0, 60171.0)         # 8K: +200 / -250; 32K: -30 / -29, steady
-    every = paired(skip, base, tokens)
-    at_32k = paired(skip[2:], base[2:], tokens[2:])
+    every = _paired(skip, base, tokens)
+    at_32k = _paired(skip[2:], base[2:], tokens[2:])
     assert abs(every[0]) <= every[1] and abs(at_32k[0]) > at_32k[1]
-    results = {"default": arm(0.0120, base),
-               "default skip sliding_window": arm(0.0061, skip, sliding, "sliding_window", rest)}
+    results = {"default": _arm(0.0120, nll=base),
+               "default skip sliding_window": _arm(0.0061, sliding, "sliding_window", rest, nll=skip)}
     v = report.verdict(reference_metrics(sample_tokens=tokens), results,
                        report.Thresholds(max_ppl_increase=0.02), "bf16", bm)
     c = v.skips_by_memory[0]
