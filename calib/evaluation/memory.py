@@ -161,11 +161,13 @@ def _paired_at(arm: ArmMetrics, base: ArmMetrics, tokens: Sequence[int], buckets
     """(log ppl ratio arm / base, 2 standard errors, which samples) on the decisive numbers, paired by sample over
     bucket `length`'s samples, or every sample where that bucket has fewer than two."""
     a, b = honest.decisive(arm).sample_nll, honest.decisive(base).sample_nll
-    idx = [i for i, t in enumerate(tokens) if bucket_of(t + 1, buckets) == length]
+    if len(a) != len(tokens) or len(b) != len(tokens):         # not measured per sample alike: no estimate
+        return None, None, "every sample"
+    idx = [i for i, t in enumerate(tokens) if t + 1 <= length and bucket_of(t + 1, buckets) == length]
     over = f"the {len(idx)} samples of bucket <= {length}"
-    if len(idx) < 2 or len(a) != len(tokens) or len(b) != len(tokens):
+    if len(idx) < 2:
         idx, over = list(range(len(tokens))), "every sample"
-    pair = honest.paired([a[i] for i in idx if i < len(a)], [b[i] for i in idx if i < len(b)], [tokens[i] for i in idx])
+    pair = honest.paired([a[i] for i in idx], [b[i] for i in idx], [tokens[i] for i in idx])
     return (pair[0], 2 * pair[1], over) if pair else (None, None, over)
 
 
