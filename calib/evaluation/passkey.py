@@ -149,6 +149,7 @@ def greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_n
     if padded:
         mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=device)
         extra = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+        first_new = torch.tensor(lengths, device=device)[:, None]     # each row's first generated position
     out = model(input_ids=x, use_cache=True, logits_to_keep=1, **extra)
     new: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
@@ -165,7 +166,7 @@ def greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_n
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
             extra = {"attention_mask": mask,
-                     "position_ids": torch.tensor(lengths, device=device)[:, None] + step}
+                     "position_ids": first_new + step}
         out = model(input_ids=torch.tensor([[t] for t in toks], device=device), use_cache=True, logits_to_keep=1,
                     **{kw: cache}, **extra)
     return new
