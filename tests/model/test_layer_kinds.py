@@ -233,3 +233,6 @@ def test_requests_that_fit_are_unknown_rather_than_guessed():
     mamba = _groups(1000, 512, [], [[0]])
     mamba["groups"].append({"layers": [1], "spec": "MambaSpec", "block_size": 16, "window": None})
     assert lk.engine_requests_fit(mamba, 4096) is None
+    # a hostile answer the protocol lets through (whole numbers >= 0): a block of 0 tokens or no groups at all
+    assert lk.engine_requests_fit(_groups(1000, 512, [], [[0]], block=0), 4096) is None
+    assert lk.engine_requests_fit({"num_blocks": 1000, "in_flight_tokens": 512, "groups": []}, 4096) is None
