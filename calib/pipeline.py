@@ -392,7 +392,7 @@ def check_calibrate(job: CalibrateJob, *, options_checked: bool = False) -> Chec
     if ckpt is not None and options.dist.world > 1:
         raise statsfile.StatsError("--checkpoint-every/--resume run in a single process, not under torchrun")
     data_mod.check_source(job.data)
-    local = Path(job.model).expanduser().exists()
+    local = safefiles.expand_user(job.model, "MODEL").exists()
     source_dir = model_mod.resolve_source(job.model) if local else None   # a hub download waits for the checks
     inputs = [("the model folder", job.model), ("the --into checkpoint", job.into), ("the data", job.data),
               ("the recipe", job.recipe_file)]

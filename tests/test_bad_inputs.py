@@ -287,6 +287,14 @@ def _eval(tmp: Path, *extra: str) -> list[str]:
             "--device", "cpu", "--no-plots", "--out", str(tmp / "report"), *extra]
 
 
+def _plan(tmp: Path, routes: str = "chat: {data: tokens.jsonl, buckets: [32], samples: 4}", *extra: str) -> list[str]:
+    """plan's arguments: a routes file of `routes` (YAML lines under `routes:`) beside the tiny model and its data."""
+    _tokens(tmp)
+    path = _write(tmp, "routes.yaml", "routes:\n" + "".join(f"  {line}\n" for line in routes.splitlines()))
+    return ["--routes", str(path), "--model", str(_model(tmp)), "--device", "cpu", "--no-plots", "--no-progress",
+            "--out", str(tmp / "plan"), *extra]
+
+
 def _real_stats(tmp: Path, name: str = "real.safetensors", edit: Callable[[dict, dict], None] | None = None,
                 cut: int = 0) -> Path:
     """A statistics file as kvcalib writes it (observers fed random K/V), optionally damaged: `edit(header,
@@ -735,6 +743,33 @@ ROWS = [
         "is the calibration --data", command="tune"),
     Row("eval of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_eval(overflowing_model(t, "model").parent)],
         "cannot measure: `fp32` (the reference) bucket <= 32", command="eval"),
+    # every input of every command, plan's included (issue 38)
+    Row("plan --out --force: a --scales checkpoint (a kvcalib output)", lambda t: [
+        *_plan(t), "--scales", str(_exported(t)), "--out", str(t / "ckpt-vllm"), "--force"],
+        "is a --scales checkpoint", command="plan"),
+    Row("plan --out --force: a route's data folder", lambda t: [
+        *_plan(t, "chat: {data: held, buckets: [32]}"), "--out", str(_folder(t, "held", {"a.jsonl": "{}\n"})),
+        "--force"], "is route 'chat' data", command="plan"),
+    Row("plan --out inside a --scales checkpoint", lambda t: [
+        *_plan(t), "--scales", str(_exported(t)), "--out", str(t / "ckpt-vllm" / "plan")],
+        "is inside a --scales checkpoint", command="plan"),
+    Row("plan route named like the plan's own file (plan.json)", lambda t: _plan(
+        t, "chat: {data: tokens.jsonl, buckets: [32]}\nplan.json: {data: tokens.jsonl, buckets: [32]}"),
+        "route name 'plan.json' is the plan's own file", command="plan"),
+    Row("plan routes whose names differ only in case", lambda t: _plan(
+        t, "chat: {data: tokens.jsonl, buckets: [32]}\nCHAT: {data: tokens.jsonl, buckets: [32]}"),
+        "differ only in case", command="plan"),
+    Row("plan route data under ~nosuchuser/", lambda t: _plan(t, "chat: {data: '~nosuchuser/d.jsonl', buckets: [32]}"),
+        "~nosuchuser/d.jsonl: no user 'nosuchuser' on this machine", command="plan"),
+    Row("plan a second route beyond the model's context", lambda t: _plan(
+        t, "chat: {data: tokens.jsonl, buckets: [32]}\nlong: {data: tokens.jsonl, buckets: [100000]}"),
+        "route 'long': --buckets 100000: longer than the context", command="plan"),
+    Row("eval --data under ~nosuchuser/", lambda t: [*_eval(t), "--data", "~nosuchuser/d.jsonl"],
+        "the data ~nosuchuser/d.jsonl: no user 'nosuchuser' on this machine", command="eval"),
+    Row("eval --out under ~nosuchuser/", lambda t: [*_eval(t), "--out", "~nosuchuser/report"],
+        "--out ~nosuchuser/report: no user 'nosuchuser' on this machine", command="eval"),
+    Row("calibrate --model under ~nosuchuser/", lambda t: [*_base(t), "--model", "~nosuchuser/m"],
+        "MODEL ~nosuchuser/m: no user 'nosuchuser'"),
     Row("tune of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_tune(overflowing_model(t, "model").parent)],
         "cannot measure: `fp32` (the reference) bucket <= 32", command="tune"),
 ]

@@ -33,6 +33,7 @@ from typing import Any
 
 from calib.data import chat
 from calib.errors import KvcalibError, first_line
+from calib.safety.files import expand_user
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 COLUMNS = ("input_ids", "messages", "text")
@@ -272,7 +273,7 @@ def _read_hub(spec: str) -> Iterator[Record]:
 
 def check_source(source: str | Path) -> None:
     """Fail fast (before a model is loaded) on a local DATA path that is missing or holds no usable files."""
-    path = Path(source).expanduser()
+    path = expand_user(source, "DATA")
     if path.exists():
         _local_files(path)
     elif path.suffix.lower() in SUFFIXES or str(source).startswith((".", "/", "~")):
@@ -282,7 +283,7 @@ def check_source(source: str | Path) -> None:
 def read_records(source: str | Path) -> Iterator[Record]:
     """All records of a source, in file order."""
     check_source(source)
-    path = Path(source).expanduser()
+    path = expand_user(source, "DATA")
     if path.exists():
         for f in _local_files(path):
             yield from _read_file(f)

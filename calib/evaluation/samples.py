@@ -18,6 +18,7 @@ from calib.evaluation.arms import EvalError
 from calib.evaluation.config import EvalConfig
 from calib.evaluation.results import bucket_of
 from calib.model import load as model_mod
+from calib.safety.files import expand_user
 
 OVERLAP_WINDOW = 16        # tokens compared to recognise a calibration sample among the eval samples
 
@@ -46,7 +47,7 @@ def sample_length(bucket: int, context: int | None) -> int:
 
 
 def _same_source(a: str, b: str) -> bool:
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    pa, pb = expand_user(a), expand_user(b)
     return pa.resolve() == pb.resolve() if pa.exists() and pb.exists() else a == b
 
 

@@ -5,6 +5,7 @@ Importing this module must stay cheap (no torch): heavy modules are imported ins
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -13,6 +14,7 @@ from calib import resources
 from calib.errors import KvcalibError
 from calib.evaluation import emulate as emulate_mod
 from calib.evaluation import significance
+from calib.safety import outputs
 
 
 @click.command("plan")
@@ -56,17 +58,22 @@ def plan(routes_file, model_src, scales, emulation, passkey_trials, max_skip, en
             if vllm_venv is None:
                 raise click.ClickException("--engine vllm needs --vllm-venv PATH (or KVCALIB_VLLM_VENV)")
             engine_spec = EngineSpec(engine, vllm_venv, kv_gib=engine_kv_gib)
+        from calib.model.default_model import DIR_NAME
+
+        name = DIR_NAME if model_src is None else Path(str(model_src).rstrip("/")).name
+        base = EvalConfig(model=str(model_src or ""), data="", out=out or Path("out") / f"{name}-plan",
+                          scales=tuple(scales), emulate=emulation, passkey_trials=passkey_trials, plots=plots,
+                          thresholds=Thresholds(max_skip=max_skip), device=device,
+                          cpu_dtype=cpu_dtype or (None if engine else "float32"), force=True, engine=engine_spec)
+        plan_mod.check(routes, base, force)      # every input and option, before the default model is built
         if model_src is None:
             from calib.model.default_model import ensure_default_model
 
             model_src = str(ensure_default_model(resources.build_dir(), log=lambda m: click.echo(m, err=True)))
-        name = Path(str(model_src).rstrip("/")).name
-        base = EvalConfig(model=str(model_src), data="", out=out or Path("out") / f"{name}-plan", scales=tuple(scales),
-                          emulate=emulation, passkey_trials=passkey_trials, plots=plots,
-                          thresholds=Thresholds(max_skip=max_skip), device=device,
-                          cpu_dtype=cpu_dtype or (None if engine else "float32"), force=True, engine=engine_spec)
-        doc = plan_mod.run_plan(routes, base, force=force, log=lambda m: click.echo(m, err=True),
-                                progress=Progress((lambda m: click.echo(m, err=True)) if progress else None))
+            base = dataclasses.replace(base, model=model_src)
+        with outputs.terminate_as_interrupt():     # SIGTERM / SIGHUP: the temporary plan and its lock removed
+            doc = plan_mod.run_plan(routes, base, force=force, log=lambda m: click.echo(m, err=True),
+                                    progress=Progress((lambda m: click.echo(m, err=True)) if progress else None))
     except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     for name, r in doc["routes"].items():

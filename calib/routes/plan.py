@@ -28,6 +28,7 @@ from calib.errors import KvcalibError
 from calib.evaluation.config import EvalConfig
 from calib.evaluation.report import Thresholds
 from calib.progress import SILENT, Progress
+from calib.routes import spec
 from calib.routes.spec import Route, Routes, RoutesError
 
 FP8, FP8_SKIP, BF16 = "fp8", "fp8_skip", "bf16"
@@ -131,15 +132,27 @@ def eval_config(route: Route, base: EvalConfig, out: Path) -> EvalConfig:
                                pack=route.pack, thresholds=th, out=out, fit_buckets=False)
 
 
-def check(routes: Routes, base: EvalConfig) -> None:
-    """Every route's evaluation checked before the first one runs (options, data, buckets within the
-    model's context): a bad route stops the plan before any model loads."""
+def inputs(routes: Routes, base: EvalConfig) -> list[tuple[str, str | Path | None]]:
+    """Everything the plan reads: the routes file, the model, every --scales checkpoint and every route's data.
+    The plan folder may be none of them, hold none and lie inside none (calib/safety/outputs.py)."""
+    return [("the routes file", routes.source), ("the model folder", base.model or None),
+            *(("a --scales checkpoint", s) for s in base.scales),
+            *((f"route '{r.name}' data", r.data) for r in routes.routes)]
+
+
+def check(routes: Routes, base: EvalConfig, force: bool = False) -> None:
+    """Every route's evaluation checked before the first one runs (the plan folder against every input, options,
+    data, buckets within the model's context): a bad route stops the plan before any model loads."""
     from calib.data import sources as data_mod
+    from calib.evaluation import served
     from calib.evaluation.config import check_buckets
     from calib.model import context
-    from calib.safety import options
+    from calib.safety import options, outputs
 
-    ctx = context.of_directory(base.model)
+    outputs.check_folder(Path(base.out), force=force, inputs=inputs(routes, base))
+    outputs.check_room(Path(base.out))
+    served.check(base.target, base.engine_version)
+    ctx = context.of_directory(base.model) if base.model else None    # "": the default model, not built yet
     for r in routes.routes:
         cfg = eval_config(r, base, Path(base.out) / r.name)
         try:
@@ -184,16 +197,19 @@ def run_plan(routes: Routes, base: EvalConfig, *, force: bool = False, log: Log 
     from calib.evaluation.run import run_eval
     from calib.safety.outputs import atomic_dir
 
-    check(routes, base)
+    out = Path(base.out)
+    check(routes, base, force)
     decisions = []
-    with atomic_dir(Path(base.out), force, kind="serving plan", inputs=[("the routes file", str(routes.source)),
-                                                                      ("the model folder", base.model)]) as tmp:
-        for r in routes.routes:
-            log(f"plan: route `{r.name}` ({r.data}, buckets {list(r.buckets)})")
-            result = run_eval(eval_config(r, base, tmp / r.name), log=log, progress=progress)
-            decisions.append(decide(r, base.model, result))
-            log(f"plan: route `{r.name}`: {decisions[-1].decision} ({decisions[-1].why})")
+    with atomic_dir(out, force, kind="serving plan", inputs=inputs(routes, base)) as tmp:
+        try:
+            for r in routes.routes:
+                log(f"plan: route `{r.name}` ({r.data}, buckets {list(r.buckets)})")
+                result = run_eval(eval_config(r, base, tmp / r.name), log=log, progress=progress)
+                decisions.append(decide(r, base.model, result))
+                log(f"plan: route `{r.name}`: {decisions[-1].decision} ({decisions[-1].why})")
+        except KvcalibError as e:     # the route's evaluation names its folder: the user's --out, not ours
+            raise RoutesError(f"route '{r.name}': {str(e).replace(str(tmp), str(out))}") from None
         doc = plan_doc(base.model, routes, decisions)
-        (tmp / "plan.json").write_text(json.dumps(doc, indent=2) + "\n")
-        (tmp / "plan.md").write_text(markdown(doc))
+        (tmp / spec.PLAN_FILES[0]).write_text(json.dumps(doc, indent=2) + "\n")
+        (tmp / spec.PLAN_FILES[1]).write_text(markdown(doc))
     return doc

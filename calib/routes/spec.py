@@ -23,9 +23,13 @@ from typing import Any
 
 from calib.errors import KvcalibError
 from calib.recipe import safeyaml
+from calib.safety.files import expand_user
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_ROUTES = 64
+# the plan folder's own files beside the route folders (calib/routes/plan.py writes them): a route of that name
+# would collide with them after every route was evaluated
+PLAN_FILES = ("plan.json", "plan.md")
 
 
 class RoutesError(KvcalibError, ValueError):
@@ -89,16 +93,35 @@ def _bar(v: Any, where: str) -> Bar:
 
 
 def _data(v: Any, base: Path, where: str) -> Path:
+    """The route's data as an absolute path (`~` expanded, relative to the routes file's folder), present and
+    not empty: checked on a few bytes, never by reading a file whole (route data may be larger than memory)."""
     if not isinstance(v, str) or not v.strip():
         raise RoutesError(f"{where} field 'data' = {v!r}: give the path of the route's held-out data")
-    path = Path(v).expanduser()
+    try:
+        path = expand_user(v, f"{where} field 'data':")
+    except KvcalibError as e:
+        raise RoutesError(str(e)) from None
     path = path if path.is_absolute() else base / path
     if not path.exists():
         raise RoutesError(f"{where} field 'data': {path} not found; each route needs its own held-out data")
-    files = [path] if path.is_file() else [p for p in sorted(path.rglob("*")) if p.is_file()]
-    if not any(f.stat().st_size and f.read_bytes()[:1 << 16].strip() for f in files):
+    if not (path.is_dir() or path.is_file()):
+        return path          # a pipe: checked by the data reader (calib.data.sources), never read here
+    files = [path] if path.is_file() else (p for p in sorted(path.rglob("*")) if p.is_file())
+    if not any(_holds_text(f) for f in files):
         raise RoutesError(f"{where} field 'data': {path} is empty; give the route held-out records")
     return path
+
+
+def _holds_text(path: Path, chunk: int = 1 << 16) -> bool:
+    """Whether the file holds anything but whitespace, read a chunk at a time up to the first byte that is not."""
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(chunk):
+                if block.strip():
+                    return True
+    except OSError:
+        return True          # unreadable: the data reader names the file and the reason
+    return False
 
 
 def _route(name: Any, v: Any, base: Path, where: str) -> Route:
@@ -138,5 +161,20 @@ def load(path: str | Path) -> Routes:
         raise RoutesError(f"{where}: field 'routes' must map route names to their data, buckets and bar")
     if len(routes) > MAX_ROUTES:
         raise RoutesError(f"{where}: {len(routes)} routes; at most {MAX_ROUTES}")
+    _names(routes, where)
     base = path.resolve().parent
     return Routes(path, tuple(_route(n, v, base, where) for n, v in routes.items()))
+
+
+def _names(routes: dict[Any, Any], where: str) -> None:
+    """No route named like the plan's own files, and no two routes whose folders are one folder on a file system
+    that ignores case (macOS, Windows): both are checked before any route is read or evaluated."""
+    seen: dict[str, Any] = {}
+    for name in routes:
+        key = str(name).lower()
+        if key in PLAN_FILES:
+            raise RoutesError(f"{where}: route name {name!r} is the plan's own file {key}; rename the route")
+        if key in seen:
+            raise RoutesError(f"{where}: routes {seen[key]!r} and {name!r} differ only in case (one folder on many "
+                              "file systems); rename one")
+        seen[key] = name

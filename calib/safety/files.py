@@ -38,6 +38,21 @@ class LinkError(KvcalibError, ValueError):
     """Something other than a plain new file sits where kvcalib creates one; nothing was written."""
 
 
+class PathError(KvcalibError, ValueError):
+    """A path the user gave cannot be turned into a place on this machine (`~user` of an unknown user)."""
+
+
+def expand_user(path: str | Path, what: str = "") -> Path:
+    """`path` with a leading `~` / `~user` expanded. pathlib raises a bare RuntimeError (a traceback) for a user
+    this machine does not know or a home it cannot find: here it is one line naming `what` and the path."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        head = str(path).split("/", 1)[0]
+        who = f"no user {head[1:]!r} on this machine" if len(head) > 1 else "no home folder is known here"
+        raise PathError(f"{what + ' ' if what else ''}{path}: {who} ({head}); give the full path") from None
+
+
 def refuse_link(path: Path) -> None:
     """A one-line error when `path` itself is a symbolic link."""
     if os.path.islink(path):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from calib.errors import KvcalibError
+from calib.safety.files import expand_user
 
 
 class OptionError(KvcalibError, ValueError):
@@ -24,8 +25,8 @@ class OptionError(KvcalibError, ValueError):
 def same_file(a: str | Path, b: str | Path) -> bool:
     """Whether two inputs are one file: the same file system object (device and inode: one path resolved
     through links, or two hard links), or, when either does not exist (a dataset id), the same text."""
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
     try:
+        pa, pb = expand_user(a), expand_user(b)
         sa, sb = os.stat(pa), os.stat(pb)
     except (OSError, ValueError):
         return str(a) == str(b)

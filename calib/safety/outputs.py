@@ -66,12 +66,12 @@ def lock_path(out: Path) -> Path:
     return out.parent / f".{out.name}{LOCK_TAG}"
 
 
-def _abs(p: str | Path) -> Path:
-    return Path(os.path.abspath(Path(p).expanduser()))
+def _abs(p: str | Path, what: str = "") -> Path:
+    return Path(os.path.abspath(files.expand_user(p, what)))
 
 
-def _real(p: str | Path) -> Path:
-    return Path(p).expanduser().resolve()
+def _real(p: str | Path, what: str = "") -> Path:
+    return files.expand_user(p, what).resolve()
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -94,11 +94,11 @@ def _check_parent(path: Path, option: str) -> None:
 def _check_inputs(path: Path, inputs: Inputs, option: str, *, folder: bool) -> None:
     """`path` must not be an input, contain one (folder outputs), or lie inside one that is not a file. An
     input that does not exist yet (another output) still may not be `path` or hold it."""
-    out = _real(path)
+    out = _real(path, option)
     for label, src in inputs:
         if src is None:
             continue
-        p = _real(src)
+        p = _real(src, label)
         if out == p:
             raise OutputError(f"{option} {path} is {label} ({src}); choose a new path")
         if folder and out in p.parents and p.exists():
@@ -136,7 +136,7 @@ def foreign_files(folder: Path) -> list[str]:
 def check_folder(out: Path, *, force: bool, inputs: Inputs = (), option: str = "--out") -> None:
     """May a folder output be written at `out`? Raises OutputError naming the reason and the fix."""
     out = Path(out)
-    real, cwd = _real(out), Path.cwd().resolve()
+    real, cwd = _real(out, option), Path.cwd().resolve()
     if real == cwd or real in cwd.parents:
         where = "is the current folder" if real == cwd else "holds the current folder"
         raise OutputError(f"{option} {out} {where}; choose a new folder for the output")

@@ -137,3 +137,61 @@ def test_a_bad_route_stops_the_plan_before_any_model_loads(two_routes, tmp_path)
         f"Error: {routes}: route 'docs': --buckets 512: longer than the context of MODEL {src} (128 tokens: "
         "max_position_embeddings 128); use buckets of at most 128"]
     assert not (tmp_path / "o").exists()
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_plan_never_writes_over_or_into_what_it_reads(two_routes, tmp_path):
+    """`--out` is never a --scales checkpoint (a kvcalib output, which --force alone would replace), a route's
+    data, the routes file or the model, and never lies inside one: refused before any model loads."""
+    from helpers import calibrate_small
+
+    tmp, src = two_routes
+    ck = calibrate_small(src, tmp / "chat.jsonl", tmp_path / "ck")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "chat.jsonl").write_text((tmp / "chat.jsonl").read_text())
+    routes = tmp_path / "routes.yaml"
+    routes.write_text("routes:\n  chat: {data: data, buckets: [32]}\n")
+    before = _snapshot(tmp_path)
+    for out, message in ((ck, f"--out {ck} is a --scales checkpoint ({ck}); choose a new path"),
+                         (data, f"--out {data} is route 'chat' data ({data}); choose a new path"),
+                         (ck / "plan", f"--out {ck / 'plan'} is inside a --scales checkpoint ({ck})"),
+                         (src / "plan", f"--out {src / 'plan'} is inside the model folder ({src})")):
+        r = CliRunner().invoke(main, ["plan", "--routes", str(routes), "--model", str(src), "--scales", str(ck),
+                                      "--out", str(out), "--force", "--device", "cpu"])
+        assert r.exit_code == 1 and len(r.output.splitlines()) == 1 and r.output.startswith(f"Error: {message}"), \
+            r.output
+    assert _snapshot(tmp_path) == before
+
+
+def test_sigterm_during_plan_removes_its_temporary_folder_and_lock(two_routes, tmp_path):
+    """SIGTERM / SIGHUP unwind like Ctrl-C while the routes are evaluated: no plan, no temporary folder, no lock."""
+    import signal
+    import subprocess
+
+    from helpers import default_sigint
+
+    tmp, src = two_routes
+    code = ("import sys, time\nimport calib.evaluation.run as mod\n"
+            "def slow(*a, **k):\n    print('STAGE-REACHED', flush=True)\n    time.sleep(60)\n"
+            "mod.run_eval = slow\nfrom calib.cli import main\nsys.argv = ['kvcalib', *sys.argv[1:]]\nmain()\n")
+    home = tmp_path / "plans"
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        proc = subprocess.Popen([sys.executable, "-c", code, "plan", "--routes", str(tmp / "routes.yaml"), "--model",
+                                 str(src), "--device", "cpu", "--out", str(home / "plan")], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint)
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "STAGE-REACHED" in line:
+                break
+        assert "STAGE-REACHED" in "".join(seen), "".join(seen)
+        # the signal lands while the temporary plan folder and its lock exist beside OUT
+        assert [p.name for p in home.glob(".plan.kvcalib-tmp-*")] and (home / ".plan.kvcalib-lock").exists()
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        assert proc.returncode != 0
+        assert not home.exists() or list(home.iterdir()) == []

@@ -90,6 +90,16 @@ BAD = [
     ("routes:\n  chat: {data: '', buckets: [512]}", "route 'chat' field 'data' = '': give the path"),
     ("routes:\n  chat: {data: chat.jsonl, buckets: [512]}\n  chat: {data: chat.jsonl, buckets: [64]}", "duplicate"),
     ("routes:\n  chat: &a {data: chat.jsonl, buckets: [512]}\n  two: *a", "anchor"),
+    # names the plan folder writes itself, and names one folder apart on a case-blind file system
+    ("routes:\n  plan.json: {data: chat.jsonl, buckets: [512]}",
+     ": route name 'plan.json' is the plan's own file plan.json; rename the route"),
+    ("routes:\n  chat: {data: chat.jsonl, buckets: [512]}\n  Plan.MD: {data: chat.jsonl, buckets: [512]}",
+     ": route name 'Plan.MD' is the plan's own file plan.md"),
+    ("routes:\n  chat: {data: chat.jsonl, buckets: [512]}\n  Chat: {data: chat.jsonl, buckets: [512]}",
+     ": routes 'chat' and 'Chat' differ only in case"),
+    # data paths: a user this machine does not know, a home it cannot find
+    ("routes:\n  chat: {data: '~nosuchuser/chat.jsonl', buckets: [512]}",
+     "route 'chat' field 'data': ~nosuchuser/chat.jsonl: no user 'nosuchuser' on this machine (~nosuchuser)"),
 ]
 
 
@@ -105,3 +115,21 @@ def test_bad_input_is_one_line_naming_the_route_and_field(folder, text, message)
 def test_a_missing_routes_file(tmp_path):
     with pytest.raises(spec.RoutesError, match=r"routes file .*nope.yaml not found"):
         spec.load(tmp_path / "nope.yaml")
+
+
+def test_route_data_emptiness_is_read_a_chunk_at_a_time(folder):
+    """Whitespace past the first chunk, then a record: not empty. A file far larger than memory (sparse) is
+    checked on its first bytes, never read whole."""
+    (folder / "late.jsonl").write_text(" " * (1 << 17) + '{"text": "x"}\n')
+    with open(folder / "huge.jsonl", "wb") as f:
+        f.write(b'{"text": "x"}\n')
+        f.truncate(1 << 40)       # a terabyte, sparse: reading it whole would take the machine down
+    r = _load(folder, "routes:\n  a: {data: late.jsonl, buckets: [512]}\n  b: {data: huge.jsonl, buckets: [512]}\n")
+    assert [x.data for x in r.routes] == [folder / "late.jsonl", folder / "huge.jsonl"]
+
+
+def test_no_home_is_one_line(folder, monkeypatch):
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr("pwd.getpwuid", lambda uid: (_ for _ in ()).throw(KeyError(uid)))
+    with pytest.raises(spec.RoutesError, match="field 'data': ~/chat.jsonl: no home folder is known here"):
+        _load(folder, "routes:\n  chat: {data: '~/chat.jsonl', buckets: [512]}\n")
