@@ -84,12 +84,12 @@ def starts(arms: Sequence[Any], model: str) -> int:
 
 
 def served_skip(arm: Any) -> list[int | str]:
-    """The engine's skip list of an arm: a skipped layer kind by its name (vLLM's "sliding_window", which covers
-    exactly the layers the arm skips), then the other skipped layer indices."""
+    """The engine's skip list of an arm: the skipped layer indices, with a skipped layer kind by its name instead
+    of its layers (vLLM's "sliding_window", which covers exactly the layers the arm skips); `support.skip_order`."""
     kind = getattr(arm, "skip_kind", None)
     if not kind:
-        return sorted(set(arm.skip) | set(arm.serve_skip))
-    return [kind, *sorted(set(arm.serve_skip))]
+        return support.skip_order([*arm.skip, *arm.serve_skip])
+    return support.skip_order([kind, *arm.serve_skip])
 
 
 @dataclass

@@ -27,6 +27,7 @@ from typing import Any
 
 from calib.ckpt import fingerprint, integrity
 from calib.ckpt.kvinfo import read_kv_info
+from calib.engine.support import skip_order
 
 ONE = [1.0]
 
@@ -74,9 +75,10 @@ def identity(model: str) -> tuple[str, ...]:
 
 
 def key(spec: dict[str, Any], ident: Callable[[str], tuple[str, ...]] = identity) -> tuple[Any, ...]:
-    """The serve configuration of a request arm: arms with equal keys share one engine start."""
+    """The serve configuration of a request arm: arms with equal keys share one engine start (skip lists equal as
+    sets are one configuration, whatever their order)."""
     layout = (spec.get("scales") or {}).get("layout")
-    return (ident(spec["model"]), spec["kv_cache_dtype"], tuple(spec["skip_layers"]), layout)
+    return (ident(spec["model"]), spec["kv_cache_dtype"], tuple(skip_order(spec["skip_layers"])), layout)
 
 
 def group(specs: Sequence[dict[str, Any]], ident: Callable[[str], tuple[str, ...]] = identity) -> list[list[int]]:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from calib.engine import support
 from calib.errors import KvcalibError
 from calib.model.layer_kinds import engine_requests_fit
 
@@ -59,8 +60,9 @@ class ServingSpec:
 
 
 def config_key(arm_spec: dict[str, Any]) -> str:
-    """What speed depends on, from a runner arm spec: the KV dtype and the layers kept in the model dtype."""
-    skip = ",".join(str(i) for i in sorted(arm_spec.get("skip_layers") or []))
+    """What speed depends on, from a runner arm spec: the KV dtype and the layers kept in the model dtype (numbers
+    and kind names, `support.skip_order`: one key per set)."""
+    skip = ",".join(map(str, support.skip_order(arm_spec.get("skip_layers") or [])))
     return f"kv={arm_spec['kv_cache_dtype']} skip=[{skip}]"
 
 

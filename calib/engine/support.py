@@ -488,6 +488,15 @@ def who_serves(kv_format: str, granularity: str = "tensor") -> str:
 SKIP_KINDS = {"vllm": ("sliding_window",)}
 
 
+def skip_order(items: Iterable[int | str]) -> list[int | str]:
+    """A skip list in one order whatever order it was built in: layer numbers ascending, then kind names. The flag
+    takes both, and Python cannot sort a number against a name; a list that names a kind and numbers layers (a
+    checkpoint's own skips on a hybrid model) must still give one key, one engine start and one flag per set."""
+    seen = set(items)
+    names = sorted(i for i in seen if isinstance(i, str))
+    return [*sorted(i for i in seen if not isinstance(i, str)), *names]
+
+
 def skip_by_kind(engine_name: str, kind: str = "sliding_window") -> str | None:
     """None when `engine_name` keeps layers of `kind` at the model dtype by name; else the one line saying it
     cannot, and what it can do instead (from the skip_layers cell of the support matrix)."""

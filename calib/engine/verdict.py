@@ -103,9 +103,9 @@ def decisive(entry: Entry) -> Numbers:
 
 def how_to_serve(info: ArmInfo) -> str:
     """How to serve an arm, with the engine that serves its KV dtype."""
-    skip: list[int | str] = sorted(set(info.serve_skip) | set(info.skip))
+    skip = support.skip_order([*info.serve_skip, *info.skip])
     if getattr(info, "skip_kind", None):          # served by the kind's name, which covers exactly those layers
-        skip = [info.skip_kind, *sorted(info.serve_skip)]
+        skip = support.skip_order([info.skip_kind, *info.serve_skip])
     if info.kind == "format":
         return format_serving(info.dtype, skip)
     if info.dtype == "int8":

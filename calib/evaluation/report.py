@@ -26,6 +26,7 @@ from typing import Any
 
 from calib.engine import formats as kv_formats
 from calib.engine import report as engine_report
+from calib.engine import support
 from calib.engine import verdict as honest
 from calib.engine.verdict import SKIP_FLAG, decisive
 from calib.evaluation import markdown as render
@@ -307,7 +308,7 @@ def _skip_trial(results: Results, name: str) -> tuple[list[int], str, str]:
     """A skip trial's layers kept unquantised, the engine flag that serves them, and the arm it was cut from."""
     info = results[name].info
     layers = sorted(set(info.skip) | set(info.serve_skip))
-    named = [info.skip_kind, *sorted(info.serve_skip)] if info.skip_kind else layers
+    named = support.skip_order([info.skip_kind, *info.serve_skip]) if info.skip_kind else layers
     return layers, f"{SKIP_FLAG} {' '.join(map(str, named))}", name.rsplit(" skip ", 1)[0]
 
 

@@ -64,7 +64,7 @@ def outcomes(recipe: Any, scales: Mapping[int, Any] | None = None, skipped: Iter
     `skipped` the resolved skipped layers (the recipe's own entries when not yet resolved)."""
     from calib.export import TARGETS
 
-    skip = tuple(recipe.skip_layers) if skipped is None else tuple(skipped)
+    skip = tuple(support.skip_order(recipe.skip_layers if skipped is None else skipped))
     ratio = amax_ratio(scales, recipe.kv_dtype.qmax)
     out = {}
     for name in recipe.targets:
@@ -115,7 +115,8 @@ def fold_note(target: Any, recipe: Any, outcome: support.Outcome) -> str | None:
 def serve_lines(target: Any, path: str, outcome: support.Outcome, skipped: Sequence[int | str] = ()) -> list[str]:
     """The serve command for `target`'s variant at `path`, and (when the engine applies the scales as
     calibrated) that it does; what differs is `warnings`'."""
-    lines = [f"serve it with {support.ENGINES[target.name].title}:", f"  {target.serve_command(path, tuple(skipped))}"]
+    command = target.serve_command(path, tuple(support.skip_order(skipped)))
+    lines = [f"serve it with {support.ENGINES[target.name].title}:", f"  {command}"]
     return lines + ([f"  {outcome.summary()}"] if outcome.severity == support.SAME else [])
 
 

@@ -5,16 +5,19 @@ when the engine holds other ones. Runs in kvcalib's venv: no engine here."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from calib.engine import protocol, serve
-from calib.engine.run import request_arm, starts
+from calib.engine import verdict as honest
+from calib.engine.run import request_arm, served_skip, starts
 from calib.evaluation.arms import Geometry, checkpoint_arms, default_arm, reference_arm
 from calib.recipe.dtypes import kv_dtype
-from helpers import calibrate_small, save_model_and_data
+from helpers import arm_metrics, calibrate_small, save_model_and_data
 from tiny import tiny_causal_lm
 
 
@@ -123,3 +126,22 @@ def test_scales_that_did_not_take_are_named_by_layer():
     assert protocol.scales_mismatch(sent, close) is None
     far = _held([{**sent["layers"][0], "k": [0.5 * (1 + 1e-5)]}, sent["layers"][1]])
     assert protocol.scales_mismatch(sent, far).startswith("layer 0: sent k 0.5, engine holds 0.500005")
+
+
+def test_skip_lists_equal_as_sets_share_a_start():
+    """A layer-kind name and layer numbers in any order are one serve configuration (one engine start)."""
+    def spec(skip):
+        return {"model": "m", "kv_cache_dtype": "fp8", "skip_layers": skip, "scales": {"layout": "tensor"}}
+    def ident(model):
+        return ("path", model)
+    assert serve.key(spec(["sliding_window", 7, 2]), ident) == serve.key(spec([2, 7, "sliding_window"]), ident)
+    assert len(serve.group([spec(["sliding_window", 7, 2]), spec([7, "sliding_window", 2])])) == 1
+
+
+def test_a_checkpoints_layer_skips_and_the_sliding_window_skip_are_served_in_one_order():
+    """The engine's skip list of a checkpoint calibrated with layer skips, again with its sliding-window layers
+    kept: the numbers in order, then the kind's name (as the serve key and the report write it)."""
+    arm = SimpleNamespace(skip=(1, 4, 5), serve_skip=(5, 1), skip_kind="sliding_window")
+    assert served_skip(arm) == [1, 5, "sliding_window"]
+    info = replace(arm_metrics(skip=(1, 4, 5), serve_skip=(5, 1)).info, skip_kind="sliding_window")
+    assert "--kv-cache-dtype-skip-layers 1 5 sliding_window`" in honest.how_to_serve(info)

@@ -128,3 +128,11 @@ def test_the_response_cap_grows_with_the_serving_phase():
            "arms": [{"scales": None}]}
     field = serving.request_field(serving.ServingSpec(concurrency=8, output_tokens=512), [64], [64])
     assert protocol.response_cap({**req, "serving": field}) > protocol.response_cap(req) + 16 * 512 * 32
+
+
+def test_a_skip_list_of_layer_numbers_and_kind_names_has_one_key_per_set():
+    """vLLM's skip flag takes layer numbers and names ("sliding_window"): a checkpoint with layer skips on a hybrid
+    model mixes them, and the key must not depend on the order the list was built in (nor crash on it)."""
+    key = serving.config_key({"kv_cache_dtype": "fp8", "skip_layers": ["sliding_window", 10, 3]})
+    assert key == serving.config_key({"kv_cache_dtype": "fp8", "skip_layers": [3, "sliding_window", 10]})
+    assert key == "kv=fp8 skip=[3,10,sliding_window]"

@@ -186,3 +186,8 @@ def test_skip_by_layer_kind_per_engine():
     for name in ("trtllm", "sglang"):
         line = s.skip_by_kind(name)
         assert line.startswith(f"{s.ENGINES[name].title} cannot keep sliding-window layers") and "\n" not in line
+
+
+def test_skip_order_puts_numbers_in_order_then_names_once_each():
+    assert s.skip_order(["sliding_window", 10, 3, 3]) == [3, 10, "sliding_window"]
+    assert s.skip_order([]) == []

@@ -129,3 +129,10 @@ def test_outcomes_follow_the_matrix(targets, dtype, ratio, refused):
     for n, o in found.items():
         assert o.calibrated.amax_ratio == pytest.approx(ratio)
         assert o.refused == support.outcome(n, o.calibrated).refused
+
+
+def test_a_skip_list_of_numbers_and_a_kind_name_reads_the_same_in_any_order():
+    """The recipe's own skip entries, numbers and `sliding_window` in the order written, name one set."""
+    found = [serve.outcomes(Recipe(skip_layers=skip, targets=("vllm",)))["vllm"].calibrated.skip_layers
+             for skip in (("sliding_window", 10, 3), (3, "sliding_window", 10))]
+    assert found[0] == found[1] == (3, 10, "sliding_window")
