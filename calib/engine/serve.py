@@ -37,12 +37,21 @@ def layers_of(arm: Any) -> list[int]:
     return sorted(set(arm.k) | set(arm.v) | set(arm.skip) | set(arm.serve_skip))
 
 
+def held_q(q: list[float], n: int) -> list[float]:
+    """The q scales an engine with `n` per layer (KV heads; 1 per tensor) holds for a layer that stores `q`: one
+    per query head is reduced to the max of each KV head's group of consecutive query heads, as vLLM's
+    compressed-tensors loader does (CompressedTensorsKVCacheMethod.create_weights, _tp_aware_loader). With one KV
+    head (MQA) or per tensor, every query head is in the one group: its max. A length that is no multiple of `n`
+    is sent as stored, so the read-back names the layer."""
+    if len(q) == n or len(q) % n:
+        return list(q)
+    g = len(q) // n
+    return [max(q[j * g:(j + 1) * g]) for j in range(n)]
+
+
 def _row(layer: int, n: int, sc: dict[str, list[float]]) -> dict[str, Any]:
-    q = sc.get("q") or [1.0] * n
-    if n > 1 and len(q) != n and len(q) % n == 0:      # per query head -> max per KV-head group, as vLLM loads it
-        g = len(q) // n
-        q = [max(q[j * g:(j + 1) * g]) for j in range(n)]
-    return {"layer": layer, "k": list(sc.get("k") or [1.0] * n), "v": list(sc.get("v") or [1.0] * n), "q": list(q)}
+    q = held_q(sc.get("q") or [1.0] * n, n)
+    return {"layer": layer, "k": list(sc.get("k") or [1.0] * n), "v": list(sc.get("v") or [1.0] * n), "q": q}
 
 
 def scales_of(arm: Any) -> dict[str, Any] | None:

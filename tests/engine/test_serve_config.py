@@ -145,3 +145,31 @@ def test_a_checkpoints_layer_skips_and_the_sliding_window_skip_are_served_in_one
     assert served_skip(arm) == [1, 5, "sliding_window"]
     info = replace(arm_metrics(skip=(1, 4, 5), serve_skip=(5, 1)).info, skip_kind="sliding_window")
     assert "--kv-cache-dtype-skip-layers 1 5 sliding_window`" in honest.how_to_serve(info)
+
+
+def _loaded_q(stored, heads, kv_heads, strategy):
+    """vLLM's loader rule, brute force: per KV head (compressed-tensors `attn_head`) query head h belongs to KV head
+    h // (heads // kv_heads) and the engine holds the max of each KV head's query scales; per tensor it holds one."""
+    if strategy == "tensor":
+        return [max(stored)]
+    return [max(s for h, s in enumerate(stored) if h // (heads // kv_heads) == j) for j in range(kv_heads)]
+
+
+@pytest.mark.parametrize("kv_heads,heads,strategy", [(1, 4, "attn_head"), (2, 8, "attn_head"), (4, 4, "attn_head"),
+                                                     (1, 4, "tensor")])
+def test_q_scales_sent_are_what_the_loader_holds_per_kv_head(monkeypatch, kv_heads, heads, strategy):
+    """Per query head q scales reach the engine reduced to its q tensor: one per KV head (MQA and GQA alike, MHA
+    unchanged), one per tensor; k/v as stored."""
+    per = kv_heads if strategy == "attn_head" else 1
+    stored = {i: {"k": [0.5 + i] * per, "v": [0.25] * per, "q": [0.125 * (i + 1) * (1 + (h * 7) % 5)
+                                                                     for h in range(heads)]} for i in range(2)}
+    monkeypatch.setattr(serve, "read_kv_info", lambda _: SimpleNamespace(kv_scheme={"strategy": strategy},
+                                                                         scales=stored))
+    arm = SimpleNamespace(dtype=kv_dtype("fp8_e4m3"), kind="checkpoint", source="ck", k=stored, v=stored, skip=(),
+                          serve_skip=())
+    sent = serve.scales_of(arm)
+    assert sent["layout"] == ("head" if strategy == "attn_head" else "tensor")
+    for row in sent["layers"]:
+        sc = stored[row["layer"]]
+        assert row["q"] == _loaded_q(sc["q"], heads, kv_heads, strategy)
+        assert row["k"] == sc["k"] and row["v"] == sc["v"]
