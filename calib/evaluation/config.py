@@ -77,10 +77,6 @@ def check_eval(cfg: EvalConfig) -> None:
         emulate.by_name(cfg.emulate)
     except ValueError as e:
         raise EvalError(f"--emulate: {e}") from None
-    if cfg.budget_minutes is not None and not cfg.budget_minutes > 0:
-        raise EvalError(f"--budget-minutes {cfg.budget_minutes:g}: give a positive number of minutes")
-    if cfg.emulate_up_to is not None and cfg.emulate_up_to < 2:
-        raise EvalError(f"--emulate-up-to {cfg.emulate_up_to}: give a token length (at least 2)")
     data_mod.check_source(cfg.data)
     served.check(cfg.target, cfg.engine_version)
     if not cfg.fit_buckets:

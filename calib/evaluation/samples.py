@@ -101,7 +101,23 @@ def select_samples(cfg: EvalConfig, tokenizer: Any, vocab: int | None, buckets: 
     used.column, used.skipped_short = read.column, read.skipped_short
     if not out:
         raise EvalError(f"DATA {cfg.data}: no held-out samples left ({excluded} were calibration samples)")
+    check_emulated(cfg, out, buckets)
     return out, used, excluded
+
+
+def check_emulated(cfg: EvalConfig, samples: Sequence[Sample], buckets: Sequence[int]) -> None:
+    """Refuse, before any measuring pass, a window of emulated buckets that holds no sample: every emulated number
+    (the reference's included) would be a mean over nothing."""
+    from calib.evaluation import plan
+
+    limit = plan.emulation_limit(cfg.emulate_up_to, buckets, cfg.engine is not None)
+    if limit is None or any(x.bucket <= limit for x in samples):
+        return
+    held = sorted({x.bucket for x in samples})
+    why = f"--emulate-up-to {cfg.emulate_up_to}" if cfg.emulate_up_to is not None else \
+        f"with an engine the emulation covers buckets up to {plan.SHORT_WINDOW} tokens by default, so"
+    raise EvalError(f"{why}: no held-out sample lies in a bucket of at most {limit} tokens (they lie in buckets "
+                    f"{', '.join(map(str, held))}); give --emulate-up-to {held[0]} or more, or shorter held-out data")
 
 
 def padding_share(lengths: Sequence[int], batch_size: int) -> float:

@@ -33,22 +33,43 @@ def same_file(a: str | Path, b: str | Path) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
-def whole(option: str, value: Any, minimum: int = 1) -> None:
-    """`value` (None: not given) must be an int >= minimum."""
+# Upper bounds: far beyond any real run, and low enough that arithmetic on them (seconds = 60 x minutes, a
+# deadline, a pool in bytes) stays finite and fits an integer. A value past one is a typo or a hostile input.
+MAX_MINUTES = 60 * 24 * 366          # a year
+MAX_SECONDS = 60 * MAX_MINUTES
+MAX_TOKENS = 1 << 24                 # a context length (as routes.yaml's buckets)
+MAX_COUNT = 1 << 31                  # samples, prompts, batch sizes
+MAX_GIB = 1 << 20                    # a KV pool
+
+
+def whole(option: str, value: Any, minimum: int = 1, maximum: int | None = None) -> None:
+    """`value` (None: not given) must be an int >= minimum (and <= maximum when one is given)."""
     if value is None:
         return
+    span = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
     if isinstance(value, bool) or not isinstance(value, int):
-        raise OptionError(f"{option} {value!r}: give a whole number >= {minimum}")
-    if value < minimum:
-        raise OptionError(f"{option} {value}: give a whole number >= {minimum}")
+        raise OptionError(f"{option} {value!r}: give a whole number {span}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise OptionError(f"{option} {value}: give a whole number {span}")
 
 
-def number(option: str, value: Any, minimum: float = 0.0) -> None:
-    """`value` (None: not given) must be a finite number >= minimum."""
+def number(option: str, value: Any, minimum: float = 0.0, maximum: float | None = None, *,
+           above: bool = False) -> None:
+    """`value` (None: not given) must be a finite number >= minimum (> minimum with `above`; <= maximum when one is
+    given). inf and NaN never pass: a deadline of inf never fires, and 60 x 1e308 is inf."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
-        raise OptionError(f"{option} {value!r}: give a finite number >= {minimum:g}")
+    low = value > minimum if above else value >= minimum
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and low
+          and (maximum is None or value <= maximum))
+    if not ok:
+        span = f"{'>' if above else '>='} {minimum:g}" + (f" and <= {maximum:.12g}" if maximum is not None else "")
+        raise OptionError(f"{option} {value!r}: give a finite number {span}")
+
+
+def budget(value: Any, option: str = "--budget-minutes") -> None:
+    """A time budget in minutes (None: none): positive, finite, at most a year."""
+    number(option, value, 0, MAX_MINUTES, above=True)
 
 
 def device(value: str | None, option: str = "--device") -> None:
@@ -106,24 +127,31 @@ def calibrate(*, device_name: str | None = None, max_batch_tokens: int | None = 
 
 
 def evaluation(cfg: Any) -> None:
-    """Every numeric option of `kvcalib eval` (an `evaluation.config.EvalConfig`)."""
+    """Every numeric option of `kvcalib eval` (an `evaluation.config.EvalConfig`), and of the commands that run one
+    (plan per route, validate, tune's held-out scoring): finite and within range, before any model loads."""
     device(cfg.device)
     for option, value, minimum in (("--samples", cfg.samples, 1), ("--batch-size", cfg.batch_size, 1),
                                    ("--min-tokens", cfg.min_tokens, 1), ("--passkey-trials", cfg.passkey_trials, 0),
                                    ("--failures", cfg.failures, 0), ("--passkey-drop", cfg.thresholds.passkey_drop, 0),
                                    ("--max-skip", cfg.thresholds.max_skip, 0)):
-        whole(option, value, minimum)
+        whole(option, value, minimum, MAX_COUNT)
     if cfg.engine is not None:       # the engine's settings: a NaN deadline would never fire
-        number("--engine-timeout", cfg.engine.timeout, 1)
-        whole("--engine-top-k", cfg.engine.top_k)
-        whole("--engine-kv-gib", cfg.engine.kv_gib)
+        number("--engine-timeout", cfg.engine.timeout, 1, MAX_SECONDS)
+        whole("--engine-top-k", cfg.engine.top_k, 1, MAX_COUNT)
+        whole("--engine-kv-gib", cfg.engine.kv_gib, 1, MAX_GIB)
     number("--max-kl", cfg.thresholds.max_kl)
     number("--max-ppl-increase", cfg.thresholds.max_ppl_increase)
     number("--dominance", cfg.thresholds.dominance, 1)      # below the median layer's error nothing dominates
     if not cfg.buckets:
         raise OptionError("--buckets: give at least one context length, e.g. 512,2048")
     for b in cfg.buckets:
-        whole("--buckets", b, 2)
+        whole("--buckets", b, 2, MAX_TOKENS)
     if cfg.min_tokens > max(cfg.buckets):
         raise OptionError(f"--min-tokens {cfg.min_tokens} exceeds the largest bucket ({max(cfg.buckets)} tokens): "
                           "every sample would be skipped; lower --min-tokens or add a larger bucket")
+    budget(getattr(cfg, "budget_minutes", None))
+    up_to = getattr(cfg, "emulate_up_to", None)
+    whole("--emulate-up-to", up_to, 2, MAX_TOKENS)
+    if up_to is not None and up_to < min(cfg.buckets):
+        raise OptionError(f"--emulate-up-to {up_to} is below every bucket ({', '.join(map(str, sorted(cfg.buckets)))}):"
+                          f" nothing would be emulated; give at least {min(cfg.buckets)}, or leave it out")

@@ -111,7 +111,7 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
             max_skip=max_skip, max_kl=max_kl, max_ppl_increase=max_ppl_increase, budget_minutes=budget_minutes,
             plots=plots, force=force, device=device,
             cpu_dtype=cpu_dtype or (None if engine else "float32"), trust_remote_code=trust_remote_code,
-            engine=engine_spec, confirm=confirm, formats=parse_formats(formats))
+            engine=engine_spec, confirm=confirm, formats=parse_formats(formats), fit_buckets=buckets is None)
         search.check(cfg)             # before the default model is built or any model loads
         if model_src is None:
             from calib.model.default_model import ensure_default_model

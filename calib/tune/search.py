@@ -31,12 +31,13 @@ from calib.errors import KvcalibError
 from calib.evaluation import emulate
 from calib.evaluation import report
 from calib.evaluation.arms import Geometry, default_arm, format_arms
-from calib.evaluation.config import EvalConfig
+from calib.evaluation.config import EvalConfig, check_buckets
 from calib.evaluation.fakequant import fake_quant_kv
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference
 from calib.evaluation.samples import calibration_windows, select_samples, usable_buckets
 from calib.evaluation.session import Session, open_session
+from calib.model import context
 from calib.model import load as model_mod
 from calib.progress import SILENT, Progress
 from calib.recipe.dtypes import FP8_E4M3
@@ -89,6 +90,7 @@ class TuneConfig:
     engine: Any = None                          # calib.engine.driver.EngineSpec: confirm the short list there
     confirm: int = 3
     formats: tuple[str, ...] = ()               # the engine's own KV formats, emulated next to the candidates
+    fit_buckets: bool = False                   # default buckets: drop those beyond the model's context (given: refuse)
 
     @property
     def emulation(self) -> str:
@@ -117,7 +119,7 @@ def check(cfg: TuneConfig) -> None:
     if cfg.observers is not None:
         space.check_observers(cfg.observers)
     space.check_headrooms(cfg.headrooms)
-    options.whole("--eval-samples", cfg.eval_samples, 1)     # eval's own check would name it --samples
+    options.whole("--eval-samples", cfg.eval_samples, 1, options.MAX_COUNT)   # eval's own check names it --samples
     options.evaluation(cfg.eval_config())
     options.whole("--max-skip", cfg.max_skip, 0)
     if cfg.skips > MAX_SKIP:
@@ -125,12 +127,10 @@ def check(cfg: TuneConfig) -> None:
     if cfg.skips and cfg.target == "trtllm":
         raise TuneError(f"--max-skip {cfg.skips} with --target trtllm: TensorRT-LLM applies one KV dtype to every "
                         "layer and cannot skip any; use --max-skip 0")
-    options.whole("--sensitivity-samples", cfg.sensitivity_samples, 1)
-    options.whole("--confirm", cfg.confirm, 1)
+    options.whole("--sensitivity-samples", cfg.sensitivity_samples, 1, options.MAX_COUNT)
+    options.whole("--confirm", cfg.confirm, 1, options.MAX_COUNT)
     options.whole("--chunk", cfg.chunk, 1)
-    options.number("--budget-minutes", cfg.budget_minutes)
-    if cfg.budget_minutes is not None and cfg.budget_minutes <= 0:
-        raise TuneError(f"--budget-minutes {cfg.budget_minutes:g}: give a positive number of minutes")
+    options.budget(cfg.budget_minutes)
     try:
         emulation = emulate.by_name(cfg.emulation)
     except ValueError as e:
@@ -156,6 +156,8 @@ def check(cfg: TuneConfig) -> None:
     for src in (cfg.data, cfg.eval_data):
         if src:
             data_mod.check_source(src)
+    if cfg.model and not cfg.fit_buckets:     # as eval, plan and validate: a given bucket is never dropped unsaid
+        check_buckets(cfg.buckets, context.of_directory(cfg.model), cfg.model)
     if cfg.stats:
         stats_mod.stats_files(cfg.stats)
 
@@ -277,7 +279,12 @@ def search(cfg: TuneConfig, loaded: Any, source: Path, clock: Clock, log: Log,
     sf = st.any()
     ecfg = cfg.eval_config()
     vocab = getattr(loaded.config, "vocab_size", None)
-    buckets, dropped = usable_buckets(ecfg.buckets, getattr(loaded.config, "max_position_embeddings", None))
+    ctx = context.of_loaded(loaded.config, loaded.tokenizer)
+    if not cfg.fit_buckets:
+        check_buckets(cfg.buckets, ctx, cfg.model)      # again: a hub model's config is read only now
+    buckets, dropped = usable_buckets(ecfg.buckets, ctx.tokens if ctx else None)
+    if dropped:
+        log(f"tune: default buckets {dropped} exceed the model's context ({ctx.tokens} tokens: {ctx.why}): dropped")
     recorded = sf.provenance
     cal = [("the calibration pass", {"data": dict(recorded.data), "recipe": dict(recorded.recipe)})]
     windows, held_out = calibration_windows(cal, cfg.eval_data, loaded.tokenizer, vocab)
