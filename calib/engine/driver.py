@@ -90,7 +90,7 @@ def _last_line(lines: Any) -> str:
 
 # ------------------------------------------------------------------------------------------- children
 
-def _parent_death_signal() -> Callable[[], None] | None:
+def parent_death_signal() -> Callable[[], None] | None:
     """A preexec function that asks Linux to SIGKILL the child when kvcalib dies (None elsewhere). libc is
     resolved here, in the parent: between fork and exec only the call itself runs."""
     if not sys.platform.startswith("linux"):
@@ -159,7 +159,7 @@ def _exited(proc: subprocess.Popen, timeout: float) -> int:
 
 def _spawn(argv: list[str], env: dict[str, str], on_progress: Callable[[dict[str, int]], Any] | None = None) -> _Child:
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env, start_new_session=True, preexec_fn=_parent_death_signal())
+                            env=env, start_new_session=True, preexec_fn=parent_death_signal())
     out: collections.deque = collections.deque(maxlen=TAIL)
     err: collections.deque = collections.deque(maxlen=TAIL)
 

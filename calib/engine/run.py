@@ -30,6 +30,8 @@ DYNAMIC_BACKEND = "TRITON_ATTN"
 # e4m3 only, and TRITON_ATTN views every static FP8 cache as the platform's e4m3), so the runner asks for it there;
 # vLLM's CPU backend serves e5m2 as its own.
 CUDA_BACKEND = {"fp8_e5m2": "FLASHINFER"}
+# What an arm's serve command is made of (its runner spec's fields), kept on its engine entry for `kvcalib validate`.
+SERVE_KEYS = ("model", "kv_cache_dtype", "skip_layers", "attention_backend", "cuda_attention_backend")
 INT8_SERVED_BY = ("vLLM has no INT8 KV cache (the support matrix, calib.engine.support: "
                   + support.who_serves("int8") + ")")
 
@@ -197,6 +199,7 @@ class EngineRun:
                "tokens_per_gib": cap / resp["kv_gib"] if cap and resp["kv_gib"] else None,
                "bytes_per_token": _bytes_per_token(cap, resp["kv_gib"]),
                "seconds": resp["seconds"]}
+        out["serve"] = {k: arm_spec.get(k) for k in SERVE_KEYS}   # how to serve this arm (kvcalib validate)
         if resp.get("kv_groups"):             # the engine's capacity as its hybrid cache manager counts it
             out["kv_groups"] = resp["kv_groups"]
         if self.prompts and self.tokenizer is not None:

@@ -57,6 +57,9 @@ class EvalResult:
     verdict: report.Verdict
     report: dict[str, Any]
     seconds: float
+    samples: tuple[Sample, ...] = ()       # the held-out samples measured (validate serves them as prompts)
+    tokenizer: Any = None
+    context: int | None = None             # the model's context in tokens, where known
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,9 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             meta["memory"] = memory.table(bm, p.reference.name, results, ref.engine)
         doc = report.write(Path(cfg.out), report.Report(meta, ref, results, cfg.thresholds, decided), force=cfg.force,
                            plots=cfg.plots)
-    return EvalResult(Path(cfg.out), ref, results, decided, doc, time.perf_counter() - t_start)
+    ctx = model_context.of_loaded(p.loaded.config, p.loaded.tokenizer)
+    return EvalResult(Path(cfg.out), ref, results, decided, doc, time.perf_counter() - t_start, p.samples,
+                      p.loaded.tokenizer, ctx.tokens if ctx else None)
 
 
 def prepare(cfg: EvalConfig, log: Log) -> Prepared:

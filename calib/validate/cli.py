@@ -13,6 +13,7 @@ from calib import resources
 from calib.errors import KvcalibError
 from calib.evaluation import emulate as emulate_mod
 from calib.evaluation import significance
+from calib.load.spec import LoadSpec
 
 
 @click.command("validate")
@@ -28,12 +29,23 @@ from calib.evaluation import significance
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--passkey-trials", type=int, default=0, show_default=True,
               help=f"Passkey prompts per depth and bucket (0: off; {significance.DEFAULT_TRIALS} detects a 10-point drop).")
-@click.option("--concurrency", type=int, default=4, show_default=True,
-              help="Requests kept in flight while serving (closed loop: a finished request is replaced at once).")
-@click.option("--output-tokens", type=int, default=32, show_default=True,
-              help="Tokens each served request generates (end-of-sequence ignored); at least 2: TPOT excludes the first.")
-@click.option("--requests", type=int, default=0, show_default=True,
-              help="Requests served per bucket (its prompts repeated in order); 0: max(prompts, 2 x concurrency).")
+@click.option("--output-tokens", type=int, default=LoadSpec.output_tokens, show_default=True,
+              help="Tokens each served request generates (end-of-sequence ignored).")
+@click.option("--concurrency", "levels", help="Requests in flight to measure, comma-separated (e.g. 1,8,32). "
+              "Default: double from 1 until the server saturates and past the batch its KV pool holds.")
+@click.option("--max-concurrency", type=int, default=LoadSpec.max_concurrency, show_default=True,
+              help="The highest level an automatic sweep tries.")
+@click.option("--requests-per-level", type=int, default=LoadSpec.requests_per_level, show_default=True,
+              help="Requests sent at a level, as a multiple of the level (at least 4).")
+@click.option("--slo-ttft-ms", type=float, default=LoadSpec.slo_ttft_ms, show_default=True,
+              help="SLO: time to first token (ms). Goodput counts requests meeting both bounds.")
+@click.option("--slo-tpot-ms", type=float, default=LoadSpec.slo_tpot_ms, show_default=True,
+              help="SLO: mean time per output token after the first (ms).")
+@click.option("--speed-noise", type=float, default=LoadSpec.noise, show_default=True,
+              help="Smallest relative goodput gain over BF16 read as real (the measured repeat spread is added).")
+@click.option("--sweep-minutes", type=float, help="Bound each serve configuration's sweep per bucket (minutes).")
+@click.option("--prefix-caching/--no-prefix-caching", default=False, show_default=True,
+              help="Serve with vLLM's prefix caching (off: a repeated prompt costs a whole prefill).")
 @click.option("--emulate", "emulation", type=click.Choice(emulate_mod.names()), default=emulate_mod.DEFAULT,
               show_default=True, help="Whose FP8 arithmetic the emulated quality numbers follow (the engine's decide).")
 @click.option("--max-kl", type=float, default=0.01, show_default=True, help="Quality bar: mean KL (nats) per bucket.")
@@ -46,9 +58,9 @@ from calib.evaluation import significance
 @click.option("--vllm-venv", envvar="KVCALIB_VLLM_VENV", type=click.Path(file_okay=False, path_type=Path),
               help="Virtual environment with vLLM installed (env KVCALIB_VLLM_VENV). Required.")
 @click.option("--engine-kv-gib", type=int, default=1, show_default=True,
-              help="KV-cache pool per engine start in GiB; capacity and the largest batch follow from it.")
+              help="KV-cache pool per engine start in GiB (quality runs and the server alike).")
 @click.option("--engine-timeout", type=float, default=3600.0, show_default=True,
-              help="Seconds one engine start (quality and serving) may take.")
+              help="Seconds one engine start (a quality run, a server start, a load level) may take.")
 @click.option("--budget-minutes", type=float, help="Bound the evaluation's measuring (as `kvcalib eval`): the plan "
               "drops passkey depths, skip trials, emulated long buckets, then the engine's passkey, and says which.")
 @click.option("--emulate-up-to", type=int, help="Emulate buckets up to this many tokens (default 8192; longer "
@@ -61,16 +73,18 @@ from calib.evaluation import significance
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Report folder. Default: out/<model>-validate.")
 @click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never other files).")
-def validate(model_src, data_src, scales, buckets, samples, pack, min_tokens, seed, passkey_trials, concurrency,
-             output_tokens, requests, emulation, max_kl, max_ppl_increase, passkey_drop, max_skip, dominance, failures,
+def validate(model_src, data_src, scales, buckets, samples, pack, min_tokens, seed, passkey_trials, output_tokens,
+             levels, max_concurrency, requests_per_level, slo_ttft_ms, slo_tpot_ms, speed_noise, sweep_minutes,
+             prefix_caching, emulation, max_kl, max_ppl_increase, passkey_drop, max_skip, dominance, failures,
              vllm_venv, engine_kv_gib, engine_timeout, device, cpu_dtype, plots, progress, out, force, formats=None,
              budget_minutes=None, emulate_up_to=None) -> None:
-    """Quality and serving speed per arm in the real engine (BF16 KV, FP8 scale 1.0, each --scales checkpoint,
-    skip trials) on your held-out prompts by length bucket: KL / perplexity / passkey beside TTFT, TPOT, ITL
-    (p50/p90/p99), latency, throughput at --concurrency, KV capacity, largest batch, peak memory, preemptions /
-    OOM; a go / no-go per arm. Writes OUT/validate.md, validate.json, validate.png and OUT/eval/ (the evaluation)."""
+    """Does FP8 KV raise throughput for this workload? Each arm (BF16 KV, FP8 scale 1.0, each --scales checkpoint,
+    skip trials) is evaluated in the engine for quality, then served with `vllm serve` and swept with `vllm bench
+    serve` on your held-out prompts by length bucket: throughput, goodput at the SLO, TTFT / TPOT / ITL / E2E,
+    running and waiting requests, KV usage, preemptions, the engine's own capacity. The decision: the arm with the
+    best goodput within the quality bar, or BF16 where FP8 buys nothing. Writes OUT/validate.md, validate.json,
+    validate.png and OUT/eval/ (the evaluation)."""
     from calib.engine.driver import EngineSpec
-    from calib.engine.serving import ServingSpec
     from calib.evaluation.cli import echo_err, parse_formats, with_model
     from calib.evaluation.config import EvalConfig
     from calib.evaluation.report import Thresholds
@@ -85,8 +99,14 @@ def validate(model_src, data_src, scales, buckets, samples, pack, min_tokens, se
     if vllm_venv is None:
         raise click.ClickException("validate needs --vllm-venv PATH (or KVCALIB_VLLM_VENV): the virtual environment "
                                    "where vLLM is installed (`make engine-venv` builds one)")
-    spec = EngineSpec("vllm", vllm_venv, kv_gib=engine_kv_gib, timeout=engine_timeout,
-                      serving=ServingSpec(concurrency, output_tokens, requests))
+    try:
+        level_list = tuple(int(c) for c in (levels or "").split(",") if c.strip())
+    except ValueError:
+        raise click.ClickException(f"--concurrency {levels!r}: give whole numbers like 1,8,32") from None
+    load = LoadSpec(output_tokens, level_list, max_concurrency, requests_per_level, slo_ttft_ms, slo_tpot_ms,
+                    speed_noise, budget_s=None if sweep_minutes is None else sweep_minutes * 60,
+                    prefix_caching=prefix_caching)
+    spec = EngineSpec("vllm", vllm_venv, kv_gib=engine_kv_gib, timeout=engine_timeout)
     try:
         cfg = EvalConfig(
             model=str(model_src or ""), data=data_src or str(resources.default_data()), out=out or Path("out"),
@@ -96,13 +116,17 @@ def validate(model_src, data_src, scales, buckets, samples, pack, min_tokens, se
                                   max_skip=max_skip, dominance=dominance),
             device=device, cpu_dtype=cpu_dtype, force=force, engine=spec, budget_minutes=budget_minutes,
             emulate_up_to=emulate_up_to)
-        check(cfg)                   # the serving options first: one line naming the option, nothing written
+        check(cfg, load)             # the serving options first: one line naming the option, nothing written
         options.evaluation(cfg)
         cfg = with_model(cfg, model_src, out, "validate")
         with outputs.terminate_as_interrupt():
-            res = run_validate(cfg, log=echo_err, progress=Progress(echo_err if progress else None))
+            res = run_validate(cfg, load, log=echo_err, progress=Progress(echo_err if progress else None))
     except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     for name, arm in res.doc["arms"].items():
         click.echo(f"{name}: {arm['decision']} ({arm['why']})")
+    overall = res.doc["decision"]["overall"]
+    click.echo(f"decision: {overall['recommended'] or 'none'}: {overall['why']}")
+    if res.doc.get("recommended_command"):
+        click.echo(f"serve: {res.doc['recommended_command']}")
     click.echo(f"report: {res.out / 'validate.md'} (speed measured on {res.doc['device']})")
