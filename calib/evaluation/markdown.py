@@ -80,7 +80,11 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
         s = e.summary
         rows.append([n, e.info.kind, e.info.dtype or ref_name, e.info.granularity, s.kl, s.max_bucket_kl, _pct(s.top1),
                      s.ppl, _pct(s.ppl_rel), _passkey_cell(e.passkey), rep.within(n), e.seconds.total])
-    lines += ["## Arms", ""] + table(
+    lines += ["## Arms", ""]
+    if engine_report.has_engine(doc):      # these are emulated; the engine's, over its own samples, follow
+        lines += [f"Emulated numbers, over the {ref.summary.samples} samples the emulation measured; `within threshold` "
+                  "reads the verdict's numbers (the engine's where it ran the arm, over every sample it measured).", ""]
+    lines += table(
         ["arm", "kind", "dtype", "granularity", "mean KL", "worst-bucket KL", "top-1", "ppl", "Δppl", "passkey",
          "within threshold", "seconds"], rows)
     lines += engine_report.markdown(doc, table)

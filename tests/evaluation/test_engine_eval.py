@@ -108,6 +108,9 @@ def test_a_refused_arm_is_not_run_with_the_engines_reason(measured):
     assert default["summary"]["tokens"] > 0                       # the emulation still measured it
     md = (res.out / "report.md").read_text()
     assert "## Emulation vs engine" in md and "- `default`: not run: NotImplementedError: FP8 KV cache" in md
+    # every sample emulated: one side-by-side table, and the arms table says its numbers are the emulation's
+    assert "side by side are over the 8 samples both measured" in md and "| arm | samples |" not in md
+    assert "Emulated numbers, over the 8 samples the emulation measured" in md
 
 
 def test_engine_numbers_decide_where_the_engine_ran(measured):
