@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -240,7 +239,7 @@ def _serve_report(recipe: recipe_mod.Recipe, out: Path, scales, skipped, version
     served = serve.outcomes(recipe, scales, skipped, versions)
     multi = len(recipe.targets) > 1
     for t in recipe.targets:
-        path = shlex.quote(str(out / t if multi else out))
+        path = str(out / t if multi else out)      # quoted by the serve-command builder
         for line in serve.serve_lines(TARGETS[t], path, served[t], skipped):
             click.echo(line)
         for line in serve.warnings(TARGETS[t], recipe, served[t]):

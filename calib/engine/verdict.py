@@ -19,11 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from calib.engine import support
+from calib.engine import command, support
 from calib.evaluation.results import ArmInfo, ArmMetrics, BucketRow, Reference, Summary, passkey_correct
 
 ENGINE, EMULATION = "engine", "emulation"
-SKIP_FLAG = "--kv-cache-dtype-skip-layers"
+SKIP_FLAG = command.SKIP_FLAG
 
 
 def int8_serving() -> str:
@@ -101,35 +101,52 @@ def decisive(entry: Entry) -> Numbers:
                    passkey_correct(g.get("passkey")), tuple(g.get("sample_nll") or ()))
 
 
-def how_to_serve(info: ArmInfo) -> str:
-    """How to serve an arm, with the engine that serves its KV dtype."""
+def how_to_serve(info: ArmInfo, target: str | None = None) -> str:
+    """How to serve an arm on `target` (None: vLLM, the engine eval measures), its flags from the one builder every
+    command prints (calib.engine.command): never another engine's flag, never vLLM's for INT8."""
     skip = support.skip_order([*info.serve_skip, *info.skip])
     if getattr(info, "skip_kind", None):          # served by the kind's name, which covers exactly those layers
         skip = support.skip_order([info.skip_kind, *info.serve_skip])
+    engine = target or "vllm"
     if info.kind == "format":
-        return format_serving(info.dtype, skip)
+        return format_serving(info.dtype, skip, engine)
     if info.dtype == "int8":
         if info.kind == "stats":
             return f"calibrate with `granularity: {info.granularity}`, dtype int8, only for an engine that applies it: {int8_serving()}"
         where = f"`{info.source}`" if info.source else "INT8 KV with scale 1.0"
         return f"serve {where} only on an engine that applies its scales: {int8_serving()}"
-    flag = f"--kv-cache-dtype {'fp8_e5m2' if info.dtype == 'fp8_e5m2' else 'fp8'}"
-    flag += f" {SKIP_FLAG} {' '.join(map(str, skip))}" if skip else ""
+    how = _on(engine, info.dtype, skip)
     if info.kind == "default":
-        return f"serve with FP8 KV and no scales (vLLM: `{flag}`); calibration is not needed"
+        return f"serve with FP8 KV and no scales ({how}); calibration is not needed"
     if info.kind == "stats":
-        return f"calibrate with `granularity: {info.granularity}` on this data and serve the result (vLLM: `{flag}`)"
-    return f"serve `{info.source}` (vLLM: `{flag}`)"
+        return f"calibrate with `granularity: {info.granularity}` on this data and serve the result ({how})"
+    return f"serve `{info.source}` ({how})"
 
 
-def format_serving(fmt: str, skip: Sequence[int] = ()) -> str:
-    """How to serve a whole KV format (no kvcalib scales): its vLLM flag and, for the per-token-head caches, the
-    attention backend that implements them (the support matrix, calib.engine.support)."""
-    flag = f"--kv-cache-dtype {fmt}" + (f" {SKIP_FLAG} {' '.join(map(str, skip))}" if skip else "")
+def _on(engine: str, dtype: str | None, skip: Sequence[int | str]) -> str:
+    """"vLLM: `--kv-cache-dtype fp8 ...`": the engine and its flags, or why it cannot take them."""
+    title = support.ENGINES[engine].title
+    try:
+        flags = command.flags(engine, dtype, skip)
+    except support.SupportError as e:
+        return f"{title} cannot serve it as measured: {e}"
+    if not flags:
+        return f"{title}: `{' '.join(command.argv(engine, 'CKPT'))}`, the KV dtype read from the checkpoint"
+    return f"{title}: `{' '.join(flags)}`"
+
+
+def format_serving(fmt: str, skip: Sequence[int | str] = (), engine: str = "vllm") -> str:
+    """How to serve a whole KV format (no kvcalib scales) on `engine`: its flags and, for the per-token-head caches,
+    the attention backend that implements them (the support matrix, calib.engine.support)."""
+    title = support.ENGINES[engine].title
+    try:
+        flags = " ".join(command.flags(engine, fmt, skip))
+    except support.SupportError as e:
+        return f"{title} cannot serve it: {e}"
     if fmt in support.DYNAMIC_FORMATS:
-        return (f"serve with `{flag} --attention-backend TRITON_ATTN` (vLLM; scales are computed per token and head "
-                "at the cache write, no calibration; only vLLM's Triton backend implements it)")
-    return f"serve with `{flag}` (vLLM; no scales, no calibration)"
+        return (f"serve with `{flags}` ({title}; scales are computed per token and head at the cache write, no "
+                "calibration; only vLLM's Triton backend implements it)")
+    return f"serve with `{flags}` ({title}; no scales, no calibration)"
 
 
 def paired(a: Sequence[float], b: Sequence[float], tokens: Sequence[int]) -> tuple[float, float] | None:

@@ -156,11 +156,13 @@ class Verdict:
 
 
 def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
-            bytes_model: "memory.Model | None" = None, geometry: tuple[int, int] | None = None) -> Verdict:
+            bytes_model: "memory.Model | None" = None, geometry: tuple[int, int] | None = None,
+            target: str | None = None) -> Verdict:
     """The decision: ship an arm, ship it with layers skipped (measured), or keep the reference KV dtype.
     Raises measurable.CannotMeasure ("cannot measure", naming the arm, where and which number) when any
     measured quantity is NaN or infinite: a comparison with NaN is false, so such an arm would "miss" nothing.
-    `bytes_model` (calib.evaluation.memory): every measured skip is also weighed by the memory it gives back."""
+    `bytes_model` (calib.evaluation.memory): every measured skip is also weighed by the memory it gives back;
+    `target` (eval --target): the engine whose serve flags the advice names (None: vLLM)."""
     measurable.check(ref, results, reference)
     plain = _plain(results)
     ok = sorted((n for n in plain if not failures(plain[n], ref, th)), key=lambda n: _kl(plain[n]))
@@ -182,7 +184,7 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
     confirmed = [(n, honest.skip_confirmed(results[n], results[n.rsplit(" skip ", 1)[0]])) for n in skipped]
     if ok:
         action, arm = "ship", ok[0]
-        text = f"Ship `{arm}` ({kl(arm)}): {honest.how_to_serve(plain[arm].info)}."
+        text = f"Ship `{arm}` ({kl(arm)}): {honest.how_to_serve(plain[arm].info, target)}."
         if len(ok) > 1:
             text += " Also within the threshold: " + "; ".join(f"`{n}` ({kl(n)})" for n in ok[1:]) + "."
     elif any(c for _, (c, _) in confirmed):

@@ -99,7 +99,8 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             trials = skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts)
             results.update(trials)
         bm = bytes_model(cfg, p)
-        decided = report.verdict(ref, results, cfg.thresholds, p.reference.name, bm, (p.geo.kv_heads, p.geo.head_dim))
+        decided = report.verdict(ref, results, cfg.thresholds, p.reference.name, bm, (p.geo.kv_heads, p.geo.head_dim),
+                                  cfg.target)
         seconds = time.perf_counter() - t_start
         ran = "" if not planned.parts.skip_trials else \
             f"; {duration(planned.with_trials(len(trials)))} for the {len(trials)} skip trial(s) that ran"

@@ -115,7 +115,7 @@ def fold_note(target: Any, recipe: Any, outcome: support.Outcome) -> str | None:
 def serve_lines(target: Any, path: str, outcome: support.Outcome, skipped: Sequence[int | str] = ()) -> list[str]:
     """The serve command for `target`'s variant at `path`, and (when the engine applies the scales as
     calibrated) that it does; what differs is `warnings`'."""
-    command = target.serve_command(path, tuple(support.skip_order(skipped)))
+    command = target.serve_command(path, tuple(skipped), outcome.calibrated.dtype)
     lines = [f"serve it with {support.ENGINES[target.name].title}:", f"  {command}"]
     return lines + ([f"  {outcome.summary()}"] if outcome.severity == support.SAME else [])
 

@@ -62,8 +62,5 @@ class SglangTarget(Target):
         return export_sglang(source, out, scales, provenance, force=options.force, overwrite_kv=options.overwrite_kv,
                              extra_files=options.extra_files)
 
-    def serve_command(self, path: str, skip: tuple[int | str, ...] = ()) -> str:
-        return f"python -m sglang.launch_server --model-path {path} --kv-cache-dtype fp8_e4m3"
-
 
 TARGET = SglangTarget()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from calib.ckpt.source import PreparedSource, SourceFiles, check_out_is_not_source, read_source, scan_weights
-from calib.engine import support
+from calib.engine import command, support
 from calib.provenance import Provenance
 from calib.recipe.dtypes import FP8_E4M3, KVDtype
 from calib.recipe.granularity import Granularity, PerTensor
@@ -66,9 +66,10 @@ class Target:
         return any(support.effect(self.name, None, b, FP8_E4M3.name, aspect) is support.Effect.APPLIED
                    for b in support.ENGINES[self.name].backends)
 
-    def serve_command(self, path: str, skip: tuple[int | str, ...] = ()) -> str:
-        """The command that serves the variant at `path` (`skip`: layers kept in the model dtype)."""
-        raise NotImplementedError
+    def serve_command(self, path: str, skip: tuple[int | str, ...] = (), dtype: str = FP8_E4M3.name) -> str:
+        """The command that serves the variant at `path` (`skip`: layers kept in the model dtype), from the one
+        builder every command uses (calib.engine.command); `path` as given, quoted there where it needs it."""
+        return command.line(self.name, path, dtype, skip)
 
     def prepare(self, source: Path | SourceFiles, out: Path, options: WriteOptions = WriteOptions()) -> PreparedSource:
         """Check `source` for this engine's variant before anything is computed or written (ExportError naming

@@ -253,9 +253,6 @@ class TrtllmTarget(Target):
                                                                                options)
         return export_trtllm(prepared, out, scales, provenance, force=options.force, extra_files=options.extra_files)
 
-    def serve_command(self, path: str, skip: tuple[int | str, ...] = ()) -> str:
-        return f"trtllm-serve {path}"      # the KV algorithm comes from hf_quant_config.json
-
 
 TARGET = TrtllmTarget()
 

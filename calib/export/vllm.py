@@ -110,9 +110,5 @@ class VllmTarget(Target):
         return export_vllm(prepared, out, scales, provenance, strategy=self.strategies[options.granularity.name],
                            force=options.force, extra_files=options.extra_files)
 
-    def serve_command(self, path: str, skip: tuple[int | str, ...] = ()) -> str:
-        flag = f" --kv-cache-dtype-skip-layers {' '.join(map(str, skip))}" if skip else ""
-        return f"vllm serve {path} --kv-cache-dtype fp8{flag}"
-
 
 TARGET = VllmTarget()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from calib.engine import command, support
 from calib.engine import verdict as honest
 from calib.errors import KvcalibError
 from calib.evaluation.config import EvalConfig
@@ -32,7 +33,8 @@ from calib.routes import spec
 from calib.routes.spec import Route, Routes, RoutesError
 
 FP8, FP8_SKIP, BF16 = "fp8", "fp8_skip", "bf16"
-VLLM_KV = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}
+VLLM_KV = {k: command.KV_FLAG["vllm"][k] for k in ("fp8_e4m3", "fp8_e5m2")}   # the static formats a route serves
+_KV_NAME = {flag: name for name, flag in VLLM_KV.items()}
 Log = Callable[[str], Any]
 
 
@@ -52,12 +54,9 @@ class Decision:
 
     @property
     def serve_argv(self) -> list[str]:
-        argv = ["vllm", "serve", self.serve_model, "--max-model-len", str(self.max_model_len)]
-        if self.kv_cache_dtype != "auto":
-            argv += ["--kv-cache-dtype", self.kv_cache_dtype]
-        if self.skip_layers:
-            argv += [honest.SKIP_FLAG, *map(str, self.skip_layers)]
-        return argv
+        """From the one serve-command builder calibrate, eval and tune print too (calib.engine.command)."""
+        return command.argv("vllm", self.serve_model, _KV_NAME.get(self.kv_cache_dtype), self.skip_layers,
+                            self.max_model_len)
 
     @property
     def serve(self) -> str:
@@ -107,8 +106,8 @@ def decide(route: Route, model: str, result: Any) -> Decision:
 
     if v.action == "ship":
         for name in v.within_threshold:
-            if _servable(arms[name]):
-                d = chosen(name, arms[name], FP8, ())
+            if _servable(arms[name]):     # a checkpoint's own skipped layers are served as it was measured
+                d = chosen(name, arms[name], FP8, tuple(support.skip_order(arms[name].info.serve_skip)))
                 if d:
                     return d
     if v.action == "ship_with_skip":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import shlex
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -60,7 +59,7 @@ def serve_command(target: str, out: Path, skip: list[int]) -> str:
     """The target's own serve command (calib.export) for the chosen checkpoint."""
     from calib.export import TARGETS
 
-    return TARGETS[target].serve_command(shlex.quote(str(out)), tuple(skip))
+    return TARGETS[target].serve_command(str(out), tuple(skip))
 
 
 def _pick(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
