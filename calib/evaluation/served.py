@@ -51,7 +51,7 @@ def as_served(arms: Sequence[Arm], target: str | None, version: str | None, emul
     backend = backend_for(target, emulation)
     where = f"{e.title} {v}" + (f" ({e.backends[backend]})" if len(e.backends) > 1 else "")
     out = [_served(a, target, v, backend, where) if a.kind in ("checkpoint", "stats") and a.dtype is not None
-           and a.shippable else a for a in arms]
+           and a.shippable else _unserved(a, target, v, (backend,), where) if a.dtype is not None else a for a in arms]
     return out, (f"calibrated arms evaluated as {where} serves them (--target {target}): with the scales it uses, "
                  "see each arm's notes")
 
@@ -79,10 +79,27 @@ def _served(arm: Arm, target: str, v: support.Version, backend: str, where: str)
     return replace(arm, notes=tuple(notes))
 
 
+def _unserved(arm: Arm, target: str, v: support.Version, backends: Sequence[str], where: str,
+              aspects: Sequence[str] = ("tensor",)) -> Arm:
+    """`arm`, marked not shippable (kept for comparison, with the matrix's reason) when any of `backends` refuses
+    its KV format or accepts it broken in any of `aspects`: advice never names what the stated version cannot run.
+    (A skip-layers cell can say "applied" where the cache itself is broken: vLLM 0.32's CPU per-token-head.)"""
+    if not arm.shippable:
+        return arm
+    for b in backends:
+        for aspect in aspects:
+            cell = support.cell(target, v, b, arm.dtype.name, aspect)
+            if cell.effect in (support.Effect.REFUSED, support.Effect.BROKEN):
+                note = f"{where} does not serve {arm.dtype.name}: {cell.effect.value} ({cell.note}); not shippable there"
+                return replace(arm, shippable=False, notes=arm.notes + (note,))
+    return arm
+
+
 def formats_as_served(arms: Sequence[Arm], target: str | None, version: str | None, emulation: str) -> list[Arm]:
-    """Whole-format arms (`--formats`) with a target: an arm whose format the target's backend does not serve at
-    all (refused or broken in the support matrix; read from the format's `skip_layers` cell, which a scale-free
-    format's serving decides) is kept for comparison but marked not shippable, with the matrix's reason."""
+    """Whole-format arms (`--formats`) with a target: an arm whose format the target does not serve at all (refused
+    or broken in the support matrix, for the cache itself or its skipped layers) on the backend the evaluation
+    stands for, or on the one its advice names (vLLM's Triton backend for the per-token-head caches), is kept for
+    comparison but marked not shippable, with the matrix's reason."""
     if target is None:
         return list(arms)
     v = support.version_of(target, version)
@@ -90,8 +107,6 @@ def formats_as_served(arms: Sequence[Arm], target: str | None, version: str | No
     where = f"{support.ENGINES[target].title} {v}"
     out = []
     for a in arms:
-        cell = support.cell(target, v, backend, a.dtype.name, "skip_layers")
-        if cell.effect in (support.Effect.REFUSED, support.Effect.BROKEN):
-            a = replace(a, shippable=False, notes=a.notes + (f"{where} does not serve {a.dtype.name}: {cell.note}",))
-        out.append(a)
+        named = ("triton",) if target == "vllm" and a.dtype.name in support.DYNAMIC_FORMATS else ()
+        out.append(_unserved(a, target, v, tuple(dict.fromkeys((backend, *named))), where, ("tensor", "skip_layers")))
     return out

@@ -79,3 +79,25 @@ def test_eval_target_trtllm_measures_the_calibrated_arm_as_the_default(tmp_path,
     assert any("evaluated as TensorRT-LLM 1.2 serves them" in n for n in doc["notes"])
     md = (tmp_path / "trt" / "report.md").read_text()
     assert "this arm runs at scale 1.0" in md
+
+
+@pytest.mark.parametrize("version, emulation, fmt, why", [
+    ("0.32", "vllm-cpu", "fp8_per_token_head", "accepted but broken"),     # its skip_layers cell says "applied"
+    ("0.32", "vllm-cpu", "int8_per_token_head", "accepted but broken"),
+    ("0.33", "vllm-cpu", "fp8_per_token_head", "refused"),
+    ("0.20", "vllm-fa3", "fp8_per_token_head", "refused"),                # the Triton backend the advice names, too
+    ("0.30", "kv-only", "int4_per_token_head", "refused"),
+])
+def test_a_format_the_stated_version_breaks_or_refuses_is_never_shippable(version, emulation, fmt, why):
+    from calib.evaluation.arms import Geometry, format_arms
+
+    (arm,) = served.formats_as_served(format_arms(Geometry((0,), 2, 16), [fmt]), "vllm", version, emulation)
+    assert not arm.shippable and why in arm.notes[-1] and f"vLLM {version} does not serve {fmt}" in arm.notes[-1]
+
+
+def test_the_default_arm_of_a_format_the_target_refuses_is_not_shippable():
+    default = Arm("default", INT8, {0: torch.tensor(1.0)}, {0: torch.tensor(1.0)}, kind="default")
+    (arm,), _ = served.as_served([default], "vllm", None, "vllm-cpu")
+    assert not arm.shippable and "vLLM 0.34 (CPU) does not serve int8: refused" in arm.notes[-1]
+    (fp8,), _ = served.as_served([Arm("default", FP8_E4M3, {}, {}, kind="default")], "sglang", "0.5.17", "kv-only")
+    assert fp8.shippable          # scale 1.0 is what the default arm is: an engine that ignores scales serves it
