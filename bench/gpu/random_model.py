@@ -23,6 +23,12 @@ SHAPES = {
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rope_theta=500000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    # a Gemma-3-270M-like hybrid: 15 sliding-window layers (window 512) and 3 global; 1 KV head, 4 query heads
+    "gemma3-270m-hybrid": ("gemma3_text", dict(
+        hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, sliding_window=512,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+        rope_theta=1000000.0, rms_norm_eps=1e-6, query_pre_attn_scalar=256)),
     # a Gemma-3-4B-like hybrid: 5 sliding-window layers (window 1024) per global layer
     "gemma3-4b-hybrid": ("gemma3_text", dict(
         hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,

@@ -338,7 +338,7 @@ def bench_argv(venv: Path, srv: Server, dataset: Path, n: int, level: int, resul
     return [*cli(venv), "bench", "serve", "--backend", "vllm", "--base-url", srv.url,
             "--endpoint", "/v1/completions", "--model", "kvcalib-arm", "--tokenizer", tokenizer,
             "--dataset-name", "custom", "--dataset-path", str(dataset), "--custom-output-len", "-1",
-            "--custom-skip-chat-template", "--num-prompts", str(n), "--max-concurrency", str(level),
+            "--skip-chat-template", "--disable-shuffle", "--num-prompts", str(n), "--max-concurrency", str(level),
             "--request-rate", "inf", "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,90,99", "--goodput", f"ttft:{slo_ttft_ms:g}", f"tpot:{slo_tpot_ms:g}",
             "--save-result", "--save-detailed", "--result-dir", str(result.parent), "--result-filename", result.name,
