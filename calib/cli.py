@@ -368,7 +368,7 @@ def verify(ckpt: Path, engine: str, engine_version: str | None) -> None:
     problem, non-zero exit on errors (a result the engine would not serve as calibrated is one)."""
     from calib.ckpt.reader import CheckpointFiles
     from calib.verify import ENGINES, engines, verify as run_verify
-    from calib.verify.applied import applied, refusal_problem
+    from calib.verify.applied import applied, differs_problem, refusal_problem
 
     if engine != "all" and engine not in ENGINES:   # a target whose engine has no checks in calib.verify
         raise click.ClickException(f"kvcalib knows no loader rules for {engine}; it checks {', '.join(ENGINES)}")
@@ -381,6 +381,7 @@ def verify(ckpt: Path, engine: str, engine_version: str | None) -> None:
     ck = CheckpointFiles(ckpt) if (ckpt / "config.json").is_file() else None
     served = {e: applied(ck, e, versions.get(e)) for e in checked} if ck is not None else {}
     problems += [refusal_problem(e, o) for e, o in served.items() if o is not None and o.refused]
+    problems += [p for e, o in served.items() if o is not None and (p := differs_problem(e, o, problems))]
     for p in problems:
         click.echo(str(p))
     for e, o in served.items():

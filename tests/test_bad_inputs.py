@@ -379,6 +379,17 @@ def _renamed_scale(old: str, new: str) -> Callable[[Path], None]:
     return edit
 
 
+def _scale_value(name: str, value: float) -> Callable[[Path], None]:
+    """An exported checkpoint whose scale tensor `name` holds `value`."""
+    def edit(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(folder / "kv_scales.safetensors")
+        tensors[name] = torch.tensor(value, dtype=torch.float32)
+        save_file(tensors, str(folder / "kv_scales.safetensors"))
+    return edit
+
+
 def _other_fp8(tmp: Path, **config) -> Path:
     """A weight-quantized (FP8) checkpoint of another model of the llama architecture (another seed, `config`)."""
     other = tmp / "other"
@@ -791,6 +802,21 @@ ROWS = [
         "--buckets 100000: longer than the context of MODEL", command="tune"),
     Row("plan --passkey-trials beyond any run", lambda t: [*_plan(t), "--passkey-trials", str(1 << 40)],
         "--passkey-trials 1099511627776: give a whole number >= 0 and <=", command="plan"),
+    # --engine-version: one grammar for every command; scales the engines cannot use (issue 38 item 6)
+    Row("--engine-version with a garbage suffix", lambda t: [*_base(t), "--engine-version", "vllm=0.34garbage"],
+        "engine version '0.34garbage': give numbers"),
+    Row("--engine-version given twice for one engine", lambda t: [*_base(t), "--engine-version", "vllm=0.32,vllm=0.33"],
+        "vllm is given twice"),
+    Row("--engine-version for an engine that is not a target", lambda t: [*_base(t), "--engine-version",
+        "sglang=0.5.18"], "sglang is not a target here (vllm)"),
+    Row("eval --engine-version of another engine than --target", lambda t: [*_eval(t), "--target", "sglang",
+        "--engine-version", "vllm=0.32"], "--target sglang: --engine-version 'vllm=0.32': vllm is not a target here",
+        command="eval"),
+    Row("export --engine-version with a garbage suffix", lambda t: _export(t, t / "o", "--engine-version", "0.34.x"),
+        "engine version '0.34.x': give numbers", command="export"),
+    Row("eval --scales checkpoint with a subnormal k_scale (1e-45)", lambda t: [*_eval(t), "--scales", str(_exported(
+        t, edit=_scale_value("model.layers.1.self_attn.k_scale", 1e-45)))],
+        "scales must be finite and at least the smallest normal float32", command="eval"),
     Row("tune of a model whose logits overflow (NaN/inf numbers)", lambda t: [*_tune(overflowing_model(t, "model").parent)],
         "cannot measure: `fp32` (the reference) bucket <= 32", command="tune"),
 ]

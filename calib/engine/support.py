@@ -60,7 +60,8 @@ Evidence = Source | Measurement
 
 # ------------------------------------------------------------------------------------------ versions
 
-_NUM = re.compile(r"^v?(\d+(?:\.\d+)*)")
+# numbers, then at most a PEP 440 pre/post/dev tag (0.11.0rc1, 0.5.18.post1), nothing else: "0.5.18garbage" is a typo
+_NUM = re.compile(r"^v?(\d+(?:\.\d+)*)(?:[.-]?(?:a|b|rc|post|dev)\d*)*$")
 
 
 @dataclass(frozen=True, order=True)

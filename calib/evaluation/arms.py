@@ -89,8 +89,10 @@ class Geometry:
 
     def shape(self, values: Any, where: str) -> torch.Tensor:
         t = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
-        if not (torch.isfinite(t).all() and (t > 0).all()):
-            raise EvalError(f"{where}: scales must be finite and > 0, got {t.tolist()[:8]}")
+        if not (torch.isfinite(t).all() and (t >= torch.finfo(torch.float32).tiny).all()):
+            # a subnormal scale (k_scale 1e-45) saturates every value: never an arm that could be shipped
+            raise EvalError(f"{where}: scales must be finite and at least the smallest normal float32 "
+                            f"({torch.finfo(torch.float32).tiny:.3g}), got {t.tolist()[:8]}")
         h, d = self.kv_heads, self.head_dim
         shapes = {1: (), h: (1, h, 1, 1), h * d: (1, h, 1, d)}
         if t.numel() not in shapes:

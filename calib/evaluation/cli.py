@@ -122,6 +122,7 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
     """Compare BF16, default-scale and calibrated FP8 KV by layer and context length; write a report + verdict."""
     from calib.evaluation.config import EvalConfig
     from calib.evaluation.report import Thresholds
+    from calib.evaluation import served
     from calib.evaluation.run import run_eval
     from calib.progress import Progress
 
@@ -157,7 +158,7 @@ def eval_cmd(model_src, data_src, scales, stats_src, dtype, emulation, buckets, 
                                   passkey_drop=passkey_drop, max_skip=max_skip, dominance=dominance),
             device=device, cpu_dtype=cpu_dtype or (None if engine else "float32"),
             trust_remote_code=trust_remote_code, force=force,
-            engine=engine_spec, target=target, engine_version=engine_version,
+            engine=engine_spec, target=target, engine_version=served.stated(target, engine_version),
             budget_minutes=budget_minutes, emulate_up_to=emulate_up_to, fit_buckets=fit_buckets)
         options.evaluation(cfg)        # before the default model is built or any model loads
         cfg = with_model(cfg, model_src, out, "eval")

@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 
 from calib.engine import support
+from calib.errors import KvcalibError
 from calib.evaluation.arms import Arm, EvalError
 
 # --emulate name -> the backend of the target engine whose arithmetic it follows
@@ -24,14 +25,24 @@ _BACKEND_OF_EMULATION = {"vllm-cpu": "cpu", "vllm-fa3": "fa3"}
 
 def check(target: str | None, version: str | None) -> None:
     """A target the matrix knows and a version it parses; EvalError (one line) otherwise."""
+    stated(target, version)
+
+
+def stated(target: str | None, text: str | None) -> str | None:
+    """The --target's version from `--engine-version` in the grammar every command reads (calib.export.serve:
+    ENGINE=VERSION, or a bare VERSION of the one target): None when none was stated; EvalError (one line) for a
+    version without a target, another engine's, one given twice or one the support matrix cannot parse."""
+    from calib.export import serve
+
     if target is None:
-        if version is not None:
+        if text:
             raise EvalError("--engine-version needs --target (the engine it is a version of)")
-        return
+        return None
     try:
-        support.version_of(target, version)
-    except (support.SupportError, ValueError) as e:
-        raise EvalError(f"--target {target} --engine-version {version}: {e}") from None
+        support.engine(target)
+        return serve.parse_versions(text, [target]).get(target)
+    except KvcalibError as e:
+        raise EvalError(f"--target {target}: {e}") from None
 
 
 def backend_for(target: str, emulation: str) -> str:

@@ -20,7 +20,9 @@ from calib.engine import support
 
 
 def parse_versions(text: str | None, targets: Sequence[str]) -> dict[str, str]:
-    """`--engine-version`: `ENGINE=VERSION[,ENGINE=VERSION]`, or a bare VERSION when there is one target."""
+    """`--engine-version`: `ENGINE=VERSION[,ENGINE=VERSION]`, or a bare VERSION when there is one target; the one
+    grammar of every command (calibrate, export, verify, eval). Each engine once, each one of `targets`, each version
+    one the support matrix parses (numbers, +BUILD, or a bare build label)."""
     out: dict[str, str] = {}
     for item in (x.strip() for x in (text or "").split(",")):
         if not item:
@@ -34,6 +36,12 @@ def parse_versions(text: str | None, targets: Sequence[str]) -> dict[str, str]:
         name, version = name.strip(), version.strip()
         if name not in support.ENGINES:
             raise ExportError(f"--engine-version {item!r}: unknown engine {name!r}; known: {', '.join(support.ENGINES)}")
+        if name not in targets:
+            raise ExportError(f"--engine-version {item!r}: {name} is not a target here ({', '.join(targets) or 'none'}); "
+                              "state versions only of the engines you serve with")
+        if name in out:
+            raise ExportError(f"--engine-version {item!r}: {name} is given twice ({name}={out[name]} too); give one "
+                              "version per engine")
         try:
             support.version_of(name, version)
         except ValueError as e:

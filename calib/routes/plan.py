@@ -206,8 +206,8 @@ def run_plan(routes: Routes, base: EvalConfig, *, force: bool = False, log: Log 
                 result = run_eval(eval_config(r, base, tmp / r.name), log=log, progress=progress)
                 decisions.append(decide(r, base.model, result))
                 log(f"plan: route `{r.name}`: {decisions[-1].decision} ({decisions[-1].why})")
-        except KvcalibError as e:     # the route's evaluation names its folder: the user's --out, not ours
-            raise RoutesError(f"route '{r.name}': {str(e).replace(str(tmp), str(out))}") from None
+        except KvcalibError as e:     # which route failed (atomic_dir names the user's --out, not its folder)
+            raise RoutesError(f"route '{r.name}': {e}") from None
         doc = plan_doc(base.model, routes, decisions)
         (tmp / spec.PLAN_FILES[0]).write_text(json.dumps(doc, indent=2) + "\n")
         (tmp / spec.PLAN_FILES[1]).write_text(markdown(doc))

@@ -59,9 +59,8 @@ def number(option: str, value: Any, minimum: float = 0.0, maximum: float | None 
     given). inf and NaN never pass: a deadline of inf never fires, and 60 x 1e308 is inf."""
     if value is None:
         return
-    low = value > minimum if above else value >= minimum
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and low
-          and (maximum is None or value <= maximum))
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+          and (value > minimum if above else value >= minimum) and (maximum is None or value <= maximum))
     if not ok:
         span = f"{'>' if above else '>='} {minimum:g}" + (f" and <= {maximum:.12g}" if maximum is not None else "")
         raise OptionError(f"{option} {value!r}: give a finite number {span}")

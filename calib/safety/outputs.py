@@ -393,10 +393,27 @@ def atomic_dir(out: Path, force: bool, *, inputs: Inputs = (), kind: str = "chec
                 os.rename(tmp, out)
         except OSError as e:      # disk full, permissions, a vanished folder: one line, nothing left
             _remove(tmp)
-            raise OutputError(f"{option} {out}: writing failed ({_why(e)}); nothing was written") from None
+            raise OutputError(f"{option} {out}: writing failed ({_as_out(_why(e), tmp, out)}); nothing was "
+                              "written") from None
+        except KvcalibError as e:
+            _remove(tmp)
+            _name_out(e, tmp, out)
+            raise
         except BaseException:
             _remove(tmp)
             raise
+
+
+def _as_out(text: str, tmp: Path, out: Path) -> str:
+    """`text` with kvcalib's temporary folder named as the user's output it becomes."""
+    return text.replace(str(tmp), str(out))
+
+
+def _name_out(e: KvcalibError, tmp: Path, out: Path) -> None:
+    """An error raised while filling `tmp` names the user's `out` instead: the temporary folder is gone when the
+    user reads the message, and a command nested inside another (a plan's route evaluation, a multi-target
+    checkpoint's variants) would otherwise name `.OUT.kvcalib-tmp-PID/...` as its --out."""
+    e.args = tuple(_as_out(a, tmp, out) if isinstance(a, str) else a for a in e.args)
 
 
 def _why(e: OSError) -> str:
@@ -417,7 +434,12 @@ def atomic_file(path: Path, option: str = "--out") -> Iterator[Path]:
             os.replace(tmp, path)
         except OSError as e:
             _remove(tmp)
-            raise OutputError(f"{option} {path}: writing failed ({_why(e)}); nothing was written") from None
+            raise OutputError(f"{option} {path}: writing failed ({_as_out(_why(e), tmp, path)}); nothing was "
+                              "written") from None
+        except KvcalibError as e:
+            _remove(tmp)
+            _name_out(e, tmp, path)
+            raise
         except BaseException:
             _remove(tmp)
             raise

@@ -47,6 +47,18 @@ def applied(ck: CheckpointFiles, engine: str, version: str | None = None) -> sup
     return None if cal is None else support.outcome(engine, cal, version)
 
 
+def differs_problem(engine: str, outcome: support.Outcome, problems: list[Problem]) -> Problem | None:
+    """A result the engine serves, but not as calibrated (scales at 1.0, one max over heads, q_scale unused), as a
+    verify warning, so the count matches the APPLIES lines; None where the result is served as calibrated, refused
+    (an error already), or the engine's loader rules already warned about it."""
+    if outcome.refused or outcome.severity == support.SAME:
+        return None
+    if any(p.engine == engine and p.severity == "warning" for p in problems):
+        return None
+    return Problem(engine, "engine", f"not served as calibrated: {outcome.summary()}", "warning",
+                   f"{engine}.applied-differently")
+
+
 def refusal_problem(engine: str, outcome: support.Outcome) -> Problem:
     """A result the engine would not serve as calibrated, as a verify error naming engine and version."""
     return Problem(engine, "engine", outcome.refusal("State another build with --engine-version if yours applies "

@@ -22,6 +22,20 @@ def dtype_problems(engine: str, scales: Iterable[ScaleTensor]) -> Iterator[Probl
             yield Problem(engine, t.name, f"dtype {t.dtype}: a scale must be a float32 value", code=f"{engine}.dtype")
 
 
+# the smallest normal float32: below it a scale is subnormal (or zero), dividing K/V by it overflows, every value
+# saturates at the format's largest and dequantises to about nothing (k_scale 1e-45 holds 448 x 1e-45)
+SMALLEST_SCALE = float(np.finfo(np.float32).tiny)
+
+
+def subnormal(vals: np.ndarray) -> str | None:
+    """The first positive scale below the smallest normal float32, as the message's clause; None when none is."""
+    low = vals[(vals > 0) & (vals < SMALLEST_SCALE)]
+    if not low.size:
+        return None
+    return (f"holds {float(low[0])!r}, below the smallest normal float32 ({SMALLEST_SCALE:.3g}): dividing K/V by "
+            "it overflows and every value saturates; recalibrate or remove the scale")
+
+
 def first_bad(vals: np.ndarray) -> str:
     bad = vals[~np.isfinite(vals)]
     return repr(float(bad[0])) if bad.size else "?"
@@ -46,6 +60,8 @@ def scalar_problems(engine: str, ck: CheckpointFiles, scales: Iterable[ScaleTens
         elif (vals <= 0).any():
             yield Problem(engine, s.tensor.name, f"holds {float(vals[vals <= 0][0])!r}{nonpositive_why}",
                           code=f"{engine}.value")
+        elif subnormal(vals):
+            yield Problem(engine, s.tensor.name, subnormal(vals), code=f"{engine}.value")
 
 
 def unmapped_problems(engine: str, ck: CheckpointFiles, files, *, never_read: str, cannot_check: str

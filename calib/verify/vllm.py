@@ -18,7 +18,7 @@ from calib.ckpt.formats import producer_name
 from calib.ckpt.names import HF_QUANT_CONFIG, INDEX_FILE
 from calib.ckpt.reader import CheckpointFiles, Problem, ScaleTensor
 from calib.verify.checker import Checker
-from calib.verify.common import dtype_problems, first_bad, unmapped_problems
+from calib.verify.common import dtype_problems, first_bad, subnormal, unmapped_problems
 
 # vllm/transformers_utils/model_arch_config_convertor.py: _normalize_quantization_config
 _VLLM_MODELOPT_ALGOS = {"FP8": "modelopt", "FP8_PER_CHANNEL_PER_TOKEN": "modelopt", "FP8_PB_WO": "modelopt",
@@ -342,6 +342,8 @@ def vllm_scale_values(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
                       else "vLLM asserts at load (zero) or falls back to 1.0 (negative)")
             yield Problem("vllm", s.tensor.name, f"holds {float(vals[vals <= 0][0])!r}; scales must be > 0 "
                           f"({effect})", code="vllm.value")
+        elif subnormal(vals):
+            yield Problem("vllm", s.tensor.name, subnormal(vals), code="vllm.value")
 
 
 def vllm_index_consistent(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:

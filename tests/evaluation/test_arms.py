@@ -69,7 +69,7 @@ def test_geometry_shapes_scales_per_tensor_head_and_channel():
     assert geo.shape([1.0, 2.0], "w").shape == (1, 2, 1, 1)
     per_channel = geo.shape(list(range(1, 7)), "w")
     assert per_channel.shape == (1, 2, 1, 3) and float(per_channel[0, 1, 0, 2]) == 6.0
-    with pytest.raises(EvalError, match="layer 4: scales must be finite and > 0"):
+    with pytest.raises(EvalError, match="layer 4: scales must be finite and at least the smallest normal float32"):
         geo.shape([1.0, -1.0], "layer 4")
     with pytest.raises(EvalError, match="4 scale values fit neither"):
         geo.shape([1.0] * 4, "w")

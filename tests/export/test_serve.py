@@ -136,3 +136,50 @@ def test_a_skip_list_of_numbers_and_a_kind_name_reads_the_same_in_any_order():
     found = [serve.outcomes(Recipe(skip_layers=skip, targets=("vllm",)))["vllm"].calibrated.skip_layers
              for skip in (("sliding_window", 10, 3), (3, "sliding_window", 10))]
     assert found[0] == found[1] == (3, 10, "sliding_window")
+
+
+def test_verify_warns_as_its_applies_line_says(tiny_llama_dir, token_data, tmp_path):
+    """An SGLang output checked for a version that does not load the scales: the APPLIES line says so and the
+    count has the warning (it said 0 warnings); for a version that loads them, no warning."""
+    out = tmp_path / "sg"
+    assert _calibrate(tiny_llama_dir, token_data, out, "--target", "sglang").exit_code == 0
+    r = CliRunner().invoke(main, ["verify", str(out), "--target", "sglang", "--engine-version", "sglang=0.5.17"])
+    assert r.exit_code == 0, r.output
+    assert "APPLIES [sglang] SGLang 0.5.17: fp8_e4m3 tensor scales ignored" in r.output
+    assert "WARNING [sglang] engine: not served as calibrated: SGLang 0.5.17" in r.output
+    assert r.output.strip().endswith(f"{out}: 0 error(s), 1 warning(s)")
+    r = CliRunner().invoke(main, ["verify", str(out), "--target", "sglang", "--engine-version", "0.5.23"])
+    assert r.exit_code == 0 and r.output.strip().endswith("0 error(s), 0 warning(s)"), r.output
+
+
+@pytest.mark.parametrize("text, targets, message", [
+    ("vllm=0.34garbage", ["vllm"], "engine version '0.34garbage': give numbers"),
+    ("0.5.18-final", ["sglang"], "engine version '0.5.18-final': give numbers"),
+    ("vllm=0.32,vllm=0.33", ["vllm"], "vllm is given twice (vllm=0.32 too)"),
+    ("0.32,vllm=0.33", ["vllm"], "vllm is given twice"),
+    ("sglang=0.5.18", ["vllm"], "sglang is not a target here (vllm)"),
+    ("trtllm=pr18953", ["vllm", "sglang"], "trtllm is not a target here (vllm, sglang)"),
+    ("tensorrt=1.2", ["trtllm"], "unknown engine 'tensorrt'"),
+])
+def test_one_engine_version_grammar_refuses_garbage_duplicates_and_non_targets(text, targets, message):
+    from calib.ckpt.source import ExportError
+
+    with pytest.raises(ExportError) as e:
+        serve.parse_versions(text, targets)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert serve.parse_versions("vllm=0.11.0rc1, sglang=0.5.18.post1", ["vllm", "sglang"]) == {
+        "vllm": "0.11.0rc1", "sglang": "0.5.18.post1"}
+
+
+def test_eval_reads_the_same_grammar():
+    from calib.evaluation import served
+    from calib.evaluation.arms import EvalError
+
+    assert served.stated("sglang", "sglang=0.5.18") == served.stated("sglang", "0.5.18") == "0.5.18"
+    assert served.stated("vllm", None) is None
+    for text, message in (("vllm=0.32", "vllm is not a target here (sglang)"), ("0.5.18x", "give numbers"),
+                          ("0.5.18,sglang=0.5.19", "given twice")):
+        with pytest.raises(EvalError, match="--target sglang: --engine-version"):
+            served.stated("sglang", text)
+        with pytest.raises(EvalError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            served.stated("sglang", text)

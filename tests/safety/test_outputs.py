@@ -403,3 +403,19 @@ def test_two_runs_into_one_out_never_both_write(tiny_llama_dir, token_data, tmp_
     assert "Traceback" not in refused
     assert "another kvcalib run" in refused or "already exists" in refused, refused
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_an_error_while_filling_the_temporary_folder_names_the_users_out(tmp_path, monkeypatch):
+    """A command nested in another (a plan's route evaluation, a multi-target checkpoint's variants) checks and
+    writes inside kvcalib's temporary folder: its errors name the user's --out, which is what the user can act on."""
+    monkeypatch.chdir(tmp_path)
+    out = Path("plans") / "p"
+    with pytest.raises(outputs.OutputError) as e:
+        with outputs.atomic_dir(out, False) as tmp:
+            outputs.check_folder(tmp / "chat", force=False, inputs=[("the data", tmp / "chat")])
+    assert str(e.value) == f"--out {out}/chat is the data ({out}/chat); choose a new path"
+    assert ".kvcalib-tmp-" not in str(e.value) and not out.exists()
+    with pytest.raises(outputs.OutputError) as e:
+        with outputs.atomic_file(tmp_path / "s.safetensors", "--stats-out") as tmp:
+            raise outputs.OutputError(f"--stats-out {tmp}: bad")
+    assert str(e.value) == f"--stats-out {tmp_path / 's.safetensors'}: bad"

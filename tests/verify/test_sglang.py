@@ -119,7 +119,7 @@ def test_a_scale_with_more_than_one_element_is_an_error(ckpt):
 
 
 @pytest.mark.parametrize("value,why", [(0.0, "as not loaded and uses 1.0"), (-0.5, "as not loaded"),
-                                       (float("nan"), "non-finite")])
+                                       (float("nan"), "non-finite"), (1e-45, "below the smallest normal float32")])
 def test_bad_values(ckpt, value, why):
     """layers/quantization/kv_cache.py: BaseKVCacheMethod.process_weights_after_loading (<= 0: not loaded)."""
     _edit_shard(ckpt / SCALES, lambda t: t.update({_kv(2, "v"): torch.tensor(value)}))

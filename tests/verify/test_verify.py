@@ -220,7 +220,10 @@ def test_vllm_bf16_scale_is_a_warning(vllm_ckpt):
 
 
 @pytest.mark.parametrize("bad,text", [(0.0, "holds 0.0"), (-0.5, "holds -0.5"), (float("nan"), "non-finite"),
-                                      (float("inf"), "non-finite")])
+                                      (float("inf"), "non-finite"),
+                                      # subnormal float32: dividing K/V by it overflows, every value saturates
+                                      (1e-45, "below the smallest normal float32"),
+                                      (1e-39, "below the smallest normal float32")])
 def test_vllm_scale_values(vllm_ckpt, bad, text):
     """vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py:
     CompressedTensorsKVCacheMethod.process_weights_after_loading uses the value as is."""
