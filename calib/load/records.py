@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from calib.engine.serving import distribution
+from calib.load.stats import distribution
 from calib.errors import KvcalibError
 
 MAX_TEXT = 300

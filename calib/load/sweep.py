@@ -33,8 +33,8 @@ class Bucket:
 
 
 def _level(venv: Path, srv: server.Server, b: Bucket, spec: LoadSpec, level: int, folder: Path, tokenizer: str,
-           tag: str, timeout: float) -> dict[str, Any]:
-    n = spec.requests(level)
+           tag: str, timeout: float, n: int | None = None) -> dict[str, Any]:
+    n = n or spec.requests(level)
     data = folder / f"{tag}-data.jsonl"
     server.write_dataset(data, [b.prompts[k % len(b.prompts)] for k in range(n)], [spec.output_tokens] * n)
     result = folder / f"{tag}-result.json"
@@ -76,8 +76,8 @@ def sweep_bucket(venv: Path, cfg: server.ServeConfig, launch: server.Launch, b: 
                 f"engine holds {fits if fits is not None else 'an unreported number of'} request(s)")
             limit = launch.timeout
             warm = _level(venv, srv, Bucket(b.bucket, b.prompts[:1], b.tokens[:1]),
-                          LoadSpec(output_tokens=min(spec.output_tokens, 8), requests_per_level=1), 1, folder,
-                          tokenizer, f"b{b.bucket}-warmup", limit)
+                          LoadSpec(output_tokens=min(spec.output_tokens, 8)), 1, folder, tokenizer,
+                          f"b{b.bucket}-warmup", limit, n=1)
             if warm["status"] != "ok":
                 return {**out, "status": "failed", "error": f"warm-up: {warm['error']}"}
             spent = 0.0

@@ -36,7 +36,7 @@ from calib.load.spec import LoadSpec
 @click.option("--max-concurrency", type=int, default=LoadSpec.max_concurrency, show_default=True,
               help="The highest level an automatic sweep tries.")
 @click.option("--requests-per-level", type=int, default=LoadSpec.requests_per_level, show_default=True,
-              help="Requests sent at a level, as a multiple of the level (at least 4).")
+              help="Requests sent at a level, as a multiple of the level (at least 8).")
 @click.option("--slo-ttft-ms", type=float, default=LoadSpec.slo_ttft_ms, show_default=True,
               help="SLO: time to first token (ms). Goodput counts requests meeting both bounds.")
 @click.option("--slo-tpot-ms", type=float, default=LoadSpec.slo_tpot_ms, show_default=True,

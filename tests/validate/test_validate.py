@@ -97,7 +97,7 @@ def test_a_sweep_per_serve_configuration_and_the_engines_capacity(roomy):
             assert e["capacity"]["requests_fit"] == pool // length         # the engine's logged count
             assert [x["level"] for x in e["levels"]] == [1, 2, 4, 8] and e["repeat"]["level"] == e["best"]["level"]
             for x in e["levels"]:
-                assert x["requests"] == x["completed"] == x["good"] == max(4, 2 * x["level"])
+                assert x["requests"] == x["completed"] == x["good"] == max(8, 2 * x["level"])
                 assert x["goodput"] == pytest.approx(x["good"] / x["duration_s"])
 
 
