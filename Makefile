@@ -129,8 +129,8 @@ engine-test: $(STAMP) $(VLLM_STAMP)
 	# arms that differ only in their KV scales, on one engine start (scales set in place), give the numbers of
 	# their own starts, and the engine holds the checkpoints' scales (3 engine starts, ~2.5 min on 2 cores)
 	$(VLLM_VENV)/bin/python -m pytest -q -rs -m engine tests/engine/test_vllm_reuse.py 	$(if $(strip $(ENGINE_REQUIRE)),--require $(ENGINE_REQUIRE))
-	# kvcalib validate: the runner's serving phase on a tiny random Llama (every token time-stamped, exactly the
-	# tokens asked), then `kvcalib validate` end to end on the default model (BF16 KV and FP8, concurrency 2)
+	# kvcalib validate end to end on the default model: BF16 KV and FP8 each served with `vllm serve`, swept at 1 and 2
+	# requests in flight by `vllm bench serve`; capacity and goodput checked against the server's and generator's own
 	$(VLLM_VENV)/bin/python -m pytest -q -rs -m engine tests/engine/test_vllm_serving.py --kvcalib $(abspath $(BIN)/kvcalib)
 
 # llm-compressor's KV-only FP8 calibration on the same samples, in its own venv (it pins transformers <= 5.17
