@@ -107,7 +107,7 @@ def run_validate(cfg: EvalConfig, load: LoadSpec, log: Log = lambda _m: None,
     check_eval(cfg)
     spec = cfg.engine
     with atomic_dir(Path(cfg.out), cfg.force, kind="validation report") as tmp:
-        result = run_eval(replace(cfg, out=tmp / "eval", force=False, engine=replace(spec, serving=None)), log=log,
+        result = run_eval(replace(cfg, out=tmp / "eval", force=False), log=log,
                           progress=progress)
         entries = {result.report["reference"]: result.reference, **result.arms}
         cpu = on_cpu(spec.venv)
