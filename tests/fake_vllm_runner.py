@@ -10,9 +10,7 @@ emulation of it; FAKE_DYNAMIC=garbage makes it answer nonsense instead, as CPU v
 cache's bytes per token (layers x 2 x kv heads x head dim x element size), as a paged cache would hold.
 A request of several arms (one engine start) is answered arm by arm; each arm's scales are read back as sent,
 except with FAKE_SCALES=drop, where every arm after the first holds what the first held (scales that did not
-take). Each request appends one line to FAKE_STARTS (a file), when set: the engine starts. A serving phase (`kvcalib validate`) runs
-on a simulated clock (`serve`), once per request after its arms: FP8 steps are faster than model-dtype ones;
-FAKE_SERVING=preempt reports preemptions for FP8 arms.
+take). Each request appends one line to FAKE_STARTS (a file), when set: the engine starts.
 """
 
 from __future__ import annotations
@@ -44,10 +42,7 @@ def measure(req: dict) -> dict:
                                          **{f"{k}_float": max(row[k]) for k in ("k", "v", "q")}}
                                         for row in held["layers"]]}
         answers.append(one)
-    out = protocol.answer(answers)
-    if req.get("serving") and any(a["status"] == protocol.OK for a in answers):
-        out["serving"] = serve(req, req["arms"][0]["kv_cache_dtype"] != "auto")
-    return out
+    return protocol.answer(answers)
 
 
 def measure_arm(req: dict, arm: dict, j: int = 0) -> dict:
@@ -122,35 +117,6 @@ def measure_arm(req: dict, arm: dict, j: int = 0) -> dict:
             "version": "0.0-fake", "kv_cache_dtype": arm["kv_cache_dtype"], "kv_capacity_tokens": capacity,
             "kv_gib": req["kv_gib"], "seconds": {"all": time.perf_counter() - t0}, "samples": samples,
             "continuations": continuations, "passkey": answers}
-
-
-def serve(req: dict, fp8: bool) -> dict:
-    """A closed loop of `concurrency` requests on a simulated clock: a step costs 4 ms (3 ms with an FP8 cache)
-    plus 1 ms per 100 tokens of the prompts it prefills; every token of a step gets the step's time."""
-    spec, mode = req["serving"], os.environ.get("FAKE_SERVING", "")
-    n, c, keep = spec["output_tokens"], spec["concurrency"], max(1, req["max_model_len"] - spec["output_tokens"])
-    clock, groups = 0.0, []
-    for g in spec["groups"]:
-        todo = [min(len(req["samples"][g["samples"][k % len(g["samples"])]]), keep) for k in range(g["requests"])]
-        live, records, most = [], [], 0
-        while todo or live:
-            while todo and len(live) < c:
-                rec = {"prompt_tokens": todo.pop(0), "added": clock, "token_times": [], "preemptions": 0}
-                records.append(rec)
-                live.append(rec)
-            most = max(most, len(live))
-            clock += 0.001 * sum(r["prompt_tokens"] for r in live if not r["token_times"]) / 100 \
-                + (0.003 if fp8 else 0.004)
-            for rec in live:
-                rec["token_times"].append(clock)
-            live = [r for r in live if len(r["token_times"]) < n]
-        groups.append({"bucket": g["bucket"], "requests": records, "max_running": most})
-    out = {"groups": groups, "error": None, "oom": False, "on_cpu": True, "device": "CPU (fake)",
-           "peak_memory_bytes": 1 << 30, "memory_kind": "process peak RSS (fake)", "preemptions": 0,
-           "preemptions_source": "fake counter", "max_num_seqs": c}
-    if fp8 and mode == "preempt":
-        out["preemptions"] = 2
-    return out
 
 
 def main(argv: list[str]) -> int:

@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from calib.engine import protocol
-from calib.engine.serving import ServingSpec
 from calib.errors import KvcalibError
 from calib.safety import files, outputs
 
@@ -62,8 +61,7 @@ class EngineError(KvcalibError, ValueError):
 class EngineSpec:
     """Where and how to run an engine. `venv`: the engine's virtual environment (its bin/python runs the
     runner); `top_k`: log-probabilities per position; `kv_gib`: KV-cache pool per run (an integer, GiB);
-    `timeout`: seconds per arm (a run serving n arms on one start gets n times this).
-    `serving`: also serve the samples as requests and time them (`kvcalib validate`), None: quality only."""
+    `timeout`: seconds per arm (a run serving n arms on one start gets n times this)."""
     name: str
     venv: Path
     top_k: int = 20
@@ -71,7 +69,6 @@ class EngineSpec:
     timeout: float = 3600.0
     continuation_tokens: int = 16
     chunk: int = 4
-    serving: ServingSpec | None = None
 
     @property
     def python(self) -> Path:

@@ -25,9 +25,7 @@ Request (one engine start):
      "samples": [[token ids]], "continuation_tokens": int,  # greedy tokens generated after each sample
      "passkey": [[token ids]], "passkey_tokens": int, "stop_token_ids": [int],
      "top_k": int, "kv_gib": int, "max_model_len": int, "dtype": "bfloat16", "seed": int,
-     "chunk": int,                                           # prompts per engine call (they go in together)
-     "serving": null | {"concurrency": int, "output_tokens": int,           # optional: the serving phase
-                        "groups": [{"bucket": int, "samples": [index], "requests": int}]}}
+     "chunk": int}                                           # prompts per engine call (they go in together)
     Every arm of a request has the same model weights, kv_cache_dtype, skip_layers and scale layout; the
     engine loads arms[0]["model"]. Scales per layer: one value per tensor, or one per KV head ("head"); q is
     the engine's query scale (per KV-head group when "head"), 1.0 where the checkpoint has none.
@@ -39,10 +37,7 @@ Response:
                     "top_ids": [[k ids] per position], "top_logprobs": [[k logprobs] per position]}],
        "continuations": [[generated ids]], "passkey": [[generated ids]],
        "scales": null | {"layers": [{"layer": int, "k": [float], "v": [float], "q": [float],
-                                     "k_float": float, "v_float": float, "q_float": float}]}}],
-     "serving": null | {...}}     # optional: raw per-token timestamps of the start's serving phase, run once
-                                  # after every arm (speed does not depend on the scale values; checked by
-                                  # calib/engine/serving.py)
+                                     "k_float": float, "v_float": float, "q_float": float}]}}]}
     `scales`: what the engine's attention layers held while the arm ran (their tensors and the Python
     floats some kernels read instead); null for an arm whose request carries none.
 Probe (`runner --probe`, one line on stdout): {"engine": str, "version": str, "kv_cache_dtypes": [str] | null}
@@ -77,7 +72,6 @@ MAX_LAYERS, MAX_HEADS = 4096, 1024
 #   as its hybrid cache manager counts it (vllm_capacity.kv_groups). size_tokens, max_concurrency and in_flight_tokens
 #   may be null: an engine version that does not keep one still reports the groups.
 OPTIONAL_ARM_RESPONSE_FIELDS = ("kv_groups",)
-OPTIONAL_FIELDS = ("serving",)     # request and response (top level); absent means null
 
 
 class ProtocolError(ValueError):
@@ -372,14 +366,11 @@ def check_response(doc: Any, request: dict[str, Any]) -> dict[str, Any]:
     """The runner's response to `request`, every field checked (ProtocolError names the first bad one, as
     `arms[i].field`): one answer per request arm."""
     doc = check(doc, RESPONSE_FIELDS, "response")
-    extra = sorted(str(f) for f in doc if f not in RESPONSE_FIELDS + OPTIONAL_FIELDS)
+    extra = sorted(str(f) for f in doc if f not in RESPONSE_FIELDS)
     if extra:
         raise ProtocolError(f"response: unknown field(s) {clean_text(', '.join(extra), 80)}")
     arms = _list(doc["arms"], "arms", len(request["arms"]))
-    out = answer([_arm(a, request, f"arms[{i}]") for i, a in enumerate(arms)])
-    if request.get("serving"):      # checked by calib.engine.serving.check before any metric; sized in response_cap
-        out["serving"] = doc.get("serving")
-    return out
+    return answer([_arm(a, request, f"arms[{i}]") for i, a in enumerate(arms)])
 
 
 def response_cap(request: dict[str, Any]) -> int:
@@ -392,10 +383,7 @@ def response_cap(request: dict[str, Any]) -> int:
     scales = sum(sum(len(row[kind]) for kind in SCALE_KINDS) + 8 for arm in request["arms"]
                  for row in ((arm.get("scales") or {}).get("layers") or []))
     per_arm = positions * (48 + 48 * k) + 24 * generated + (1 << 12)
-    serving = request.get("serving")
-    timestamps = 0 if not serving else sum(g["requests"] for g in serving["groups"]) * (
-        200 + 32 * int(serving["output_tokens"])) + 8192
-    return (1 << 20) + 2 * (len(request["arms"]) * per_arm + 64 * scales + timestamps)
+    return (1 << 20) + 2 * (len(request["arms"]) * per_arm + 64 * scales)
 
 
 def read_response(path: Path, request: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from calib.engine import driver, metrics, protocol, serve, serving, support
+from calib.engine import driver, metrics, protocol, serve, support
 from calib.evaluation import passkey
 from calib.progress import SILENT, Progress
 
@@ -111,38 +111,12 @@ class EngineRun:
     reference: dict[str, Any] | None = field(default=None, init=False)
     reference_reason: str | None = field(default=None, init=False)
     starts: int = field(default=0, init=False)  # engine starts so far (one per serve configuration measured)
-    served: dict[str, str] = field(default_factory=dict, init=False)   # serve configuration -> arm that timed it
-
-    def _serving_field(self, arm_spec: dict[str, Any]) -> dict[str, Any] | None:
-        """The request's serving phase: only when asked and only for a serve configuration not yet timed
-        (speed depends on the KV dtype and skip layers, not on the scale values)."""
-        if self.spec.serving is None or serving.config_key(arm_spec) in self.served:
-            return None
-        return serving.request_field(self.spec.serving, self.buckets, [s.bucket for s in self.samples])
-
-    def _serving_entry(self, arm_name: str, arm_spec: dict[str, Any], resp: dict[str, Any],
-                       request: dict[str, Any]) -> dict[str, Any]:
-        """The arm's serving numbers, or which arm's measurement it shares."""
-        key = serving.config_key(arm_spec)
-        if key in self.served:
-            return {"status": "shared", "config": key, "shared_with": self.served[key]}
-        self.served[key] = arm_name
-        try:
-            checked = serving.check(resp.get("serving"), request["serving"], request["max_model_len"])
-        except serving.ServingError as e:
-            return {"status": "failed", "config": key, "measured_by": arm_name, "oom": False, "concurrency":
-                    self.spec.serving.concurrency, "error": f"the runner's serving answer breaks the protocol: {e}"}
-        return {**serving.summarize(checked, request["serving"], resp.get("kv_capacity_tokens"),
-                                     resp.get("kv_groups")), "config": key,
-                "measured_by": arm_name}
 
     def _request(self, arm_specs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         cont = self.spec.continuation_tokens
-        timing = self._serving_field(arm_specs[0])
-        cont_need = max(cont, timing["output_tokens"]) if timing else cont
-        need = max([len(s.ids) + cont_need for s in self.samples] + [len(p.ids) + passkey.MAX_NEW_TOKENS for p in self.prompts])
+        need = max([len(s.ids) + cont for s in self.samples] + [len(p.ids) + passkey.MAX_NEW_TOKENS for p in self.prompts])
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        return {"serving": timing, "protocol": protocol.PROTOCOL, "arms": list(arm_specs), "samples": [list(s.ids) for s in self.samples],
+        return {"protocol": protocol.PROTOCOL, "arms": list(arm_specs), "samples": [list(s.ids) for s in self.samples],
                 "continuation_tokens": cont, "passkey": [list(p.ids) for p in self.prompts],
                 "passkey_tokens": passkey.MAX_NEW_TOKENS, "stop_token_ids": [] if eos is None else [int(eos)],
                 "top_k": self.spec.top_k, "kv_gib": self.spec.kv_gib,
@@ -150,9 +124,9 @@ class EngineRun:
                 "seed": 0, "chunk": self.spec.chunk}
 
     def _call(self, arm_specs: Sequence[dict[str, Any]], labels: Sequence[str],
-              request: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
+              request: dict[str, Any]) -> list[dict[str, Any]]:
         """One engine start for `arm_specs` (one serve configuration, `request`): one response per arm, in
-        order, and the start's serving answer (None unless the request asked for it)."""
+        order."""
         cont, n = self.spec.continuation_tokens, len(arm_specs)
         per_arm = sum(len(s.ids) + cont for s in self.samples) + sum(len(p.ids) + passkey.MAX_NEW_TOKENS
                                                                      for p in self.prompts)
@@ -169,14 +143,13 @@ class EngineRun:
                               prompts=j * len(self.prompts) + p.get("passkey", 0))
                 done[0] = at
             self.starts += 1
-            whole = driver.run(self.spec, request, on_progress, self.version)
-            resp = whole["arms"]
+            resp = driver.run(self.spec, request, on_progress, self.version)["arms"]
             failed = [(labels[j], r["reason"]) for j, r in enumerate(resp) if r["status"] != protocol.OK]
             if failed:
                 said = [f"not run: {why}" if n == 1 else f"{lab} not run: {why}" for lab, why in failed]
                 stage.labels = {"arm": labels[-1], "status": "; ".join(said[:2])
                                 + (f"; {len(said) - 2} more not run" if len(said) > 2 else "")}
-            return resp, whole.get("serving")
+            return resp
 
     def _entry(self, resp: dict[str, Any], arm_spec: dict[str, Any]) -> dict[str, Any]:
         base = {"engine": self.spec.name, "version": resp.get("version") or self.version}
@@ -223,15 +196,12 @@ class EngineRun:
                 runnable.append((arm, spec, f"arm {j + 1}/{len(todo)}"))
         if runnable and runnable[0][0] is reference:
             arm, spec, label = runnable.pop(0)
-            request = self._request([spec])
-            answers, timing = self._call([spec], [label], request)
-            resp = answers[0]
+            resp = self._call([spec], [label], self._request([spec]))[0]
             if resp["status"] == protocol.OK:
                 self.reference = resp
             else:
                 self.reference_reason = resp["reason"]
             out[arm.name] = self._entry(resp, spec)
-            self._attach_serving([(arm, spec)], answers, timing, request, out)
         if self.reference is None:
             for arm, _, _ in runnable:
                 out[arm.name] = {"engine": self.spec.name, "version": self.version, "status": protocol.NOT_RUN,
@@ -240,24 +210,10 @@ class EngineRun:
             return out
         for idx in serve.group([spec for _, spec, _ in runnable]):
             part = [runnable[i] for i in idx]
-            request = self._request([x[1] for x in part])
-            answers, timing = self._call([x[1] for x in part], [x[2] for x in part], request)
+            answers = self._call([x[1] for x in part], [x[2] for x in part], self._request([x[1] for x in part]))
             for (arm, spec, _), resp in zip(part, answers):
                 out[arm.name] = self._entry(resp, spec)
-            self._attach_serving([(x[0], x[1]) for x in part], answers, timing, request, out)
         return {a.name: out[a.name] for a in todo if a.name in out}
-
-    def _attach_serving(self, arms: Sequence[tuple[Any, dict[str, Any]]], answers: Sequence[dict[str, Any]],
-                        timing: Any, request: dict[str, Any], out: dict[str, dict[str, Any]]) -> None:
-        """Each measured arm of one start gets the start's serving numbers: the first arm that ran owns the
-        measurement, the others (same serve configuration) share it."""
-        if self.spec.serving is None:
-            return
-        for (arm, spec), resp in zip(arms, answers):
-            if out[arm.name]["status"] == protocol.OK:
-                out[arm.name]["serving"] = self._serving_entry(
-                    arm.name, spec, {"serving": timing, "kv_capacity_tokens": resp.get("kv_capacity_tokens")},
-                    request)
 
 
 def _bytes_per_token(capacity: int | None, kv_gib: int) -> float | None:

@@ -25,10 +25,6 @@ written under the old scales must not be read under the new ones (prefix caching
 start, so both measure the same way). What every arm ran with is read back (`read_scales`) and compared
 with what kvcalib sent (`protocol.scales_mismatch`); an arm whose scales did not take is not measured.
 The engine runs with enforce_eager: no CUDA graph or compiled graph has a scale baked in.
-
-With a "serving" field the same engine, after every arm, serves the samples as requests (`serve`): this script drives
-the engine loop itself (add_request / step) with C requests in flight, time-stamps every token as its step
-returns, and returns those raw times; kvcalib computes TTFT / TPOT / ITL from them (calib/engine/serving.py).
 """
 
 from __future__ import annotations
@@ -128,11 +124,6 @@ def _engine(req: dict, on_cpu: bool):
     kwargs = dict(model=arm["model"], dtype=req["dtype"], kv_cache_dtype=arm["kv_cache_dtype"],
                   max_model_len=req["max_model_len"], enforce_eager=True, seed=req["seed"], skip_tokenizer_init=True,
                   max_logprobs=max(20, req["top_k"]), max_num_seqs=max(1, req["chunk"]))
-    if req.get("serving"):
-        # the serving phase: C requests at once, the engine's statistics on (preemption counter), no prefix
-        # cache (a repeated prompt must cost what a new one does)
-        kwargs.update(max_num_seqs=max(kwargs["max_num_seqs"], int(req["serving"]["concurrency"])),
-                      disable_log_stats=False, enable_prefix_caching=False)
     if arm["skip_layers"]:
         kwargs["kv_cache_dtype_skip_layers"] = [str(i) for i in arm["skip_layers"]]
     backend = wanted_backend(arm, on_cpu)
@@ -294,12 +285,7 @@ def measure(req: dict) -> dict:
             if groups:
                 one["kv_groups"] = groups
         answers.append(one)
-    out = protocol.answer(answers)
-    if req.get("serving"):      # once per start, after every arm: speed does not depend on the scale values
-        t0 = time.perf_counter()
-        out["serving"] = serve(llm, req, on_cpu)
-        out["serving"]["seconds"] = time.perf_counter() - t0
-    return out
+    return protocol.answer(answers)
 
 
 def measure_arm(llm, req: dict, arm: int, version: str) -> dict:
@@ -347,115 +333,6 @@ def measure_arm(llm, req: dict, arm: int, version: str) -> dict:
     return {"status": protocol.OK, "reason": None, "engine": "vllm", "version": version, "kv_cache_dtype": None,
             "kv_capacity_tokens": None, "kv_gib": req["kv_gib"], "seconds": seconds, "samples": samples,
             "continuations": continuations, "passkey": answers, "scales": None}
-
-
-# ------------------------------------------------------------------------------------------- serving
-
-def _preemption_counter(llm) -> int | None:
-    """The engine's cumulative preemption count (its `vllm:num_preemptions` counter, `LLM.get_metrics()` with
-    statistics on), None when this vLLM does not report it. The counter is registered in
-    vllm/v1/metrics/loggers.py (PrometheusStatLogger) from IterationStats.num_preempted_reqs in
-    vllm/v1/metrics/stats.py, in the CPU build 0.32 installed here and in the v1 engine's earlier releases."""
-    try:      # one counter per engine (data parallel): their sum
-        counts = [int(m.value) for m in llm.get_metrics() if getattr(m, "name", "") == "vllm:num_preemptions"]
-    except Exception:
-        return None
-    return sum(counts) if counts else None
-
-
-def _running(llm) -> int | None:
-    """Requests the scheduler runs now (the in-process engine core's scheduler), None where not reachable."""
-    try:
-        return len(llm.llm_engine.engine_core.engine_core.scheduler.running)
-    except Exception:
-        return None
-
-
-def _memory(on_cpu: bool) -> tuple[int | None, str]:
-    if on_cpu:
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, \
-            "process peak RSS (CPU: model, KV pool and activations in host memory)"
-    import torch
-
-    return int(torch.cuda.max_memory_allocated()), \
-        "torch.cuda.max_memory_allocated of the engine process during serving (weights and KV pool included)"
-
-
-def _closed_loop(llm, prompts: list[list[int]], concurrency: int, params, tag: str) -> dict:
-    """Serve `prompts` with `concurrency` requests in flight (a finished one replaced at once); per request the
-    time it was added, the time of each of its tokens (the time its engine step returned), its preemptions."""
-    from vllm.inputs import TokensPrompt
-
-    engine = llm.llm_engine
-    todo = list(enumerate(prompts))[::-1]
-    records, live, alias, most = [], {}, {}, None
-
-    def add() -> None:
-        j, ids = todo.pop()
-        rid = f"{tag}-{j}"
-        rec = {"prompt_tokens": len(ids), "added": time.perf_counter(), "token_times": [], "preemptions": None}
-        inner = engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
-        live[rid] = rec
-        if isinstance(inner, str) and inner != rid:          # outputs may carry either id
-            alias[inner] = rid
-        records.append(rec)
-    while todo and len(live) < concurrency:
-        add()
-    while live:
-        outs = engine.step()
-        now = time.perf_counter()
-        running = _running(llm)
-        if running is not None:
-            most = max(most or 0, running)
-        for out in outs:
-            rid = alias.get(out.request_id, out.request_id)
-            rec = live.get(rid)
-            if rec is None:
-                continue
-            rec["token_times"] += [now] * len(out.outputs[0].token_ids)     # DELTA: this step's new tokens
-            if out.finished:
-                rec["preemptions"] = getattr(getattr(out, "metrics", None), "num_preemptions", None)
-                del live[rid]
-                if todo:
-                    add()
-    return {"requests": records, "max_running": most}
-
-
-def serve(llm, req: dict, on_cpu: bool) -> dict:
-    """The serving phase: per bucket its samples as prompts (repeated in order up to the requests asked, cut
-    to leave room for the output), one closed-loop run each; an error or OOM ends the phase and is reported."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    spec = req["serving"]
-    n, c = int(spec["output_tokens"]), int(spec["concurrency"])
-    params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False,
-                            output_kind=RequestOutputKind.DELTA, seed=req["seed"])
-    keep = max(1, int(req["max_model_len"]) - n)
-    out = {"groups": [], "error": None, "oom": False, "on_cpu": on_cpu, "max_num_seqs": max(int(req["chunk"]), c)}
-    try:
-        import torch
-
-        out["device"] = "CPU" if on_cpu else torch.cuda.get_device_name(0)
-        if not on_cpu:
-            torch.cuda.reset_peak_memory_stats()
-        before = _preemption_counter(llm)
-        _closed_loop(llm, [list(req["samples"][0])[:keep]], 1, params, "warmup")      # compiles, fills caches
-        for g in spec["groups"]:
-            ids = [list(req["samples"][i])[:keep] for i in g["samples"]]
-            prompts = [ids[k % len(ids)] for k in range(int(g["requests"]))]
-            out["groups"].append({"bucket": g["bucket"], **_closed_loop(llm, prompts, c, params, f"b{g['bucket']}")})
-        after = _preemption_counter(llm)
-        out["preemptions"] = after - before if before is not None and after is not None else None
-        out["preemptions_source"] = "vllm:num_preemptions (LLM.get_metrics)" if out["preemptions"] is not None \
-            else None
-    except Exception as e:                        # out of memory, or the engine failed: what ran is kept
-        out["error"] = _reason(e)
-        out["oom"] = "OutOfMemory" in type(e).__name__ or "out of memory" in str(e).lower()
-    out["peak_memory_bytes"], out["memory_kind"] = _memory(on_cpu)
-    return out
 
 
 def main(argv: list[str]) -> int:

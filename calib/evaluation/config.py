@@ -58,8 +58,7 @@ class EvalConfig:
         """The settings as report.json records them (paths as strings, the engine spec as a mapping)."""
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         if self.engine is not None:
-            d["engine"] = {k: str(v) if isinstance(v, Path) else vars(v) if k == "serving" and v is not None else v
-                           for k, v in vars(self.engine).items()}
+            d["engine"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.engine).items()}
         d.update(out=str(self.out), scales=list(self.scales), formats=list(self.formats), buckets=list(self.buckets),
                  thresholds=self.thresholds.to_dict())
         return d

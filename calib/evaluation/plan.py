@@ -19,8 +19,7 @@ The engine's figures were measured on one H200 with GPU vLLM 0.24 (FlashAttentio
 first one on a fresh machine about 40 s more; prompt-logprob scoring of held-out samples is bound by per-token
 overhead on a small model (12-19K tokens/s on a 135M model at 2K-8K) and by compute on a large one (about 1.5x
 kvcalib's own bf16 reference pass: an 8B shape scored 32K + 128K tokens in 18-20 s, the reference pass took 13.5 s);
-passkey prompts, submitted together and generating 8 tokens without log-probs, ran at 90-150K tokens/s there; a
-serving phase (`kvcalib validate`) costs each bucket's prefills plus its decode rounds (~25 ms a step). On a
+passkey prompts, submitted together and generating 8 tokens without log-probs, ran at 90-150K tokens/s there. On a
 small model a decode step costs its launches, not its FLOPs (decoded one at a time, a prompt of 2K-8K took ~0.33 s
 for the reference and ~0.6 s for an emulated arm on the H200, over a third of an 8-arm evaluation at 8K), so the
 emulated passkey phase decodes a bucket's prompts in batches of the run's batch size and the probe times a step
@@ -48,7 +47,6 @@ ENGINE_PROMPT_TOKENS_PER_S = {"cuda": 100_000.0, "cpu": 1_500.0}   # passkey pro
 # compute-bound scoring: x the reference pass on the same tokens (GPU); on a CPU vLLM's bf16 kernels outrun
 # kvcalib's float32 reference pass, so the token rate alone is used there (0)
 ENGINE_OVER_REFERENCE = {"cuda": 1.5, "cpu": 0.0}
-DECODE_STEP_S = {"cuda": 0.025, "cpu": 0.5}
 
 
 @dataclass(frozen=True)
@@ -97,7 +95,6 @@ class Rates:
     engine_tokens_per_s: float
     probed_at: int              # tokens of the probe sample
     engine_first_start: float = 0.0
-    decode_step: float = 0.0    # seconds per decode step while serving
     engine_over_reference: float = 1.5
     step_ref: float = 0.0       # seconds per greedy decode step of the reference at the probe's length
     step_arm: float = 0.0       # the same under one emulated arm (its hook quantises the cached K/V every step)
@@ -117,16 +114,13 @@ class Parts:
 @dataclass(frozen=True)
 class Work:
     """The run's inputs, as lengths: held-out samples (length, bucket), passkey prompts (length, bucket,
-    depth), arms besides the reference, whether an engine runs, its starts for those arms (None: one per arm),
-    and the serving phase of `kvcalib validate` (concurrency, output tokens, requests per bucket; 0: the
-    runner's default, max(prompts, 2 x concurrency)), run once per start; `passkey_batch`: emulated passkey
-    prompts of one bucket decoded together."""
+    depth), arms besides the reference, whether an engine runs, its starts for those arms (None: one per arm);
+    `passkey_batch`: emulated passkey prompts of one bucket decoded together."""
     samples: tuple[tuple[int, int], ...]
     prompts: tuple[tuple[int, int, float], ...]
     arms: int
     engine: bool
     engine_starts: int | None = None
-    serving: tuple[int, int, int] | None = None
     passkey_batch: int = 1
 
     @property
@@ -189,15 +183,13 @@ def estimate(w: Work, parts: Parts, cost: Cost, rates: Rates) -> tuple[tuple[str
     pk_rate = rates.engine_prompt_tokens_per_s or rates.engine_tokens_per_s
     scoring += max(sum(n + MAX_NEW_TOKENS for n, _ in engine_pk) / pk_rate,
                    rates.engine_over_reference * sum(cost.work(n) + cost.decode(n) for n, _ in engine_pk) * rates.ref)
-    start = rates.engine_start + serving_seconds(w, cost, rates)
-    engine_arm = (start + scoring) if w.engine else 0.0
-    engine = (rates.engine_first_start + w.starts * start + (w.arms + 1) * scoring) if w.engine else 0.0
+    engine_arm = (rates.engine_start + scoring) if w.engine else 0.0
+    engine = (rates.engine_first_start + w.starts * rates.engine_start + (w.arms + 1) * scoring) if w.engine else 0.0
     # a trial re-runs the reference forward (its KL needs the logits), not the reference's passkey
     skips = parts.skip_trials * (per_pass * (rates.ref + rates.arm) + pk_arm + engine_arm)
     return ((f"emulation: reference + {w.arms} arm(s) on {len(emu)} samples", metrics),
             (f"emulation passkey: {len(pk_emu)} prompts x {w.arms + 1}", passkey),
-            (f"engine: {w.arms + 1} arms on {w.starts} start(s)" + (" with serving" if w.serving else "")
-             if w.engine else "engine", engine),
+            (f"engine: {w.arms + 1} arms on {w.starts} start(s)" if w.engine else "engine", engine),
             (f"{SKIP_PHASE}: up to {parts.skip_trials}", skips))
 
 
@@ -226,23 +218,6 @@ def batch_indices(prompts: Sequence[tuple[int, int]], size: int) -> list[list[in
 def prompt_batches(prompts: Sequence[tuple[int, int]], size: int) -> list[list[int]]:
     """The lengths of each batch `batch_indices` makes."""
     return [[prompts[i][0] for i in group] for group in batch_indices(prompts, size)]
-
-
-def serving_seconds(w: Work, cost: Cost, rates: Rates) -> float:
-    """One start's serving phase: per bucket its requests' prefills (compute-bound, one after another) plus the
-    decode rounds (requests / concurrency of them, `output tokens` steps each), and one warm-up request."""
-    if not w.serving or not w.engine:
-        return 0.0
-    concurrency, out, asked = w.serving
-    total = 0.0
-    for b in sorted({b for _, b in w.samples}):
-        lengths = [n for n, bb in w.samples if bb == b]
-        requests = asked or max(len(lengths), 2 * concurrency)
-        longest = max(lengths)
-        prefill = (rates.engine_over_reference * cost.work(longest) * rates.ref if rates.engine_over_reference
-                   else longest / rates.engine_tokens_per_s)
-        total += requests * prefill + -(-requests // concurrency) * out * rates.decode_step
-    return total + out * rates.decode_step
 
 
 def fit(w: Work, parts: Parts, cost: Cost, rates: Rates, budget_s: float | None) -> Plan:
@@ -285,16 +260,14 @@ def engine_figures(device_type: str) -> tuple[float, float]:
 def default_rates(device_type: str, ref: float, arm: float, probed_at: int, step_ref: float = 0.0,
                   step_arm: float = 0.0) -> Rates:
     key = "cuda" if device_type == "cuda" else "cpu"
-    return Rates(ref, arm, *engine_figures(device_type), probed_at, ENGINE_FIRST_START_S[key], DECODE_STEP_S[key],
+    return Rates(ref, arm, *engine_figures(device_type), probed_at, ENGINE_FIRST_START_S[key],
                  ENGINE_OVER_REFERENCE[key], step_ref, step_arm, ENGINE_PROMPT_TOKENS_PER_S[key])
 
 
 def work_of(samples: Sequence[Any], prompts: Sequence[Any], arms: int, engine: bool,
-            engine_starts: int | None = None, serving: tuple[int, int, int] | None = None,
-            passkey_batch: int = 1) -> Work:
+            engine_starts: int | None = None, passkey_batch: int = 1) -> Work:
     return Work(tuple((len(x.ids), x.bucket) for x in samples),
-                tuple((len(p.ids), p.bucket, p.depth) for p in prompts), arms, engine, engine_starts, serving,
-                passkey_batch)
+                tuple((len(p.ids), p.bucket, p.depth) for p in prompts), arms, engine, engine_starts, passkey_batch)
 
 
 def emulation_limit(requested: int | None, buckets: Sequence[int], engine: bool) -> int | None:

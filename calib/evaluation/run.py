@@ -109,7 +109,7 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             f"(planned {duration(planned.total)}{ran})")
         meta = _meta(cfg, p, ([note] if note else []) + plan_notes(planned, p.buckets, cfg.engine is not None),
                      seconds)
-        if bm is not None:
+        if bm is not None and bm.layers.hybrid:
             meta["memory"] = memory.table(bm, p.reference.name, results, ref.engine)
         doc = report.write(Path(cfg.out), report.Report(meta, ref, results, cfg.thresholds, decided), force=cfg.force,
                            plots=cfg.plots)
@@ -179,8 +179,9 @@ def layer_kinds_of(config: Any, model: Any) -> layer_kinds.Layers | None:
 
 
 def bytes_model(cfg: EvalConfig, p: Prepared) -> memory.Model | None:
-    """The KV bytes model at the evaluation's lengths (calib.evaluation.memory); None without layer kinds."""
-    if p.kinds is None or not p.kinds.hybrid:
+    """The KV bytes model at the evaluation's lengths (calib.evaluation.memory); None without layer kinds. The
+    verdict ranks by its capacity where the engine did not count; its memory table is a hybrid model's."""
+    if p.kinds is None:
         return None
     return memory.Model(p.kinds, p.geo.kv_heads, p.geo.head_dim, serving_dtype(p.loaded), tuple(p.buckets),
                         str(cfg.model))
@@ -206,10 +207,7 @@ def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Pl
         from calib.engine.run import starts as engine_starts
 
         starts = engine_starts(p.arms, str(cfg.model))
-    timing = getattr(cfg.engine, "serving", None)
-    serving = (timing.concurrency, timing.output_tokens, timing.requests) if timing is not None else None
-    work = plan_mod.work_of(p.samples, p.prompts, len(p.arms), cfg.engine is not None, starts, serving,
-                            s.batch_size)
+    work = plan_mod.work_of(p.samples, p.prompts, len(p.arms), cfg.engine is not None, starts, s.batch_size)
     budget = None if cfg.budget_minutes is None else 60 * cfg.budget_minutes
     planned = plan_mod.fit(work, parts, cost, rates, budget)
     for line in planned.lines(rates):
