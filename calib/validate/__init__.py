@@ -1,5 +1,6 @@
-"""`kvcalib validate`: before turning FP8 KV on in production, quality and serving speed per arm in the real engine.
+"""`kvcalib validate`: does FP8 KV raise throughput for this workload, at what quality?
 
-Thin over the evaluation (calib.evaluation.run, which measures quality in the engine and the emulation) and the
-engine's serving phase (calib.engine.serving: TTFT, TPOT, ITL, throughput, capacity, memory, preemptions).
+Thin over the evaluation (calib.evaluation.run: quality in the engine and the emulation) and the serving half
+(calib.load: each serve configuration started with `vllm serve`, swept with `vllm bench serve`, goodput at the
+SLO, the engine's own capacity, and the decision).
 """
