@@ -115,6 +115,30 @@ def hf_quant_config(quantization: dict[str, Any], version: str) -> dict[str, Any
     return {"producer": {"name": "kvcalib", "version": version}, "quantization": quantization}
 
 
+# TensorRT-LLM's serve-time KV dtype (LLM API `kv_cache_config.dtype`) -> its kv_cache_quant_algo. "fp8" and "nvfp4"
+# from tensorrt_llm/llmapi/llm_utils.py ModelLoader._update_from_hf_quant_config (explicit_kv_cache_quant_algo) and
+# tensorrt_llm/_torch/pyexecutor/model_loader.py validate_and_set_kv_cache_quant (_KV_CACHE_MAP, main 2026); "int8"
+# only with NVIDIA/TensorRT-LLM pull request 18953 (open: `KvCacheConfig(dtype="int8")`).
+TRTLLM_KV_DTYPES = {"fp8": "FP8", "nvfp4": "NVFP4", "int8": "INT8"}
+
+
+def trtllm_api_options(kv_algo: str) -> str:
+    """The YAML kvcalib writes for `trtllm-serve --extra_llm_api_options`: the KV cache dtype, nothing else."""
+    dtype = {v: k for k, v in TRTLLM_KV_DTYPES.items()}[kv_algo]
+    return f"# TensorRT-LLM LLM API options: trtllm-serve MODEL --extra_llm_api_options THIS_FILE\n" \
+           f"kv_cache_config:\n  dtype: {dtype}\n"
+
+
+def trtllm_serve_kv_algo(options: Any) -> Any:
+    """The kv_cache_quant_algo TensorRT-LLM's `kv_cache_config.dtype` in `options` (parsed YAML) asks for: "FP8",
+    "INT8", "NVFP4"; None when it names none ("auto" or absent); the value as written when it is no known dtype."""
+    kv = options.get("kv_cache_config") if isinstance(options, dict) else None
+    dtype = kv.get("dtype") if isinstance(kv, dict) else None
+    if dtype is None or dtype == "auto":
+        return None
+    return TRTLLM_KV_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+
+
 # ---------------------------------------------------------------- Quark (AMD; read only: vLLM loads it)
 
 

@@ -38,7 +38,7 @@ def read_kv_info(path: str | Path) -> KVInfo:
     ck = CheckpointFiles(path)
     first = next((p for p in ck.read_problems if p.severity == "error"), None)
     for why in (first and f"{first.where}: {first.message}", ck.index_error, ck.hf_quant_error,
-                ck.provenance_error):
+                ck.api_options_error, ck.provenance_error):
         if why:
             raise ValueError(why if str(path) in why else f"{path}/{why}")
     qc = ck.inline_qc if isinstance(ck.inline_qc, dict) else {}
@@ -50,6 +50,9 @@ def read_kv_info(path: str | Path) -> KVInfo:
     if targets and (ck.provenance or {}).get("target") == "sglang":
         targets = ["sglang"]      # the same compressed-tensors layout, written (per tensor, no q) for SGLang
     kv_algo = formats.modelopt_kv_cache_algo(ck.hf_quant)
+    served = formats.trtllm_serve_kv_algo(ck.api_options) if ck.api_options_error is None else None
+    if served in formats.TRTLLM_KV_DTYPES.values():
+        kv_algo = served      # TensorRT-LLM's serve-time KV dtype (llm_api_options.yaml) overrides the checkpoint's
     if kv_algo:
         targets.append("trtllm")
     files = ck.named_files()

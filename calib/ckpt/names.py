@@ -19,6 +19,7 @@ INDEX_FILE = "model.safetensors.index.json"   # tensor name -> shard file
 SCALES_FILE = "kv_scales.safetensors"         # the one shard kvcalib adds to a checkpoint
 PROVENANCE_FILE = "kvcalib.json"              # what kvcalib measured and how
 HF_QUANT_CONFIG = "hf_quant_config.json"      # ModelOpt / TensorRT-LLM quantization config
+TRTLLM_API_OPTIONS = "llm_api_options.yaml"   # TensorRT-LLM serve-time options (trtllm-serve --extra_llm_api_options)
 STATS_FILE = "stats.safetensors"              # a statistics-only output's observer states
 
 

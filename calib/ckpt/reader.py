@@ -21,8 +21,8 @@ import numpy as np
 
 from calib.ckpt import integrity
 from calib.ckpt import weightmap
-from calib.ckpt.names import (HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, is_scale_like, parse_scale_name,
-                              scale_module, unparsed_reason)
+from calib.ckpt.names import (HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, TRTLLM_API_OPTIONS, is_scale_like,
+                              parse_scale_name, scale_module, unparsed_reason)
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,19 @@ def read_json_soft(path: Path) -> tuple[Any, str | None]:
         return integrity.read_json(path, path.name, kind=None), None
     except integrity.IntegrityError as e:
         return None, str(e)
+
+
+def read_yaml_soft(path: Path, limit: int = 1 << 16) -> tuple[Any, str | None]:
+    """A small YAML file (safe loader, size-capped); (value, None) or (None, why)."""
+    try:
+        if path.stat().st_size > limit:
+            return None, f"{path.name}: larger than {limit} bytes"
+        import yaml
+        return yaml.safe_load(path.read_text(encoding="utf-8")), None
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{path.name}: cannot be read ({e})"
+    except Exception as e:      # yaml.YAMLError and its subclasses
+        return None, f"{path.name}: not YAML ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
 
 
 def _is_count(v: Any) -> bool:
@@ -179,6 +192,13 @@ class CheckpointFiles:
                                                                                                              None)
         if self.hf_quant_present and self.hf_quant_error is None and not isinstance(self.hf_quant, dict):
             self.hf_quant_error = f"{HF_QUANT_CONFIG} must hold a JSON object"
+        # TensorRT-LLM's serve-time options kvcalib writes beside an unquantized model (calib/export/trtllm.py)
+        self.api_options_present = (path / TRTLLM_API_OPTIONS).is_file()
+        self.api_options, self.api_options_error = None, None
+        if self.api_options_present:
+            self.api_options, self.api_options_error = read_yaml_soft(path / TRTLLM_API_OPTIONS)
+            if self.api_options_error is None and not isinstance(self.api_options, dict):
+                self.api_options_error = f"{TRTLLM_API_OPTIONS} must hold a YAML mapping"
         self.provenance, self.provenance_error = None, None
         if (path / PROVENANCE_FILE).is_file():
             prov, err = read_json_soft(path / PROVENANCE_FILE)

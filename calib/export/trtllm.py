@@ -36,12 +36,39 @@ What the engine does with the scales (read 2026-12):
   `QuantConfig(kv_cache_quant_algo=...)` ("kv_cache_quant_algo takes precedence over exclude_modules"),
   and the cache pool has one dtype. So a layer missing from `scales` is an `ExportError` here.
 
+Unquantized (FP16/BF16) models: no hf_quant_config.json, the KV dtype at serve time (read 2026-12, and run: the
+loader functions below, extracted from a fetched copy, on this module's outputs; see tests/export/
+test_trtllm_target.py `test_unquantized_model_writes_no_quant_algo_null_file`):
+- The LLM API (`LLM(...)`, `trtllm-serve`, PyTorch backend included) refuses an hf_quant_config.json whose
+  `quant_algo` is null: `ValueError("Pre-quantized checkpoint must have quant_algo.")` from
+  `ModelLoader._update_from_hf_quant_config` (`tensorrt_llm/llmapi/llm_utils.py`; main at commit 0066b2a5, and the
+  older form that still has the TensorRT-engine branch, 1.0-1.2), called from `CachedModelLoader.__call__` before
+  any weight is read. Main lets a null quant_algo through only with `quantized_layers` AND a config.json
+  `quantization_config` to fall back on: neither exists for an unquantized model.
+- What it accepts for an unquantized model is the serve-time KV dtype: `kv_cache_config.dtype: fp8` (LLM API
+  option; `explicit_kv_cache_quant_algo` there, `validate_and_set_kv_cache_quant` in
+  `tensorrt_llm/_torch/pyexecutor/model_loader.py` sets `kv_cache_quant_algo = FP8`). So the variant of an
+  unquantized model carries `llm_api_options.yaml` (`kv_cache_config: {dtype: fp8}`) and the serve command passes
+  it: `trtllm-serve OUT --extra_llm_api_options OUT/llm_api_options.yaml`. Its FP8 cache runs at scale 1.0, as
+  every FP8 KV cache of the PyTorch backend does (above): calibrate and export say so, and refuse where K or V
+  exceed 448 (calib.export.serve). INT8: `dtype: int8` exists only with pull request 18953, whose unquantized
+  fused-QKV path reads the same `k_proj.k_scale` / `v_proj.v_scale` tensors; merged releases refuse it.
+- Why not refuse the combination: an ML engineer who asks for the TensorRT-LLM variant of a BF16 model wants a
+  folder that starts, with FP8 KV, and the truth about the scales. The behaviour of the served model is exactly
+  that of the only configuration TensorRT-LLM supports for it (serve-time FP8 at 1.0), the weights are the
+  source's, the calibrated scales stay in the folder (what PR 18953 and a later release read) and in kvcalib.json.
+  A fake weight `quant_algo` (e.g. NO_QUANT) would pass this check but is unverified further down the loader.
+- A weight-quantized (ModelOpt) source keeps its hf_quant_config.json, with `kv_cache_quant_algo` added; the
+  loader takes it (`_apply_modelopt_quant_config`). The same options file is written beside it (dtype fp8 agrees
+  with the checkpoint, so TensorRT-LLM keeps FP8), so every TensorRT-LLM variant is served by one command.
+
 Written by the one `write_variant` (calib/export/write.py), like the vLLM variant: atomic, weights linked.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -49,9 +76,11 @@ from typing import TYPE_CHECKING, Any
 
 from calib import __version__
 from calib.ckpt import formats
-from calib.ckpt.names import CONFIG_FILE, HF_QUANT_CONFIG, TRTLLM_CARRIED_SUFFIXES, trtllm_scale_names
+from calib.ckpt.names import (CONFIG_FILE, HF_QUANT_CONFIG, TRTLLM_API_OPTIONS, TRTLLM_CARRIED_SUFFIXES,
+                              trtllm_scale_names)
 from calib.ckpt.source import (ExportError, PreparedSource, SourceFiles, check_out_is_not_source, read_json,
                                read_source, scan_weights)
+from calib.engine import command
 from calib.export.target import Target, WriteOptions
 from calib.export.write import write_variant
 from calib.provenance import Provenance, as_provenance
@@ -218,18 +247,24 @@ def export_trtllm(source: Path | TrtllmSource, out: Path, scales: Scales, proven
         tensors[v_name] = _scalar(s.v_scale, f"layer {layer} v_scale")
 
     quantization = prepared.quantization
-    quantization = {**quantization, "quant_algo": quantization.get("quant_algo"), "kv_cache_quant_algo": kv_algo,
-                    "exclude_modules": list(quantization.get("exclude_modules") or [])}
-    hf_quant = formats.hf_quant_config(quantization, __version__)
+    files = {TRTLLM_API_OPTIONS: formats.trtllm_api_options(kv_algo)}
+    if quantization.get("quant_algo") is not None:
+        quantization = {**quantization, "kv_cache_quant_algo": kv_algo,
+                        "exclude_modules": list(quantization.get("exclude_modules") or [])}
+        files[HF_QUANT_CONFIG] = json.dumps(formats.hf_quant_config(quantization, __version__), indent=2) + "\n"
+        declared = f"{HF_QUANT_CONFIG} kv_cache_quant_algo={kv_algo} and {TRTLLM_API_OPTIONS}"
+    else:   # an unquantized model: no quant_algo-null file, which the LLM API refuses (module docstring)
+        declared = (f"{TRTLLM_API_OPTIONS} kv_cache_config.dtype={kv_algo.lower()} (serve-time); no {HF_QUANT_CONFIG}: "
+                    "TensorRT-LLM refuses one without a weight quant_algo")
+    notes: dict[str, Any] = {"trtllm_kv_declared_by": declared}
     if kv_algo == "FP8":
-        notes: dict[str, Any] = {"trtllm_fp8_saturation": saturation_report(scales)}
+        notes["trtllm_fp8_saturation"] = saturation_report(scales)
     else:
-        notes = {"trtllm_int8_layer_scale": {
+        notes["trtllm_int8_layer_scale"] = {
             str(i): max(float(tensors[trtllm_scale_names(i)[0]]), float(tensors[trtllm_scale_names(i)[1]]))
-            for i in sorted(scales)}}
+            for i in sorted(scales)}
     prov = as_provenance(provenance).written_as("trtllm", kv_cache_quant_algo=kv_algo, **notes)
-    return write_variant(prepared, out, tensors, None, prov, force=force,
-                         extra_files={**(extra_files or {}), HF_QUANT_CONFIG: json.dumps(hf_quant, indent=2) + "\n"})
+    return write_variant(prepared, out, tensors, None, prov, force=force, extra_files={**(extra_files or {}), **files})
 
 
 class TrtllmTarget(Target):
@@ -239,6 +274,13 @@ class TrtllmTarget(Target):
     folds_heads = True
     skip_note = ("TensorRT-LLM applies one KV cache dtype to every layer and cannot skip any; drop skip_layers or "
                  "the trtllm target")
+
+    def serve_command(self, path: str, skip: tuple[int | str, ...] = (), dtype: str = FP8_E4M3.name) -> str:
+        """`trtllm-serve PATH --extra_llm_api_options PATH/llm_api_options.yaml`: the options file carries the KV
+        dtype (the only way an unquantized model gets a quantized KV cache; module docstring)."""
+        options = str(path).rstrip("/") + "/" + TRTLLM_API_OPTIONS
+        return command.line(self.name, str(path), dtype, skip) + " " + shlex.join(["--extra_llm_api_options",
+                                                                                  options])
 
     def prepare(self, source: Path | SourceFiles, out: Path, options: WriteOptions = WriteOptions()) -> TrtllmSource:
         """An unquantized or ModelOpt source, with or without --into (`prepare_trtllm`)."""

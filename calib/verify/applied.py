@@ -22,6 +22,8 @@ def read_calibrated(ck: CheckpointFiles, engine: str) -> support.Calibrated | No
     if engine == "trtllm":
         inner = formats.modelopt_quantization(ck.hf_quant) if isinstance(ck.hf_quant, dict) else None
         algo = (inner or {}).get("kv_cache_quant_algo")
+        served = formats.trtllm_serve_kv_algo(ck.api_options) if ck.api_options_error is None else None
+        algo = served if served in ("FP8", "INT8", "NVFP4") else algo   # the serve-time dtype overrides
         dtype = {"FP8": "fp8_e4m3", "INT8": "int8"}.get(str(algo)) if algo else None
     else:
         scheme = formats.ct_declared_kv_scheme(ck.inline_qc)

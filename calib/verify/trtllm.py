@@ -1,4 +1,5 @@
-"""TensorRT-LLM's side (PyTorch backend): what it makes of hf_quant_config.json and config.json, which
+"""TensorRT-LLM's side (PyTorch backend): what it makes of hf_quant_config.json, llm_api_options.yaml (the
+serve-time KV dtype) and config.json, which
 files and tensor names it loads (the view), and one rule per loader check, collected in TRT_RULES.
 
 A module of its own so the TRT-LLM rules can be read, and updated when TRT-LLM changes, apart from
@@ -12,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from calib.ckpt.formats import ct_declared_kv_scheme, is_compressed_tensors, is_modelopt, modelopt_quantization
-from calib.ckpt.names import HF_QUANT_CONFIG, PROVENANCE_FILE
+from calib.ckpt.formats import (TRTLLM_KV_DTYPES, ct_declared_kv_scheme, is_compressed_tensors, is_modelopt,
+                                modelopt_quantization, trtllm_serve_kv_algo)
+from calib.ckpt.names import HF_QUANT_CONFIG, PROVENANCE_FILE, TRTLLM_API_OPTIONS
 from calib.ckpt.reader import CheckpointFiles, Problem, ScaleTensor
 from calib.verify.checker import Checker
 from calib.verify.common import scalar_problems, unmapped_problems
@@ -32,6 +34,7 @@ _TRT_QUANT_ALGOS = frozenset(
 class TrtView:
     inner: dict[str, Any] | None    # hf_quant_config.json's normalised `quantization` dict
     kv_algo: str | None             # what TRT-LLM ends up with
+    serve_kv: Any                   # the KV algo llm_api_options.yaml's kv_cache_config.dtype asks for (None: none)
     files: list[str]
     skipped_files: list[str]
     scales: list[ScaleTensor]
@@ -57,8 +60,11 @@ def trt_view(ck: CheckpointFiles) -> TrtView:
         if isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type") == "float" \
                 and qc.get("config_groups"):
             kv = "FP8"   # update_quant_config_from_compressed_tensors
+    serve_kv = trtllm_serve_kv_algo(ck.api_options) if ck.api_options_error is None else None
+    if isinstance(serve_kv, str) and serve_kv in TRT_KV_ALGOS:
+        kv = serve_kv   # an explicit kv_cache_config.dtype overrides the checkpoint's (validate_and_set_kv_cache_quant)
     files, skipped = _trt_files(ck)
-    return TrtView(inner, str(kv) if kv is not None else None, files, skipped, ck.scales(files))
+    return TrtView(inner, str(kv) if kv is not None else None, serve_kv, files, skipped, ck.scales(files))
 
 
 def trt_hf_quant_config(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
@@ -68,10 +74,15 @@ def trt_hf_quant_config(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
     tensorrt_llm/_torch/model_config.py: ModelConfig.from_pretrained and _build_modelopt_quant_config
     (`QuantAlgo(...)` raises ValueError for an unknown name); tensorrt_llm/quantization/modelopt_config.py:
     read_modelopt_quant_config; tensorrt_llm/quantization/mode.py: KV_CACHE_QUANT_ALGO_LIST.
+
+    quant_algo null (and no `quantized_layers`): tensorrt_llm/llmapi/llm_utils.py
+    ModelLoader._update_from_hf_quant_config raises ValueError("Pre-quantized checkpoint must have quant_algo.")
+    from CachedModelLoader.__call__, PyTorch backend included (main at commit 0066b2a5; the older form that still
+    has the TensorRT-engine branch raises the same); run on kvcalib's outputs (calib/export/trtllm.py).
     """
     where = HF_QUANT_CONFIG
     if not ck.hf_quant_present:
-        if t.kv_algo is None:
+        if t.kv_algo is None and not ck.api_options_present:
             yield Problem("trtllm", where, "missing: TensorRT-LLM sees no KV-cache quantization in this checkpoint",
                           code="trtllm.no-hf-quant-config")
         return
@@ -84,13 +95,18 @@ def trt_hf_quant_config(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
                       "read_modelopt_quant_config raises ValueError", code="trtllm.hf-quant-config")
         return
     kv = t.inner.get("kv_cache_quant_algo")
-    if kv is None:
+    if kv is None and t.serve_kv is None:
         yield Problem("trtllm", f"{where}:quantization.kv_cache_quant_algo", "null: TensorRT-LLM keeps the KV cache in "
                       "the model dtype", code="trtllm.no-kv-quant")
     elif not isinstance(kv, str) or kv not in TRT_KV_ALGOS:
         yield Problem("trtllm", f"{where}:quantization.kv_cache_quant_algo", f"is {kv!r}; TensorRT-LLM accepts "
                       f"{' | '.join(TRT_KV_ALGOS)} (exact spelling) and fails to load otherwise", code="trtllm.kv-algo")
     algo = t.inner.get("quant_algo")
+    if algo is None and not t.inner.get("quantized_layers"):
+        yield Problem("trtllm", f"{where}:quantization.quant_algo", "null: TensorRT-LLM's LLM API refuses to start "
+                      "(\"Pre-quantized checkpoint must have quant_algo.\"); for an unquantized model leave "
+                      f"{HF_QUANT_CONFIG} out and set kv_cache_config.dtype at serve time ({TRTLLM_API_OPTIONS})",
+                      code="trtllm.no-quant-algo")
     if algo is not None and (not isinstance(algo, str) or algo not in _TRT_QUANT_ALGOS):
         yield Problem("trtllm", f"{where}:quantization.quant_algo", f"is {algo!r}, not a QuantAlgo name kvcalib knows; "
                       "TensorRT-LLM raises ValueError for an unknown one", "warning", "trtllm.quant-algo")
@@ -98,6 +114,44 @@ def trt_hf_quant_config(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
     if excl is not None and not (isinstance(excl, list) and all(isinstance(x, str) for x in excl)):
         yield Problem("trtllm", f"{where}:quantization.exclude_modules", "must be a list of module name patterns",
                       code="trtllm.hf-quant-config")
+
+
+def trt_api_options(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
+    """`llm_api_options.yaml` (what kvcalib's serve command passes as `--extra_llm_api_options`):
+    `kv_cache_config.dtype` one of fp8 | nvfp4 | auto, or int8 with pull request 18953.
+
+    tensorrt_llm/_torch/pyexecutor/model_loader.py: validate_and_set_kv_cache_quant (_VALID_KV_CACHE_DTYPES
+    ("fp8", "nvfp4", "auto"): any other raises ValueError; an explicit dtype overrides the checkpoint's
+    kv_cache_quant_algo); tensorrt_llm/llmapi/llm_utils.py: ModelLoader._update_from_hf_quant_config
+    (explicit_kv_cache_quant_algo); NVIDIA/TensorRT-LLM pull request 18953 (`KvCacheConfig(dtype="int8")`).
+    """
+    where = TRTLLM_API_OPTIONS
+    if not ck.api_options_present:
+        return
+    if ck.api_options_error is not None:
+        yield Problem("trtllm", where, f"{ck.api_options_error}; trtllm-serve fails to read it",
+                      code="trtllm.api-options")
+        return
+    kv = ck.api_options.get("kv_cache_config")
+    if kv is not None and not isinstance(kv, dict):
+        yield Problem("trtllm", f"{where}:kv_cache_config", "must be a mapping", code="trtllm.api-options")
+        return
+    dtype = (kv or {}).get("dtype")
+    if dtype is None or dtype == "auto":
+        if not ck.hf_quant_present:
+            yield Problem("trtllm", f"{where}:kv_cache_config.dtype", "not set: without hf_quant_config.json "
+                          "TensorRT-LLM keeps the KV cache in the model dtype", code="trtllm.no-kv-quant")
+    elif dtype not in TRTLLM_KV_DTYPES:
+        yield Problem("trtllm", f"{where}:kv_cache_config.dtype", f"is {dtype!r}; TensorRT-LLM accepts fp8, nvfp4 "
+                      "or auto (validate_and_set_kv_cache_quant raises ValueError otherwise)", code="trtllm.kv-algo")
+    elif dtype == "int8":
+        yield Problem("trtllm", f"{where}:kv_cache_config.dtype", "int8: merged TensorRT-LLM refuses it "
+                      "(validate_and_set_kv_cache_quant); only a build with pull request 18953 serves it",
+                      "warning", "trtllm.int8-build")
+    elif t.inner is not None and t.inner.get("kv_cache_quant_algo") not in (None, t.serve_kv):
+        yield Problem("trtllm", f"{where}:kv_cache_config.dtype", f"{dtype} overrides {HF_QUANT_CONFIG}'s "
+                      f"kv_cache_quant_algo {t.inner.get('kv_cache_quant_algo')!r}", "warning",
+                      "trtllm.config-overrides")
 
 
 def trt_int8_needs_unquantized_weights(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
@@ -238,14 +292,15 @@ def trt_scale_shapes_dtypes_values(ck: CheckpointFiles, t: TrtView) -> Iterator[
 
 
 TRT_RULES: tuple[Callable[[CheckpointFiles, TrtView], Iterable[Problem]], ...] = (
-    trt_hf_quant_config, trt_int8_needs_unquantized_weights, trt_config_json_quantization, trt_no_skipped_layers,
+    trt_hf_quant_config, trt_api_options, trt_int8_needs_unquantized_weights, trt_config_json_quantization,
+    trt_no_skipped_layers,
     trt_scale_names, trt_scales_present, trt_scale_shapes_dtypes_values,
 )
 
 
 def trt_declared(ck: CheckpointFiles) -> bool:
-    """The checkpoint is for TensorRT-LLM when it has an hf_quant_config.json."""
-    return ck.hf_quant_present
+    """The checkpoint is for TensorRT-LLM when it has an hf_quant_config.json or TensorRT-LLM's serve options."""
+    return ck.hf_quant_present or ck.api_options_present
 
 
 CHECKER = Checker("trtllm", trt_view, TRT_RULES, trt_declared)

@@ -139,11 +139,12 @@ def test_any_damaged_config_is_a_one_line_answer(layouts, tmp_path, layout, name
 
 
 @pytest.mark.parametrize("name, text", [("hf_quant_config.json", "{"), ("kvcalib.json", "[1, 2"),
-                                        ("config.json", '{"a": 1, "a": 2}'), ("model.safetensors.index.json", "nul")])
+                                        ("config.json", '{"a": 1, "a": 2}'), ("model.safetensors.index.json", "nul"),
+                                        ("llm_api_options.yaml", "kv_cache_config: [1")])
 def test_unparsable_files_are_named(layouts, name, text):
-    ckpt = layouts["trtllm"] if name == "hf_quant_config.json" else layouts["vllm"]
+    ckpt = layouts["trtllm"] if name in ("hf_quant_config.json", "llm_api_options.yaml") else layouts["vllm"]
     file = ckpt / name
-    original = file.read_bytes()
+    original = file.read_bytes() if file.exists() else None
     try:
         file.write_text(text)
         assert any(name in p.where or name in p.message for p in verify(ckpt))
@@ -152,4 +153,7 @@ def test_unparsable_files_are_named(layouts, name, text):
         r = CliRunner().invoke(main, ["inspect", str(ckpt)])
         assert r.exit_code == 1 and name in r.output and "Traceback" not in r.output
     finally:
-        file.write_bytes(original)
+        if original is None:
+            file.unlink()
+        else:
+            file.write_bytes(original)

@@ -7,9 +7,11 @@ from functools import partial
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 
 from calib import __version__, export
+from calib.ckpt.names import TRTLLM_API_OPTIONS
 from calib.export import trtllm
 from calib.recipe import dtypes
 from calib.scales.fold import LayerScales
@@ -27,10 +29,10 @@ def test_export_layout(tiny_llama_dir, tmp_path):
     # config.json is the source's, byte for byte: no quantization_config for TRT-LLM to trip over
     assert (out / "config.json").read_bytes() == (tiny_llama_dir / "config.json").read_bytes()
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
-    assert json.loads((out / trtllm.HF_QUANT_CONFIG).read_text()) == {
-        "producer": {"name": "kvcalib", "version": __version__},
-        "quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8", "exclude_modules": []},
-    }
+    # an unquantized model: no hf_quant_config.json (TensorRT-LLM refuses one with quant_algo null), the KV dtype
+    # in the serve-time options the serve command passes
+    assert not (out / trtllm.HF_QUANT_CONFIG).exists()
+    assert yaml.safe_load((out / TRTLLM_API_OPTIONS).read_text()) == {"kv_cache_config": {"dtype": "fp8"}}
     index = json.loads((out / export.INDEX_FILE).read_text())
     names = {n for i in range(3) for n in trtllm.trtllm_scale_names(i)}
     assert names == {f"model.layers.{i}.self_attn.{kv}_proj.{kv}_scale" for i in range(3) for kv in "kv"}
@@ -64,11 +66,12 @@ def test_per_head_scales_fold_to_their_max(tiny_llama_dir, tmp_path):
 def test_int8_writes_both_scales_and_records_the_shared_max(tiny_llama_dir, tmp_path):
     """The INT8 path under review (TensorRT-LLM PR 18953) reads k_scale and v_scale and uses their max."""
     out = trtllm.export_trtllm(tiny_llama_dir, tmp_path / "out", _scales(3), {}, kv_algo="INT8")
-    hq = json.loads((out / trtllm.HF_QUANT_CONFIG).read_text())
-    assert hq["quantization"]["kv_cache_quant_algo"] == "INT8" and hq["quantization"]["quant_algo"] is None
+    assert not (out / trtllm.HF_QUANT_CONFIG).exists()      # PR 18953: KvCacheConfig(dtype="int8"), serve-time
+    assert yaml.safe_load((out / TRTLLM_API_OPTIONS).read_text()) == {"kv_cache_config": {"dtype": "int8"}}
     prov = json.loads((out / export.PROVENANCE_FILE).read_text())
     assert prov["trtllm_int8_layer_scale"] == {str(i): pytest.approx(0.02 * (i + 1)) for i in range(3)}
-    assert verify(out) == []
+    # merged TensorRT-LLM has no int8 kv_cache_config.dtype: a warning (the support matrix refuses it by version)
+    assert [p.code for p in verify(out)] == ["trtllm.int8-build"]
 
 
 def test_skipped_layers_are_refused(tiny_llama_dir, tmp_path):
@@ -116,6 +119,9 @@ def test_modelopt_weight_algo_and_exclusions_are_kept(tiny_llama_dir, tmp_path):
     out = trtllm.export_trtllm(src, tmp_path / "out", _scales(3), {})
     q = json.loads((out / trtllm.HF_QUANT_CONFIG).read_text())["quantization"]
     assert q == {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+    # the same serve-time options beside it: dtype fp8 agrees with the checkpoint's kv_cache_quant_algo
+    assert yaml.safe_load((out / TRTLLM_API_OPTIONS).read_text()) == {"kv_cache_config": {"dtype": "fp8"}}
+    assert verify(out) == []
     with pytest.raises(export.ExportError, match="unquantized FP16/BF16 projections"):
         trtllm.export_trtllm(src, tmp_path / "int8", _scales(3), {}, kv_algo="INT8")
 
@@ -125,7 +131,7 @@ def test_source_with_kv_quantization_or_scales_is_refused(tiny_llama_dir, tmp_pa
     with pytest.raises(export.ExportError, match="already declares kv_cache_quant_algo"):
         trtllm.export_trtllm(src, tmp_path / "out", _scales(3), {})
     once = trtllm.export_trtllm(tiny_llama_dir, tmp_path / "once", _scales(3), {})
-    (once / trtllm.HF_QUANT_CONFIG).unlink()
+    (once / TRTLLM_API_OPTIONS).unlink()
     with pytest.raises(export.ExportError, match="already carries KV scale tensors"):
         trtllm.export_trtllm(once, tmp_path / "twice", _scales(3), {})
 
@@ -168,7 +174,7 @@ def test_existing_output_is_refused_unless_forced(tiny_llama_dir, tmp_path):
     with pytest.raises(OutputError, match="already exists"):
         trtllm.export_trtllm(tiny_llama_dir, out, _scales(3), {})
     trtllm.export_trtllm(tiny_llama_dir, out, _scales(3), {}, force=True)
-    assert (out / trtllm.HF_QUANT_CONFIG).is_file()
+    assert (out / TRTLLM_API_OPTIONS).is_file()
 
 
 def test_saturation_report_lists_layers_above_448():
@@ -213,3 +219,26 @@ def test_each_target_prepares_a_modelopt_export_by_its_own_rules(tiny_llama_dir,
     hq = json.loads((out / trtllm.HF_QUANT_CONFIG).read_text())["quantization"]
     assert hq["quant_algo"] == "FP8" and hq["kv_cache_quant_algo"] == "FP8"
     assert [p for p in verify(out, "trtllm") if p.severity == "error"] == []
+
+
+def test_unquantized_model_writes_no_quant_algo_null_file(tiny_llama_dir, tmp_path):
+    """The rule (NVIDIA/TensorRT-LLM `tensorrt_llm/llmapi/llm_utils.py` `ModelLoader._update_from_hf_quant_config`,
+    main at commit 0066b2a5 and the older form with the TensorRT-engine branch, 1.0-1.2; called by
+    `CachedModelLoader.__call__` on the PyTorch backend before any weight loads): an hf_quant_config.json whose
+    `quant_algo` is null, without `quantized_layers`, raises ValueError("Pre-quantized checkpoint must have
+    quant_algo."). Run on kvcalib's outputs from a fetched copy (2026-12): the old BF16 output was refused; this
+    layout (no hf_quant_config.json, `kv_cache_config.dtype: fp8` in the options file) loads with
+    kv_cache_quant_algo FP8 (`_torch/pyexecutor/model_loader.py` `validate_and_set_kv_cache_quant`). What the
+    rule refuses, verify reports; the serve command passes the options file."""
+    out = trtllm.export_trtllm(tiny_llama_dir, tmp_path / "out", _scales(3), {})
+    assert not (out / trtllm.HF_QUANT_CONFIG).exists()
+    options = yaml.safe_load((out / TRTLLM_API_OPTIONS).read_text())
+    assert options["kv_cache_config"]["dtype"] in ("fp8", "nvfp4", "auto")     # _VALID_KV_CACHE_DTYPES (main)
+    prov = json.loads((out / export.PROVENANCE_FILE).read_text())
+    assert "serve-time" in prov["trtllm_kv_declared_by"]
+    assert trtllm.TARGET.serve_command(str(out)) == (
+        f"trtllm-serve {out} --extra_llm_api_options {out}/{TRTLLM_API_OPTIONS}")
+    # the layout kvcalib wrote before: verify says TensorRT-LLM would not start
+    (out / trtllm.HF_QUANT_CONFIG).write_text(json.dumps({"producer": {"name": "kvcalib"}, "quantization": {
+        "quant_algo": None, "kv_cache_quant_algo": "FP8", "exclude_modules": []}}))
+    assert "trtllm.no-quant-algo" in [p.code for p in verify(out) if p.severity == "error"]

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from calib import export
+from calib.ckpt.names import TRTLLM_API_OPTIONS
 from calib.ckpt.reader import Problem
 from calib.export import trtllm
 from calib.verify import verify
@@ -87,10 +88,13 @@ def _trt(layer, kind):
 
 def test_kvcalib_variants_pass(built):
     for name, ckpt in built.items():
-        assert verify(ckpt) == [], name
+        if name != "trtllm-int8":
+            assert verify(ckpt) == [], name
     assert verify(built["vllm"], "vllm") == []
     assert verify(built["trtllm"], "trtllm") == []
-    assert verify(built["trtllm-int8"], "trtllm") == []
+    # INT8 KV of an unquantized model: kv_cache_config.dtype int8, which only a build with PR 18953 accepts
+    assert [(p.code, p.severity) for p in verify(built["trtllm-int8"], "trtllm")] == [("trtllm.int8-build",
+                                                                                       "warning")]
 
 
 def _llm_compressor(source, dst, strategy="tensor", shape=(1,), dtype=torch.float32):
@@ -364,7 +368,8 @@ def test_vllm_modelopt_without_weight_algo_is_unquantized_for_vllm(source, tmp_p
     """vllm/transformers_utils/model_arch_config_convertor.py: _normalize_quantization_config sets a ModelOpt
     quant_method only for a non-null FP8/NVFP4 quant_algo; KV-only ModelOpt is unquantized to vLLM."""
     ckpt = _modelopt(source, tmp_path / "mo", quant_algo=None)
-    assert verify(ckpt) == []   # made for TRT-LLM only
+    # made for TRT-LLM only, which refuses it too: llm_utils.py ModelLoader._update_from_hf_quant_config
+    assert [p.code for p in verify(ckpt)] == ["trtllm.no-quant-algo"]
     _one(verify(ckpt, "vllm"), "vllm", "config.json", "vllm.scales-without-config")
 
 
@@ -379,9 +384,39 @@ def test_trt_compressed_tensors_config_in_trt_variant(trt_ckpt):
     assert "config_groups is empty" in p.message
 
 
+def _hq(ckpt, **quantization):
+    """A ModelOpt-shaped hf_quant_config.json (weight quant_algo FP8 unless given) in a kvcalib TRT-LLM variant."""
+    (ckpt / HQ).write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": [], **quantization}}))
+    return ckpt
+
+
+def test_trt_quant_algo_null_is_refused(trt_ckpt):
+    """tensorrt_llm/llmapi/llm_utils.py: ModelLoader._update_from_hf_quant_config (main, commit 0066b2a5; and the
+    older form, 1.0-1.2) raises ValueError("Pre-quantized checkpoint must have quant_algo.") for a null quant_algo
+    without quantized_layers, on the PyTorch backend too; with quantized_layers main falls back to config.json."""
+    _hq(trt_ckpt, quant_algo=None)
+    p = _one(verify(trt_ckpt, "trtllm"), "trtllm", f"{HQ}:quantization.quant_algo", "trtllm.no-quant-algo")
+    assert "Pre-quantized checkpoint must have quant_algo" in p.message
+    _hq(trt_ckpt, quant_algo=None, quantized_layers={"model.layers.0.mlp.down_proj": {"quant_algo": "FP8"}})
+    assert "trtllm.no-quant-algo" not in [p.code for p in verify(trt_ckpt, "trtllm")]
+
+
+@pytest.mark.parametrize("text,code", [("kv_cache_config:\n  dtype: fp16\n", "trtllm.kv-algo"),
+                                       ("kv_cache_config: [1\n", "trtllm.api-options"),
+                                       ("kv_cache_config: fp8\n", "trtllm.api-options"),
+                                       ("kv_cache_config:\n  dtype: auto\n", "trtllm.no-kv-quant")])
+def test_trt_api_options(trt_ckpt, text, code):
+    """tensorrt_llm/_torch/pyexecutor/model_loader.py: validate_and_set_kv_cache_quant (_VALID_KV_CACHE_DTYPES
+    fp8, nvfp4, auto; another dtype raises ValueError; auto keeps the checkpoint's, none here)."""
+    (trt_ckpt / TRTLLM_API_OPTIONS).write_text(text)
+    assert code in [p.code for p in verify(trt_ckpt, "trtllm") if p.severity == "error"]
+
+
 def test_trt_other_weight_format_in_config_json(trt_ckpt):
     """tensorrt_llm/_torch/model_config.py: ModelConfig.from_pretrained replaces the whole quant config with
     config.json's when it sets a weight algo and hf_quant_config.json does not."""
+    _hq(trt_ckpt, quant_algo=None)
     _edit_json(trt_ckpt / "config.json",
                lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}))
     p = _one(verify(trt_ckpt, "trtllm"), "trtllm", "config.json:quantization_config", "trtllm.config-overrides")
@@ -392,6 +427,7 @@ def test_trt_other_weight_format_in_config_json(trt_ckpt):
 def test_trt_bad_kv_cache_quant_algo(trt_ckpt, algo):
     """tensorrt_llm/_torch/model_config.py: ModelConfig._build_modelopt_quant_config (QuantAlgo(...), exact
     member names); tensorrt_llm/quantization/mode.py: KV_CACHE_QUANT_ALGO_LIST = FP8, INT8, NVFP4."""
+    _hq(trt_ckpt)
     _edit_json(trt_ckpt / HQ, lambda d: d["quantization"].update(kv_cache_quant_algo=algo))
     problems = verify(trt_ckpt)
     p = _one(problems, "trtllm", f"{HQ}:quantization.kv_cache_quant_algo", "trtllm.kv-algo")
@@ -400,6 +436,8 @@ def test_trt_bad_kv_cache_quant_algo(trt_ckpt, algo):
 
 def test_trt_null_kv_cache_quant_algo(trt_ckpt):
     """tensorrt_llm/_torch/model_config.py: ModelConfig._build_modelopt_quant_config (null: no KV quant)."""
+    _hq(trt_ckpt)
+    (trt_ckpt / TRTLLM_API_OPTIONS).unlink()
     _edit_json(trt_ckpt / HQ, lambda d: d["quantization"].update(kv_cache_quant_algo=None))
     _one(verify(trt_ckpt), "trtllm", f"{HQ}:quantization.kv_cache_quant_algo", "trtllm.no-kv-quant")
 
@@ -413,8 +451,9 @@ def test_trt_hf_quant_config_shape(trt_ckpt):
 
 def test_trt_missing_hf_quant_config(trt_ckpt):
     """tensorrt_llm/_torch/model_config.py: ModelConfig.from_pretrained reads KV quantization only from
-    hf_quant_config.json (or a compressed-tensors kv_cache_scheme in config.json)."""
-    (trt_ckpt / HQ).unlink()
+    hf_quant_config.json (or a compressed-tensors kv_cache_scheme in config.json) or the serve-time
+    kv_cache_config.dtype (tensorrt_llm/_torch/pyexecutor/model_loader.py: validate_and_set_kv_cache_quant)."""
+    (trt_ckpt / TRTLLM_API_OPTIONS).unlink()
     _one(verify(trt_ckpt, "trtllm"), "trtllm", HQ, "trtllm.no-hf-quant-config")
 
 
@@ -435,7 +474,7 @@ def test_trt_fp8_missing_scale_is_a_warning(trt_ckpt):
 
 def test_trt_int8_with_quantized_weights(int8_ckpt):
     """TensorRT-LLM pull request 18953: INT8 KV only with unquantized FP16/BF16 projections."""
-    _edit_json(int8_ckpt / HQ, lambda d: d["quantization"].update(quant_algo="FP8"))
+    _hq(int8_ckpt, kv_cache_quant_algo="INT8")
     _one(verify(int8_ckpt), "trtllm", f"{HQ}:quantization.quant_algo", "trtllm.int8-weights")
 
 
