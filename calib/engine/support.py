@@ -192,6 +192,11 @@ T2 = _ts("tensorrt_llm/_torch/modules/attention.py", "Attention._attn_impl (kv_s
 T3 = _ts("tensorrt_llm/_torch/modules/linear.py", "FP8QDQLinearMethod.load_kv_scales (reshape to [])")
 T4 = _ts("tensorrt_llm/_torch/models/modeling_utils.py", "DecoderModelForCausalLM.apply_quant_config_exclude_modules")
 T5 = _ts("tensorrt_llm/quantization/modelopt_config.py", "read_modelopt_quant_config / _kv_cache_scheme_to_algo")
+T6 = _ts("tensorrt_llm/llmapi/llm_utils.py", "ModelLoader._update_from_hf_quant_config (quant_algo null: "
+         "'Pre-quantized checkpoint must have quant_algo.')", "commit 0066b2a5 and the 1.0-1.2 form; run on kvcalib's "
+         "outputs 2026-12")
+T7 = _ts("tensorrt_llm/_torch/pyexecutor/model_loader.py", "validate_and_set_kv_cache_quant (kv_cache_config.dtype "
+         "fp8 | nvfp4 | auto)")
 T_PR = Source("NVIDIA/TensorRT-LLM", "pull request 18953 (open)", "calibrated INT8 KV cache: one "
               "max(k_scale, v_scale) per layer", "unmerged; not verified here")
 _SQ = "python/sglang/srt/layers/quantization/"
@@ -255,9 +260,12 @@ CELLS: tuple[Cell, ...] = (
     )),
     # ---- TensorRT-LLM, PyTorch backend (hf_quant_config.json kv_cache_quant_algo)
     _c("trtllm", "*", "fp8_e4m3", ("tensor", "head"), E.IGNORED, "the FP8 cache runs at scale 1.0; scales reach "
-       "the kernel only for NVFP4 KV (per-head scales are folded to one scalar)", T1, T2, T3),
-    _c("trtllm", "*", "int8", ("tensor", "head"), E.IGNORED, "the INT8 cache runs at scale 1.0 in merged code; "
-       "calibrated INT8 is only in open pull request 18953", T1, T2, T_PR),
+       "the kernel only for NVFP4 KV (per-head scales are folded to one scalar); an unquantized model gets FP8 KV "
+       "only from the serve-time kv_cache_config.dtype (the LLM API refuses hf_quant_config.json with quant_algo "
+       "null)", T1, T2, T3, T6, T7),
+    _c("trtllm", "*", "int8", ("tensor", "head"), E.IGNORED, "the INT8 cache runs at scale 1.0 in merged code, and "
+       "only under quantized weights (no int8 kv_cache_config.dtype; quant_algo null refused); calibrated INT8 is "
+       "only in open pull request 18953", T1, T2, T6, T7, T_PR),
     _c("trtllm", "*", "int8", "tensor", E.APPLIED, "one max(k_scale, v_scale) per layer", T_PR, build="pr18953"),
     _c("trtllm", "*", "int8", "head", E.MAX_OVER_HEADS, "per-head scales folded to one max(k, v) per layer", T_PR, T3,
        build="pr18953"),
