@@ -14,6 +14,7 @@ from calib import resources
 from calib.errors import KvcalibError
 from calib.evaluation import emulate as emulate_mod
 from calib.evaluation import significance
+from calib.load.options import load_options, spec_from
 from calib.safety import outputs
 
 
@@ -33,6 +34,9 @@ from calib.safety import outputs
 @click.option("--vllm-venv", envvar="KVCALIB_VLLM_VENV", type=click.Path(file_okay=False, path_type=Path),
               help="Virtual environment with vLLM (env KVCALIB_VLLM_VENV).")
 @click.option("--engine-kv-gib", type=int, default=1, show_default=True)
+@click.option("--serve", "serve", is_flag=True, help="Also serve each route's arms under load (`vllm serve`, swept by "
+              "`vllm bench serve` on the route's prompts, as `kvcalib validate`) and decide by goodput at the SLO.")
+@load_options
 @click.option("--device")
 @click.option("--cpu-dtype", type=click.Choice(("float32", "bfloat16")),
               help="Model dtype on CPU. Default: float32, the checkpoint's own with --engine.")
@@ -41,7 +45,7 @@ from calib.safety import outputs
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Plan folder. Default: out/<model>-plan.")
 @click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never other files).")
 def plan(routes_file, model_src, scales, emulation, passkey_trials, max_skip, engine, vllm_venv, engine_kv_gib, device,
-         cpu_dtype, plots, progress, out, force) -> None:
+         cpu_dtype, plots, progress, out, force, serve=False, **load_kw) -> None:
     """One FP8 / FP8-with-skips / BF16 decision per route, the `vllm serve` command for each, and plan.json."""
     from calib.evaluation.config import EvalConfig
     from calib.evaluation.report import Thresholds
@@ -50,6 +54,9 @@ def plan(routes_file, model_src, scales, emulation, passkey_trials, max_skip, en
     from calib.routes import spec
 
     try:
+        load = spec_from(**load_kw) if serve else None
+        if serve and not engine:
+            raise click.ClickException("--serve needs --engine vllm (and --vllm-venv): the arms are served by the engine")
         routes = spec.load(routes_file)          # every route's data checked before any model loads
         engine_spec = None
         if engine:
@@ -73,7 +80,8 @@ def plan(routes_file, model_src, scales, emulation, passkey_trials, max_skip, en
             base = dataclasses.replace(base, model=model_src)
         with outputs.terminate_as_interrupt():     # SIGTERM / SIGHUP: the temporary plan and its lock removed
             doc = plan_mod.run_plan(routes, base, force=force, log=lambda m: click.echo(m, err=True),
-                                    progress=Progress((lambda m: click.echo(m, err=True)) if progress else None))
+                                    progress=Progress((lambda m: click.echo(m, err=True)) if progress else None),
+                                    load=load)
     except KvcalibError as e:
         raise click.ClickException(str(e)) from None
     for name, r in doc["routes"].items():

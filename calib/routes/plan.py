@@ -7,7 +7,12 @@ route is one `run_eval` with the route's data, buckets and thresholds and the sa
 scale 1.0 and every --scales checkpoint); the plan takes its verdict, applies the bar's passkey floor, and
 falls back to BF16 when nothing passes or when a skip was not confirmed by the engine.
 
-Output (one folder, written whole or not at all): <route>/report.{md,json} per route, plan.json, plan.md.
+With `--serve` (and the engine) each route's arms are also served under load with `vllm serve` and swept with
+`vllm bench serve` on the route's prompts (calib/validate/run.py `serve`), and the route takes the arm with the
+best goodput at the SLO within its bar (calib/load/decide.py), BF16 where FP8 buys nothing for that route.
+
+Output (one folder, written whole or not at all): <route>/report.{md,json} per route (and <route>/validate.{md,json}
+with --serve), plan.json, plan.md.
 plan.json: {"kvcalib_plan": 1, "model", "routes": {name: {"decision": "fp8" | "fp8_skip" | "bf16", "arm",
 "serve_model", "kv_cache_dtype", "skip_layers", "max_model_len", "serve", "serve_argv", "numbers", "why",
 "route", "report"}}, "servers": [{"serve", "routes"}]} — servers groups routes one engine instance can serve.
@@ -122,6 +127,31 @@ def decide(route: Route, model: str, result: Any) -> Decision:
     return Decision(route.name, BF16, None, model, "auto", (), length, None, f"BF16 KV: {why}")
 
 
+def decide_served(route: Route, model: str, result: Any, served: Mapping[str, Any]) -> Decision:
+    """The route's decision from its evaluation and its sweep under load (`served`: validate.json's document,
+    calib/validate/report.py): the arm validate recommends by goodput at the SLO within the route's bar, if it also
+    meets the route's passkey floor; BF16 otherwise, and BF16 with the reason where the serving was not measured."""
+    overall, length = served["decision"]["overall"], max(route.buckets)
+    rec = overall["recommended"]
+    if rec is None or rec == served["reference"]:
+        return Decision(route.name, BF16, None, model, "auto", (), length, "engine under load" if rec else None,
+                        f"BF16 KV: {overall['why']}")
+    entry = result.arms[rec]
+    miss = passkey_floor(entry, route.bar.min_passkey)
+    if miss:
+        return Decision(route.name, BF16, None, model, "auto", (), length, None,
+                        f"BF16 KV: `{rec}` serves best within the bar but {miss}")
+    cfg = served["configs"][served["arms"][rec]["config"]]
+    flags, skips = cfg["flags"], ()
+    if "--kv-cache-dtype-skip-layers" in flags:
+        skips = tuple(int(x) if x.isdigit() else x for x in flags[flags.index("--kv-cache-dtype-skip-layers") + 1:]
+                      if not x.startswith("--"))
+    kv = flags[flags.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in flags else "auto"
+    source = entry.info.source if entry.info.kind == "checkpoint" else model
+    return Decision(route.name, FP8_SKIP if skips and entry.info.kind != "checkpoint" else FP8, rec, str(source), kv,
+                    skips, length, "engine under load", overall["why"])
+
+
 def eval_config(route: Route, base: EvalConfig, out: Path) -> EvalConfig:
     """The route's evaluation: its data, buckets, samples and bar on the common settings."""
     th = Thresholds(max_kl=route.bar.max_kl, max_ppl_increase=route.bar.max_ppl_increase,
@@ -190,11 +220,15 @@ def markdown(doc: Mapping[str, Any]) -> str:
 
 
 def run_plan(routes: Routes, base: EvalConfig, *, force: bool = False, log: Log = lambda _m: None,
-             progress: Progress = SILENT) -> dict[str, Any]:
+             progress: Progress = SILENT, load: Any = None) -> dict[str, Any]:
     """Evaluate every route (one `run_eval` each, the same arms) and write the plan into `base.out`, whole or
-    not at all; returns plan.json's document."""
+    not at all; returns plan.json's document. With `load` (calib.load.spec.LoadSpec; the engine required) each
+    route's arms are also served under that load on the route's prompts (as `kvcalib validate`, its
+    <route>/validate.{md,json}) and the route's decision is the arm with the best goodput within its bar."""
     from calib.evaluation.run import run_eval
     from calib.safety.outputs import atomic_dir
+    from calib.validate import report as vreport
+    from calib.validate import run as vrun
 
     out = Path(base.out)
     check(routes, base, force)
@@ -203,8 +237,14 @@ def run_plan(routes: Routes, base: EvalConfig, *, force: bool = False, log: Log 
         try:
             for r in routes.routes:
                 log(f"plan: route `{r.name}` ({r.data}, buckets {list(r.buckets)})")
-                result = run_eval(eval_config(r, base, tmp / r.name), log=log, progress=progress)
-                decisions.append(decide(r, base.model, result))
+                cfg = eval_config(r, base, tmp / r.name)
+                result = run_eval(cfg, log=log, progress=progress)
+                if load is None:
+                    decisions.append(decide(r, base.model, result))
+                else:
+                    served = vrun.serve(result, cfg, load, log)
+                    vreport.write(tmp / r.name, served, base.plots)
+                    decisions.append(decide_served(r, base.model, result, served))
                 log(f"plan: route `{r.name}`: {decisions[-1].decision} ({decisions[-1].why})")
         except KvcalibError as e:     # which route failed (atomic_dir names the user's --out, not its folder)
             raise RoutesError(f"route '{r.name}': {e}") from None

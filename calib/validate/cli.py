@@ -13,7 +13,7 @@ from calib import resources
 from calib.errors import KvcalibError
 from calib.evaluation import emulate as emulate_mod
 from calib.evaluation import significance
-from calib.load.spec import LoadSpec
+from calib.load.options import load_options, spec_from
 
 
 @click.command("validate")
@@ -29,23 +29,7 @@ from calib.load.spec import LoadSpec
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--passkey-trials", type=int, default=0, show_default=True,
               help=f"Passkey prompts per depth and bucket (0: off; {significance.DEFAULT_TRIALS} detects a 10-point drop).")
-@click.option("--output-tokens", type=int, default=LoadSpec.output_tokens, show_default=True,
-              help="Tokens each served request generates (end-of-sequence ignored).")
-@click.option("--concurrency", "levels", help="Requests in flight to measure, comma-separated (e.g. 1,8,32). "
-              "Default: double from 1 until the server saturates and past the batch its KV pool holds.")
-@click.option("--max-concurrency", type=int, default=LoadSpec.max_concurrency, show_default=True,
-              help="The highest level an automatic sweep tries.")
-@click.option("--requests-per-level", type=int, default=LoadSpec.requests_per_level, show_default=True,
-              help="Requests sent at a level, as a multiple of the level (at least 8).")
-@click.option("--slo-ttft-ms", type=float, default=LoadSpec.slo_ttft_ms, show_default=True,
-              help="SLO: time to first token (ms). Goodput counts requests meeting both bounds.")
-@click.option("--slo-tpot-ms", type=float, default=LoadSpec.slo_tpot_ms, show_default=True,
-              help="SLO: mean time per output token after the first (ms).")
-@click.option("--speed-noise", type=float, default=LoadSpec.noise, show_default=True,
-              help="Smallest relative goodput gain over BF16 read as real (the measured repeat spread is added).")
-@click.option("--sweep-minutes", type=float, help="Bound each serve configuration's sweep per bucket (minutes).")
-@click.option("--prefix-caching/--no-prefix-caching", default=False, show_default=True,
-              help="Serve with vLLM's prefix caching (off: a repeated prompt costs a whole prefill).")
+@load_options
 @click.option("--emulate", "emulation", type=click.Choice(emulate_mod.names()), default=emulate_mod.DEFAULT,
               show_default=True, help="Whose FP8 arithmetic the emulated quality numbers follow (the engine's decide).")
 @click.option("--max-kl", type=float, default=0.01, show_default=True, help="Quality bar: mean KL (nats) per bucket.")
@@ -73,11 +57,9 @@ from calib.load.spec import LoadSpec
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Report folder. Default: out/<model>-validate.")
 @click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never other files).")
-def validate(model_src, data_src, scales, buckets, samples, pack, min_tokens, seed, passkey_trials, output_tokens,
-             levels, max_concurrency, requests_per_level, slo_ttft_ms, slo_tpot_ms, speed_noise, sweep_minutes,
-             prefix_caching, emulation, max_kl, max_ppl_increase, passkey_drop, max_skip, dominance, failures,
-             vllm_venv, engine_kv_gib, engine_timeout, device, cpu_dtype, plots, progress, out, force, formats=None,
-             budget_minutes=None, emulate_up_to=None) -> None:
+def validate(model_src, data_src, scales, buckets, samples, pack, min_tokens, seed, passkey_trials, emulation, max_kl,
+             max_ppl_increase, passkey_drop, max_skip, dominance, failures, vllm_venv, engine_kv_gib, engine_timeout, device, cpu_dtype, plots, progress, out, force, formats=None,
+             budget_minutes=None, emulate_up_to=None, **load_kw) -> None:
     """Does FP8 KV raise throughput for this workload? Each arm (BF16 KV, FP8 scale 1.0, each --scales checkpoint,
     skip trials) is evaluated in the engine for quality, then served with `vllm serve` and swept with `vllm bench
     serve` on your held-out prompts by length bucket: throughput, goodput at the SLO, TTFT / TPOT / ITL / E2E,
@@ -99,13 +81,7 @@ def validate(model_src, data_src, scales, buckets, samples, pack, min_tokens, se
     if vllm_venv is None:
         raise click.ClickException("validate needs --vllm-venv PATH (or KVCALIB_VLLM_VENV): the virtual environment "
                                    "where vLLM is installed (`make engine-venv` builds one)")
-    try:
-        level_list = tuple(int(c) for c in (levels or "").split(",") if c.strip())
-    except ValueError:
-        raise click.ClickException(f"--concurrency {levels!r}: give whole numbers like 1,8,32") from None
-    load = LoadSpec(output_tokens, level_list, max_concurrency, requests_per_level, slo_ttft_ms, slo_tpot_ms,
-                    speed_noise, budget_s=None if sweep_minutes is None else sweep_minutes * 60,
-                    prefix_caching=prefix_caching)
+    load = spec_from(**load_kw)      # one line naming the option, before anything is read
     spec = EngineSpec("vllm", vllm_venv, kv_gib=engine_kv_gib, timeout=engine_timeout)
     try:
         cfg = EvalConfig(

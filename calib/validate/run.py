@@ -97,6 +97,25 @@ def prompt_buckets(samples: Sequence[Any], tokenizer: Any, output_tokens: int, c
     return [sweep.Bucket(b, tuple(t for t, _ in rows), tuple(n for _, n in rows)) for b, rows in sorted(by.items())]
 
 
+def serve(result: Any, cfg: EvalConfig, load: LoadSpec, log: Log) -> dict[str, Any]:
+    """Each serve configuration of a finished evaluation (`result`, whose engine is `cfg.engine`) swept under `load`
+    on the evaluation's own held-out prompts, then validate.json's document with the decision."""
+    spec = cfg.engine
+    entries = {result.report["reference"]: result.reference, **result.arms}
+    cpu = on_cpu(spec.venv)
+    configs = serve_configs(entries, cpu)
+    buckets = prompt_buckets(result.samples, result.tokenizer, load.output_tokens, result.context)
+    base = server.Launch(0, spec.kv_gib, "auto", on_cpu=cpu, timeout=spec.timeout)     # the dtype users serve
+    tok = str(((result.reference.engine or {}).get("serve") or {}).get("model") or cfg.model)
+    sweeps = []
+    with tempfile.TemporaryDirectory(prefix=f"{driver.DIR_PREFIX}{os.getpid()}-") as work:
+        for j, (scfg, names) in enumerate(configs):
+            log(f"validate: serve configuration {j + 1}/{len(configs)} ({', '.join(names)}): {scfg.command()}")
+            sweeps.append((scfg, names, sweep.sweep_config(spec.venv, scfg, buckets, load, base, result.context,
+                                                           Path(work), tok, log)))
+    return report.build(result, cfg.thresholds, load, sweeps, "CPU" if cpu else "GPU")
+
+
 def run_validate(cfg: EvalConfig, load: LoadSpec, log: Log = lambda _m: None,
                  progress: Progress = SILENT) -> ValidateResult:
     """Evaluate every arm in the engine, sweep each serve configuration under load, decide; write into `cfg.out`."""
@@ -105,22 +124,8 @@ def run_validate(cfg: EvalConfig, load: LoadSpec, log: Log = lambda _m: None,
 
     check(cfg, load)
     check_eval(cfg)
-    spec = cfg.engine
     with atomic_dir(Path(cfg.out), cfg.force, kind="validation report") as tmp:
-        result = run_eval(replace(cfg, out=tmp / "eval", force=False), log=log,
-                          progress=progress)
-        entries = {result.report["reference"]: result.reference, **result.arms}
-        cpu = on_cpu(spec.venv)
-        configs = serve_configs(entries, cpu)
-        buckets = prompt_buckets(result.samples, result.tokenizer, load.output_tokens, result.context)
-        base = server.Launch(0, spec.kv_gib, "auto", on_cpu=cpu, timeout=spec.timeout)     # the dtype users serve
-        tok = str(((result.reference.engine or {}).get("serve") or {}).get("model") or cfg.model)
-        sweeps = []
-        with tempfile.TemporaryDirectory(prefix=f"{driver.DIR_PREFIX}{os.getpid()}-") as work:
-            for j, (scfg, names) in enumerate(configs):
-                log(f"validate: serve configuration {j + 1}/{len(configs)} ({', '.join(names)}): {scfg.command()}")
-                sweeps.append((scfg, names, sweep.sweep_config(spec.venv, scfg, buckets, load, base, result.context,
-                                                               Path(work), tok, log)))
-        doc = report.build(result, cfg.thresholds, load, sweeps, "CPU" if cpu else "GPU")
+        result = run_eval(replace(cfg, out=tmp / "eval", force=False), log=log, progress=progress)
+        doc = serve(result, cfg, load, log)
         made = report.write(tmp, doc, cfg.plots)
     return ValidateResult(Path(cfg.out), doc, tuple(made))

@@ -195,3 +195,48 @@ def test_sigterm_during_plan_removes_its_temporary_folder_and_lock(two_routes, t
         proc.wait(timeout=60)
         assert proc.returncode != 0
         assert not home.exists() or list(home.iterdir()) == []
+
+
+def test_plan_serve_decides_each_route_by_goodput_under_its_load(tmp_path, monkeypatch):
+    """`plan --serve`: each route's arms served under load (the fake server, tests/fake_vllm_cli.py: a pool of 500
+    tokens for the model dtype). Short chat prompts (32 tokens) fit 9 requests with BF16 KV, more than the 8 in
+    flight: FP8's slower steps lose and the route keeps BF16. Documents (64 tokens) fit 5 with BF16 and 11 with
+    FP8: FP8 serves more at 8 in flight and the route takes it, with its serve command."""
+    from calib.load import server
+    from helpers import SAMPLE_TEXT, train_tokenizer
+
+    tok = train_tokenizer()
+    m = tiny_causal_lm("llama", vocab_size=len(tok), max_position_embeddings=256)
+    m.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    (tmp_path / "routes.yaml").write_text(
+        f"routes:\n"
+        f"  chat: {{data: {SAMPLE_TEXT}, buckets: [32], samples: 4, pack: true, bar: {{max_kl: 1.0, max_ppl_increase: 1.0}}}}\n"
+        f"  docs: {{data: {SAMPLE_TEXT}, buckets: [64], samples: 4, pack: true, bar: {{max_kl: 1.0, max_ppl_increase: 1.0}}}}\n")
+    monkeypatch.setenv(driver.RUNNER_ENV, str(FAKE))
+    monkeypatch.setenv(server.CLI_ENV, str(Path(__file__).resolve().parents[1] / "fake_vllm_cli.py"))
+    monkeypatch.setenv("FAKE_ENGINE", "fp8")
+    monkeypatch.setenv("FAKE_BYTES_PER_TOKEN", str((1 << 30) // 500))
+    out = tmp_path / "plan"
+    r = CliRunner().invoke(main, ["plan", "--routes", str(tmp_path / "routes.yaml"), "--model", str(tmp_path / "model"),
+                                  "--device", "cpu", "--max-skip", "0", "--passkey-trials", "0", "--no-plots",
+                                  "--no-progress", "--engine", "vllm", "--vllm-venv", str(VENV), "--serve",
+                                  "--output-tokens", "4", "--max-concurrency", "8", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "plan.json").read_text())
+    chat, docs = doc["routes"]["chat"], doc["routes"]["docs"]
+    assert chat["decision"] == "bf16" and "buys nothing" in chat["why"] and chat["numbers"] == "engine under load"
+    assert docs["decision"] == "fp8" and docs["numbers"] == "engine under load" and "--kv-cache-dtype fp8" in docs["serve"]
+    for name in ("chat", "docs"):
+        served = json.loads((out / name / "validate.json").read_text())
+        rec = served["decision"]["overall"]["recommended"]
+        assert (rec == served["reference"]) == (name == "chat")
+        if name == "docs":
+            assert docs["arm"] == rec and served["arms"][rec]["buckets"]["64"]["capacity"] == 11
+
+
+def test_plan_serve_needs_the_engine(two_routes, tmp_path):
+    tmp, src = two_routes
+    r = CliRunner().invoke(main, ["plan", "--routes", str(tmp / "routes.yaml"), "--model", str(src), "--serve",
+                                  "--out", str(tmp_path / "p")])
+    assert r.exit_code != 0 and "--serve needs --engine vllm" in r.output and not (tmp_path / "p").exists()
