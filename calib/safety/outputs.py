@@ -380,7 +380,7 @@ def atomic_dir(out: Path, force: bool, *, inputs: Inputs = (), kind: str = "chec
             files.make_dir(tmp)
         except files.LinkError as e:
             raise OutputError(f"{option} {out}: {e}") from None
-        try:
+        with _unwinding(tmp, out, option):
             yield tmp
             write_marker(tmp, kind)
             if out.exists() or out.is_symlink():
@@ -391,17 +391,25 @@ def atomic_dir(out: Path, force: bool, *, inputs: Inputs = (), kind: str = "chec
                 _remove(old)
             else:
                 os.rename(tmp, out)
-        except OSError as e:      # disk full, permissions, a vanished folder: one line, nothing left
-            _remove(tmp)
-            raise OutputError(f"{option} {out}: writing failed ({_as_out(_why(e), tmp, out)}); nothing was "
-                              "written") from None
-        except KvcalibError as e:
-            _remove(tmp)
-            _name_out(e, tmp, out)
-            raise
-        except BaseException:
-            _remove(tmp)
-            raise
+
+
+@contextlib.contextmanager
+def _unwinding(tmp: Path, out: Path, option: str) -> Iterator[None]:
+    """On any error `tmp` is removed: an OSError (disk full, permissions, a vanished folder) becomes one line, and
+    every message names the user's `out`, never kvcalib's temporary sibling."""
+    try:
+        yield
+    except OSError as e:
+        _remove(tmp)
+        raise OutputError(f"{option} {out}: writing failed ({_as_out(_why(e), tmp, out)}); nothing was "
+                          "written") from None
+    except KvcalibError as e:
+        _remove(tmp)
+        _name_out(e, tmp, out)
+        raise
+    except BaseException:
+        _remove(tmp)
+        raise
 
 
 def _as_out(text: str, tmp: Path, out: Path) -> str:
@@ -429,17 +437,6 @@ def atomic_file(path: Path, option: str = "--out") -> Iterator[Path]:
     with lock(path, option):
         tmp = tmp_path(_abs(path))
         _remove(tmp)
-        try:
+        with _unwinding(tmp, path, option):
             yield tmp
             os.replace(tmp, path)
-        except OSError as e:
-            _remove(tmp)
-            raise OutputError(f"{option} {path}: writing failed ({_as_out(_why(e), tmp, path)}); nothing was "
-                              "written") from None
-        except KvcalibError as e:
-            _remove(tmp)
-            _name_out(e, tmp, path)
-            raise
-        except BaseException:
-            _remove(tmp)
-            raise
