@@ -7,7 +7,8 @@ refused (FAKE_ENGINE=refuse-default). FAKE_ENGINE=crash / hang make FP8
 arms exit without an answer / never finish, to test the driver. A per-token-head cache runs kvcalib's exact
 emulation of it; FAKE_DYNAMIC=garbage makes it answer nonsense instead, as CPU vLLM 0.32 does (docs/design.md
 §11). The probe lists FAKE_KV_DTYPES (comma-separated) as the cache dtypes it accepts, or none. KV capacity is the pool divided by the
-cache's bytes per token (layers x 2 x kv heads x head dim x element size), as a paged cache would hold.
+cache's bytes per token (layers x 2 x kv heads x head dim x element size, a skipped layer at the model dtype), as a
+paged cache would hold.
 A request of several arms (one engine start) is answered arm by arm; each arm's scales are read back as sent,
 except with FAKE_SCALES=drop, where every arm after the first holds what the first held (scales that did not
 take). Each request appends one line to FAKE_STARTS (a file), when set: the engine starts.
@@ -72,7 +73,7 @@ def measure_arm(req: dict, arm: dict, j: int = 0) -> dict:
     loaded = load_causal_lm(arm["model"], "cpu")
     lm, config = loaded.model, loaded.config
     geo = Geometry.of(config, loaded.attention_layers)
-    q = None
+    q, skipped = None, set()
     dynamic = arm["kv_cache_dtype"].endswith("_per_token_head")
     if dynamic or arm["kv_cache_dtype"] == "fp8_e5m2":       # the whole-format arms: their names are vLLM's
         q = format_arms(geo, [arm["kv_cache_dtype"]])[0]
@@ -84,7 +85,8 @@ def measure_arm(req: dict, arm: dict, j: int = 0) -> dict:
             from calib.model.layer_kinds import layer_kinds
 
             sliding = layer_kinds(config).sliding if "sliding_window" in arm["skip_layers"] else ()
-            q = q.skipping([*sliding, *(i for i in arm["skip_layers"] if not isinstance(i, str))])
+            skipped = {*sliding, *(i for i in arm["skip_layers"] if not isinstance(i, str))}
+            q = q.skipping(sorted(skipped))
     k, cont = req["top_k"], req["continuation_tokens"]
     samples, continuations, answers, tokens = [], [], [], 0
     with fake_quant_kv(lm, emulate.by_name(emulate.DEFAULT)) as hook, torch.inference_mode(), hook.applying(q):
@@ -109,9 +111,9 @@ def measure_arm(req: dict, arm: dict, j: int = 0) -> dict:
     from calib.recipe.dtypes import kv_format
 
     name = {"fp8": "fp8_e4m3"}.get(arm["kv_cache_dtype"], arm["kv_cache_dtype"])
-    per_token = len(geo.layers) * (kv_format(name).bytes_per_token(geo.kv_heads, geo.head_dim) if fp8 else
-                                   2 * geo.kv_heads * geo.head_dim * (torch.finfo(loaded.dtype).bits // 8))
-    per_token = int(per_token)
+    wide = 2 * geo.kv_heads * geo.head_dim * (torch.finfo(loaded.dtype).bits // 8)
+    narrow = kv_format(name).bytes_per_token(geo.kv_heads, geo.head_dim) if fp8 else wide
+    per_token = int(sum(wide if i in skipped else narrow for i in geo.layers))    # skipped layers: model dtype
     capacity = req["kv_gib"] * 2 ** 30 // per_token // 16 * 16
     return {"status": protocol.OK, "reason": None, "engine": "vllm", "scales": None,
             "version": "0.0-fake", "kv_cache_dtype": arm["kv_cache_dtype"], "kv_capacity_tokens": capacity,

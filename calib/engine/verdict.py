@@ -21,6 +21,8 @@ from typing import Any
 
 from calib.engine import command, support
 from calib.evaluation.results import ArmInfo, ArmMetrics, BucketRow, Reference, Summary, passkey_correct
+from calib.load import decide
+from calib.model.layer_kinds import engine_requests_fit
 
 ENGINE, EMULATION = "engine", "emulation"
 SKIP_FLAG = command.SKIP_FLAG
@@ -225,3 +227,152 @@ def skip_confirmed(trial: ArmMetrics, base: ArmMetrics) -> tuple[bool, str]:
     if b is not None and t >= b:
         return False, (f"the engine does not confirm the gain (ppl {t:.4g} with the skip vs {b:.4g} without)")
     return True, "confirmed by the engine"
+
+
+# ------------------------------------------------------------------------------------------- capacity
+
+# `eval` measures quality, not speed; what FP8 KV buys a server is capacity (more requests of a length in one pool),
+# and goodput rises with it at most in proportion, and only where the pool bounds the batch. So eval ranks the arms
+# within the quality bar by capacity at the longest length asked, and calls a gain real only beyond both of:
+# - CAPACITY_FLOOR of the reference's capacity: validate (calib/load/decide.py) reads a goodput difference under its
+#   3 % floor (LoadSpec.noise) as noise, and a second run's spread adds to it, so a capacity gain of a few percent
+#   could never be seen as goodput (the sliding-window skip of a hybrid model whose windowed layers the engine
+#   reserves at window + tokens in flight keeps about BF16's capacity);
+# - one request, where the engine counted requests: its count is whole requests (blocks // blocks a request
+#   reserves), so one more is within the rounding of the count.
+CAPACITY_FLOOR = 0.05
+CAPACITY_REQUESTS = 1
+BYTES_MODEL = "bytes model"
+# an arm's label (the words of calib/validate/report.py where they mean the same)
+RECOMMENDED, DOMINATED, NO_CAPACITY_GAIN, QUALITY, REFERENCE, LESS_CAPACITY = (
+    "recommended", "dominated", "no capacity gain", "fails the quality bar", "reference", "less capacity")
+NOT_MEASURED = decide.NOT_MEASURED
+CAPACITY_RULE = (
+    "Speed is not measured here: among arms within the quality bar, serve the one whose KV pool holds the most "
+    f"requests of the longest length asked (the engine's own count where it ran the arm, else kvcalib's bytes model), "
+    f"if that is more than {CAPACITY_REQUESTS} request and more than {CAPACITY_FLOOR:.0%} above the BF16 reference's; "
+    "an arm another beats or equals on quality and capacity together is never recommended; otherwise keep BF16 KV. "
+    "`kvcalib validate` measures goodput under load.")
+
+
+@dataclass(frozen=True)
+class CapacityRow:
+    """One arm as the capacity rule reads it. `quality`: the verdict's quality key, lower is better (ties in
+    capacity go to it, then to the earlier row); `requests`: requests of the rule's length the engine's KV pool held
+    at once by its own count (`engine_requests`), None where the engine did not run the arm or said nothing;
+    `model`: the same from kvcalib's bytes model per GiB of pool (calib/evaluation/memory.py), None where unknown."""
+    name: str
+    within_bar: bool
+    quality: float
+    requests: int | None
+    model: float | None
+    reference: bool = False
+
+
+@dataclass(frozen=True)
+class CapacityDecision:
+    """The rule's outcome. `recommended`: the arm to serve, the reference's name where no arm within the bar has a
+    real capacity gain, None where no capacity is known at all (then nothing was ranked); per arm its capacity over
+    the reference's (`ratios`), whose count that is (`sources`: ENGINE or BYTES_MODEL), its label and why."""
+    recommended: str | None
+    length: int
+    ratios: Mapping[str, float | None]
+    sources: Mapping[str, str | None]
+    labels: Mapping[str, str]
+    why: Mapping[str, str]
+    dominated: Mapping[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"recommended": self.recommended, "length": self.length, "rule": CAPACITY_RULE,
+                "floor": CAPACITY_FLOOR, "min_requests": CAPACITY_REQUESTS,
+                "arms": [{"arm": n, "label": self.labels[n], "vs_reference": self.ratios[n],
+                          "source": self.sources[n], "why": self.why[n]} for n in self.labels]}
+
+
+def engine_requests(entry: Mapping[str, Any] | None, length: int) -> int | None:
+    """Requests of `length` tokens the engine's KV pool holds at once by its own count: `engine_requests_fit` on the
+    KV cache groups it reported (a hybrid model's pool in tokens counts one group's blocks), else its pool in tokens
+    over the length; None where the engine did not run the arm or said neither."""
+    g = entry or {}
+    if g.get("status") != "ok" or length <= 0:
+        return None
+    groups = g.get("kv_groups")
+    if groups and groups.get("groups") and groups.get("num_blocks") is not None:
+        return engine_requests_fit(groups, length)
+    cap = g.get("kv_capacity_tokens")
+    return int(cap) // length if cap else None
+
+
+def capacity_ratio(row: CapacityRow, ref: CapacityRow) -> tuple[float | None, str | None]:
+    """(row's capacity over the reference's, whose count): the engine's where it counted both, else the bytes
+    model's; (None, None) where neither knows both."""
+    if row.requests is not None and ref.requests:
+        return row.requests / ref.requests, ENGINE
+    if row.model is not None and ref.model:
+        return row.model / ref.model, BYTES_MODEL
+    return None, None
+
+
+def capacity_gain(row: CapacityRow, ref: CapacityRow, floor: float = CAPACITY_FLOOR) -> bool:
+    """Whether `row` holds more than the reference beyond noise: more than `floor` above it, and, where the engine
+    counted both, more than CAPACITY_REQUESTS request more (module comment above)."""
+    ratio, source = capacity_ratio(row, ref)
+    if ratio is None or row.reference:
+        return False
+    if source == ENGINE and (row.requests or 0) - (ref.requests or 0) <= CAPACITY_REQUESTS:
+        return False
+    return ratio > 1 + floor
+
+
+def by_capacity(rows: Sequence[CapacityRow], length: int, floor: float = CAPACITY_FLOOR) -> CapacityDecision:
+    """The arm to serve when speed was not measured (`eval`; `tune` with an engine applies `capacity_gain`), by
+    CAPACITY_RULE.
+
+    Why capacity and not quality alone: FP8 KV raises throughput only by letting more requests share the KV pool; an
+    arm within the quality bar that holds about as many requests as BF16 (a sliding-window skip on a hybrid model)
+    buys nothing for serving and costs the quantisation, so it is reported as "no capacity gain" and BF16 stays
+    unless another arm within the bar gains for real (`capacity_gain`). Among the arms that gain, the most capacity
+    wins (ties: the better quality, then the earlier row); an arm that another beats or equals on quality and
+    capacity together (the reference included) is dominated and never recommended, as in calib/load/decide.py.
+    `rows`: the reference and every arm, in the verdict's order."""
+    ref = next((r for r in rows if r.reference), None)
+    if ref is None:
+        raise ValueError("the capacity rule needs the reference row")
+    ratio = {r.name: capacity_ratio(r, ref) for r in rows}
+    ratios = {n: (1.0 if n == ref.name else x[0]) for n, x in ratio.items()}
+    sources = {n: x[1] for n, x in ratio.items()}
+    sources[ref.name] = ENGINE if ref.requests else (BYTES_MODEL if ref.model else None)
+    known = [r for r in rows if ratios[r.name] is not None and (r.within_bar or r.reference)]
+    dominated: dict[str, str] = {}
+    for j, a in enumerate(known):
+        for k, b in enumerate(known):
+            if b is a or a.reference:
+                continue
+            qa, qb, ca, cb = a.quality, b.quality, ratios[a.name], ratios[b.name]
+            if qb <= qa and cb >= ca and (qb < qa or cb > ca or k < j or b.reference):
+                dominated[a.name] = b.name
+                break
+    gain = [r for r in known if r.within_bar and capacity_gain(r, ref, floor)]
+    order = {r.name: j for j, r in enumerate(rows)}
+    win = min(gain, key=lambda r: (-ratios[r.name], r.quality, order[r.name]), default=None)
+    recommended = win.name if win else (ref.name if sources[ref.name] else None)
+    labels, why = {}, {}
+    for r in rows:
+        x, src = ratios[r.name], sources[r.name] or "unknown"
+        said = f"{x:.2f}x the reference's capacity ({src})" if x is not None else "capacity not known"
+        if r.reference:
+            labels[r.name], why[r.name] = (RECOMMENDED if recommended == r.name else REFERENCE), "the reference"
+        elif not r.within_bar:
+            labels[r.name], why[r.name] = QUALITY, said
+        elif x is None:
+            labels[r.name], why[r.name] = NOT_MEASURED, said
+        elif r.name == recommended:
+            labels[r.name], why[r.name] = RECOMMENDED, said
+        elif r not in gain:
+            labels[r.name], why[r.name] = NO_CAPACITY_GAIN, f"{said}: within noise of the reference's"
+        elif r.name in dominated:
+            labels[r.name], why[r.name] = DOMINATED, (f"{said}; `{dominated[r.name]}` is as good or better on "
+                                                       "quality and capacity together")
+        else:
+            labels[r.name], why[r.name] = LESS_CAPACITY, f"{said}, less than `{recommended}`'s"
+    return CapacityDecision(recommended, length, ratios, sources, labels, why, dominated)

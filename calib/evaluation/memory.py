@@ -20,6 +20,7 @@ from typing import Any
 from calib.engine import verdict as honest
 from calib.evaluation.results import ArmInfo, ArmMetrics, bucket_of
 from calib.model import layer_kinds as lk
+from calib.recipe import dtypes
 
 SERVE = "vllm serve {model} --kv-cache-dtype {dtype}"
 
@@ -45,6 +46,29 @@ class Model:
 
     def bytes(self, info: ArmInfo | None, length: int) -> int:
         return lk.kv_bytes(self.layers, self.kv_heads, self.head_dim, length, self.storage(info))
+
+    def requests_per_gib(self, info: ArmInfo | None, length: int) -> float | None:
+        """Sequences of `length` tokens one GiB of cache holds by the bytes model (the capacity the verdict ranks by
+        where the engine did not count it); None for a KV format the bytes model does not know."""
+        try:
+            b: float | None = self.bytes(info, length)
+        except lk.GeometryError:          # a whole KV format (INT4, per-token-head scales): its own bytes per token
+            b = self.format_bytes(info, length)
+        return 2 ** 30 / b if b else None
+
+    def format_bytes(self, info: ArmInfo | None, length: int) -> float | None:
+        """Bytes one sequence of `length` tokens takes in a KV format the per-layer storage cannot state (sub-byte
+        elements, per-token scales): calib.recipe.dtypes' bytes per token on the layers the arm quantises, the model
+        dtype elsewhere; None for a name neither knows."""
+        if info is None or info.dtype is None or self.model_dtype not in lk.DTYPE_BYTES:
+            return None
+        try:
+            narrow = dtypes.kv_format(info.dtype).bytes_per_token(self.kv_heads, self.head_dim)
+        except ValueError:
+            return None
+        wide = lk.token_bytes(self.kv_heads, self.head_dim, lk.Storage(lk.DTYPE_BYTES[self.model_dtype]))
+        q = {int(i) for i in info.scales.get("k", {})}
+        return sum(k.held_tokens(length) * (narrow if i in q else wide) for i, k in enumerate(self.layers.kinds))
 
 
 def table(m: Model, ref_name: str, results: Mapping[str, ArmMetrics],
@@ -93,6 +117,9 @@ class Candidate:
     change: float | None = None
     noise: float | None = None
     noise_over: str = ""
+    # False where the capacity rule (calib.engine.verdict.capacity_gain) finds the skip arm holding no more requests
+    # than the reference beyond noise: no serve command then; None where not weighed
+    capacity_gain: bool | None = None
 
     @property
     def within_noise(self) -> bool:
@@ -124,6 +151,9 @@ class Candidate:
         if self.within_noise:
             return text + (f": measured, within noise (ppl x{math.exp(self.change):.4f} against `{self.base}` over "
                            f"{self.noise_over}, noise ±{100 * self.noise:.2g} %), so it does not help")
+        if self.capacity_gain is False:
+            return text + (": it has no capacity gain over the reference (it holds about as many requests), so no "
+                           "serve command")
         return text + f"; serve: `{SERVE.format(model=model, dtype='fp8')} {self.flag}`"
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,7 +162,7 @@ class Candidate:
                 "saving_given_back": self.saving_given_back, "numbers": self.numbers, "flag": self.flag,
                 "engine_saving_given_back": self.engine_given_back, "engine_max_model_len": self.engine_max_model_len,
                 "ppl_log_ratio_vs_base": self.change, "noise": self.noise, "noise_over": self.noise_over,
-                "helps": self.helps}
+                "helps": self.helps, "capacity_gain": self.capacity_gain}
 
 
 def _loss(entry: ArmMetrics, length: int) -> tuple[float, str] | None:

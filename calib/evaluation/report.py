@@ -140,6 +140,7 @@ class Verdict:
     scales_within_noise: Mapping[str, Any] | None
     saturated: Mapping[str, Mapping[str, Mapping[str, float]]]
     skips_by_memory: tuple[Mapping[str, Any], ...] = ()    # memory.Candidate.to_dict(), best first
+    capacity: honest.CapacityDecision | None = None         # the capacity rule's ranking (calib.engine.verdict)
 
     def to_dict(self) -> dict[str, Any]:
         """As report.json holds it (`scales_within_noise` only when found)."""
@@ -152,6 +153,8 @@ class Verdict:
         out["saturated"] = {n: dict(v) for n, v in self.saturated.items()}
         if self.skips_by_memory:
             out["skips_by_memory"] = [dict(c) for c in self.skips_by_memory]
+        if self.capacity is not None:
+            out["capacity"] = self.capacity.to_dict()
         return out
 
 
@@ -161,7 +164,9 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
     """The decision: ship an arm, ship it with layers skipped (measured), or keep the reference KV dtype.
     Raises measurable.CannotMeasure ("cannot measure", naming the arm, where and which number) when any
     measured quantity is NaN or infinite: a comparison with NaN is false, so such an arm would "miss" nothing.
-    `bytes_model` (calib.evaluation.memory): every measured skip is also weighed by the memory it gives back;
+    `bytes_model` (calib.evaluation.memory): on a hybrid model every measured skip is also weighed by the memory it
+    gives back; the arms within the threshold are ranked by KV capacity (`calib.engine.verdict.by_capacity`: the
+    engine's count where it ran the arm, else the bytes model's; eval measures no speed, and the text says so);
     `target` (eval --target): the engine whose serve flags the advice names (None: vLLM)."""
     measurable.check(ref, results, reference)
     plain = _plain(results)
@@ -182,13 +187,22 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
         return f"{nums.label}: worst-bucket KL {nums.summary.max_bucket_kl:.3g}, ppl {100 * nums.summary.ppl_rel:+.2f}%"
 
     confirmed = [(n, honest.skip_confirmed(results[n], results[n.rsplit(" skip ", 1)[0]])) for n in skipped]
-    if ok:
-        action, arm = "ship", ok[0]
+    shippable_skips = [n for n, (c, _) in confirmed if c]
+    length = _longest(ref, bytes_model)
+    rows = capacity_rows(ref, results, reference, plain, ok, shippable_skips, bytes_model, length)
+    cap = honest.by_capacity(rows, length)
+    ref_row = rows[0]
+    candidates = [*ok, *shippable_skips]
+    win = cap.recommended if cap.recommended is not None else (candidates[0] if candidates else None)
+    capacity_notes = _capacity_notes(cap, reference, candidates) if candidates else []
+    if win in ok:
+        action, arm = "ship", win
+        ok = [win, *(n for n in ok if n != win)]
         text = f"Ship `{arm}` ({kl(arm)}): {honest.how_to_serve(plain[arm].info, target)}."
         if len(ok) > 1:
             text += " Also within the threshold: " + "; ".join(f"`{n}` ({kl(n)})" for n in ok[1:]) + "."
-    elif any(c for _, (c, _) in confirmed):
-        best = next(n for n, (c, _) in confirmed if c)
+    elif win in shippable_skips:
+        best = win
         layers, flag, arm = _skip_trial(results, best)
         why = (f"the {results[best].info.skip_kind.replace('_', '-')} layers hold only their window, so keeping "
                "them costs little memory" if results[best].info.skip_kind else
@@ -197,15 +211,29 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
             f"Ship `{arm}` with layers {layers} kept in {reference}: serve with `{flag}` (vLLM; recipe "
             f"`skip_layers: {layers}`). {why[0].upper() + why[1:]}; measured with them unquantised: {kl(best)}, "
             "confirmed by the engine.")
+    elif candidates:            # within the bar, but none holds more requests than the reference beyond noise
+        action, text = "keep_reference", (
+            f"Keep {reference.upper()} KV: no arm within the threshold has a capacity gain over it beyond noise "
+            f"({'; '.join(f'`{n}` {_capacity(cap, n)}' for n in candidates)}), so FP8 KV buys no room for more "
+            "requests here.")
     elif confirmed:
         best, (_, why) = confirmed[0]
         layers, flag, arm = _skip_trial(results, best)
-        action, text = "skip_unconfirmed", (
-            f"Keep {reference.upper()} KV for now: no arm is within the threshold "
-            f"(best: `{best_any}`, {'; '.join(failures(plain[best_any], ref, th))}). Keeping layers {layers} in "
-            f"{reference} brings `{arm}` within it ({kl(best)}; attention-output error "
-            f"{_errs(plain[arm], layers)}), {why}. Before serving with `{flag}`, measure it in the engine "
-            f"(`kvcalib eval --engine vllm`).")
+        row = capacity_row(ref, results[best], best, True, bytes_model, length)
+        ratio, source = honest.capacity_ratio(row, ref_row)
+        brings = (f"Keeping layers {layers} in {reference} brings `{arm}` within it ({kl(best)}; attention-output "
+                  f"error {_errs(plain[arm], layers)}), {why}")
+        failed = f"(best: `{best_any}`, {'; '.join(failures(plain[best_any], ref, th))})"
+        if ratio is None or honest.capacity_gain(row, ref_row):
+            action, text = "skip_unconfirmed", (
+                f"Keep {reference.upper()} KV for now: no arm is within the threshold {failed}. {brings}. Before "
+                f"serving with `{flag}`, measure it in the engine (`kvcalib eval --engine vllm`).")
+        else:
+            action, text = "keep_reference", (
+                f"Keep {reference.upper()} KV: no arm is within the threshold {failed}. {brings}, but it has no "
+                f"capacity gain over {reference.upper()} ({ratio:.2f}x its capacity at {length:,} tokens, "
+                f"{_source_words(source)}), so serving it buys nothing.")
+            layers, flag, arm = [], None, None
     else:
         why = "; ".join(failures(plain[best_any], ref, th)) if best_any else "no quantised arm"
         tried = [n for n, e in results.items() if e.info.skip]
@@ -215,13 +243,83 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
                  "is unknown).")
         action, text = "keep_reference", (f"Keep {reference.upper()} KV for this model: no arm is within the threshold "
                                           f"(best: `{best_any}`, {why}).{extra}")
+    text = " ".join([text, *capacity_notes])
     noise, saturated, notes = _honest(arm, numbers, ref, results)
     notes = [*notes, *_passkey_notes(ref, results, th)]
     notes += [f"`{n}`: {honest.implausible(e)}." for n, e in results.items() if honest.implausible(e)]
-    cands = memory.candidates(bytes_model, results, ref.engine, ref.sample_tokens) if bytes_model is not None else []
-    notes += memory.lines(cands, bytes_model.model) if bytes_model is not None else []
+    hybrid = bytes_model is not None and bytes_model.layers.hybrid       # skips weighed by memory: hybrid models
+    cands = memory.candidates(bytes_model, results, ref.engine, ref.sample_tokens) if hybrid else []
+    cands = [replace(c, capacity_gain=_gains(capacity_row(ref, results[c.arm], c.arm, True, bytes_model, length),
+                                             ref_row)) for c in cands]
+    notes += memory.lines(cands, bytes_model.model) if hybrid else []
     return Verdict(action, arm, tuple(layers), flag, tuple(ok), tuple(dominant), best_any, th, numbers,
-                   " ".join([text, *notes]), noise, saturated, tuple(c.to_dict() for c in cands))
+                   " ".join([text, *notes]), noise, saturated, tuple(c.to_dict() for c in cands), cap)
+
+
+def _longest(ref: Reference, bytes_model: "memory.Model | None") -> int:
+    """The longest length the evaluation asked for: the capacity rule's length (the longest requests bind)."""
+    asked = [int(b) for b in ref.buckets] + [int(b) for b in ((ref.engine or {}).get("buckets") or {})]
+    asked += list(bytes_model.lengths) if bytes_model is not None else []
+    return max(asked, default=0)
+
+
+def capacity_row(ref: Reference, entry: ArmMetrics | None, name: str, candidate: bool,
+                 bytes_model: "memory.Model | None", length: int) -> honest.CapacityRow:
+    """One arm (`entry` None: the reference) as the capacity rule reads it: the engine's count of requests of
+    `length` tokens where it ran the arm, the bytes model's per GiB, and its KL as the quality key."""
+    run = ref.engine if entry is None else entry.engine
+    model = bytes_model.requests_per_gib(None if entry is None else entry.info, length) if bytes_model else None
+    quality = 0.0 if entry is None else _kl(entry)
+    return honest.CapacityRow(name, candidate, quality, honest.engine_requests(run, length), model, entry is None)
+
+
+def capacity_rows(ref: Reference, results: Results, reference: str, plain: Mapping[str, ArmMetrics],
+                  ok: Sequence[str], skips: Sequence[str], bytes_model: "memory.Model | None",
+                  length: int) -> list[honest.CapacityRow]:
+    """The reference first, then every plain arm (a candidate when within the threshold) and every skip the engine
+    confirmed within it (a candidate)."""
+    rows = [capacity_row(ref, None, reference, True, bytes_model, length)]
+    rows += [capacity_row(ref, e, n, n in ok, bytes_model, length) for n, e in plain.items()]
+    rows += [capacity_row(ref, results[n], n, True, bytes_model, length) for n in skips]
+    return rows
+
+
+def _gains(row: honest.CapacityRow, ref: honest.CapacityRow) -> bool | None:
+    """Whether `row` gains capacity over the reference beyond noise; None where neither count knows both."""
+    return None if honest.capacity_ratio(row, ref)[0] is None else honest.capacity_gain(row, ref)
+
+
+def _source_words(source: str | None) -> str:
+    return {honest.ENGINE: "the engine's own count", honest.BYTES_MODEL: "kvcalib's bytes model, not the engine's "
+            "count"}.get(source or "", "not known")
+
+
+def _capacity(cap: honest.CapacityDecision, name: str) -> str:
+    x = cap.ratios.get(name)
+    return "capacity not known" if x is None else f"{x:.2f}x"
+
+
+def _capacity_notes(cap: honest.CapacityDecision, reference: str, candidates: Sequence[str]) -> list[str]:
+    """The verdict's sentences on capacity and speed: what the ranking read, the arms within the threshold that gain
+    nothing, and that speed was not measured."""
+    ref = reference.upper()
+    if cap.recommended is None:
+        how = ("KV capacity was not counted (the engine did not run the reference and no bytes model applies), so "
+               "the arms within the threshold are ranked by quality alone")
+    else:
+        used = sorted({_source_words(cap.sources.get(n)) for n in candidates if cap.ratios.get(n) is not None})
+        how = (f"Arms within the threshold are ranked by KV capacity at {cap.length:,} tokens (requests the KV pool "
+               f"holds at once, over {ref}'s; {' and '.join(used) or 'not known'}), and an arm whose gain over "
+               f"{ref} is within {honest.CAPACITY_FLOOR:.0%} or {honest.CAPACITY_REQUESTS} request is not "
+               "recommended")
+        where = [n for n in candidates if cap.labels.get(n) == honest.RECOMMENDED]
+        if where:
+            how += f"; `{where[0]}`: {cap.why[where[0]]}"
+        none = [n for n in candidates if cap.labels.get(n) == honest.NO_CAPACITY_GAIN]
+        if none and where:
+            how += "; no capacity gain: " + ", ".join(f"`{n}` ({_capacity(cap, n)})" for n in none)
+    return [how + ".", "Speed was not measured: capacity is what FP8 KV buys a server, not measured throughput; "
+            "`kvcalib validate` serves the arms under load and decides by goodput at your SLO."]
 
 
 def _honest(arm: str | None, numbers: Mapping[str, str], ref: Reference,

@@ -10,6 +10,10 @@ The rule (written into tune.json and tune.md so it can be checked and re-argued)
    samples, calib/tune/score.py) are ties; a tie goes to the recipe every backend applies as written
    (per-tensor, no q_scale), then the simplest observer, then the least headroom, then the lowest KL;
 4. nothing qualifies: keep the model-dtype ("BF16") KV cache.
+With an engine (`--engine vllm`) that counted the reference's KV capacity, tune follows eval's capacity rule
+(calib.engine.verdict.by_capacity): it measures no speed, and a candidate whose capacity gain over the reference at
+the longest length is within noise (`capacity_gain`: within 5 % or one request; the engine's count where it ran the
+candidate, else the share of memory it saves) buys a server nothing, so it does not qualify in step 1.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import math
 import statistics
 from typing import Any
 
+from calib.engine import verdict as honest
 from calib.engine.verdict import ENGINE, decisive
 from calib.evaluation import measurable, report
 from calib.evaluation.results import ArmMetrics
@@ -59,13 +64,33 @@ def rows(found: Any, th: report.Thresholds, layers: int, ref_bytes: int, baselin
                        emulated=score.slim(e), failures=report.failures(e, ref, th))
             if base is not None:
                 row["vs_default"] = score.compare(e, base, tokens)
+            cap = capacity(found, c.name, e, row["memory_saved"])
+            if cap is not None:
+                row["capacity"] = cap
         out.append(row)
     return out
 
 
+def capacity(found: Any, name: str, entry: ArmMetrics, saved: float) -> dict[str, Any] | None:
+    """With an engine that counted the reference's KV capacity: the candidate's capacity over the reference's at the
+    longest length (the engine's count where it ran the candidate, else 1 / (1 - the share of memory it saves)) and
+    whether that is a gain beyond noise (calib.engine.verdict.capacity_gain); None without such an engine."""
+    ref = found.ref
+    lengths = [int(b) for b in ref.buckets] + [int(b) for b in ((ref.engine or {}).get("buckets") or {})]
+    length = max(lengths, default=0)
+    ref_row = honest.CapacityRow("reference", True, 0.0, honest.engine_requests(ref.engine, length), 1.0, True)
+    if ref_row.requests is None:
+        return None
+    row = honest.CapacityRow(name, True, kl(entry), honest.engine_requests(entry.engine, length),
+                             1 / (1 - saved) if saved < 1 else None)
+    ratio, source = honest.capacity_ratio(row, ref_row)
+    return {"length": length, "requests": row.requests, "reference_requests": ref_row.requests,
+            "vs_reference": ratio, "source": source, "gain": honest.capacity_gain(row, ref_row)}
+
+
 def choose(found: Any, table: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The row the rule picks, or None (keep the model-dtype KV cache)."""
-    ok = [r for r in table if r["scored"] and not r["failures"]]
+    ok = [r for r in table if r["scored"] and not r["failures"] and (r.get("capacity") or {}).get("gain") is not False]
     if not ok:
         return None
     fewest = min(len(r["skip"]) for r in ok)

@@ -21,6 +21,7 @@ from typing import Any
 from calib import __version__
 from calib import pipeline
 from calib.engine import formats as kv_formats
+from calib.engine.verdict import CAPACITY_FLOOR
 from calib.evaluation import report
 from calib.model import load as model_mod
 from calib.safety import files as new_file, outputs
@@ -133,6 +134,11 @@ def formats(cfg: TuneConfig, loaded: Any, found: Search, chosen: dict[str, Any] 
 
 def headline(doc: dict[str, Any]) -> str:
     c = doc["choice"]
+    within = [r for r in doc["candidates"] if r.get("scored") and not r.get("failures")]
+    if c["candidate"] is None and within and all((r.get("capacity") or {}).get("gain") is False for r in within):
+        return ("keep BF16 KV: every candidate within the quality bar has no capacity gain over it at "
+                f"{within[0]['capacity']['length']:,} tokens (within {CAPACITY_FLOOR:.0%} or one request; speed was "
+                "not measured: `kvcalib validate` measures goodput under load)")
     if c["candidate"] is None:
         why = "nothing qualifies under the quality bar" if doc["candidates"] else "no candidate"
         return f"keep BF16 KV: {why} (max KL {doc['thresholds']['max_kl']:g}, " \
@@ -140,7 +146,15 @@ def headline(doc: dict[str, Any]) -> str:
     row = next(r for r in doc["candidates"] if r["name"] == c["candidate"])
     return (f"chosen: {row['name']} — {row['support']}; KV memory saved {100 * row['memory_saved']:.1f}%, "
             f"worst-bucket KL {row['summary']['max_bucket_kl']:.3g}, ppl {100 * row['summary']['ppl_rel']:+.2f}% "
-            f"({row['numbers']})")
+            f"({row['numbers']})" + _capacity_words(row.get("capacity")))
+
+
+def _capacity_words(cap: dict[str, Any] | None) -> str:
+    """The chosen candidate's capacity, where an engine counted the reference's (speed is not measured)."""
+    if not cap or cap.get("vs_reference") is None:
+        return ""
+    return (f"; {cap['vs_reference']:.2f}x BF16's KV capacity at {cap['length']:,} tokens ({cap['source']}); speed "
+            "was not measured (`kvcalib validate` measures goodput under load)")
 
 
 def _cell(x: Any, fmt: str = ".3g") -> str:
