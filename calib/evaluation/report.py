@@ -316,7 +316,7 @@ def _capacity_notes(cap: honest.CapacityDecision, reference: str, candidates: Se
         if where:
             how += f"; `{where[0]}`: {cap.why[where[0]]}"
         none = [n for n in candidates if cap.labels.get(n) == honest.NO_CAPACITY_GAIN]
-        if none and where:
+        if none:
             how += "; no capacity gain: " + ", ".join(f"`{n}` ({_capacity(cap, n)})" for n in none)
     return [how + ".", "Speed was not measured: capacity is what FP8 KV buys a server, not measured throughput; "
             "`kvcalib validate` serves the arms under load and decides by goodput at your SLO."]
