@@ -6,7 +6,8 @@ cache, half for FP8; a skipped layer list costs a quarter of the saving back) an
 /fake (its capacity, for the fake load generator). `bench serve` simulates a server on a clock: requests run in
 waves of min(concurrency, requests the pool holds); a wave prefills then decodes, a step slower with a bigger
 batch and 5 % slower with an FP8 cache; requests beyond the batch queue inside the server. It writes the result
-file `vllm bench serve --save-detailed` writes. FAKE_SERVE=die makes the server exit at start-up.
+file `vllm bench serve --save-detailed` writes. FAKE_SERVE=die makes the server exit at start-up;
+FAKE_BENCH_FAIL_AT=C makes the load generator exit 1 at C or more requests in flight.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def bench(argv):
     state = json.loads(urlopen(_arg(argv, "--base-url") + "/fake").read())
     rows = [json.loads(x) for x in open(_arg(argv, "--dataset-path"))]
     n, c = int(_arg(argv, "--num-prompts")), int(_arg(argv, "--max-concurrency"))
+    if c >= int(os.environ.get("FAKE_BENCH_FAIL_AT", "0") or 10 ** 9):
+        print("aiohttp.client_exceptions.ServerDisconnectedError: Server disconnected", flush=True)
+        return 1
     assert len(rows) == n and "--save-detailed" in argv and "--ignore-eos" in argv
     batch = max(1, min(c, state["fits"]))
     slow = 1.05 if state["fp8"] else 1.0

@@ -93,6 +93,10 @@ def build(result: Any, thresholds: eval_report.Thresholds, load: LoadSpec,
     for k, (n, e) in enumerate(entries.items()):
         label, why = _label(n, overall_arms[k], overall) if overall_arms else (NOT_MEASURED, overall.why)
         j = config_of.get(n)
+        stopped = [f"<= {b}: {e['error']}" for b, e in (sweeps[j][2]["buckets"] if j is not None else {}).items()
+                   if e.get("error") and e.get("best")]
+        if stopped:          # measured up to the level that failed: said beside the decision, never hidden
+            why += f" (its sweep stopped early: {'; '.join(stopped)})"
         arms[n] = {"quality": quality[n], "config": j, "serve_command": sweeps[j][0].command() if j is not None else None,
                    "shares_sweep_of": sweeps[j][1][0] if j is not None and sweeps[j][1][0] != n else None,
                    "decision": label, "why": why,

@@ -140,6 +140,16 @@ def test_a_server_that_does_not_start_is_not_measured_and_nothing_is_recommended
     assert "recommended" not in {a["decision"] for a in doc["arms"].values()}
 
 
+def test_a_sweep_that_fails_at_a_level_keeps_what_ran_and_says_so(model, tmp_path_factory):
+    r, out, doc = _validate(model, tmp_path_factory, "fails", "--no-plots", "--buckets", "64", FAKE_BENCH_FAIL_AT="4")
+    for c in doc["configs"]:
+        e = c["buckets"]["64"]
+        assert [x["level"] for x in e["levels"]] == [1, 2, 4] and e["levels"][-1]["status"] == "failed"
+        assert "concurrency 4: vllm bench serve exited 1: aiohttp" in e["error"] and e["best"]["level"] in (1, 2)
+    assert all("its sweep stopped early" in a["why"] for a in doc["arms"].values())
+    assert "failed: vllm bench serve exited 1" in (out / "validate.md").read_text()
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--concurrency", "0"], "--concurrency 0"),
     (["--concurrency", "2,x"], "--concurrency '2,x'"),
