@@ -72,6 +72,7 @@ MAX_LAYERS, MAX_HEADS = 4096, 1024
 #   as its hybrid cache manager counts it (vllm_capacity.kv_groups). size_tokens, max_concurrency and in_flight_tokens
 #   may be null: an engine version that does not keep one still reports the groups.
 OPTIONAL_ARM_RESPONSE_FIELDS = ("kv_groups",)
+MAX_COUNT = 1 << 40          # blocks, tokens, bytes a page: beyond any engine's pool
 
 
 class ProtocolError(ValueError):
@@ -322,7 +323,7 @@ def _arm(doc: Any, request: dict[str, Any], where: str) -> dict[str, Any]:
         "status": OK, "reason": None, "engine": engine, "version": version,
         "kv_cache_dtype": _text(doc["kv_cache_dtype"], f"{where}.kv_cache_dtype"),
         "kv_capacity_tokens": None if doc["kv_capacity_tokens"] is None
-        else _whole(doc["kv_capacity_tokens"], f"{where}.kv_capacity_tokens"),
+        else _whole(doc["kv_capacity_tokens"], f"{where}.kv_capacity_tokens", 0, MAX_COUNT),
         "kv_gib": kv_gib,
         "seconds": {clean_text(str(name), 40): _seconds(v, f"{where}.seconds.{clean_text(str(name), 40)}")
                     for name, v in seconds.items()},
@@ -337,11 +338,14 @@ def _arm(doc: Any, request: dict[str, Any], where: str) -> dict[str, Any]:
 
 def kv_groups(doc: Any) -> dict[str, Any]:
     """The optional `kv_groups` of a response, every number checked (ProtocolError names the field)."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("groups"), list) or len(doc["groups"]) > 4096:
-        raise ProtocolError("kv_groups: expected an object with a list 'groups'")
-    out: dict[str, Any] = {k: _whole(doc.get(k), f"kv_groups.{k}") for k in ("max_model_len", "num_blocks")}
+    if not isinstance(doc, dict) or not isinstance(doc.get("groups"), list) or not 1 <= len(doc["groups"]) <= 4096:
+        raise ProtocolError("kv_groups: expected an object with a list 'groups' of 1 to 4096 groups")
+    # sizes are divisors downstream (calib.model.layer_kinds.engine_requests_fit): zero is refused here, and every
+    # count is bounded by what any real engine holds (2^40 blocks or tokens), so a hostile answer is one line
+    out: dict[str, Any] = {"max_model_len": _whole(doc.get("max_model_len"), "kv_groups.max_model_len", 1, MAX_COUNT),
+                           "num_blocks": _whole(doc.get("num_blocks"), "kv_groups.num_blocks", 0, MAX_COUNT)}
     for k in ("size_tokens", "in_flight_tokens"):      # null: this engine version does not keep it
-        out[k] = None if doc.get(k) is None else _whole(doc[k], f"kv_groups.{k}")
+        out[k] = None if doc.get(k) is None else _whole(doc[k], f"kv_groups.{k}", 0, MAX_COUNT)
     conc = doc.get("max_concurrency")
     if conc is not None and (isinstance(conc, bool) or not isinstance(conc, (int, float)) or not math.isfinite(conc)
                              or conc < 0):
@@ -353,11 +357,13 @@ def kv_groups(doc: Any) -> dict[str, Any]:
         if not isinstance(g, dict) or not isinstance(g.get("layers"), list):
             raise ProtocolError(f"{where}: expected an object with a list 'layers'")
         window = g.get("window")
-        groups.append({"layers": [_whole(x, f"{where}.layers") for x in g["layers"]],
+        if not 1 <= len(g["layers"]) <= 100_000:
+            raise ProtocolError(f"{where}.layers: expected 1 to 100000 layer numbers")
+        groups.append({"layers": [_whole(x, f"{where}.layers", 0, 100_000) for x in g["layers"]],
                        "spec": _text(g.get("spec"), f"{where}.spec"), "dtype": _text(g.get("dtype"), f"{where}.dtype"),
-                       "block_size": _whole(g.get("block_size"), f"{where}.block_size"),
-                       "page_bytes": _whole(g.get("page_bytes"), f"{where}.page_bytes"),
-                       "window": None if window is None else _whole(window, f"{where}.window")})
+                       "block_size": _whole(g.get("block_size"), f"{where}.block_size", 1, MAX_COUNT),
+                       "page_bytes": _whole(g.get("page_bytes"), f"{where}.page_bytes", 1, MAX_COUNT),
+                       "window": None if window is None else _whole(window, f"{where}.window", 1, MAX_COUNT)})
     out["groups"] = groups
     return out
 

@@ -100,6 +100,14 @@ def runner(tmp_path, monkeypatch):
     return case
 
 
+def _groups(**group) -> dict:
+    """A well-formed `kv_groups` answer (one global group) with `group`'s fields replaced."""
+    g = {"layers": [0, 1], "spec": "FullAttentionSpec", "dtype": "bfloat16", "block_size": 16, "page_bytes": 4096,
+         "window": None, **group}
+    return {"size_tokens": 4096, "max_concurrency": 2.0, "max_model_len": 2048, "num_blocks": 256,
+            "in_flight_tokens": 2048, "groups": [g]}
+
+
 def spec(**kw) -> EngineSpec:
     return EngineSpec("vllm", VENV, top_k=2, **kw)
 
@@ -146,6 +154,15 @@ def test_a_good_answer_passes_unchanged(runner):
     (lambda a: a["scales"]["layers"][0].__setitem__("q_float", math.inf), "arms[0].scales.layers[0].q_float = inf"),
     (lambda a: a["scales"]["layers"][0].pop("layer"), "arms[0].scales.layers[0]: expected an object with"),
     (lambda a: a["scales"].__setitem__("layers", {}), "arms[0].scales.layers = {}: expected a list"),
+    # a hostile capacity answer: zero sizes, no groups, counts past any engine's pool (each a divisor downstream)
+    (lambda a: a.__setitem__("kv_groups", _groups(block_size=0)), "kv_groups.groups[0].block_size = 0"),
+    (lambda a: a.__setitem__("kv_groups", _groups(page_bytes=0)), "kv_groups.groups[0].page_bytes = 0"),
+    (lambda a: a.__setitem__("kv_groups", _groups(window=0)), "kv_groups.groups[0].window = 0"),
+    (lambda a: a.__setitem__("kv_groups", {**_groups(), "groups": []}), "a list 'groups' of 1 to 4096 groups"),
+    (lambda a: a.__setitem__("kv_groups", {**_groups(), "max_model_len": 0}), "kv_groups.max_model_len = 0"),
+    (lambda a: a.__setitem__("kv_groups", {**_groups(), "num_blocks": 10 ** 30}), "kv_groups.num_blocks = 1000"),
+    (lambda a: a.__setitem__("kv_groups", _groups(layers=[])), "kv_groups.groups[0].layers: expected 1 to"),
+    (lambda a: a.__setitem__("kv_capacity_tokens", 10 ** 20), "kv_capacity_tokens = 1000"),
 ])
 def test_a_malformed_answer_is_one_error_naming_the_field(runner, edit, says):
     answer = good_answer()
