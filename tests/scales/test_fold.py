@@ -59,3 +59,49 @@ def test_scales_are_always_positive_finite_float32(amax, headroom, qmax):
     big = torch.tensor(amax, dtype=torch.float32) > 0
     ref = (torch.tensor(amax, dtype=torch.float32).double() * headroom / qmax).clamp_min(scales.MIN_SCALE)
     assert torch.allclose(s[big].double(), ref[big], rtol=1e-6)
+
+
+# ---------------------------------------------------------------- one scale shared by K and V (TensorRT engine)
+
+def _observed(x, observer):
+    observer.update(x, None)
+    return observer.amax()
+
+
+@pytest.mark.parametrize("dtype, qmax", [("fp8_e4m3", 448.0), ("int8", 127.0)])
+def test_shared_kv_scale_is_the_joint_absmax_over_qmax_brute_force(dtype, qmax):
+    """One scale per layer for K and V: max over K, V and heads of |x| (absmax observer), / 448 or / 127, float32
+    [1]; brute force over the raw tensors, and the same number as max(k_scale, v_scale) of the per-tensor fold."""
+    from calib.capture.observers import AbsMaxObserver
+
+    g = torch.Generator().manual_seed(0)
+    stats, raw = {}, {}
+    for layer in range(3):
+        k = torch.randn(2, 4, 16, 8, generator=g) * (layer + 1) * 3
+        v = torch.randn(2, 4, 16, 8, generator=g) * (3 - layer) * 2
+        raw[layer] = (k, v)
+        stats[layer] = LayerStats(_observed(k, AbsMaxObserver()), _observed(v, AbsMaxObserver()))
+    shared = scales.shared_kv_scales(stats, dtype=dtype)
+    for layer, (k, v) in raw.items():
+        brute = torch.maximum(k.abs().max(), v.abs().max()).to(torch.float32) / torch.tensor(qmax)
+        assert shared[layer].dtype == torch.float32 and shared[layer].shape == (1,)
+        assert float(shared[layer]) == float(brute)
+    per_tensor = scales.compute(stats, dtype=dtype, granularity="tensor")
+    assert {i: float(t) for i, t in scales.shared_from_scales(per_tensor).items()} == \
+        {i: float(t) for i, t in shared.items()}
+
+
+def test_shared_kv_scale_takes_the_observer_clip_of_k_and_v():
+    """With a clipping observer the shared clip is the max over K and V (and heads) of the observer's value."""
+    from calib.capture.observers import PercentileObserver
+
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(1, 2, 512, 16, generator=g)
+    v = torch.randn(1, 2, 512, 16, generator=g) * 5
+    v[0, 1, 3, 0] = 1000.0                                   # one outlier the percentile drops
+    kc, vc = _observed(k, PercentileObserver(99.0)), _observed(v, PercentileObserver(99.0))
+    stats = {0: LayerStats(k.abs().amax((0, 2, 3)), v.abs().amax((0, 2, 3)), k_clip=kc, v_clip=vc)}
+    shared = float(scales.shared_kv_scales(stats, dtype="int8")[0])
+    brute = max(torch.quantile(x[0, h].abs().flatten(), 0.99).item() for x in (k, v) for h in range(2)) / 127
+    assert shared == pytest.approx(brute, rel=0.01)
+    assert shared < 1000.0 / 127 / 10
