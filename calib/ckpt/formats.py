@@ -158,3 +158,55 @@ def quark_kv_group(qc: Any) -> Any:
     not Quark, or no `export` object). vLLM turns on FP8 KV from Quark only when this is a non-empty list."""
     export = quark_export(qc) if is_quark(qc) else None
     return export.get("kv_cache_group") if export is not None else None
+
+
+# ---------------------------------------------------------------- TensorRT-LLM checkpoint (TensorRT-engine backend)
+# Read from NVIDIA/TensorRT-LLM (the 1.2 / 1.3.0rc form, which still has the TensorRT backend):
+# tensorrt_llm/models/modeling_utils.py PretrainedConfig.to_dict (config.json: `architecture`, `num_hidden_layers`,
+# `mapping` = Mapping.to_dict() without `rank`, `quantization` = QuantConfig asdict with `kv_cache_quant_algo`),
+# tensorrt_llm/mapping.py Mapping (world_size = tp_size * pp_size * cp_size; pp_rank = rank // (tp_size * cp_size);
+# pp_layers = torch.tensor_split(arange(num_layers), pp_size)[pp_rank]: the first num_layers % pp_size stages get one
+# more layer) and PretrainedModel.from_checkpoint (cp ranks share a file: rank files are tp_rank + pp_rank * tp_size).
+
+TRTLLM_CKPT_KV_ALGOS = ("FP8", "INT8")
+
+
+def is_trtllm_checkpoint(config: Any) -> bool:
+    """A TensorRT-LLM checkpoint's config.json (PretrainedConfig): `architecture` and a `mapping` object."""
+    return isinstance(config, dict) and isinstance(config.get("architecture"), str) \
+        and isinstance(config.get("mapping"), dict)
+
+
+def trtllm_ckpt_grid(config: dict[str, Any]) -> tuple[int, int]:
+    """(tp_size, pp_size) of a TensorRT-LLM checkpoint's `mapping` (1 where absent, as Mapping's defaults);
+    ValueError naming the field for anything but positive integers, or a world_size that disagrees."""
+    m = config.get("mapping")
+    if not isinstance(m, dict):
+        raise ValueError("config.json has no 'mapping' object")
+    sizes = {}
+    for key in ("tp_size", "pp_size", "cp_size"):
+        v = m.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"config.json mapping.{key} = {v!r}: must be a positive integer")
+        sizes[key] = v
+    world = m.get("world_size", sizes["tp_size"] * sizes["pp_size"] * sizes["cp_size"])
+    if world != sizes["tp_size"] * sizes["pp_size"] * sizes["cp_size"]:
+        raise ValueError(f"config.json mapping.world_size = {world!r} is not tp_size * pp_size * cp_size "
+                         f"({sizes['tp_size']} * {sizes['pp_size']} * {sizes['cp_size']}); TensorRT-LLM's Mapping "
+                         "refuses it")
+    return sizes["tp_size"], sizes["pp_size"]
+
+
+def pp_layers(num_layers: int, pp_size: int, stage: int) -> list[int]:
+    """The global layers of pipeline stage `stage` (TensorRT-LLM's Mapping.pp_layers: torch.tensor_split, the
+    first num_layers % pp_size stages one layer more)."""
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(f"pp_size {pp_size} must be between 1 and num_hidden_layers {num_layers}")
+    base, extra = divmod(num_layers, pp_size)
+    start = stage * base + min(stage, extra)
+    return list(range(start, start + base + (1 if stage < extra else 0)))
+
+
+def trtllm_rank_layers(num_layers: int, tp_size: int, pp_size: int) -> dict[int, list[int]]:
+    """{rank file index: the global layers it holds, in local order} (rank = tp_rank + pp_rank * tp_size)."""
+    return {r: pp_layers(num_layers, pp_size, r // tp_size) for r in range(tp_size * pp_size)}

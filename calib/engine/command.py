@@ -18,7 +18,8 @@ SKIP_FLAG = "--kv-cache-dtype-skip-layers"
 # the engine's --kv-cache-dtype value for each KV format it has a flag for (calib.engine.support.KV_FORMATS)
 KV_FLAG = {"vllm": {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2", **{f: f for f in support.DYNAMIC_FORMATS}},
            "sglang": {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"},
-           "trtllm": {}}                   # TensorRT-LLM reads the KV algorithm from hf_quant_config.json
+           "trtllm": {},                   # TensorRT-LLM reads the KV algorithm from hf_quant_config.json
+           "trtllm-engine": {}}            # ... and its TensorRT-engine backend from the checkpoint's config.json
 TRITON = ["--attention-backend", "TRITON_ATTN"]   # vLLM: only its Triton backend implements per-token-head caches
 
 
@@ -32,7 +33,7 @@ def flags(engine: str, kv_dtype: str | None = None, skip: Iterable[int | str] = 
     model dtype. SupportError for a KV dtype the engine has no flag for, or skips it cannot express."""
     e = support.engine(engine)
     out: list[str] = []
-    if kv_dtype is not None and e.name != "trtllm":
+    if kv_dtype is not None and not e.name.startswith("trtllm"):
         if kv_dtype not in KV_FLAG[e.name]:
             raise support.SupportError(f"{e.title} has no --kv-cache-dtype for {kv_dtype}; "
                                        f"{support.who_serves(kv_dtype) if kv_dtype in support.KV_FORMATS else ''}")
@@ -53,9 +54,11 @@ def argv(engine: str, model: str, kv_dtype: str | None = None, skip: Iterable[in
     """The whole command serving `model` (a checkpoint folder or the model) on `engine`, as arguments."""
     name = support.engine(engine).name
     head = {"vllm": ["vllm", "serve", model], "sglang": ["python", "-m", "sglang.launch_server", "--model-path", model],
-            "trtllm": ["trtllm-serve", model]}[name]
+            "trtllm": ["trtllm-serve", model],
+            "trtllm-engine": ["trtllm-serve", model, "--backend", "tensorrt"]}[name]
     if max_model_len is not None:
-        head += [{"vllm": "--max-model-len", "sglang": "--context-length", "trtllm": "--max_seq_len"}[name],
+        head += [{"vllm": "--max-model-len", "sglang": "--context-length", "trtllm": "--max_seq_len",
+                 "trtllm-engine": "--max_seq_len"}[name],
                  str(max_model_len)]
     return head + flags(name, kv_dtype, skip)
 

@@ -111,6 +111,8 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            "NVIDIA/TensorRT-LLM main branch, late 2026 (no calibrated INT8 KV merged)"),
     Engine("sglang", "SGLang", {"cuda": "CUDA", "cpu": "CPU"}, _v("0.5.23"),
            "sglang 0.5.17, 0.5.18, 0.5.19, 0.5.20, 0.5.23 wheels"),
+    Engine("trtllm-engine", "TensorRT-LLM (TensorRT engine)", {"tensorrt": "TensorRT-engine backend"}, _v("1.2.1"),
+           "NVIDIA/TensorRT-LLM, the 1.2 / 1.3.0rc form that still has the TensorRT backend (removed from main 2026)")
 )}
 
 KV_FORMATS = ("fp8_e4m3", "int8", "fp8_e5m2", "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head")
@@ -197,6 +199,16 @@ T6 = _ts("tensorrt_llm/llmapi/llm_utils.py", "ModelLoader._update_from_hf_quant_
          "outputs 2026-12")
 T7 = _ts("tensorrt_llm/_torch/pyexecutor/model_loader.py", "validate_and_set_kv_cache_quant (kv_cache_config.dtype "
          "fp8 | nvfp4 | auto)")
+_TE = "1.2 / 1.3.0rc form"
+TE1 = _ts("tensorrt_llm/quantization/quantize.py", "kv_cache_quantize (kv_cache_scaling_factor Parameter shape (1,) "
+          "float32 on every Attention)", _TE)
+TE2 = _ts("tensorrt_llm/models/modeling_utils.py", "preprocess_weights / process_kv_scaling_factor (max(k, v); "
+          "kv_cache_rcp_scaling_factor = 1 / scale)", _TE)
+TE3 = _ts("tensorrt_llm/models/llama/convert.py", "load_weights_from_hf_model (transformer.layers.{l - "
+          "the stage's first layer}.attention.kv_cache_scaling_factor, reshape([1]); INT8: max over q/k/v outputs / 127)", _TE)
+TE4 = _ts("tensorrt_llm/models/modeling_utils.py", "PretrainedModel.load ('Required but not provided tensors')", _TE)
+TE5 = _ts("(release notes)", "TensorRT backend deprecated in pull request 11723; removed from main in 15918, 16369, "
+          "16612", "1.3.0rc20 the last with it")
 T_PR = Source("NVIDIA/TensorRT-LLM", "pull request 18953 (open)", "calibrated INT8 KV cache: one "
               "max(k_scale, v_scale) per layer", "unmerged; not verified here")
 _SQ = "python/sglang/srt/layers/quantization/"
@@ -274,6 +286,22 @@ CELLS: tuple[Cell, ...] = (
        "precedence over exclude_modules, every layer is quantized", T4),
     _c("trtllm", "*", ("fp8_e5m2", *_DYN), "*", E.REFUSED, "no such kv_cache_quant_algo (FP8 e4m3, INT8, NVFP4 "
        "only)", T5),
+    # ---- TensorRT-LLM, TensorRT-engine backend (a TensorRT-LLM checkpoint: config.json + rank{r}.safetensors)
+    _c("trtllm-engine", "*", ("fp8_e4m3", "int8"), "tensor", E.APPLIED, "one kv_cache_scaling_factor per layer, "
+       "shared by K and V (max(k, v)): FP8 amax/448, INT8 amax/127; 1.3.0rc1-rc20 too (rc tags are not told apart: "
+       "1.3.0 final and later have no TensorRT backend)", TE1, TE2, TE3, since="1.2", until="1.3.1"),
+    _c("trtllm-engine", "*", ("fp8_e4m3", "int8"), "head", E.REFUSED, "one scale per layer: per-head scales cannot "
+       "be expressed", TE1, TE3, since="1.2", until="1.3.1"),
+    _c("trtllm-engine", "*", ("fp8_e4m3", "int8"), "q_scale", E.REFUSED, "no q_scale tensor in the checkpoint",
+       TE1, since="1.2", until="1.3.1"),
+    _c("trtllm-engine", "*", ("fp8_e4m3", "int8"), "skip_layers", E.REFUSED, "every attention layer gets a "
+       "kv_cache_scaling_factor and needs one", TE1, TE4, since="1.2", until="1.3.1"),
+    _c("trtllm-engine", "*", ("fp8_e5m2", *_DYN), "*", E.REFUSED, "no such kv_cache_quant_algo", TE1, since="1.2",
+       until="1.3.1"),
+    _c("trtllm-engine", "*", "*", "*", E.REFUSED, "not read before 1.2: kvcalib's rules are 1.2.x-1.3.0rc20's",
+       TE1, until="1.2"),
+    _c("trtllm-engine", "*", "*", "*", E.REFUSED, "the TensorRT backend is removed (last in 1.3.0rc20)", TE5,
+       since="1.3.1"),
     # ---- SGLang
     _c("sglang", "*", "fp8_e4m3", "tensor", E.APPLIED, "static per-tensor FP8 scales of a compressed-tensors "
        "kv_cache_scheme load (--kv-cache-dtype auto resolves to fp8_e4m3)", S1, S2, S3, since="0.5.19"),

@@ -91,7 +91,7 @@ def instead(name: str, outcome: support.Outcome) -> str:
                      and c.effect in (support.Effect.APPLIED, support.Effect.MAX_OVER_HEADS)})
     parts = []
     if others:
-        parts.append(f"use --target {' or '.join(others)}, which apply{'s' if len(others) == 1 else ''} these scales")
+        parts.append(f"use --target {' or '.join(others)}, which {'applies' if len(others) == 1 else 'apply'} these scales")
     elif cal.dtype != "fp8_e4m3":
         parts.append("calibrate fp8_e4m3 for vLLM or SGLang")
     parts += [f"state a build that applies them with --engine-version {name}={b}" for b in builds]

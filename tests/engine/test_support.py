@@ -17,6 +17,7 @@ from calib.engine.support import Calibrated, Effect, Measurement, Source, Versio
 # Versions around every boundary a cell names, plus one before and after the versions read.
 PROBES = {"vllm": ["0.20", "0.23.9", "0.24", "0.31", "0.32", "0.32.1", "0.33.0", "0.34", "0.40"],
           "trtllm": ["1.0", "1.2", "1.3", "pr18953", "1.2+pr18953"],
+          "trtllm-engine": ["1.1", "1.2", "1.2.1", "1.3.0rc20", "1.3.1", "1.4"],
           "sglang": ["0.5.10", "0.5.18", "0.5.19", "0.5.20", "0.5.23", "0.6"]}
 
 

@@ -36,7 +36,8 @@ def test_int8_for_tensorrt_llm_is_refused_before_any_work(tiny_llama_dir, token_
     out = tmp_path / "int8"
     line = _refused(_calibrate(tiny_llama_dir, token_data, out, "--target", "trtllm", "--dtype", "int8"), out)
     assert "TensorRT-LLM 1.2 would not serve these scales" in line and "INT8 runs at scale 1.0" in line
-    assert "--engine-version trtllm=pr18953" in line and "fp8_e4m3" in line
+    # the TensorRT-engine backend applies calibrated INT8 (calib.export.trtllm_engine), so that is the advice now
+    assert "--engine-version trtllm=pr18953" in line and "--target trtllm-engine, which applies these scales" in line
 
 
 def test_int8_for_a_stated_tensorrt_llm_build_that_applies_it(tiny_llama_dir, token_data, tmp_path):
