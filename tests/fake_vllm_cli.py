@@ -77,7 +77,7 @@ def bench(argv):
     state = json.loads(urlopen(_arg(argv, "--base-url") + "/fake").read())
     rows = [json.loads(x) for x in open(_arg(argv, "--dataset-path"))]
     n, c = int(_arg(argv, "--num-prompts")), int(_arg(argv, "--max-concurrency"))
-    if c >= int(os.environ.get("FAKE_BENCH_FAIL_AT", "0") or 10 ** 9):
+    if c >= int(os.environ.get("FAKE_BENCH_FAIL_AT") or 10 ** 9):
         print("aiohttp.client_exceptions.ServerDisconnectedError: Server disconnected", flush=True)
         return 1
     assert len(rows) == n and "--save-detailed" in argv and "--ignore-eos" in argv

@@ -60,6 +60,7 @@ class EvalResult:
     samples: tuple[Sample, ...] = ()       # the held-out samples measured (validate serves them as prompts)
     tokenizer: Any = None
     context: int | None = None             # the model's context in tokens, where known
+    bytes_model: Any = None                # calib.evaluation.memory.Model: validate sets it beside the engine's count
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
                            plots=cfg.plots)
     ctx = model_context.of_loaded(p.loaded.config, p.loaded.tokenizer)
     return EvalResult(Path(cfg.out), ref, results, decided, doc, time.perf_counter() - t_start, p.samples,
-                      p.loaded.tokenizer, ctx.tokens if ctx else None)
+                      p.loaded.tokenizer, ctx.tokens if ctx else None, bm)
 
 
 def prepare(cfg: EvalConfig, log: Log) -> Prepared:

@@ -49,6 +49,17 @@ def _bucket_arm(name: str, quality: dict[str, Any], sw: Mapping[str, Any] | None
                       sw["best"]["goodput"], sw.get("noise") or 0.0, is_ref)
 
 
+def _bytes_fit(result: Any, entry: Any, sw: Mapping[str, Any] | None) -> int | None:
+    """Requests of the bucket's longest length the pool holds by kvcalib's bytes model (per layer min(length, window)
+    tokens x KV heads x head_dim x 2 x bytes), shown beside the engine's own count: the two differ by the engine's
+    page padding and its sliding-window reservation for the tokens in flight (docs/design.md §6)."""
+    model, gib = getattr(result, "bytes_model", None), (result.report.get("engine") or {}).get("kv_gib")
+    if model is None or not gib or not sw:
+        return None
+    per_gib = model.requests_per_gib(getattr(entry, "info", None), int(sw["max_model_len"]))
+    return None if per_gib is None else int(gib * per_gib)
+
+
 def shares(samples: Sequence[Any]) -> dict[str, float]:
     """Each bucket's share of the held-out prompts: the user's mix of lengths."""
     count: dict[str, int] = {}
@@ -100,7 +111,10 @@ def build(result: Any, thresholds: eval_report.Thresholds, load: LoadSpec,
         arms[n] = {"quality": quality[n], "config": j, "serve_command": sweeps[j][0].command() if j is not None else None,
                    "shares_sweep_of": sweeps[j][1][0] if j is not None and sweeps[j][1][0] != n else None,
                    "decision": label, "why": why,
-                   "buckets": {b: {"capacity": per_bucket[b][k].capacity, "goodput": per_bucket[b][k].goodput,
+                   "buckets": {b: {"capacity": per_bucket[b][k].capacity,
+                                   "capacity_bytes_model": _bytes_fit(result, e, sweeps[j][2]["buckets"].get(b)
+                                                                      if j is not None else None),
+                                   "goodput": per_bucket[b][k].goodput,
                                    "noise": per_bucket[b][k].noise,
                                    "vs_reference": decisions[b].ratios.get(n)} for b in buckets}}
     eng = result.report.get("engine") or {}
@@ -157,13 +171,15 @@ def markdown(doc: Mapping[str, Any]) -> str:
         cells = []
         for b in map(str, doc["buckets"]):
             x = a["buckets"][b]
-            cells.append(f"{_n(x['goodput'])} ({decide.ratio_text(x['vs_reference'])}), fits {_n(x['capacity'], 'd')}")
+            cells.append(f"{_n(x['goodput'])} ({decide.ratio_text(x['vs_reference'])}), fits {_n(x['capacity'], 'd')}"
+                         f" (bytes model {_n(x.get('capacity_bytes_model'), 'd')})")
         rows.append([f"`{n}`", f"**{a['decision']}**", _pct(a["quality"]["summary"]["ppl_rel"]), *cells, a["why"]])
     out += table(["arm", "decision", "Δppl (" + "engine" + ")",
                   *[f"<= {b}: goodput req/s (vs ref), requests fit" for b in doc["buckets"]], "why"], rows)
     out += ["", "Requests fit: requests of the bucket's longest length (prompt + output) the engine's KV pool holds at "
             "once, as the engine itself logged it at start-up (its KV cache groups, page padding and sliding-window "
-            "reservations counted).", ""]
+            "reservations counted); the decision reads this count. Beside it kvcalib's bytes model (per layer "
+            "min(length, window) tokens), which has no page padding and no reservation for the tokens in flight.", ""]
     for b, dec in doc["decision"]["per_bucket"].items():
         out.append(f"- bucket <= {b}: {'`' + dec['recommended'] + '`' if dec['recommended'] else 'none'} — {dec['why']}")
     out += ["", "## The sweep per serve configuration", ""]

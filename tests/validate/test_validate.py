@@ -120,6 +120,9 @@ def test_when_the_pool_binds_fp8_serves_more_and_the_better_scales_are_recommend
     ckpt = next(n for n in doc["arms"] if n not in (ref, "default"))
     fits = {n: a["buckets"]["64"]["capacity"] for n, a in doc["arms"].items()}
     assert fits == {ref: 2, "default": 4, ckpt: 4}
+    # kvcalib's bytes model beside it (its own number: the fake engine's bytes a token are not the model's)
+    model_fit = {n: a["buckets"]["64"]["capacity_bytes_model"] for n, a in doc["arms"].items()}
+    assert model_fit["default"] == model_fit[ckpt] >= 2 * model_fit[ref] > 0
     overall = doc["decision"]["overall"]
     ratio = overall["goodput_vs_reference"]
     assert ratio["default"] == ratio[ckpt] > 1.1            # one sweep: the same goodput
