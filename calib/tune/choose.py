@@ -10,16 +10,24 @@ The rule (written into tune.json and tune.md so it can be checked and re-argued)
    samples, calib/tune/score.py) are ties; a tie goes to the recipe every backend applies as written
    (per-tensor, no q_scale), then the simplest observer, then the least headroom, then the lowest KL;
 4. nothing qualifies: keep the model-dtype ("BF16") KV cache.
-With an engine (`--engine vllm`) that counted the reference's KV capacity, tune follows eval's capacity rule
-(calib.engine.verdict.by_capacity): it measures no speed, and a candidate whose capacity gain over the reference at
-the longest length is within noise (`capacity_gain`: within 5 % or one request; the engine's count where it ran the
-candidate, else the share of memory it saves) buys a server nothing, so it does not qualify in step 1.
+With an engine (`--engine vllm`) that counted the reference's KV capacity, steps 2 and 4 are eval's capacity rule
+(calib.engine.verdict.by_capacity, CAPACITY_RULE) instead: tune measures no speed (`kvcalib validate` measures
+goodput under load), so among qualifying candidates it serves the one whose KV pool holds the most requests of the
+longest length measured, if that is more than 5 % above the reference's and, where the engine counted both, more
+than one request more; otherwise it keeps BF16.
+A candidate with fewer skipped layers but no such gain loses to one with a real gain. Capacity is the engine's count
+(`verdict.engine_requests`) for each KV layout it ran (KV dtype and skipped layers: scales do not change the pool),
+else the share of memory the candidate saves (kvcalib's bytes model, said so). Candidates of one layout hold the same
+capacity, so step 3 picks the one of each layout that by_capacity ranks; by_capacity's own choice is tune's.
+Without that count (no `--engine`, or the engine did not count the reference) the rule above stands, and tune.json
+and tune.md say that capacity was not counted by the engine.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 from calib.engine import verdict as honest
@@ -52,6 +60,7 @@ def rows(found: Any, th: report.Thresholds, layers: int, ref_bytes: int, baselin
     """One row per candidate: its recipe, memory saved, numbers, why it misses the bar, and vs the default."""
     ref, base = found.ref, found.entries.get(baseline)
     tokens = ref.sample_tokens if ref else ()
+    counts = engine_counts(found, baseline)
     out = []
     for c in found.candidates:
         e = found.entry(c.name)
@@ -64,37 +73,144 @@ def rows(found: Any, th: report.Thresholds, layers: int, ref_bytes: int, baselin
                        emulated=score.slim(e), failures=report.failures(e, ref, th))
             if base is not None:
                 row["vs_default"] = score.compare(e, base, tokens)
-            cap = capacity(found, c.name, e, row["memory_saved"])
+            cap = capacity(found, c, e, row["memory_saved"], counts)
             if cap is not None:
                 row["capacity"] = cap
         out.append(row)
     return out
 
 
-def capacity(found: Any, name: str, entry: ArmMetrics, saved: float) -> dict[str, Any] | None:
-    """With an engine that counted the reference's KV capacity: the candidate's capacity over the reference's at the
-    longest length (the engine's count where it ran the candidate, else 1 / (1 - the share of memory it saves)) and
-    whether that is a gain beyond noise (calib.engine.verdict.capacity_gain); None without such an engine."""
+def layout(c: Any) -> tuple[str, tuple[int, ...]]:
+    """What sets a candidate's KV pool: its cache dtype and the layers kept in the model dtype (not its scales)."""
+    return (c.dtype, tuple(sorted(c.skip)))
+
+
+def capacity_length(found: Any) -> int:
+    """The capacity rule's length: the longest the evaluation asked for (the longest requests bind), as in eval."""
     ref = found.ref
     lengths = [int(b) for b in ref.buckets] + [int(b) for b in ((ref.engine or {}).get("buckets") or {})]
-    length = max(lengths, default=0)
+    return max(lengths, default=0)
+
+
+def engine_counts(found: Any, baseline: str) -> dict[tuple[str, tuple[int, ...]], tuple[Any, str]]:
+    """{layout: (the engine's entry, the arm it ran)} for every KV layout the engine ran: the candidates it confirmed
+    and the default scale 1.0 (FP8, no skip); the first such arm of a layout counts for the layout."""
+    out: dict[tuple[str, tuple[int, ...]], tuple[Any, str]] = {}
+    base = found.entries.get(baseline) if found.ref is not None else None
+    if base is not None and (base.engine or {}).get("status") == "ok":
+        out[("fp8_e4m3", ())] = (base.engine, baseline)
+    for c in found.candidates:
+        run = found.engine.get(c.name)
+        if (run or {}).get("status") == "ok":
+            out.setdefault(layout(c), (run, c.name))
+    return out
+
+
+def capacity(found: Any, cand: Any, entry: ArmMetrics, saved: float,
+             counts: dict[tuple[str, tuple[int, ...]], tuple[Any, str]] | None = None) -> dict[str, Any] | None:
+    """With an engine that counted the reference's KV capacity: the candidate's capacity over the reference's at the
+    longest length (the engine's count for its layout where the engine ran it, this candidate or another of the same
+    KV dtype and skipped layers (`counted_on`), else 1 / (1 - the share of memory it saves)) and whether that is a
+    gain beyond noise (calib.engine.verdict.capacity_gain); None without such an engine."""
+    ref = found.ref
+    length = capacity_length(found)
     ref_row = honest.CapacityRow("reference", True, 0.0, honest.engine_requests(ref.engine, length), 1.0, True)
     if ref_row.requests is None:
         return None
-    row = honest.CapacityRow(name, True, kl(entry), honest.engine_requests(entry.engine, length),
-                             1 / (1 - saved) if saved < 1 else None)
+    own = honest.engine_requests(entry.engine, length)
+    run, on = (counts or {}).get(layout(cand), (None, None))
+    requests, counted_on = (own, cand.name) if own is not None else (honest.engine_requests(run, length), on)
+    row = honest.CapacityRow(cand.name, True, kl(entry), requests, 1 / (1 - saved) if saved < 1 else None)
     ratio, source = honest.capacity_ratio(row, ref_row)
     return {"length": length, "requests": row.requests, "reference_requests": ref_row.requests,
-            "vs_reference": ratio, "source": source, "gain": honest.capacity_gain(row, ref_row)}
+            "vs_reference": ratio, "source": source, "gain": honest.capacity_gain(row, ref_row),
+            "counted_on": counted_on if source == ENGINE else None}
+
+
+REFERENCE = "reference"
+ENGINE_COUNTED, NOT_COUNTED = "capacity (eval's rule)", "fewest skipped layers"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """tune's decision: the row chosen (None: keep the model-dtype KV cache), which rule chose (ENGINE_COUNTED or
+    NOT_COUNTED), and, under the capacity rule, the rows by_capacity ranked and its decision."""
+    row: dict[str, Any] | None
+    rule: str
+    rows: tuple[honest.CapacityRow, ...] = ()
+    decision: honest.CapacityDecision | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """tune.json's `capacity`: which rule chose, in words, and the capacity decision where there is one."""
+        out: dict[str, Any] = {"rule": self.rule, "counted_by_engine": self.decision is not None,
+                               "speed": SPEED, "text": words(self)}
+        if self.decision is not None:
+            out["decision"] = self.decision.to_dict()
+        return out
+
+
+SPEED = "not measured: `kvcalib validate` serves the arms under load and decides by goodput at the SLO"
+
+
+def words(choice: Choice) -> str:
+    """One paragraph for tune.md and tune.json: which rule chose, on whose count, and that speed was not measured."""
+    if choice.decision is None:
+        return ("KV capacity was not counted by the engine (no `--engine vllm`, or the engine did not count the "
+                "reference's pool): the choice is the fewest skipped layers within the bar (most KV memory saved, "
+                f"kvcalib's bytes model). Speed was {SPEED}.")
+    d = choice.decision
+    used = sorted({d.sources[r.name] for r in choice.rows if not r.reference and d.sources.get(r.name)})
+    text = (f"Chosen by eval's capacity rule (calib.engine.verdict.by_capacity): {honest.CAPACITY_RULE} Capacity at "
+            f"{d.length:,} tokens: {' and '.join(used) or 'not known'}.")
+    named = [r.name for r in choice.rows if not r.reference]
+    if named:
+        text += " Ranked (one candidate per KV layout): " + "; ".join(
+            f"`{n}` {d.labels[n]} ({d.why[n]})" for n in named) + "."
+    return text
+
+
+def decide(found: Any, table: list[dict[str, Any]]) -> Choice:
+    """tune's choice (module docstring): eval's capacity rule where the engine counted the reference's capacity
+    (every scored row then has `capacity`), else the fewest skipped layers."""
+    ok = [r for r in table if r["scored"] and not r["failures"]]
+    counted = found.ref is not None and any("capacity" in r for r in table if r["scored"])
+    if not counted:
+        return Choice(_settle(found, _fewest(ok)) if ok else None, NOT_COUNTED)
+    groups: dict[tuple[str, tuple[int, ...]], list[dict[str, Any]]] = {}
+    by_name = {c.name: c for c in found.candidates}
+    for r in ok:
+        groups.setdefault(layout(by_name[r["name"]]), []).append(r)
+    reps = {_settle(found, g)["name"] for g in groups.values()}
+    first = next(r for r in table if "capacity" in r)["capacity"]
+    ref_row = honest.CapacityRow(REFERENCE, True, 0.0, first["reference_requests"], 1.0, True)
+    cap_rows = (ref_row, *(capacity_row(r) for r in ok if r["name"] in reps))
+    d = honest.by_capacity(cap_rows, first["length"])
+    row = next((r for r in ok if r["name"] == d.recommended), None)
+    return Choice(row, ENGINE_COUNTED, cap_rows, d)
+
+
+def capacity_row(r: dict[str, Any]) -> honest.CapacityRow:
+    """A table row as the capacity rule reads it: its requests (the engine's count for its layout, or None) and the
+    bytes model's 1 / (1 - memory saved), its worst-bucket KL as the quality key."""
+    cap = r["capacity"]
+    model = 1 / (1 - r["memory_saved"]) if r["memory_saved"] < 1 else None
+    requests = cap["requests"] if cap["source"] == ENGINE else None
+    return honest.CapacityRow(r["name"], not r["failures"], r["summary"]["max_bucket_kl"], requests, model)
 
 
 def choose(found: Any, table: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The row the rule picks, or None (keep the model-dtype KV cache)."""
-    ok = [r for r in table if r["scored"] and not r["failures"] and (r.get("capacity") or {}).get("gain") is not False]
-    if not ok:
-        return None
+    return decide(found, table).row
+
+
+def _fewest(ok: list[dict[str, Any]]) -> list[dict[str, Any]]:
     fewest = min(len(r["skip"]) for r in ok)
-    group = [r for r in ok if len(r["skip"]) == fewest]
+    return [r for r in ok if len(r["skip"]) == fewest]
+
+
+def _settle(found: Any, group: list[dict[str, Any]]) -> dict[str, Any]:
+    """Step 3: among `group`, the lowest-KL row and those within noise of it are ties, won by the broadest support,
+    then the simplest observer and least headroom, then the lowest KL."""
     best = min(group, key=lambda r: r["summary"]["max_bucket_kl"])
     tokens = found.ref.sample_tokens
     best_entry = found.entry(best["name"])

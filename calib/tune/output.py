@@ -84,7 +84,8 @@ def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any,
     th = cfg.thresholds
     layers = len(loaded.attention_layers)
     table = choose_mod.rows(found, th, layers, _ref_bytes(source), BASELINE)
-    chosen = choose_mod.choose(found, table)
+    decision = choose_mod.decide(found, table)
+    chosen = decision.row
     matter = choose_mod.scales_matter(found, table, _ranges(st), BASELINE)
     base = found.entries.get(BASELINE)
     stats_info = {k: {"recipe": dict(sf.provenance.recipe), "data": dict(sf.provenance.data)}
@@ -104,6 +105,7 @@ def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any,
                                                                                found.sensitivity.items()},
                         "ranking": ranking(found.sensitivity), "samples": cfg.sensitivity_samples},
         "scales_matter": matter,
+        "capacity": decision.to_dict(),
         "choice": {"candidate": chosen and chosen["name"], "action": "ship" if chosen else "keep_reference",
                    "serve": serve_command(cfg.target, Path(cfg.out), chosen["skip"]) if chosen else None},
         "budget": {"minutes": cfg.budget_minutes, "stopped": found.stopped, "not_scored": found.not_scored},
@@ -165,6 +167,8 @@ def markdown(doc: dict[str, Any]) -> str:
     buckets = doc["held_out"]["buckets"]
     lines = [f"# kvcalib tune: {doc['model']} for {doc['target']}", "", f"**{headline(doc)}**", "",
              doc["scales_matter"]["text"], ""]
+    if doc.get("capacity"):
+        lines += [doc["capacity"]["text"], ""]
     if doc["choice"]["serve"]:
         lines += ["```", doc["choice"]["serve"], "```", ""]
     if doc["budget"]["stopped"]:

@@ -275,7 +275,7 @@ def test_tune_with_an_engine_does_not_choose_a_candidate_without_capacity_gain()
     table = choose_mod.rows(found, th, 3, 2, "default")
     caps = {r["name"]: r["capacity"] for r in table}
     assert caps[skip.name] == {"length": 64, "requests": 25, "reference_requests": 24, "vs_reference": 25 / 24,
-                               "source": "engine", "gain": False}
+                               "source": "engine", "gain": False, "counted_on": skip.name}
     assert caps[full.name]["gain"] is True
     assert choose_mod.choose(found, table) is None
     doc = {"choice": {"candidate": None}, "candidates": table, "thresholds": th.to_dict()}

@@ -291,3 +291,6 @@ def test_hybrid_model_gets_the_sliding_window_skip(tmp_path):
     assert len(skipped) == 1 and skipped[0].split(" skip ")[0] in names
     row = next(r for r in res.doc["candidates"] if r["name"] == skipped[0])
     assert row["summary"] is not None
+    # no engine: the fewest skipped layers chose, and tune says the engine did not count capacity
+    assert res.doc["capacity"]["rule"] == "fewest skipped layers" and not res.doc["capacity"]["counted_by_engine"]
+    assert "capacity was not counted by the engine" in (tmp_path / "out" / "tune.md").read_text()
