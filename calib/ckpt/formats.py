@@ -177,6 +177,20 @@ def is_trtllm_checkpoint(config: Any) -> bool:
         and isinstance(config.get("mapping"), dict)
 
 
+# PretrainedConfig's names for the sizes a Hugging Face config.json states (modeling_utils.py PretrainedConfig.to_dict;
+# `head_size` is its head_dim); the architecture is its single `architecture` (HF: `architectures[0]`)
+TRTLLM_HF_SIZES = {"num_hidden_layers": "num_hidden_layers", "num_attention_heads": "num_attention_heads",
+                   "num_key_value_heads": "num_key_value_heads", "hidden_size": "hidden_size",
+                   "intermediate_size": "intermediate_size", "vocab_size": "vocab_size", "head_dim": "head_size"}
+
+
+def trtllm_ckpt_sizes(config: dict[str, Any]) -> dict[str, Any]:
+    """A TensorRT-LLM checkpoint's sizes under the Hugging Face names, and `architecture` as `architectures`."""
+    out = {hf: config.get(trt) for hf, trt in TRTLLM_HF_SIZES.items()}
+    out["architectures"] = [config.get("architecture")]
+    return out
+
+
 def trtllm_ckpt_grid(config: dict[str, Any]) -> tuple[int, int]:
     """(tp_size, pp_size) of a TensorRT-LLM checkpoint's `mapping` (1 where absent, as Mapping's defaults);
     ValueError naming the field for anything but positive integers, or a world_size that disagrees."""

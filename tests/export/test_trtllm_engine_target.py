@@ -201,3 +201,47 @@ def test_failure_mid_export_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(OutputError, match=r"nothing was written"):
         te.export_engine_checkpoint(src, tmp_path / "out", scales_for()[1], {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_calibrate_into_a_tensorrt_llm_checkpoint_of_the_model(tmp_path, tiny_llama_dir, token_data):
+    """`kvcalib calibrate --target trtllm-engine --into CKPT`: the checkpoint is recognised by its config.json,
+    checked to be of the calibrated model by architecture and sizes, and gets one shared scale a layer equal to
+    max(k, v) of the scales calibrate computes for that model (brute force: the vLLM variant of the same run)."""
+    from calib import pipeline
+    from calib.recipe import recipe as recipe_mod
+    from helpers import SMALL_RECIPE
+
+    ckpt = make_ckpt(tmp_path / "trt", tp=1, pp=2, n=3, extra={"num_attention_heads": 4})
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(hidden_size=64, intermediate_size=128, vocab_size=257, head_size=16)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    r = recipe_mod.load(None).replace(**SMALL_RECIPE, targets=("trtllm-engine",))
+    out = pipeline.calibrate(tiny_llama_dir, token_data, r, tmp_path / "out", device="cpu", into=ckpt).out
+    ref = pipeline.calibrate(tiny_llama_dir, token_data, r.replace(targets=("vllm",)), tmp_path / "ref",
+                             device="cpu").out
+    from safetensors.torch import load_file
+
+    want = load_file(str(ref / "kv_scales.safetensors"))
+    for stage, layers in ((0, (0, 1)), (1, (2,))):
+        part = load_file(str(out / f"rank{stage}.safetensors"))
+        for j, i in enumerate(layers):
+            k, v = want[f"model.layers.{i}.self_attn.k_scale"], want[f"model.layers.{i}.self_attn.v_scale"]
+            got = part[f"transformer.layers.{j}.attention.kv_cache_scaling_factor"]
+            assert got.dtype == torch.float32 and list(got.shape) == [1]
+            assert got.item() == pytest.approx(max(k.max().item(), v.max().item()), rel=1e-6)
+    assert json.loads((out / "config.json").read_text())["quantization"]["kv_cache_quant_algo"] == "FP8"
+    # the input checkpoint is untouched
+    assert json.loads((ckpt / "config.json").read_text())["quantization"]["kv_cache_quant_algo"] is None
+
+
+def test_calibrate_into_a_tensorrt_llm_checkpoint_of_another_model_is_one_line(tmp_path, tiny_llama_dir, token_data):
+    from calib import pipeline
+    from calib.export import ExportError
+    from calib.recipe import recipe as recipe_mod
+    from helpers import SMALL_RECIPE
+
+    ckpt = make_ckpt(tmp_path / "trt", tp=1, pp=1, n=3)          # hidden 16, vocab 32: not the tiny Llama
+    r = recipe_mod.load(None).replace(**SMALL_RECIPE, targets=("trtllm-engine",))
+    with pytest.raises(ExportError, match="is not a TensorRT-LLM checkpoint of .*hidden_size"):
+        pipeline.calibrate(tiny_llama_dir, token_data, r, tmp_path / "out", device="cpu", into=ckpt)
+    assert not (tmp_path / "out").exists()
