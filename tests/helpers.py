@@ -366,3 +366,33 @@ def engine_script(monkeypatch, name: str = "vllm_runner"):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# ------------------------------------------------------------------ tune's small runs (tests/tune)
+
+TUNE_SMALL = dict(observers=("absmax", "mse"), headrooms=(1.0,), eval_samples=8, buckets=(16, 32), min_tokens=8,
+                  batch_size=8, max_skip=1, plots=False)
+
+
+def tune_data(tmp: Path) -> Path:
+    path = tmp / "tokens.jsonl"
+    if not path.exists():
+        path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in random_sequences(48, lo=12, hi=33, seed=3)))
+    return path
+
+
+def tune_held(tmp: Path) -> Path:
+    """Held-out records: another file than the calibration data (tune refuses --eval-data equal to --data)."""
+    path = tmp / "held.jsonl"
+    if not path.exists():
+        path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in random_sequences(48, lo=12, hi=33, seed=6)))
+    return path
+
+
+def tune_config(src: Path, data: Path | None, out: Path, **kw):
+    """A small tune run's TuneConfig (calib.tune.search): TUNE_SMALL's settings, `kw` over them."""
+    from calib.tune import search
+
+    base = recipe_mod.Recipe().replace(samples=12, seq_len=32, min_tokens=8, batch_size=8)
+    return search.TuneConfig(model=str(src), data=None if data is None else str(data),
+                             eval_data=str(tune_held(out.parent)), out=out, base=base, **{**TUNE_SMALL, **kw})

@@ -22,10 +22,11 @@ from calib.recipe import recipe as recipe_mod
 from calib.recipe.dtypes import FP8_E4M3
 from calib.tune import run, score, search, space
 from calib.tune import stats as stats_mod
+from helpers import TUNE_SMALL as SMALL
+from helpers import tune_config as _config
+from helpers import tune_data as _data
+from helpers import tune_held as _held
 from tiny import random_sequences, tiny_causal_lm
-
-SMALL = dict(observers=("absmax", "mse"), headrooms=(1.0,), eval_samples=8, buckets=(16, 32), min_tokens=8,
-             batch_size=8, max_skip=1, plots=False)
 
 
 def _model(tmp: Path, name: str, k_layer: int | None = None, factor: float = 3000.0, sharpness: float = 60.0,
@@ -41,28 +42,6 @@ def _model(tmp: Path, name: str, k_layer: int | None = None, factor: float = 300
             attn.q_proj.weight.div_(factor / sharpness)
     model.save_pretrained(tmp / name)
     return tmp / name
-
-
-def _data(tmp: Path) -> Path:
-    path = tmp / "tokens.jsonl"
-    if not path.exists():
-        path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in random_sequences(48, lo=12, hi=33, seed=3)))
-    return path
-
-
-def _held(tmp: Path) -> Path:
-    """Held-out records: another file than the calibration data (tune refuses --eval-data equal to --data)."""
-    path = tmp / "held.jsonl"
-    if not path.exists():
-        path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in random_sequences(48, lo=12, hi=33, seed=6)))
-    return path
-
-
-def _config(src: Path, data: Path | None, out: Path, **kw) -> search.TuneConfig:
-    base = recipe_mod.Recipe().replace(samples=12, seq_len=32, min_tokens=8, batch_size=8)
-    args = {**SMALL, **kw}
-    return search.TuneConfig(model=str(src), data=None if data is None else str(data), eval_data=str(_held(out.parent)),
-                             out=out, base=base, **args)
 
 
 # ------------------------------------------------------------------------------------------- candidates

@@ -166,7 +166,8 @@ def test_tune_with_the_fake_engine_chooses_by_capacity(tmp_path, monkeypatch):
     from calib.tune import run
     from helpers import boosted
     from tiny import tiny_causal_lm
-    from test_tune import _config, _data
+    from helpers import tune_config as _config
+    from helpers import tune_data as _data
 
     monkeypatch.setenv(driver.RUNNER_ENV, str(Path(__file__).resolve().parents[1] / "fake_vllm_runner.py"))
     monkeypatch.setenv("FAKE_ENGINE", "fp8")
