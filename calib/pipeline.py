@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from calib import export
-from calib.export import serve
+from calib.export import serve, trtllm_engine
 from calib.capture import hook as observe
 from calib.capture import statsfile
 from calib.capture.distributed import Dist, barrier, merge_all, shard
@@ -301,36 +301,6 @@ def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, files: export.
     return path, scales, skipped
 
 
-def _trtllm_checkpoint(folder: Path) -> bool:
-    from calib.ckpt import formats, integrity
-
-    try:
-        return formats.is_trtllm_checkpoint(integrity.read_json(folder / "config.json", "--into config.json"))
-    except (OSError, ValueError):
-        return False
-
-
-def _check_same_engine_model(source: Path, a: dict[str, Any], target: Path) -> dict[str, Any]:
-    """A TensorRT-LLM checkpoint (`--into` for the trtllm-engine target) is of `source`'s model when its
-    architecture and sizes, under their Hugging Face names, are `source`'s; its weights are split over ranks and
-    renamed, so they are not compared byte for byte (said as a note). Returns its config.json."""
-    from calib.ckpt import fingerprint, formats, integrity
-
-    b = integrity.read_json(target / "config.json", "--into config.json")
-    mine, theirs = a.get("text_config", a), formats.trtllm_ckpt_sizes(b)
-    mine = {**mine, "head_dim": mine.get("head_dim") or mine["hidden_size"] // mine["num_attention_heads"],
-            "num_key_value_heads": mine.get("num_key_value_heads") or mine["num_attention_heads"]}
-    diff = [k for k in theirs if k != "architectures" and theirs[k] != mine.get(k)]
-    if (mine.get("architectures") or [None])[0] != theirs["architectures"][0]:
-        diff.insert(0, "architecture")
-    if diff:
-        raise export.ExportError(f"--into {target} is not a TensorRT-LLM checkpoint of {source}: {', '.join(diff)} "
-                                 "differ")
-    fingerprint.note(f"--into {target}: a TensorRT-LLM checkpoint (weights split over ranks and renamed): its "
-                     f"architecture and sizes match {source}'s; its weights are not compared byte for byte")
-    return b
-
-
 def _check_same_model(source: Path, a: dict[str, Any], target: Path, b: dict[str, Any]) -> None:
     """The scales of `source` fit `target` only when it is a checkpoint of the same model: the same
     architecture and sizes in their config.json (`a` and `b`, as the checks read them), and, where both store a
@@ -440,8 +410,8 @@ def check_calibrate(job: CalibrateJob, *, options_checked: bool = False) -> Chec
     model = model_mod.preflight(source_dir, trust_remote_code=job.trust_remote_code, allow_pickle=job.allow_pickle)
     model.check_context(recipe.seq_len)
     files = model.files
-    if job.into is not None and _trtllm_checkpoint(target_dir):
-        files = export.SourceFiles(target_dir, _check_same_engine_model(source_dir, model.raw, target_dir))
+    if job.into is not None and trtllm_engine.is_engine_checkpoint(target_dir):
+        files = export.SourceFiles(target_dir, trtllm_engine.same_model_config(source_dir, model.raw, target_dir))
     elif job.into is not None:
         files = export.SourceFiles(target_dir, model_mod.read_config(target_dir))
         _check_same_model(source_dir, model.raw, target_dir, files.config)

@@ -77,6 +77,34 @@ class EngineCheckpoint(PreparedSource):
     rank_drop: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
 
+def is_engine_checkpoint(folder: Path) -> bool:
+    """Whether `folder` holds a TensorRT-LLM checkpoint (its config.json is a PretrainedConfig's)."""
+    try:
+        return formats.is_trtllm_checkpoint(integrity.read_json(folder / "config.json", "--into config.json"))
+    except (OSError, ValueError):
+        return False
+
+
+def same_model_config(source: Path, a: dict[str, Any], target: Path) -> dict[str, Any]:
+    """A TensorRT-LLM checkpoint (`--into` for the trtllm-engine target) is of `source`'s model when its
+    architecture and sizes, under their Hugging Face names, are `source`'s; its weights are split over ranks and
+    renamed, so they are not compared byte for byte (said as a note). Returns its config.json."""
+    from calib.ckpt import fingerprint
+
+    b = integrity.read_json(target / "config.json", "--into config.json")
+    mine, theirs = a.get("text_config", a), formats.trtllm_ckpt_sizes(b)
+    mine = {**mine, "head_dim": mine.get("head_dim") or mine["hidden_size"] // mine["num_attention_heads"],
+            "num_key_value_heads": mine.get("num_key_value_heads") or mine["num_attention_heads"]}
+    diff = [k for k in theirs if k != "architectures" and theirs[k] != mine.get(k)]
+    if (mine.get("architectures") or [None])[0] != theirs["architectures"][0]:
+        diff.insert(0, "architecture")
+    if diff:
+        raise ExportError(f"--into {target} is not a TensorRT-LLM checkpoint of {source}: {', '.join(diff)} differ")
+    fingerprint.note(f"--into {target}: a TensorRT-LLM checkpoint (weights split over ranks and renamed): its "
+                     f"architecture and sizes match {source}'s; its weights are not compared byte for byte")
+    return b
+
+
 def _fail(path: Path, why: str) -> ExportError:
     return ExportError(f"--into {path}: {why}")
 
@@ -286,5 +314,5 @@ class TrtllmEngineTarget(Target):
 
 TARGET = TrtllmEngineTarget()
 
-__all__ = ["EngineCheckpoint", "TARGET", "engine_scales", "export_engine_checkpoint", "prepare_engine_checkpoint",
-           "rewrite_rank_file"]
+__all__ = ["EngineCheckpoint", "TARGET", "engine_scales", "export_engine_checkpoint", "is_engine_checkpoint",
+           "prepare_engine_checkpoint", "rewrite_rank_file", "same_model_config"]
