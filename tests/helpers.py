@@ -396,3 +396,35 @@ def tune_config(src: Path, data: Path | None, out: Path, **kw):
     base = recipe_mod.Recipe().replace(samples=12, seq_len=32, min_tokens=8, batch_size=8)
     return search.TuneConfig(model=str(src), data=None if data is None else str(data),
                              eval_data=str(tune_held(out.parent)), out=out, base=base, **{**TUNE_SMALL, **kw})
+
+
+# ------------------------------------------------------------------ a TensorRT-LLM checkpoint (trtllm-engine)
+
+def trtllm_engine_ckpt(root: Path, *, tp: int = 2, pp: int = 2, n: int = 5, quant: dict | None = None,
+                       extra: dict | None = None) -> Path:
+    """A TensorRT-LLM checkpoint as convert_checkpoint.py lays it out: config.json (PretrainedConfig: architecture,
+    mapping, quantization) and rank{r}.safetensors per tp x pp rank, layers split over the stages."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True)
+    config = {"architecture": "LlamaForCausalLM", "dtype": "bfloat16", "num_hidden_layers": n,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 16, "vocab_size": 32,
+              "mapping": {"world_size": tp * pp, "tp_size": tp, "pp_size": pp, "cp_size": 1, "gpus_per_node": 8},
+              "quantization": quant if quant is not None else {"quant_algo": None, "kv_cache_quant_algo": None,
+                                                               "group_size": 128, "exclude_modules": None},
+              **(extra or {})}
+    (root / "config.json").write_text(json.dumps(config, indent=4))
+    g = torch.Generator().manual_seed(7)
+    base, more = divmod(n, pp)
+    for r in range(tp * pp):
+        stage = r // tp
+        local = base + (1 if stage < more else 0)
+        tensors = {}
+        for j in range(local):
+            tensors[f"transformer.layers.{j}.attention.qkv.weight"] = torch.randn(8, 16, generator=g).bfloat16()
+            tensors[f"transformer.layers.{j}.attention.dense.weight"] = torch.randn(16, 4, generator=g).bfloat16()
+            tensors[f"transformer.layers.{j}.input_layernorm.weight"] = torch.randn(16, generator=g).bfloat16()
+        if stage == 0:
+            tensors["transformer.vocab_embedding.weight"] = torch.randn(32, 16, generator=g).bfloat16()
+        save_file(tensors, str(root / f"rank{r}.safetensors"), metadata={"format": "pt"})
+    return root

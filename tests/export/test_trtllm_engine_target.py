@@ -20,34 +20,9 @@ from calib.export import trtllm_engine as te
 from calib.recipe import dtypes
 from calib.recipe.granularity import by_name
 from calib.scales import fold
+from helpers import trtllm_engine_ckpt as make_ckpt
 
 N_LAYERS = 5     # 5 over pp 2: stage 0 holds layers 0, 1, 2 and stage 1 holds 3, 4 (the first stage one more)
-
-
-def make_ckpt(root: Path, *, tp: int = 2, pp: int = 2, n: int = N_LAYERS, quant: dict | None = None,
-              extra: dict | None = None) -> Path:
-    root.mkdir(parents=True)
-    config = {"architecture": "LlamaForCausalLM", "dtype": "bfloat16", "num_hidden_layers": n,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 16, "vocab_size": 32,
-              "mapping": {"world_size": tp * pp, "tp_size": tp, "pp_size": pp, "cp_size": 1, "gpus_per_node": 8},
-              "quantization": quant if quant is not None else {"quant_algo": None, "kv_cache_quant_algo": None,
-                                                               "group_size": 128, "exclude_modules": None},
-              **(extra or {})}
-    (root / "config.json").write_text(json.dumps(config, indent=4))
-    g = torch.Generator().manual_seed(7)
-    base, more = divmod(n, pp)
-    for r in range(tp * pp):
-        stage = r // tp
-        local = base + (1 if stage < more else 0)
-        tensors = {}
-        for j in range(local):
-            tensors[f"transformer.layers.{j}.attention.qkv.weight"] = torch.randn(8, 16, generator=g).bfloat16()
-            tensors[f"transformer.layers.{j}.attention.dense.weight"] = torch.randn(16, 4, generator=g).bfloat16()
-            tensors[f"transformer.layers.{j}.input_layernorm.weight"] = torch.randn(16, generator=g).bfloat16()
-        if stage == 0:
-            tensors["transformer.vocab_embedding.weight"] = torch.randn(32, 16, generator=g).bfloat16()
-        save_file(tensors, str(root / f"rank{r}.safetensors"), metadata={"format": "pt"})
-    return root
 
 
 def scales_for(n: int = N_LAYERS, dtype: str = "fp8_e4m3"):

@@ -8,11 +8,11 @@ import textwrap
 
 from calib import export, verify
 from calib.ckpt.reader import CheckpointFiles
-from helpers import made_up_scales
+from helpers import made_up_scales, trtllm_engine_ckpt
 
 
 def test_every_target_has_its_checks_in_the_targets_order():
-    assert verify.ENGINES == tuple(export.TARGETS) == ("vllm", "trtllm", "sglang")
+    assert verify.ENGINES == tuple(export.TARGETS) == ("vllm", "trtllm", "sglang", "trtllm-engine")
     assert all(isinstance(c, verify.Checker) and c.rules for c in verify.CHECKERS.values())
 
 
@@ -20,7 +20,9 @@ def test_the_engines_a_checkpoint_declares_choose_the_checks(tiny_llama_dir, tmp
     """`verify(..., "all")` runs the checks of the engines whose configs the checkpoint carries; each checker's
     own `check` gives exactly the problems `verify` reports for that engine."""
     for name in export.TARGETS:
-        out = export.target(name).write(tiny_llama_dir, tmp_path / name, made_up_scales(3), {"producer": "kvcalib"})
+        # the TensorRT-engine target writes into a converted TensorRT-LLM checkpoint, not a Hugging Face folder
+        source = trtllm_engine_ckpt(tmp_path / "trt", tp=1, pp=1, n=3) if name == "trtllm-engine" else tiny_llama_dir
+        out = export.target(name).write(source, tmp_path / name, made_up_scales(3), {"producer": "kvcalib"})
         ck = CheckpointFiles(out)
         assert [n for n, c in verify.CHECKERS.items() if c.declared(ck)] == [name]
         for engine, checker in verify.CHECKERS.items():
