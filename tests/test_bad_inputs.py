@@ -775,6 +775,14 @@ ROWS = [
     Row("plan a second route beyond the model's context", lambda t: _plan(
         t, "chat: {data: tokens.jsonl, buckets: [32]}\nlong: {data: tokens.jsonl, buckets: [100000]}"),
         "route 'long': --buckets 100000: longer than the context", command="plan"),
+    Row("plan a second route whose records are all shorter than min_tokens", lambda t: _plan(
+        t, "chat: {data: tokens.jsonl, buckets: [32]}\nshort: {data: short.jsonl, buckets: [32]}") if _write(
+        t, "short.jsonl", '{"input_ids": [1, 2, 3]}\n' * 4) else [],
+        "route 'short': DATA", command="plan"),
+    Row("plan one route whose records are all shorter than min_tokens", lambda t: _plan(
+        t, "chat: {data: short.jsonl, buckets: [32], pack: false}") if _write(
+        t, "short.jsonl", '{"input_ids": [1, 2]}\n' * 64) else [],
+        "route 'chat': DATA", command="plan"),
     Row("eval --data under ~nosuchuser/", lambda t: [*_eval(t), "--data", "~nosuchuser/d.jsonl"],
         "the data ~nosuchuser/d.jsonl: no user 'nosuchuser' on this machine", command="eval"),
     Row("eval --out under ~nosuchuser/", lambda t: [*_eval(t), "--out", "~nosuchuser/report"],

@@ -352,6 +352,12 @@ def quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
+def load_tokenizer(src: Path, trust_remote_code: bool = False) -> Any | None:
+    """The model folder's tokenizer without its weights (None when it has no tokenizer files): what a command needs
+    to check text data before any weight loads; ModelError (one line) on damaged files."""
+    return _load_tokenizer(Path(src), trust_remote_code)
+
+
 def _load_tokenizer(src: Path, trust_remote_code: bool) -> Any | None:
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
     if not any((src / n).is_file() for n in names):

@@ -192,6 +192,33 @@ def check(routes: Routes, base: EvalConfig, force: bool = False) -> None:
             raise RoutesError(f"{routes.source}: route '{r.name}': {e}") from None
 
 
+def check_samples(routes: Routes, base: EvalConfig) -> None:
+    """Every route's held-out samples drawn (tokenized, cut and packed as its evaluation will) before the first route
+    is evaluated, so route data that yields no usable sample stops the plan before any route's work, not after the
+    routes before it were measured. Needs the model's tokenizer and config.json only, no weights; a hub id the
+    plan has not downloaded yet is checked when its route runs. (Samples are not yet told apart from the
+    calibration data here: a route whose every record was a calibration sample is still found at its turn.)"""
+    from calib.evaluation.samples import select_samples
+    from calib.model import context
+    from calib.model import load as model_mod
+
+    src = Path(base.model)
+    if not (src / "config.json").is_file():
+        return
+    try:
+        tok = model_mod.load_tokenizer(src, base.trust_remote_code)
+        vocab = model_mod.read_config(src).get("vocab_size")
+    except KvcalibError as e:
+        raise RoutesError(f"{routes.source}: {e}") from None
+    ctx = context.of_directory(src)
+    for r in routes.routes:
+        cfg = eval_config(r, base, Path(base.out) / r.name)
+        try:
+            select_samples(cfg, tok, vocab, cfg.buckets, None, ctx.tokens if ctx else None)
+        except KvcalibError as e:
+            raise RoutesError(f"{routes.source}: route '{r.name}': {e}") from None
+
+
 def plan_doc(model: str, routes: Routes, decisions: list[Decision]) -> dict[str, Any]:
     by_route = {r.name: r for r in routes.routes}
     servers: dict[str, list[str]] = {}
@@ -232,6 +259,7 @@ def run_plan(routes: Routes, base: EvalConfig, *, force: bool = False, log: Log 
 
     out = Path(base.out)
     check(routes, base, force)
+    check_samples(routes, base)          # every route's data usable before the first route's work
     decisions = []
     with atomic_dir(out, force, kind="serving plan", inputs=inputs(routes, base)) as tmp:
         try:

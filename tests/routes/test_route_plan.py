@@ -240,3 +240,25 @@ def test_plan_serve_needs_the_engine(two_routes, tmp_path):
     r = CliRunner().invoke(main, ["plan", "--routes", str(tmp / "routes.yaml"), "--model", str(src), "--serve",
                                   "--out", str(tmp_path / "p")])
     assert r.exit_code != 0 and "--serve needs --engine vllm" in r.output and not (tmp_path / "p").exists()
+
+
+def test_a_route_whose_data_yields_no_sample_stops_the_plan_before_the_first_route_runs(two_routes, tmp_path,
+                                                                                        monkeypatch):
+    """The second route's records are all shorter than min_tokens: the plan stops with one line naming that route
+    before the first route is evaluated (no evaluation starts, nothing is written)."""
+    import json as _json
+
+    from calib.evaluation import run as eval_run
+
+    tmp, src = two_routes
+    (tmp_path / "chat.jsonl").write_text((tmp / "chat.jsonl").read_text())
+    (tmp_path / "tiny.jsonl").write_text("".join(_json.dumps({"input_ids": [1, 2, 3]}) + "\n" for _ in range(5)))
+    routes = tmp_path / "routes.yaml"
+    routes.write_text("routes:\n  chat: {data: chat.jsonl, buckets: [32]}\n  docs: {data: tiny.jsonl, buckets: [64]}\n")
+    started = []
+    monkeypatch.setattr(eval_run, "run_eval", lambda *a, **k: started.append(a) or pytest.fail("a route ran"))
+    r = CliRunner().invoke(main, ["plan", "--routes", str(routes), "--model", str(src), "--device", "cpu",
+                                  "--out", str(tmp_path / "o")])
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+    assert f"{routes}: route 'docs':" in r.output and "min_tokens" in r.output, r.output
+    assert not started and not (tmp_path / "o").exists()
