@@ -4,7 +4,8 @@ that engine really uses, read from the support matrix (calib.engine.support).
 Why: an evaluation that measures the calibrated scales while the chosen engine ignores them (TensorRT-LLM's FP8 and
 INT8 caches run at 1.0; SGLang runs per-head schemes at 1.0) reports a gain the user never gets. So, with a target,
 the arm the report calls calibrated keeps its name and is measured with 1.0 where the engine ignores the scales,
-with the max over heads where it folds them, without q_scale where it reads none; an arm the engine refuses is
+with the max over heads where it folds them, with max(k, v) per layer where K and V share one scale
+(TensorRT-LLM's TensorRT-engine backend), without q_scale where it reads none; an arm the engine refuses is
 kept but marked not shippable. Each substituted arm says so in its notes (the report's Notes section).
 """
 
@@ -21,6 +22,9 @@ from calib.evaluation.arms import Arm, EvalError
 
 # --emulate name -> the backend of the target engine whose arithmetic it follows
 _BACKEND_OF_EMULATION = {"vllm-cpu": "cpu", "vllm-fa3": "fa3"}
+
+# targets that apply one scale per layer shared by K and V, max(k, v) (calib.scales.fold.shared_from_scales)
+_SHARED_KV = {"trtllm-engine": "TensorRT-LLM engine"}
 
 
 def check(target: str | None, version: str | None) -> None:
@@ -82,12 +86,21 @@ def _served(arm: Arm, target: str, v: support.Version, backend: str, where: str)
     elif kv.effect in (support.Effect.REFUSED, support.Effect.BROKEN):
         notes.append(f"{where} does not serve it: {kv.effect.value} ({kv.note}); not shippable there")
         return replace(arm, shippable=False, notes=tuple(notes))
+    if target in _SHARED_KV and kv.effect is support.Effect.APPLIED:
+        arm = replace(arm, k=_shared(arm.k, arm.v), v=_shared(arm.v, arm.k))
+        notes.append(f"as {where} serves it: shared K/V scale ({_SHARED_KV[target]}), max(k, v) per layer")
     if arm.q:
         q = support.cell(target, v, backend, arm.dtype.name, "q_scale")
         if q.effect is not support.Effect.APPLIED:
             arm = replace(arm, q={})
             notes.append(f"q_scale unused: {q.effect.value} on {where} ({q.note})")
     return replace(arm, notes=tuple(notes))
+
+
+def _shared(own: dict, other: dict) -> dict:
+    """Per layer, max(k, v) of the per-tensor scales where the layer has both (a skipped layer keeps what it has)."""
+    return {i: s if isinstance(s, str) or not isinstance(other.get(i), torch.Tensor)
+            else torch.maximum(s.max(), other[i].max()).reshape(()) for i, s in own.items()}
 
 
 def _unserved(arm: Arm, target: str, v: support.Version, backends: Sequence[str], where: str,

@@ -101,3 +101,34 @@ def test_the_default_arm_of_a_format_the_target_refuses_is_not_shippable():
     assert not arm.shippable and "vLLM 0.34 (CPU) does not serve int8: refused" in arm.notes[-1]
     (fp8,), _ = served.as_served([Arm("default", FP8_E4M3, {}, {}, kind="default")], "sglang", "0.5.17", "kv-only")
     assert fp8.shippable          # scale 1.0 is what the default arm is: an engine that ignores scales serves it
+
+
+@pytest.mark.parametrize("dtype", [FP8_E4M3, INT8])
+def test_trtllm_engine_shares_one_scale_per_layer_max_of_k_and_v(dtype):
+    """TensorRT-LLM's TensorRT-engine backend applies one kv_cache_scaling_factor per layer, max(k, v): the calibrated
+    arm is evaluated at that shared scale, checked against a brute-force saturating cast at it."""
+    from calib.evaluation.fakequant import fake_quant_terms
+
+    k = {0: torch.tensor(0.5), 1: torch.tensor(0.03125)}
+    v = {0: torch.tensor(0.125), 1: torch.tensor(0.25)}
+    arm0 = Arm("calibrated:ck", dtype, k, v, kind="checkpoint", granularity="tensor", source="ck",
+               q={0: torch.tensor(0.3)})
+    (arm,), note = served.as_served([arm0], "trtllm-engine", None, "trtllm")
+    for i in (0, 1):
+        want = max(float(k[i]), float(v[i]))
+        assert float(arm.k[i]) == want and float(arm.v[i]) == want and arm.k[i].shape == ()
+    assert arm.shippable and arm.q == {} and "TensorRT-LLM (TensorRT engine) 1.2.1" in note
+    assert any("shared K/V scale (TensorRT-LLM engine)" in n for n in arm.notes)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 8, 16, generator=g) * 2.0 ** torch.randint(-12, 8, (1, 2, 8, 16), generator=g)
+    for i in (0, 1):
+        shared = max(float(k[i]), float(v[i]))
+        got, _ = fake_quant_terms(x, arm.k[i], dtype, None, measure=False)
+        units = (x / shared).clamp(-dtype.qmax, dtype.qmax)
+        brute = (units.to(torch.float8_e4m3fn).float() if dtype is FP8_E4M3 else torch.round(units)) * shared
+        assert torch.equal(got, brute)
+        own, _ = fake_quant_terms(x, k[i], dtype, None, measure=False)
+        if float(k[i]) != shared:
+            assert not torch.equal(own, brute)    # the arm's own K scale would have measured something else
+    (head,), _ = served.as_served([_arm("head", dtype, q=False)], "trtllm-engine", None, "trtllm")
+    assert not head.shippable and "refused" in head.notes[-1]
