@@ -20,6 +20,8 @@ from dataclasses import dataclass
 # Requests a level sends at least: on the GPU, levels of 4 requests of 32K tokens repeated 23 % apart (best-level
 # goodput measured twice, a 270M hybrid model); 8 keeps one slow request from being a quarter of the level.
 MIN_REQUESTS = 8
+MAX_LEVEL = 1 << 20        # requests in flight or per level: beyond any server's max_num_seqs
+MAX_MS = 3.6e6             # an SLO bound of an hour
 
 
 @dataclass(frozen=True)
@@ -37,30 +39,27 @@ class LoadSpec:
     prefix_caching: bool = False         # off: a repeated prompt costs a whole prefill, as a new user's would
 
     def problems(self) -> list[str]:
-        """One line per bad field, naming its option and what to give instead."""
+        """One line per bad field, naming its option and what to give (calib.safety.options, the one checker)."""
+        from calib.safety import options
+
+        checks = [lambda: options.whole("--output-tokens", self.output_tokens, 2),   # TPOT excludes the first token
+                  lambda: options.whole("--max-concurrency", self.max_concurrency, 1, MAX_LEVEL),
+                  lambda: options.whole("--requests-per-level", self.requests_per_level, 1, MAX_LEVEL),
+                  *(lambda c=c: options.whole("--concurrency", c, 1, MAX_LEVEL) for c in self.concurrency),
+                  lambda: options.number("--slo-ttft-ms", self.slo_ttft_ms, 0, MAX_MS, above=True),
+                  lambda: options.number("--slo-tpot-ms", self.slo_tpot_ms, 0, MAX_MS, above=True),
+                  lambda: options.number("--speed-noise", self.noise, 0, 1),
+                  lambda: options.number("--saturation", self.saturation, 0, 1, above=True),
+                  lambda: options.number("--sweep-minutes", None if self.budget_s is None else self.budget_s / 60, 0,
+                                         options.MAX_MINUTES, above=True)]
         out = []
-
-        def whole(v, flag, lo, what):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                out.append(f"{flag} {v}: give a whole number >= {lo} ({what})")
-
-        def finite(v, flag, lo, hi, what, zero=False):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or not (lo <= v if zero else lo < v) or v > hi:
-                out.append(f"{flag} {v}: give a finite number in {'[' if zero else '('}{lo:g}, {hi:g}] ({what})")
-        whole(self.output_tokens, "--output-tokens", 2, "TPOT excludes the first token, so one measures no decoding")
-        whole(self.max_concurrency, "--max-concurrency", 1, "the highest number of requests kept in flight")
-        whole(self.requests_per_level, "--requests-per-level", 1, "requests per level over the level")
-        for c in self.concurrency:
-            whole(c, "--concurrency", 1, "requests kept in flight")
+        for check in checks:
+            try:
+                check()
+            except options.OptionError as e:
+                out.append(str(e))
         if len(set(self.concurrency)) != len(self.concurrency):
             out.append(f"--concurrency {','.join(map(str, self.concurrency))}: a level is given twice")
-        finite(self.slo_ttft_ms, "--slo-ttft-ms", 0, 3.6e6, "the first token's deadline in ms")
-        finite(self.slo_tpot_ms, "--slo-tpot-ms", 0, 3.6e6, "the mean time between output tokens in ms")
-        finite(self.noise, "--speed-noise", 0, 1, "a relative margin such as 0.03", zero=True)
-        finite(self.saturation, "--saturation", 0, 1, "a relative throughput gain such as 0.05")
-        if self.budget_s is not None:
-            finite(self.budget_s, "--sweep-minutes", 0, 7 * 24 * 3600, "minutes of measuring per arm")
         return out
 
     def requests(self, level: int) -> int:
