@@ -142,14 +142,10 @@ def decide_served(route: Route, model: str, result: Any, served: Mapping[str, An
         return Decision(route.name, BF16, None, model, "auto", (), length, None,
                         f"BF16 KV: `{rec}` serves best within the bar but {miss}")
     cfg = served["configs"][served["arms"][rec]["config"]]
-    flags, skips = cfg["flags"], ()
-    if "--kv-cache-dtype-skip-layers" in flags:
-        skips = tuple(int(x) if x.isdigit() else x for x in flags[flags.index("--kv-cache-dtype-skip-layers") + 1:]
-                      if not x.startswith("--"))
-    kv = flags[flags.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in flags else "auto"
+    skips = tuple(cfg["skip_layers"])
     source = entry.info.source if entry.info.kind == "checkpoint" else model
-    return Decision(route.name, FP8_SKIP if skips and entry.info.kind != "checkpoint" else FP8, rec, str(source), kv,
-                    skips, length, "engine under load", overall["why"])
+    return Decision(route.name, FP8_SKIP if skips and entry.info.kind != "checkpoint" else FP8, rec, str(source),
+                    cfg["kv_cache_dtype"], skips, length, "engine under load", overall["why"])
 
 
 def eval_config(route: Route, base: EvalConfig, out: Path) -> EvalConfig:

@@ -128,7 +128,8 @@ def build(result: Any, thresholds: eval_report.Thresholds, load: LoadSpec,
             "buckets": [int(b) for b in buckets], "shares": mix,
             "decision": {"overall": overall.to_dict(), "per_bucket": {b: d.to_dict() for b, d in decisions.items()}},
             "recommended_command": arms[overall.recommended]["serve_command"] if overall.recommended else None,
-            "configs": [{"command": c.command(), "flags": c.flags(), "arms": list(names), **sw}
+            "configs": [{"command": c.command(), "flags": c.flags(), "model": c.model, "kv_cache_dtype": c.kv_cache_dtype,
+                         "skip_layers": list(c.skip_layers), "arms": list(names), **sw}
                         for c, names, sw in sweeps],
             "arms": arms, "thresholds": thresholds.to_dict(), "rule": decide.RULE,
             "verdict": result.verdict.text, "eval_report": "eval/report.md"}
