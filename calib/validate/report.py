@@ -158,6 +158,9 @@ def markdown(doc: Mapping[str, Any]) -> str:
     out = [f"# kvcalib validate: {doc['model']}", "", head, ""]
     if doc.get("recommended_command"):
         out += ["```", doc["recommended_command"], "```", ""]
+    out += [f"Measured with a KV pool of {doc['engine']['kv_gib']} GiB per server: FP8's gain comes from the requests "
+            "the pool holds, so it holds for a deployment whose pool is that size (vLLM logs its own as 'KV cache "
+            "size' at start-up); rerun with `--engine-kv-gib` set to yours before reading the ratio as your gain.", ""]
     out += [f"Served by {doc['engine']['name']} {doc['engine']['version']} on **{doc['device']}** with `vllm serve` "
             f"(its defaults: CUDA graphs where the device has them, continuous batching; prefix caching "
             f"{'on' if load['prefix_caching'] else 'off'}), KV pool {doc['engine']['kv_gib']} GiB, measured with "
