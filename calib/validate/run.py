@@ -71,12 +71,15 @@ def serve_configs(entries: dict[str, Any], cpu: bool) -> list[tuple[server.Serve
     """The serve configurations of the arms the engine measured, each with its arms in order; arms whose weights,
     KV dtype, skipped layers and backend agree share one (the first arm's folder is served)."""
     groups: dict[tuple[Any, ...], tuple[server.ServeConfig, list[str]]] = {}
+    seen: dict[str, tuple[str, ...]] = {}          # a folder's identity reads its weights' bytes: once per folder
     for name, e in entries.items():
         eng = e.engine or {}
         if eng.get("status") != "ok" or not eng.get("serve"):
             continue
         cfg = _config(eng["serve"], cpu)
-        key = (identity(cfg.model), cfg.kv_cache_dtype, tuple(str(s) for s in cfg.skip_layers), cfg.attention_backend)
+        if cfg.model not in seen:
+            seen[cfg.model] = identity(cfg.model)
+        key = (seen[cfg.model], cfg.kv_cache_dtype, tuple(str(s) for s in cfg.skip_layers), cfg.attention_backend)
         groups.setdefault(key, (cfg, []))[1].append(name)
     return list(groups.values())
 
