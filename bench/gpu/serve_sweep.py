@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--slo-tpot-ms", type=float, default=LoadSpec.slo_tpot_ms)
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the arms already measured in --out (a run cut by a time limit goes on from there)")
     args = ap.parse_args()
     spec = LoadSpec(args.output_tokens, tuple(int(x) for x in args.levels.split(",") if x), args.max_concurrency,
                     slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
@@ -74,13 +76,18 @@ def main() -> None:
     bucket = prompts(args.model, args.length, 16)
     base = server.Launch(0, args.kv_gib, "auto", on_cpu=args.cpu, timeout=900)
     results, arms = {}, []
+    earlier = json.loads(Path(args.out).read_text())["arms"] if args.resume and Path(args.out).exists() else {}
     t0 = time.time()
     for j, text in enumerate(args.arm):
         name, _, kv = text.partition("=")
         dtype, _, skips = kv.partition(":")
         cfg = server.ServeConfig(args.model, dtype, tuple(int(s) if s.isdigit() else s for s in skips.split(",") if s))
-        with tempfile.TemporaryDirectory() as work:
-            res = sweep.sweep_config(venv, cfg, [bucket], spec, base, None, Path(work), args.model, print)
+        if name in earlier:
+            res = earlier[name]
+            print(f"{name}: kept from {args.out}", flush=True)
+        else:
+            with tempfile.TemporaryDirectory() as work:
+                res = sweep.sweep_config(venv, cfg, [bucket], spec, base, None, Path(work), args.model, print)
         results[name] = res
         e = res["buckets"][str(args.length)]
         arms.append(decide.Arm(name, True, 0.0, (e.get("capacity") or {}).get("requests_fit"),
