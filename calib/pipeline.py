@@ -26,7 +26,6 @@ from calib.capture import hook as observe
 from calib.capture import statsfile
 from calib.capture.distributed import Dist, barrier, merge_all, shard
 from calib.capture.spec import capture_spec
-from calib.capture.stats import Stats
 from calib.ckpt.names import PROVENANCE_FILE, STATS_FILE
 from calib.data import sources as data_mod
 from calib.data.batching import PaddingStats, batches, prefetch
@@ -35,6 +34,7 @@ from calib.provenance import Provenance
 from calib.recipe.recipe import Recipe
 from calib.safety import files as safefiles, options as opts, outputs
 from calib.scales import fold as scales_mod
+from calib.scales.stats import Stats
 
 
 @dataclass

@@ -24,10 +24,10 @@ import torch
 
 from calib.capture import kernels
 from calib.capture.observers import AbsMaxObserver
-from calib.capture.stats import LayerStats, Stats
 from calib.errors import KvcalibError
 from calib.model.attention import route_attention
 from calib.recipe.dtypes import FP8_E4M3
+from calib.scales.stats import LayerStats, Stats
 
 class CaptureError(KvcalibError, RuntimeError):
     """K/V capture did not see what it must (missing layers, shape mismatch, non-finite values)."""

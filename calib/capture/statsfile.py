@@ -30,12 +30,12 @@ import torch
 
 from calib.capture import hook as observe
 from calib.capture.spec import capture_spec
-from calib.capture.stats import LayerStats, Stats, stats_to_tensors
 from calib.ckpt.names import STATS_FILE
 from calib.errors import KvcalibError
 from calib.provenance import RESUME, STATS, Provenance, ProvenanceError
 from calib.recipe.recipe import Recipe, RecipeError, from_dict
 from calib.safety import files, outputs
+from calib.scales.stats import LayerStats, Stats, stats_to_tensors
 
 # Recipe fields that decide what the observers recorded; runs must agree on them to be merged.
 OBSERVED = ("dtype", "granularity", "observer", "observer_params", "q_scale")

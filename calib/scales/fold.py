@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from calib.capture.stats import Stats
 from calib.recipe.dtypes import FP8_E4M3, KVDtype, kv_dtype
 from calib.recipe.granularity import Granularity, by_name as granularity_by_name
+from calib.scales.stats import Stats
 
 FP8_E4M3_MAX = FP8_E4M3.qmax
 MIN_SCALE = float(torch.finfo(torch.float32).tiny)

@@ -20,13 +20,13 @@ from typing import Any
 
 from calib import pipeline
 from calib.capture import spec, statsfile
-from calib.capture.stats import Stats
 from calib.data import sources as data_sources
 from calib.data.batching import PaddingStats
 from calib.ckpt import fingerprint, integrity
 from calib.model import load as model_mod
 from calib.recipe.recipe import Recipe
 from calib.safety import outputs
+from calib.scales.stats import Stats
 from calib.tune.space import Candidate
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from calib.capture import hook as observe
-from calib.capture.stats import Stats
+from calib.scales.stats import Stats
 from calib.model.load import find_attention_layers
 from calib.pipeline import batches
 from tiny import ARCHS, random_sequences, tiny_causal_lm

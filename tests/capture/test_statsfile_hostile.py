@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from calib.capture import hook as observe, statsfile
 from calib.capture.spec import capture_spec
-from calib.capture.stats import Stats, stats_to_tensors
+from calib.scales.stats import Stats, stats_to_tensors
 from calib.recipe.recipe import from_dict
 
 RECIPES = {"absmax": {}, "percentile": {"observer": "percentile", "observer_params": {"p": 99.0}},

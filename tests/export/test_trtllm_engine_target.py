@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from calib import export
-from calib.capture.stats import LayerStats
+from calib.scales.stats import LayerStats
 from calib.ckpt.source import ExportError
 from calib.export import trtllm_engine as te
 from calib.recipe import dtypes

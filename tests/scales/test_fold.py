@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from calib.capture.stats import LayerStats
+from calib.scales.stats import LayerStats
 from calib.scales import fold as scales
 
 

@@ -68,7 +68,7 @@ def test_candidates_per_engine_are_what_the_engine_loads():
 def test_candidate_arms_apply_what_each_backend_reads():
     """Per-head scales and q_scale count only under FlashAttention-3; elsewhere the max over heads; TensorRT-LLM
     FP8 at scale 1.0; skipped layers stay unquantised. Scales checked against amax / qmax by hand."""
-    from calib.capture.stats import LayerStats
+    from calib.scales.stats import LayerStats
 
     geo = Geometry((0, 1), 2, 4)
     st = {i: LayerStats(k_amax=torch.tensor([100.0, 448.0 * (i + 1)]), v_amax=torch.tensor([2.0, 1.0]),

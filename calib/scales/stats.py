@@ -2,7 +2,8 @@
 
 Why a module of its own: the statistics are read by more stages than the one that records them (scales fold
 them, statistics files store them, evaluation and tune read them back), and none of those readers needs the
-attention hook that produced them.
+attention hook that produced them. It lives with the scales because it is their input: the capture, a later
+stage, fills it (calib.capture.hook) and the scales never import the capture.
 """
 
 from __future__ import annotations
