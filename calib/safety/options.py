@@ -129,6 +129,7 @@ def evaluation(cfg: Any) -> None:
     """Every numeric option of `kvcalib eval` (an `evaluation.config.EvalConfig`), and of the commands that run one
     (plan per route, validate, tune's held-out scoring): finite and within range, before any model loads."""
     device(cfg.device)
+    placement(getattr(cfg, "device_map", None), getattr(cfg, "max_memory", None))
     for option, value, minimum in (("--samples", cfg.samples, 1), ("--batch-size", cfg.batch_size, 1),
                                    ("--min-tokens", cfg.min_tokens, 1), ("--passkey-trials", cfg.passkey_trials, 0),
                                    ("--failures", cfg.failures, 0), ("--passkey-drop", cfg.thresholds.passkey_drop, 0),

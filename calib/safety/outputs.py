@@ -366,6 +366,23 @@ def write_marker(folder: Path, kind: str) -> None:
     files.write_text(folder / MARKER, json.dumps(doc, indent=1) + "\n")
 
 
+def add_file(out: Path, name: str, text: str, option: str = "--out") -> Path:
+    """Write `name` into the finished kvcalib output folder `out` (atomically) and list it in the folder's marker,
+    so a later --force still replaces the folder as ours: for what is known only once the output exists (a
+    command's summary.json). OutputError where `out` carries no marker of ours."""
+    out = Path(out)
+    with lock(out, option):
+        listed = marker_files(out)
+        if listed is None:
+            raise OutputError(f"{option} {out} is not a kvcalib output (no {MARKER}); {name} not written")
+        doc = json.loads((out / MARKER).read_text())
+        with atomic_file(out / name, option) as tmp:
+            files.write_text(tmp, text)
+        with atomic_file(out / MARKER, option) as tmp:
+            files.write_text(tmp, json.dumps({**doc, "files": sorted({*listed, name})}, indent=1) + "\n")
+    return out / name
+
+
 @contextlib.contextmanager
 def atomic_dir(out: Path, force: bool, *, inputs: Inputs = (), kind: str = "checkpoint",
                option: str = "--out") -> Iterator[Path]:
