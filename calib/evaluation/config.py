@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from calib.data import sources as data_mod
-from calib.evaluation import emulate, served
+from calib.evaluation import emulate, served, significance
 from calib.evaluation.arms import EvalError
-from calib.evaluation.report import Thresholds
+from calib.evaluation.verdict import Thresholds
 from calib.model import context
 from calib.model.context import Context
 from calib.safety import options, outputs
@@ -39,12 +39,15 @@ class EvalConfig:
     pack: bool = False                # concatenate records into samples that fill every bucket
     batch_size: int = 4
     seed: int = 0
-    passkey_trials: int = 1           # prompts per depth per bucket; 0 turns passkey off
+    passkey_trials: int = significance.DEFAULT_TRIALS   # prompts per depth per bucket (a 10-point drop shows); 0: off
     failures: int = 3                 # worst samples (by KL) kept per arm
     plots: bool = True
     thresholds: Thresholds = field(default_factory=Thresholds)
     device: str | None = None
     cpu_dtype: str | None = "float32"  # model dtype on CPU (model.Placement; None: the checkpoint's own)
+    device_map: str | None = None     # accelerate device map for a model larger than one device (model.Placement)
+    max_memory: dict[str, str] | None = None   # memory per device for device_map, e.g. {"0": "70GiB", "cpu": "200GiB"}
+    offload_folder: str | None = None  # disk offload folder for device_map
     trust_remote_code: bool = False
     force: bool = False
     engine: Any = None                # calib.engine.driver.EngineSpec: also measure every arm in that engine
@@ -53,6 +56,13 @@ class EvalConfig:
     budget_minutes: float | None = None   # the whole run, engine included (calib/evaluation/plan.py drops parts)
     emulate_up_to: int | None = None  # emulate buckets up to this many tokens (None: all; with an engine a short window)
     fit_buckets: bool = False         # default buckets: drop those beyond the model's context instead of refusing
+
+    def placement(self) -> Any:
+        """Where the model's weights go (calib.model.load.Placement)."""
+        from calib.model.load import Placement
+
+        return Placement(device=self.device, device_map=self.device_map, max_memory=self.max_memory,
+                         offload_folder=self.offload_folder, cpu_dtype=self.cpu_dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as report.json records them (paths as strings, the engine spec as a mapping)."""

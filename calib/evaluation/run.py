@@ -2,7 +2,8 @@
 
 Order of work: every check that needs no weights, the report folder's lock, then `prepare` (model, arms,
 held-out samples, passkey prompts), the measuring passes inside one installed hook (`measure_arms`:
-metrics, passkey, the engine; then `skip_trials`), and the report (`calib/evaluation/report.py`).
+metrics, passkey, the engine; then `skip_trials`), the verdict (`calib/evaluation/verdict.py`) and the report
+(`calib/evaluation/report.py`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from calib.evaluation import emulate, measurable, memory
 from calib.evaluation import passkey
 from calib.evaluation import plan as plan_mod
 from calib.evaluation import report, served
+from calib.evaluation import verdict as verdict_mod
 from calib.evaluation.arms import (Arm, EvalError, Geometry, arms_for, format_arms, read_stats, reference_arm,
                                    sliding_skip_arms)
 from calib.evaluation.config import EvalConfig, check_buckets, check_eval
 from calib.evaluation.fakequant import fake_quant_kv
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference, with_passkey
-from calib.evaluation.retrieval import passkey_stage, run_passkey
+from calib.evaluation.retrieval import passkey_stage, run_passkey, score_engine
 from calib.evaluation.samples import Sample, calibration_windows, pack_warning, select_samples, usable_buckets
 from calib.evaluation.session import Session, clock, open_session
 from calib.model import context as model_context
@@ -41,11 +43,13 @@ from calib.safety import outputs
 Log = Callable[[str], Any]
 
 
-def load_causal_lm(source: str, device: str | None = None, trust_remote_code: bool = False,
-                   cpu_dtype: str | None = "float32") -> model_mod.LoadedModel:
-    """`model.load` with the LM head: evaluation needs logits. `LoadedModel.model` is the causal LM."""
-    return model_mod.load(source, placement=model_mod.Placement(device=device, cpu_dtype=cpu_dtype),
-                          trust_remote_code=trust_remote_code, lm_head=True)
+def load_causal_lm(source: str, placement: model_mod.Placement | str | None = None,
+                   trust_remote_code: bool = False) -> model_mod.LoadedModel:
+    """`model.load` with the LM head: evaluation needs logits. `LoadedModel.model` is the causal LM. `placement`:
+    where the weights go (a bare device name: that device, float32 on CPU)."""
+    if not isinstance(placement, model_mod.Placement):
+        placement = model_mod.Placement(device=placement)
+    return model_mod.load(source, placement=placement, trust_remote_code=trust_remote_code, lm_head=True)
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class EvalResult:
     out: Path
     reference: Reference
     arms: dict[str, ArmMetrics]
-    verdict: report.Verdict
+    verdict: verdict_mod.Verdict
     report: dict[str, Any]
     seconds: float
     samples: tuple[Sample, ...] = ()       # the held-out samples measured (validate serves them as prompts)
@@ -100,8 +104,8 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             trials = skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts)
             results.update(trials)
         bm = bytes_model(cfg, p)
-        decided = report.verdict(ref, results, cfg.thresholds, p.reference.name, bm, (p.geo.kv_heads, p.geo.head_dim),
-                                  cfg.target)
+        decided = verdict_mod.verdict(ref, results, cfg.thresholds, p.reference.name, bm,
+                                      (p.geo.kv_heads, p.geo.head_dim), cfg.target)
         seconds = time.perf_counter() - t_start
         ran = "" if not planned.parts.skip_trials else \
             f"; {duration(planned.with_trials(len(trials)))} for the {len(trials)} skip trial(s) that ran"
@@ -123,7 +127,7 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     """The engine check, the model, its arms, the held-out samples and the passkey prompts, with notes."""
     emulation = emulate.by_name(cfg.emulate)     # checked by check_eval
     engine_version = _engine_check(cfg)
-    loaded = load_causal_lm(cfg.model, cfg.device, cfg.trust_remote_code, cfg.cpu_dtype)
+    loaded = load_causal_lm(cfg.model, cfg.placement(), cfg.trust_remote_code)
     tok, config = loaded.tokenizer, loaded.config
     geo = Geometry.of(config, loaded.attention_layers)
     arms, served_note = served.as_served(arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv),
@@ -301,9 +305,10 @@ def measure_arms(cfg: EvalConfig, p: Prepared, s: Session, progress: Progress,
         ctx = model_context.of_loaded(p.loaded.config, p.loaded.tokenizer)
         engine_prompts = [x for x in p.prompts if x.depth in parts.depths] if parts.engine_passkey else []
         engine = EngineRun(cfg.engine, p.engine_version, str(cfg.model), str(p.loaded.dtype).removeprefix("torch."),
-                           p.samples, p.buckets, engine_prompts, p.loaded.tokenizer, ctx.tokens if ctx else None,
-                           progress)
-        for name, entry in engine.measure(p.reference, p.arms).items():
+                           p.samples, p.buckets, engine_prompts, passkey.MAX_NEW_TOKENS, p.loaded.tokenizer,
+                           ctx.tokens if ctx else None, progress)
+        measured = score_engine(engine.measure(p.reference, p.arms), engine_prompts, p.loaded.tokenizer)
+        for name, entry in measured.items():
             if name == p.reference.name:
                 ref = replace(ref, engine=entry)
             else:
@@ -314,7 +319,7 @@ def measure_arms(cfg: EvalConfig, p: Prepared, s: Session, progress: Progress,
 def skip_trials(cfg: EvalConfig, p: Prepared, s: Session, ref: Reference, results: dict[str, ArmMetrics],
                 engine: Any, log: Log, progress: Progress,
                 parts: plan_mod.Parts | None = None) -> dict[str, ArmMetrics]:
-    """The arms `report.skip_plan` names, re-measured with the smallest prefix of their dominant layers
+    """The arms `verdict_mod.skip_plan` names, re-measured with the smallest prefix of their dominant layers
     unquantised that passes (every prefix tried until one does); none when the plan dropped them."""
     parts = parts or plan_mod.Parts(skip_trials=cfg.thresholds.max_skip)
     if not parts.skip_trials:
@@ -323,7 +328,7 @@ def skip_trials(cfg: EvalConfig, p: Prepared, s: Session, ref: Reference, result
     emulated = [x for x in p.samples if parts.emulate_up_to is None or x.bucket <= parts.emulate_up_to]
     prompts = _emulated_prompts(p, parts)
     out: dict[str, ArmMetrics] = {}
-    candidates = report.skip_plan(ref, results, cfg.thresholds)
+    candidates = verdict_mod.skip_plan(ref, results, cfg.thresholds)
     log("eval: skip trials: " + ("none needed (an arm passes, or no small set of layers dominates the error)"
                                  if not candidates else
                                  "; ".join(f"up to {len(ls)} on `{n}` (layers {list(ls)})" for n, ls in candidates)))
@@ -338,9 +343,10 @@ def skip_trials(cfg: EvalConfig, p: Prepared, s: Session, ref: Reference, result
                 with passkey_stage(progress, f"emulation passkey `{trial.name}`", prompts, 1) as stage:
                     entry = with_passkey(entry, *run_passkey(s, trial, prompts, stage))
             if engine is not None:
-                entry = replace(entry, engine=engine.measure(p.reference, [trial])[trial.name])
+                measured = score_engine(engine.measure(p.reference, [trial]), engine.prompts, engine.tokenizer)
+                entry = replace(entry, engine=measured[trial.name])
             out[trial.name] = entry
-            if not report.failures(entry, ref, cfg.thresholds):
+            if not verdict_mod.failures(entry, ref, cfg.thresholds):
                 break
     return out
 

@@ -2,7 +2,7 @@
 with the exact `vllm serve` command and a plan.json a router reads.
 
 Why on top of `kvcalib eval`: the evaluation already decides, per arm, on the engine's numbers where it ran
-(calib/engine/verdict.py) and measures skip trials; a route only adds its own data, lengths and bar. So each
+(calib/evaluation/numbers.py) and measures skip trials; a route only adds its own data, lengths and bar. So each
 route is one `run_eval` with the route's data, buckets and thresholds and the same arms (the model's FP8 at
 scale 1.0 and every --scales checkpoint); the plan takes its verdict, applies the bar's passkey floor, and
 falls back to BF16 when nothing passes or when a skip was not confirmed by the engine.
@@ -13,7 +13,7 @@ best goodput at the SLO within its bar (calib/load/decide.py), BF16 where FP8 bu
 
 Output (one folder, written whole or not at all): <route>/report.{md,json} per route (and <route>/validate.{md,json}
 with --serve), plan.json, plan.md.
-plan.json: {"kvcalib_plan": 1, "model", "routes": {name: {"decision": "fp8" | "fp8_skip" | "bf16", "arm",
+plan.json: {"schema": "kvcalib.plan/1", "model", "routes": {name: {"decision": "fp8" | "fp8_skip" | "bf16", "arm",
 "serve_model", "kv_cache_dtype", "skip_layers", "max_model_len", "serve", "serve_argv", "numbers", "why",
 "route", "report"}}, "servers": [{"serve", "routes"}]} — servers groups routes one engine instance can serve.
 """
@@ -29,15 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from calib.engine import command, support
-from calib.engine import verdict as honest
 from calib.errors import KvcalibError
+from calib.evaluation import numbers as honest
 from calib.evaluation.config import EvalConfig
-from calib.evaluation.report import Thresholds
+from calib.evaluation.verdict import Thresholds
 from calib.progress import SILENT, Progress
 from calib.routes import spec
 from calib.routes.spec import Route, Routes, RoutesError
 
 FP8, FP8_SKIP, BF16 = "fp8", "fp8_skip", "bf16"
+SCHEMA = "kvcalib.plan/1"          # plan.json's format: a key renamed, moved or retyped takes the next number
 VLLM_KV = {k: command.KV_FLAG["vllm"][k] for k in ("fp8_e4m3", "fp8_e5m2")}   # the static formats a route serves
 _KV_NAME = {flag: name for name, flag in VLLM_KV.items()}
 Log = Callable[[str], Any]
@@ -76,13 +77,12 @@ def passkey_floor(entry: Any, min_passkey: float | None) -> str | None:
     """Why the arm misses the route's passkey floor in some bucket (on its deciding numbers), or None."""
     if min_passkey is None:
         return None
-    rows = entry.engine.get("passkey") if honest.decisive(entry).source == honest.ENGINE else entry.passkey
+    rows = entry.engine.passkey if honest.decisive(entry).source == honest.ENGINE else entry.passkey
     if not rows:
         return f"passkey floor {min_passkey:g} set but no passkey was run (the model has no tokenizer or trials are 0)"
     for b, r in rows.items():
-        correct, total = (r["correct"], r["total"]) if isinstance(r, Mapping) else (r.correct, r.total)
-        if total and correct / total < min_passkey:
-            return f"passkey {correct}/{total} < {min_passkey:g} in bucket <= {b}"
+        if r.total and r.correct / r.total < min_passkey:
+            return f"passkey {r.correct}/{r.total} < {min_passkey:g} in bucket <= {b}"
     return None
 
 
@@ -220,7 +220,7 @@ def plan_doc(model: str, routes: Routes, decisions: list[Decision]) -> dict[str,
     servers: dict[str, list[str]] = {}
     for d in decisions:
         servers.setdefault(d.serve, []).append(d.route)
-    return {"kvcalib_plan": 1, "model": model, "routes_file": str(routes.source),
+    return {"schema": SCHEMA, "model": model, "routes_file": str(routes.source),
             "routes": {d.route: {**d.to_dict(), "route": by_route[d.route].to_dict(), "report": f"{d.route}/report.md"}
                        for d in decisions},
             "servers": [{"serve": s, "routes": names} for s, names in servers.items()]}

@@ -20,9 +20,9 @@ from typing import Any
 
 from calib import __version__
 from calib import pipeline
-from calib.engine import formats as kv_formats
-from calib.engine.verdict import CAPACITY_FLOOR
-from calib.evaluation import report
+from calib.evaluation import formats as kv_formats
+from calib.evaluation import report, verdict
+from calib.evaluation.capacity import CAPACITY_FLOOR
 from calib.model import load as model_mod
 from calib.safety import files as new_file, outputs
 from calib.scales import fold as scales_mod
@@ -31,6 +31,7 @@ from calib.tune.search import BASELINE, Search, TuneConfig, ranking
 
 _REF_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 JSON, MD, SVG = "tune.json", "tune.md", "tune.svg"
+SCHEMA = "kvcalib.tune/1"          # tune.json's format: a key renamed, moved or retyped takes the next number
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any,
     stats_info = {k: {"recipe": dict(sf.provenance.recipe), "data": dict(sf.provenance.data)}
                   for k, sf in st.files.items()}
     return {
-        "producer": "kvcalib tune", "version": __version__, "argv": sys.argv[1:], "config": _config(cfg),
+        "schema": SCHEMA, "producer": "kvcalib tune", "version": __version__, "argv": sys.argv[1:], "config": _config(cfg),
         "model": str(cfg.model), "model_dtype": str(loaded.dtype).removeprefix("torch."), "layers": layers,
         "kv_bytes_reference": _ref_bytes(source), "target": cfg.target,
         "statistics": {**st.origin, "files": stats_info}, "held_out": held, "thresholds": th.to_dict(),
@@ -99,7 +100,7 @@ def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any,
         "reference": None if found.ref is None else _pick(found.ref.to_dict(), ("buckets", "summary", "sample_tokens")),
         "baseline": None if base is None else {"name": BASELINE, **_pick(base.to_dict(), ("summary", "buckets", "sample_nll",
                                                                                            "sample_kl")),
-                                               "failures": report.failures(base, found.ref, th)},
+                                               "failures": verdict.failures(base, found.ref, th)},
         "candidates": table,
         "sensitivity": {"base": found.sensitivity_base, "kl_only_this_layer": {str(i): v for i, v in
                                                                                found.sensitivity.items()},
@@ -115,7 +116,7 @@ def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any,
 
 
 def formats(cfg: TuneConfig, loaded: Any, found: Search, chosen: dict[str, Any] | None) -> dict[str, Any]:
-    """{"formats": the KV format with the fewest bytes per token within the bar (calib/engine/formats.py) among the
+    """{"formats": the KV format with the fewest bytes per token within the bar (calib/evaluation/formats.py) among the
     engine's own formats (`--formats`), the chosen recipe and the default scale 1.0}; {} without --formats."""
     if not cfg.formats or found.ref is None:
         return {}
@@ -127,7 +128,7 @@ def formats(cfg: TuneConfig, loaded: Any, found: Search, chosen: dict[str, Any] 
         entries[BASELINE] = found.entries[BASELINE]
     if chosen is not None and found.entry(chosen["name"]) is not None:
         entries[chosen["name"]] = found.entry(chosen["name"])
-    choice = kv_formats.choose(entries, lambda e: report.failures(e, found.ref, cfg.thresholds),
+    choice = kv_formats.choose(entries, lambda e: verdict.failures(e, found.ref, cfg.thresholds),
                                str(loaded.dtype).removeprefix("torch."), geo.kv_heads, geo.head_dim,
                                reference_arm(loaded.dtype).name, len(geo.layers))
     missing = [n for n in cfg.formats if n not in found.entries]
@@ -290,4 +291,5 @@ def write_checkpoint(cfg: TuneConfig, loaded: Any, source: Path, st: Any, cand: 
                                rotary_dim=recorded.rotary_dim, model_config_sha256=recorded.model_config_sha256,
                                model_weights_sha256=recorded.model_weights_sha256, selected_by={"tool": "kvcalib tune", "record": JSON, "candidate": cand.name})
     return pipeline.write_outputs(source, Path(out or cfg.out), recipe, sf.capture, scales, prov,
-                                  force=cfg.force and out is None, extra_files=files)
+                                  force=cfg.force and out is None, extra_files=files,
+                                  engine_versions={cfg.target: cfg.engine_version} if cfg.engine_version else None)

@@ -24,16 +24,16 @@ from calib.tune.search import Clock, Log, TuneConfig, TuneError, check, search
 
 
 def run(cfg: TuneConfig, log: Log = lambda _m: None, progress: Progress = SILENT) -> output.Outcome:
-    """Run the search and write OUT (and --stats-out); checks first, nothing loaded until they pass."""
+    """Run the search and write OUT (and --stats-dir); checks first, nothing loaded until they pass."""
     clock = Clock(cfg.budget_minutes)
     check(cfg)
-    with outputs.locked([(cfg.out, "--out"), (cfg.stats_out, "--stats-out")]):
+    with outputs.locked([(cfg.out, "--out"), (cfg.stats_out, "--stats-dir")]):
         check(cfg)        # again under the lock: taking it may have put back an output a killed run moved aside
         source = model_mod.resolve_source(cfg.model)
         config = model_mod.preflight(source, trust_remote_code=cfg.trust_remote_code).text_config
         if cfg.skips >= config.num_hidden_layers:
             raise TuneError(f"--max-skip {cfg.skips}: the model has {config.num_hidden_layers} layers; give fewer")
-        loaded = load_causal_lm(str(source), cfg.device, cfg.trust_remote_code, cfg.cpu_dtype)
+        loaded = load_causal_lm(str(source), cfg.placement(), cfg.trust_remote_code)
         if cfg.engine is not None:             # the measuring passes leave the engine's starts their time
             clock.reserve((cfg.confirm + 2) * plan.engine_figures(loaded.device.type)[0])
         found, st, held = search(cfg, loaded, source, clock, log, progress)

@@ -27,9 +27,10 @@ import torch
 
 from calib import resources
 from calib.data import sources as data_mod
+from calib.engine.metrics import EngineNumbers
 from calib.errors import KvcalibError
 from calib.evaluation import emulate
-from calib.evaluation import report
+from calib.evaluation import verdict
 from calib.evaluation.arms import Geometry, default_arm, format_arms
 from calib.evaluation.config import EvalConfig, check_buckets
 from calib.evaluation.fakequant import fake_quant_kv
@@ -71,8 +72,8 @@ class TuneConfig:
     stats: tuple[str, ...] = ()
     stats_out: Path | None = None
     base: Recipe = field(default_factory=Recipe)
-    eval_samples: int = 16
-    buckets: tuple[int, ...] = (128, 256)
+    eval_samples: int = 32
+    buckets: tuple[int, ...] = (512, 2048)
     pack: bool = True
     min_tokens: int = 16
     batch_size: int = 4
@@ -86,8 +87,12 @@ class TuneConfig:
     force: bool = False
     device: str | None = None
     cpu_dtype: str | None = "float32"
+    device_map: str | None = None               # as EvalConfig: a model larger than one device
+    max_memory: dict[str, str] | None = None
+    offload_folder: str | None = None
     trust_remote_code: bool = False
     engine: Any = None                          # calib.engine.driver.EngineSpec: confirm the short list there
+    engine_version: str | None = None           # the target's version or build the checkpoint is written for
     confirm: int = 3
     formats: tuple[str, ...] = ()               # the engine's own KV formats, emulated next to the candidates
     fit_buckets: bool = False                   # default buckets: drop those beyond the model's context (given: refuse)
@@ -101,14 +106,20 @@ class TuneConfig:
         return (2 if self.target == "vllm" else 0) if self.max_skip is None else self.max_skip
 
     @property
-    def thresholds(self) -> report.Thresholds:
-        return report.Thresholds(max_kl=self.max_kl, max_ppl_increase=self.max_ppl_increase, max_skip=self.skips)
+    def thresholds(self) -> verdict.Thresholds:
+        return verdict.Thresholds(max_kl=self.max_kl, max_ppl_increase=self.max_ppl_increase, max_skip=self.skips)
 
     def eval_config(self) -> EvalConfig:
         return EvalConfig(model=self.model, data=self.eval_data, out=self.out, emulate=self.emulation,
                           buckets=self.buckets, samples=self.eval_samples, min_tokens=self.min_tokens,
                           pack=self.pack, batch_size=self.batch_size, passkey_trials=0, failures=0,
-                          thresholds=self.thresholds, device=self.device, cpu_dtype=self.cpu_dtype)
+                          thresholds=self.thresholds, device=self.device, cpu_dtype=self.cpu_dtype,
+                          device_map=self.device_map, max_memory=self.max_memory,
+                          offload_folder=self.offload_folder, trust_remote_code=self.trust_remote_code)
+
+    def placement(self) -> Any:
+        """Where the model's weights go (calib.model.load.Placement), as the held-out evaluation's."""
+        return self.eval_config().placement()
 
 
 def check(cfg: TuneConfig) -> None:
@@ -141,14 +152,14 @@ def check(cfg: TuneConfig) -> None:
     if not cfg.stats and not cfg.data:
         raise TuneError("give --data (calibration text) or --stats (statistics of an earlier pass)")
     if cfg.stats and cfg.stats_out:
-        raise TuneError("--stats-out with --stats: the statistics already exist; drop --stats-out")
+        raise TuneError("--stats-dir with --stats: the statistics already exist; drop --stats-dir")
     inputs = [("the model folder", cfg.model or None), ("the data", cfg.data), ("the held-out data", cfg.eval_data),
               *(("a statistics input", s) for s in cfg.stats)]
     outputs.check_folder(Path(cfg.out), force=cfg.force, inputs=inputs)
     if cfg.stats_out:
         outputs.check_folder(Path(cfg.stats_out), force=cfg.force, inputs=[*inputs, ("the --out folder", cfg.out)],
-                             option="--stats-out")
-        outputs.check_folder(Path(cfg.out), force=cfg.force, inputs=[("the --stats-out folder", cfg.stats_out)])
+                             option="--stats-dir")
+        outputs.check_folder(Path(cfg.out), force=cfg.force, inputs=[("the --stats-dir folder", cfg.stats_out)])
     if cfg.data and cfg.eval_data and options.same_file(cfg.data, cfg.eval_data) and \
             not options.same_file(cfg.eval_data, resources.default_data()):
         raise TuneError(f"--eval-data {cfg.eval_data} is the calibration --data {cfg.data}: candidates scored on the "
@@ -171,7 +182,7 @@ class Search:
     ref: Reference | None = None
     sensitivity: dict[int, float] = field(default_factory=dict)
     sensitivity_base: str | None = None
-    engine: dict[str, dict[str, Any]] = field(default_factory=dict)        # candidate name -> engine entry
+    engine: dict[str, EngineNumbers] = field(default_factory=dict)         # candidate name -> engine entry
     not_scored: list[str] = field(default_factory=list)
     stopped: str | None = None
     passes: int = 0
@@ -257,7 +268,7 @@ def _candidates(cfg: TuneConfig, st: Any = None) -> list[space.Candidate]:
         missing = sorted({stats_mod.stats_key(c.observer, c.dtype) for c in cands if not st.has(c)})
         if missing:
             raise TuneError(f"--stats holds no {', '.join(missing)} statistics; drop those observers from "
-                            "--observers or record them (tune --data ... --stats-out DIR)")
+                            "--observers or record them (tune --data ... --stats-dir DIR)")
     return cands
 
 

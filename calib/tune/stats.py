@@ -6,7 +6,7 @@ own capture, and the captures are nested around the same forward pass (pipeline.
 calibration's own capture stage: each wraps the attention function the previous one installed, so all of them
 see exactly the K/V the cache would store). The result is one
 ordinary statistics file per observer (`calib/capture/statsfile.py`, the format `calibrate --stats-out` writes and
-`kvcalib export --stats` reads): `tune --stats-out DIR` keeps them, `tune --stats DIR|FILE` reuses them
+`kvcalib export --stats` reads): `tune --stats-dir DIR` keeps them, `tune --stats DIR|FILE` reuses them
 and skips the pass — a file from `calibrate --stats-out` works too.
 """
 
@@ -106,7 +106,7 @@ def collect(loaded: model_mod.LoadedModel, data_src: str, base: Recipe, keys: Se
 
 def save(stats: StatsSet, out: Path, force: bool) -> Path:
     """Write every statistics file into the folder `out` (atomic, with our marker): `<key>.safetensors`."""
-    with outputs.atomic_dir(Path(out), force, kind="statistics", option="--stats-out") as tmp:
+    with outputs.atomic_dir(Path(out), force, kind="statistics", option="--stats-dir") as tmp:
         for key, sf in stats.files.items():
             statsfile.save(tmp / f"{key}.safetensors", sf.capture, sf.header)
     return Path(out)
