@@ -1,7 +1,9 @@
 """`kvcalib` command line: thin Click commands over the library functions.
 
 Importing this module must stay cheap (no torch): heavy modules are imported inside the commands.
-Every known failure surfaces as one line `Error: ...` and a non-zero exit, never a traceback.
+Every known failure surfaces as one line `Error: ...` and a non-zero exit, never a traceback: `Kvcalib.invoke` is
+the one place a `KvcalibError` becomes that line. Exit codes (calib/errors.py): 0 ship / go, 1 a kvcalib error,
+2 a usage error, 3 keep BF16 / no-go (eval, validate, tune, plan), 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from calib import __version__, resources
+from calib import cli_options as opts
+from calib import errors
 from calib.errors import KvcalibError
 from calib.recipe import recipe as recipe_mod
 from calib.export import serve
@@ -21,14 +26,50 @@ from calib.safety import outputs
 
 DEFAULT_DATA = resources.default_data()
 BUILD_DIR = resources.build_dir()
-
-
-# A run on the embedded default with a shipped recipe is a first look, not a production calibration: small
-# enough to finish in about a minute on a laptop CPU. Explicit --samples / --seq-len always win.
-DEFAULT_MODEL_RUN = {"samples": 16, "seq_len": 256}
-# eval on the default model: 8 short samples, no passkey prompts (each is a prefill plus greedy decoding per
-# arm), about two minutes per arm pair on a 2-core CPU.
 CPU_DTYPES = ("float32", "bfloat16")
+
+EXIT_CODES = f"""Exit codes:
+
+\b
+  {errors.OK}    done; for eval, validate, tune and plan: ship the quantized KV cache (go)
+  {errors.ERROR}    a kvcalib error (one line: Error: ...)
+  {errors.USAGE}    a usage error (an unknown option, a value of the wrong type)
+  {errors.NO_GO}    keep the model's own KV dtype (BF16), or nothing to recommend (no-go)
+  {errors.INTERRUPTED}  interrupted (Ctrl-C; SIGTERM / SIGHUP: 128 + the signal's number)
+
+Each of calibrate, eval, validate, tune and plan writes summary.json (schema kvcalib.summary/1) in its output
+folder: the decision, the serve command, the headline numbers."""
+
+
+class Kvcalib(click.Group):
+    """The `kvcalib` group: the one place a KvcalibError becomes one line and exit 1, and an interrupt exit 130."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KvcalibError as e:
+            raise click.ClickException(str(e)) from None
+        except KeyboardInterrupt as e:
+            click.echo("\nAborted.", err=True)
+            ctx.exit(_interrupt_code(e))
+
+
+def _interrupt_code(e: KeyboardInterrupt) -> int:
+    """130 for Ctrl-C; 128 + N for signal N turned into an interrupt (calib.safety.outputs.terminate_as_interrupt)."""
+    text = str(e)
+    if text.startswith("signal ") and text[7:].isdigit():
+        return 128 + int(text[7:])
+    return errors.INTERRUPTED
+
+
+def conclude(doc: dict[str, Any], folder: Path) -> None:
+    """Write the command's summary.json into its output folder and exit with its decision's code (calib.summary)."""
+    from calib import summary
+
+    summary.write(folder, doc)
+    code = summary.exit_code(doc["decision"])
+    if code:
+        click.get_current_context().exit(code)
 
 
 def _default_model() -> str:
@@ -54,45 +95,28 @@ def _is_shipped(recipe_path: str | None) -> bool:
 def _load_recipe(recipe_path: str | None, **overrides) -> recipe_mod.Recipe:
     if recipe_path and _is_shipped(recipe_path):
         recipe_path = str(resources.shipped_recipe(recipe_path))  # a shipped recipe by name
-    try:
-        return recipe_mod.load(recipe_path).replace(**overrides)
-    except recipe_mod.RecipeError as e:
-        raise click.ClickException(str(e)) from None
+    return recipe_mod.load(recipe_path).replace(**overrides)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Kvcalib, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES)
 @click.version_option(__version__, "--version", prog_name="kvcalib", message="%(prog)s %(version)s")
 def main() -> None:
     """Calibrate FP8 KV-cache scales on your own text; export checkpoints serving engines load directly."""
 
 
-@main.command()
-@click.option("--model", "model_src", help="Model directory or hub id. Default: the embedded SmolLM2-135M-Instruct "
-              f"(with a shipped recipe: {DEFAULT_MODEL_RUN['samples']} samples x {DEFAULT_MODEL_RUN['seq_len']} tokens).")
-@click.option("--data", "data_src", help="Calibration data: .jsonl/.json/.parquet/.csv/.txt file, folder, or dataset "
-              "id name[:config][:split]. Default: the project's sample text.")
+@main.command(cls=opts.Command)
+@opts.use("model", "data")
 @click.option("--recipe", "recipe_path", help="Recipe: a shipped name (`kvcalib recipes`) or a YAML file.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Output checkpoint directory.")
-@click.option("--samples", type=int, help="Number of calibration samples (overrides the recipe).")
-@click.option("--seq-len", type=int, help="Tokens per sample (overrides the recipe).")
-@click.option("--batch-size", type=int, help="Sequences per forward pass (overrides the recipe).")
-@click.option("--seed", type=int, help="Seed for the sample order (overrides the recipe).")
+@opts.use("out", "samples", "seq_len", "batch_size", "seed")
 @click.option("--headroom", type=float, help="Scale multiplier, >= 1 leaves room for unseen data (overrides the recipe).")
-@click.option("--pack/--no-pack", default=None, help="Pack samples into full seq-len sequences.")
-@click.option("--dtype", type=click.Choice(recipe_mod.DTYPES), help="KV cache dtype (overrides the recipe).")
+@opts.use("pack", "kv_cache_dtype")
 @click.option("--granularity", type=click.Choice(recipe_mod.GRANULARITIES), help="Scale granularity (overrides the recipe).")
 @click.option("--observer", type=click.Choice(tuple(recipe_mod.OBSERVERS)), help="Range observer (overrides the recipe).")
 @click.option("--q-scale/--no-q-scale", default=None, help="Also calibrate q_scale for vLLM's FP8 attention.")
 @click.option("--skip-layers", help="Comma list of layer indices and/or sliding_window kept in the model dtype.")
-@click.option("--target", "targets", help=f"Comma list of engines: {', '.join(recipe_mod.TARGETS)}; '' for statistics only.")
+@opts.use("target")
 @click.option("--max-batch-tokens", type=int, help="Token budget per batch; groups similar lengths to cut padding.")
-@click.option("--device-map", help="accelerate device map for models larger than one device, e.g. auto.")
-@click.option("--max-memory", help="Memory per device for --device-map, e.g. 0=70GiB,1=70GiB,cpu=200GiB.")
-@click.option("--offload-folder", type=click.Path(file_okay=False), help="Disk offload folder for --device-map.")
-@click.option("--device", help="torch device, e.g. cuda:0 or cpu. Default: cuda when available.")
-@click.option("--cpu-dtype", type=click.Choice(CPU_DTYPES), default="float32", show_default=True,
-              help="Model dtype on CPU (GPUs run bf16): float32 is faster on most CPUs; bfloat16 is what engines compute in.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (off by default).")
+@opts.use("device_map", "max_memory", "offload_folder", "device", "cpu_dtype", "trust_remote_code")
 @click.option("--into", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Attach the scales to this weight-quantized checkpoint of the same model (weights untouched). "
                    "Calibration runs through --model (default: the --into checkpoint itself).")
@@ -103,61 +127,58 @@ def main() -> None:
 @click.option("--checkpoint-every", type=int, help="Save the observers every N batches to OUT.kvcalib-resume.safetensors.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its saved observers (same arguments).")
 @click.option("--stats-out", type=click.Path(dir_okay=False, path_type=Path),
-              help="Also write the raw statistics (for `kvcalib merge` / `kvcalib export --stats`).")
-@click.option("--engine-version", "engine_version", help="The engine version or build you serve with, per target: "
-              "ENGINE=VERSION[,...] (e.g. trtllm=pr18953: a TensorRT-LLM build with calibrated INT8 KV; vllm=0.32). "
-              "What the engine does with the scales is read for it. Default: the newest version kvcalib knows.")
-@click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never a folder of other files).")
-def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_size, seed, headroom, pack, dtype,
-              granularity, observer, q_scale, skip_layers, targets, max_batch_tokens, device_map, max_memory,
+              help="Also write the raw statistics to this file (for `kvcalib merge`, `export --stats`, `eval --stats`, "
+                   "`tune --stats`).")
+@opts.use("engine_version", "force")
+def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_size, seed, headroom, pack, kv_cache_dtype,
+              granularity, observer, q_scale, skip_layers, target, max_batch_tokens, device_map, max_memory,
               offload_folder, device, cpu_dtype, trust_remote_code, allow_pickle, into, overwrite_kv_scales,
               checkpoint_every, resume, stats_out, engine_version, force) -> None:
     """Calibrate KV-cache scales and write checkpoints the engines load."""
-    if model_src is None and into is None and _is_shipped(recipe_path) and None in (samples, seq_len):
-        samples = DEFAULT_MODEL_RUN["samples"] if samples is None else samples
-        seq_len = DEFAULT_MODEL_RUN["seq_len"] if seq_len is None else seq_len
-        click.echo(f"default model, first look: {samples} samples x {seq_len} tokens "
-                   "(--samples / --seq-len for a full calibration)", err=True)
+    if into is None and _is_shipped(recipe_path):
+        first = opts.first_look("calibrate", model_src, samples=samples, seq_len=seq_len)
+        samples, seq_len = first["samples"], first["seq_len"]
     recipe = _load_recipe(recipe_path, samples=samples, seq_len=seq_len, batch_size=batch_size, seed=seed,
-                          headroom=headroom, pack=pack, dtype=dtype, granularity=granularity, observer=observer,
-                          q_scale=q_scale, skip_layers=skip_layers, targets=targets)
+                          headroom=headroom, pack=pack, dtype=kv_cache_dtype, granularity=granularity,
+                          observer=observer, q_scale=q_scale, skip_layers=skip_layers, targets=target)
     from tqdm import tqdm
 
     from calib import pipeline
+    from calib import summary
     from calib.capture import distributed
+    from calib.model.load import Placement
     from calib.safety import options
 
-    placement = _placement(device, device_map, max_memory, offload_folder, cpu_dtype)
-    try:
-        # options first: a bad value fails in milliseconds, before the default model is built or a model loads
-        options.calibrate(device_name=device, max_batch_tokens=max_batch_tokens, seq_len=recipe.seq_len,
-                          checkpoint_every=checkpoint_every, device_map=placement.device_map,
-                          max_memory=placement.max_memory)
-        versions = serve.parse_versions(engine_version, recipe.targets)
-        serve.check(recipe, versions=versions)      # an engine that ignores these scales whatever the data: refuse now
-        with outputs.terminate_as_interrupt():
-            if model_src is None and into is not None:
-                model_src = str(into)
-            if model_src is None:
-                model_src = _default_model()
-            data_src = data_src or str(DEFAULT_DATA)
-            out = out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-kv-{recipe.dtype.split('_')[0]}"
-            dist = distributed.from_env()
-            placement = dataclasses.replace(placement, device=distributed.device_for(dist, device))
-            with _LazyBar(tqdm, desc="calibrating", unit="tok", unit_scale=True, file=sys.stderr,
-                          dynamic_ncols=True, disable=not dist.is_main) as bar:
-                job = pipeline.CalibrateJob(
-                    model_src, data_src, recipe, out, trust_remote_code=trust_remote_code, force=force,
-                    options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist,
-                                                checkpoint=_checkpointing(out, checkpoint_every, resume, pipeline)),
-                    placement=placement,
-                    stats_out=stats_out, into=into, overwrite_kv=overwrite_kv_scales, allow_pickle=allow_pickle,
-                    recipe_file=_recipe_file(recipe_path), engine_versions=versions)
-                result = pipeline.run(job, progress=bar, options_checked=True)
-    except KvcalibError as e:
-        raise click.ClickException(str(e)) from None
+    placement = Placement(device=device, cpu_dtype=cpu_dtype or "float32",
+                          **opts.placement(device_map, max_memory, offload_folder))
+    # options first: a bad value fails in milliseconds, before the default model is built or a model loads
+    options.calibrate(device_name=device, max_batch_tokens=max_batch_tokens, seq_len=recipe.seq_len,
+                      checkpoint_every=checkpoint_every, device_map=placement.device_map,
+                      max_memory=placement.max_memory)
+    versions = serve.parse_versions(engine_version, recipe.targets)
+    serve.check(recipe, versions=versions)      # an engine that ignores these scales whatever the data: refuse now
+    with outputs.terminate_as_interrupt():
+        if model_src is None and into is not None:
+            model_src = str(into)
+        if model_src is None:
+            model_src = _default_model()
+        data_src = data_src or str(DEFAULT_DATA)
+        out = out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-kv-{recipe.dtype.split('_')[0]}"
+        dist = distributed.from_env()
+        placement = dataclasses.replace(placement, device=distributed.device_for(dist, device))
+        with _LazyBar(tqdm, desc="calibrating", unit="tok", unit_scale=True, file=sys.stderr,
+                      dynamic_ncols=True, disable=not dist.is_main) as bar:
+            job = pipeline.CalibrateJob(
+                model_src, data_src, recipe, out, trust_remote_code=trust_remote_code, force=force,
+                options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist,
+                                            checkpoint=_checkpointing(out, checkpoint_every, resume, pipeline)),
+                placement=placement,
+                stats_out=stats_out, into=into, overwrite_kv=overwrite_kv_scales, allow_pickle=allow_pickle,
+                recipe_file=_recipe_file(recipe_path), engine_versions=versions)
+            result = pipeline.run(job, progress=bar, options_checked=True)
     if dist.is_main:
         _report(result, recipe, versions)
+        conclude(summary.of_calibrate(result, recipe, stats_out), result.out)
 
 
 class _LazyBar:
@@ -186,21 +207,6 @@ def _checkpointing(out: Path, every: int | None, resume: bool, pipeline):
 
     path = resume_path(Path(out))
     return pipeline.Checkpointing(path=path, every=every or 0, resume=resume)
-
-
-def _placement(device, device_map, max_memory, offload_folder, cpu_dtype="float32"):
-    from calib.model.load import Placement
-
-    if (max_memory or offload_folder) and not device_map:
-        raise click.ClickException("--max-memory and --offload-folder need --device-map (e.g. --device-map auto)")
-    mem = None
-    if max_memory:
-        try:
-            mem = dict(item.split("=", 1) for item in max_memory.split(","))
-        except ValueError:
-            raise click.ClickException(f"--max-memory {max_memory!r}: use device=size pairs, e.g. 0=70GiB,cpu=200GiB") from None
-    return Placement(device=device, device_map=device_map, max_memory=mem, offload_folder=offload_folder,
-                     cpu_dtype=cpu_dtype)
 
 
 def _report(result, recipe: recipe_mod.Recipe, versions: dict[str, str]) -> None:
@@ -259,8 +265,8 @@ def _scale_table(rows: dict[int, tuple[float, float, float, float]]) -> str:
 @click.argument("ckpt", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def inspect(ckpt: Path) -> None:
     """Show a checkpoint's KV-cache format, target engines and per-layer scales."""
-    variants = [ckpt / t for t in ("vllm", "trtllm") if (ckpt / t / "config.json").is_file()]
-    if not (ckpt / "config.json").is_file() and variants:  # a multi-target output: OUT/vllm, OUT/trtllm
+    variants = [ckpt / t for t in recipe_mod.TARGETS if (ckpt / t / "config.json").is_file()]
+    if not (ckpt / "config.json").is_file() and variants:  # a multi-target output: OUT/<target> each
         for v in variants:
             _inspect_one(v)
             click.echo("")
@@ -315,42 +321,33 @@ def merge(stats: tuple[Path, ...], out: Path, force: bool) -> None:
     """Combine statistics files of one model (other data, shards, days) exactly as one run over all of it."""
     from calib.capture import statsfile
 
-    try:
-        statsfile.merge(list(stats), out, force=force)
-    except KvcalibError as e:
-        raise click.ClickException(str(e)) from None
+    statsfile.merge(list(stats), out, force=force)
     click.echo(f"wrote {out} (merged {len(stats)} files)")
 
 
-@main.command("export")
+@main.command("export", cls=opts.Command)
 @click.option("--stats", "stats_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Statistics file from `calibrate --stats-out` or `merge`.")
 @click.option("--model", "model_src", required=True, help="The model the statistics were recorded on.")
 @click.option("--recipe", "recipe_path", help="Recipe: a shipped name or a YAML file.")
-@click.option("--dtype", type=click.Choice(recipe_mod.DTYPES))
+@opts.use("kv_cache_dtype")
 @click.option("--granularity", type=click.Choice(recipe_mod.EXPORTABLE))
 @click.option("--headroom", type=float)
 @click.option("--skip-layers")
-@click.option("--target", "targets")
+@opts.use("target")
 @click.option("--out", required=True, type=click.Path(path_type=Path))
-@click.option("--engine-version", "engine_version", help="The engine version or build you serve with, per target: "
-              "ENGINE=VERSION[,...] (e.g. trtllm=pr18953: a TensorRT-LLM build with calibrated INT8 KV; vllm=0.32). "
-              "What the engine does with the scales is read for it. Default: the newest version kvcalib knows.")
-@click.option("--force", is_flag=True, help="Replace OUT if it is a previous kvcalib output (never other files).")
-def export_cmd(stats_path, model_src, recipe_path, dtype, granularity, headroom, skip_layers, targets, out,
+@opts.use("engine_version", "force")
+def export_cmd(stats_path, model_src, recipe_path, kv_cache_dtype, granularity, headroom, skip_layers, target, out,
                engine_version, force):
     """Turn statistics into a checkpoint for a recipe, without running the model again."""
     from calib import pipeline
 
-    recipe = _load_recipe(recipe_path, dtype=dtype, granularity=granularity, headroom=headroom,
-                          skip_layers=skip_layers, targets=targets)
-    try:
-        versions = serve.parse_versions(engine_version, recipe.targets)
-        path, scales, skipped = pipeline.export_from_stats(stats_path, model_src, recipe, out, force=force,
-                                                           recipe_file=_recipe_file(recipe_path),
-                                                           engine_versions=versions)
-    except KvcalibError as e:
-        raise click.ClickException(str(e)) from None
+    recipe = _load_recipe(recipe_path, dtype=kv_cache_dtype, granularity=granularity, headroom=headroom,
+                          skip_layers=skip_layers, targets=target)
+    versions = serve.parse_versions(engine_version, recipe.targets)
+    path, scales, skipped = pipeline.export_from_stats(stats_path, model_src, recipe, out, force=force,
+                                                       recipe_file=_recipe_file(recipe_path),
+                                                       engine_versions=versions)
     click.echo(_scale_table({i: (float(s.k_amax.max()), float(s.k_scale.max()), float(s.v_amax.max()),
                                  float(s.v_scale.max())) for i, s in scales.items()}))
     click.echo(f"wrote {path}")
@@ -373,10 +370,7 @@ def verify(ckpt: Path, engine: str, engine_version: str | None) -> None:
     if engine != "all" and engine not in ENGINES:   # a target whose engine has no checks in calib.verify
         raise click.ClickException(f"kvcalib knows no loader rules for {engine}; it checks {', '.join(ENGINES)}")
     checked = engines(ckpt, engine)
-    try:
-        versions = serve.parse_versions(engine_version, checked)
-    except KvcalibError as e:
-        raise click.ClickException(str(e)) from None
+    versions = serve.parse_versions(engine_version, checked)
     problems = run_verify(ckpt, engine)
     ck = CheckpointFiles(ckpt) if (ckpt / "config.json").is_file() else None
     served = {e: applied(ck, e, versions.get(e)) for e in checked} if ck is not None else {}
@@ -392,17 +386,13 @@ def verify(ckpt: Path, engine: str, engine_version: str | None) -> None:
     warnings = len(problems) - len(errors)
     click.echo(f"{ckpt}: {len(errors)} error(s), {warnings} warning(s)", err=True)
     if errors:
-        sys.exit(1)
+        sys.exit(errors.ERROR)
 
 
 @main.command("default-model")
 def default_model_cmd() -> None:
     """Build (once) and print the path of the embedded default model (SmolLM2-135M-Instruct)."""
-    try:
-        path = _default_model()
-    except KvcalibError as e:
-        raise click.ClickException(str(e)) from None
-    click.echo(path)
+    click.echo(_default_model())
 
 
 @main.group(invoke_without_command=True)
@@ -420,10 +410,7 @@ def recipes(ctx: click.Context) -> None:
 def recipes_show(name: str) -> None:
     """Print the resolved recipe NAME (a shipped name or a YAML path), every field with its doc."""
     path = Path(name) if name.endswith((".yaml", ".yml")) else resources.shipped_recipe(name)
-    try:
-        r = recipe_mod.load(path)
-    except recipe_mod.RecipeError as e:
-        raise click.ClickException(str(e)) from None
+    r = recipe_mod.load(path)
     docs = recipe_mod.Recipe.field_docs()
     for key, value in r.to_dict().items():
         click.echo(f"{key}: {json.dumps(value)}    # {docs[key]}")

@@ -59,9 +59,9 @@ BAD = [
     (["--eval-samples", "99999999999"], "--eval-samples 99999999999: give a whole number >= 1 and <= 2147483648"),
     (["--eval-samples", "0"], "--eval-samples 0: give a whole number >= 1"),
     (["--stats", "no-such.safetensors"], "--stats no-such.safetensors not found"),
-    (["--stats-out", "s", "--stats", "x"], "--stats-out with --stats"),
+    (["--stats-dir", "s", "--stats", "x"], "--stats-dir with --stats"),
     (["--emulate", "vllm-cpu", "--target", "trtllm", "--max-skip", "0"], "score TensorRT-LLM candidates with --emulate trtllm"),
-    (["--emulate", "nope"], "unknown emulation 'nope'"),
+    (["--emulate", "nope"], "'nope' is not one of 'vllm-cpu'"),    # one --emulate choice list, as eval's
     (["--engine", "vllm"], "--engine vllm needs --vllm-venv PATH"),
 ]
 

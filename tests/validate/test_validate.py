@@ -43,7 +43,7 @@ def model(tmp_path_factory):
 def _args(model, out, *extra):
     src, data, ckpt = model
     return ["validate", "--model", str(src), "--data", str(data), "--scales", str(ckpt), "--buckets", "32,64",
-            "--samples", "6", "--pack", "--min-tokens", "8", "--device", "cpu", "--output-tokens", "4",
+            "--samples", "6", "--pack", "--min-tokens", "8", "--passkey-trials", "0", "--device", "cpu", "--output-tokens", "4",
             "--max-concurrency", "8", "--max-kl", "1", "--max-ppl-increase", "1", "--no-progress", "--out", str(out),
             *extra]
 
@@ -63,8 +63,16 @@ def _validate(model, tmp_path_factory, name, *extra, **env):
         mp.setenv(driver.RUNNER_ENV, str(FAKE))
         mp.setenv(server.CLI_ENV, str(FAKE_CLI))
         r = _run(_args(model, out, *extra), **env)
-    assert r.exit_code == 0, r.output
-    return r, out, json.loads((out / "validate.json").read_text())
+    doc = json.loads((out / "validate.json").read_text())
+    rec = doc["decision"]["overall"]["recommended"]
+    # exit 0 only where a quantized arm is recommended: 3 when BF16 stays or nothing was measured (calib/errors.py)
+    assert r.exit_code == (0 if rec not in (None, doc["reference"]) else 3), r.output
+    summary = json.loads((out / "summary.json").read_text())        # calib/summary.py: one shape per command
+    assert (summary["schema"], summary["command"], summary["headline"]["recommended"]) == \
+        ("kvcalib.summary/1", "validate", rec)
+    assert summary["decision"] == ("none" if rec is None else "keep_reference" if rec == doc["reference"] else "ship")
+    assert summary["serve_command"] == doc["recommended_command"]
+    return r, out, doc
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +113,7 @@ def test_fp8_that_only_adds_work_keeps_bf16_and_says_so(roomy):
     r, out, doc = roomy
     overall = doc["decision"]["overall"]
     assert overall["recommended"] == doc["reference"] and "buys nothing" in overall["why"]
+    assert r.exit_code == 3
     assert doc["arms"]["default"]["decision"] in ("no gain", "dominated")
     for b in ("32", "64"):
         assert doc["arms"]["default"]["buckets"][b]["vs_reference"] == pytest.approx(1 / 1.05, rel=0.02)
@@ -116,6 +125,7 @@ def test_fp8_that_only_adds_work_keeps_bf16_and_says_so(roomy):
 
 def test_when_the_pool_binds_fp8_serves_more_and_the_better_scales_are_recommended(tight):
     r, out, doc = tight
+    assert r.exit_code == 0
     ref = doc["reference"]
     ckpt = next(n for n in doc["arms"] if n not in (ref, "default"))
     fits = {n: a["buckets"]["64"]["capacity"] for n, a in doc["arms"].items()}
@@ -137,7 +147,7 @@ def test_when_the_pool_binds_fp8_serves_more_and_the_better_scales_are_recommend
 
 def test_a_server_that_does_not_start_is_not_measured_and_nothing_is_recommended(model, tmp_path_factory):
     r, out, doc = _validate(model, tmp_path_factory, "dies", "--no-plots", "--buckets", "64", FAKE_SERVE="die")
-    assert doc["decision"]["overall"]["recommended"] is None
+    assert doc["decision"]["overall"]["recommended"] is None and r.exit_code == 3
     assert all(a["decision"] == "not measured" for a in doc["arms"].values())
     assert "fake engine refused to start" in doc["arms"]["default"]["why"]
     assert "recommended" not in {a["decision"] for a in doc["arms"].values()}
