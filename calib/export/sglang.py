@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from calib.ckpt.source import PreparedSource, SourceFiles
-from calib.recipe.dtypes import FP8_E4M3
 from calib.export.target import Target, WriteOptions
 from calib.export.vllm import export_vllm, prepare_source
 from calib.provenance import Provenance
@@ -47,10 +46,6 @@ def export_sglang(source: Path | PreparedSource, out: Path, scales: Scales, prov
 class SglangTarget(Target):
     name = "sglang"
     order = 2
-    dtypes = (FP8_E4M3,)
-    dtype_note = "SGLang has no INT8 KV cache (not a --kv-cache-dtype choice); use dtype fp8_e4m3"
-    skip_note = ("SGLang has no per-layer KV cache dtype: every layer is quantized; drop skip_layers or serve the "
-                 "skipping variant with vLLM (--kv-cache-dtype-skip-layers)")
     folds_heads = True
 
     def prepare(self, source: Path | SourceFiles, out: Path, options: WriteOptions = WriteOptions()) -> PreparedSource:

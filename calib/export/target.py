@@ -1,10 +1,12 @@
 """What an engine target is: a name, what the engine can read, and a writer over the one `write_variant`.
 
 Adding an engine is one new module in this package that defines `TARGET` (an instance of a `Target`
-subclass): calib.export finds it, the recipe accepts its name and checks a recipe against what it declares
-(KV dtypes, skipped layers, q_scale), and the pipeline writes through it. Whether the engine keeps layers out
-of the quantized cache or reads a q_scale is the support matrix's (calib.engine.support), not restated here. The package imports no torch (the
-writers import it when they write), so the recipe can read these declarations and stay light.
+subclass), beside the engine's module in the support matrix (calib.recipe.support.engines, which makes the name a
+target the recipe accepts) and its names for the KV formats it has (calib.recipe.dtypes): calib.export finds the
+writer, and the pipeline writes through it. What a target accepts is read from those two, never restated here:
+its KV dtypes are the static formats the engine has a name for, whether it keeps layers out of the quantized
+cache or reads a q_scale is the matrix's. The package imports no torch (the writers import it when they
+write), so the commands can list targets and stay light.
 
 Two steps, so that a source the engine cannot take is refused before any model loads: `prepare` checks the
 source checkpoint against what this engine's variant needs (no scales, no weights read: config and headers
@@ -20,8 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from calib.ckpt.source import PreparedSource, SourceFiles, check_out_is_not_source, read_source, scan_weights
-from calib.engine import command, support
+from calib.engine import command
 from calib.provenance import Provenance
+from calib.recipe import dtypes as dtypes_mod, support
 from calib.recipe.dtypes import FP8_E4M3, KVDtype
 from calib.recipe.granularity import Granularity, PerTensor
 
@@ -44,27 +47,36 @@ class Target:
     """One engine's checkpoint variant. Subclasses set the class attributes and implement `write`."""
     name: ClassVar[str]
     order: ClassVar[int]                   # place in listings and messages
-    dtypes: ClassVar[tuple[KVDtype, ...]]  # the KV dtypes the engine reads scales for
-    dtype_note: ClassVar[str] = ""         # why another dtype is refused, and what to do instead
-    skip_note: ClassVar[str] = ""          # why it cannot skip layers, and what to do instead
-    q_note: ClassVar[str] = ""             # who reads q_scale, for the message when no target does
     folds_heads: ClassVar[bool] = False    # writes per-head scales as their max per layer (one scale per layer)
+
+    @property
+    def dtypes(self) -> tuple[KVDtype, ...]:
+        """The KV dtypes the engine reads scales for: the static formats it has a name for (calib.recipe.dtypes)."""
+        return dtypes_mod.for_engine(self.name)
+
+    @property
+    def dtype_note(self) -> str:
+        """Why another dtype is refused, and what to do instead (the support matrix's line)."""
+        other = next((d for d in dtypes_mod.KV_DTYPES.values() if d not in self.dtypes), None)
+        return (other and self._known() and support.lacks_format(self.name, other.name)) or ""
+
+    @property
+    def skip_note(self) -> str:
+        """Why it cannot skip layers, and what to do instead ("" when it can)."""
+        return (self._known() and support.lacks_skip(self.name)) or ""
 
     @property
     def skips_layers(self) -> bool:
         """The engine keeps some layers' KV cache in the model dtype (the support matrix's skip_layers cell)."""
-        return self._applies("skip_layers", True)
+        return not self._known() or support.applies(self.name, "skip_layers")
 
     @property
     def reads_q_scale(self) -> bool:
         """The engine applies a q_scale (FP8 attention) on some backend (the support matrix's q_scale cell)."""
-        return self._applies("q_scale", False)
+        return self._known() and support.applies(self.name, "q_scale")
 
-    def _applies(self, aspect: str, unknown: bool) -> bool:
-        if self.name not in support.ENGINES:      # an engine the matrix does not know: the old defaults
-            return unknown
-        return any(support.effect(self.name, None, b, FP8_E4M3.name, aspect) is support.Effect.APPLIED
-                   for b in support.ENGINES[self.name].backends)
+    def _known(self) -> bool:
+        return self.name in support.ENGINES      # an engine the matrix does not know: the old defaults
 
     def serve_command(self, path: str, skip: tuple[int | str, ...] = (), dtype: str = FP8_E4M3.name) -> str:
         """The command that serves the variant at `path` (`skip`: layers kept in the model dtype), from the one

@@ -84,7 +84,8 @@ from calib.engine import command
 from calib.export.target import Target, WriteOptions
 from calib.export.write import write_variant
 from calib.provenance import Provenance, as_provenance
-from calib.recipe.dtypes import FP8_E4M3, INT8
+from calib.recipe import dtypes
+from calib.recipe.dtypes import FP8_E4M3
 
 if TYPE_CHECKING:
     import torch
@@ -93,9 +94,9 @@ if TYPE_CHECKING:
 
 FP8_E4M3_MAX = FP8_E4M3.qmax
 
-KV_ALGOS = ("FP8", "INT8")
 # KV dtype (calib.recipe.dtypes) -> TensorRT-LLM's kv_cache_quant_algo
-ALGO_OF_DTYPE = {FP8_E4M3: "FP8", INT8: "INT8"}
+ALGO_OF_DTYPE = {d: d.cache_name("trtllm") for d in dtypes.for_engine("trtllm")}
+KV_ALGOS = tuple(ALGO_OF_DTYPE.values())
 
 
 def saturation_report(scales: Scales, fractions: Mapping[int, tuple[float, float]] | None = None) -> list[str]:
@@ -270,10 +271,7 @@ def export_trtllm(source: Path | TrtllmSource, out: Path, scales: Scales, proven
 class TrtllmTarget(Target):
     name = "trtllm"
     order = 1
-    dtypes = tuple(ALGO_OF_DTYPE)
     folds_heads = True
-    skip_note = ("TensorRT-LLM applies one KV cache dtype to every layer and cannot skip any; drop skip_layers or "
-                 "the trtllm target")
 
     def serve_command(self, path: str, skip: tuple[int | str, ...] = (), dtype: str = FP8_E4M3.name) -> str:
         """`trtllm-serve PATH --extra_llm_api_options PATH/llm_api_options.yaml`: the options file carries the KV

@@ -47,7 +47,8 @@ from calib.ckpt.names import (CONFIG_FILE, PROVENANCE_FILE, TRTLLM_CKPT_KV_RE, t
 from calib.ckpt.source import ExportError, PreparedSource, SourceFiles, check_out_is_not_source
 from calib.export.target import Target, WriteOptions
 from calib.provenance import Provenance, as_provenance
-from calib.recipe.dtypes import FP8_E4M3, INT8
+from calib.recipe import dtypes
+from calib.recipe.dtypes import FP8_E4M3
 from calib.safety import files
 from calib.safety.outputs import atomic_dir, check_room
 
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
     from calib.scales.fold import Scales
 
 NAME = "trtllm-engine"
-ALGO_OF_DTYPE = {FP8_E4M3: "FP8", INT8: "INT8"}
+ALGO_OF_DTYPE = {d: d.cache_name(NAME) for d in dtypes.for_engine(NAME)}
 _CHUNK = 1 << 24
 
 PER_HEAD_NOTE = ("the TensorRT-LLM engine applies one kv_cache_scaling_factor per layer shared by K and V; "
@@ -286,9 +287,6 @@ def export_engine_checkpoint(source: Path | EngineCheckpoint, out: Path, scales:
 class TrtllmEngineTarget(Target):
     name = NAME
     order = 3
-    dtypes = tuple(ALGO_OF_DTYPE)
-    skip_note = SKIP_NOTE
-    q_note = Q_NOTE
     folds_heads = False
 
     def serve_command(self, path: str, skip: tuple[int | str, ...] = (), dtype: str = FP8_E4M3.name) -> str:

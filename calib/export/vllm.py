@@ -18,7 +18,6 @@ from calib.ckpt.source import (ExportError, PreparedSource, SourceFiles, check_o
 from calib.export.target import Target, WriteOptions
 from calib.export.write import write_variant
 from calib.provenance import Provenance, as_provenance
-from calib.recipe.dtypes import FP8_E4M3
 
 if TYPE_CHECKING:
     import torch
@@ -93,9 +92,6 @@ def export_vllm(source: Path | PreparedSource, out: Path, scales: Scales, proven
 class VllmTarget(Target):
     name = "vllm"
     order = 0
-    dtypes = (FP8_E4M3,)
-    dtype_note = "vLLM has no static INT8 KV cache; use dtype fp8_e4m3"
-    q_note = "only vLLM's FP8 attention reads q_scale"
     # calib.recipe.granularity name -> compressed-tensors kv_cache_scheme strategy
     strategies = {"tensor": "tensor", "head": "attn_head"}
 

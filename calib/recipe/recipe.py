@@ -15,9 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from calib import export
 from calib.errors import KvcalibError
-from calib.recipe import granularity as granularity_mod, safeyaml, dtypes
+from calib.recipe import dtypes, granularity as granularity_mod, safeyaml, support
 
 # The choices come from the typed registries (calib.recipe.dtypes, calib.recipe.granularity); the recipe keeps their names
 # (what YAML, the CLI and kvcalib.json spell) and hands out the values (`kv_dtype`, `scale_granularity`,
@@ -25,8 +24,8 @@ from calib.recipe import granularity as granularity_mod, safeyaml, dtypes
 DTYPES = tuple(dtypes.KV_DTYPES)
 GRANULARITIES = tuple(granularity_mod.GRANULARITIES)
 EXPORTABLE = tuple(name for name, g in granularity_mod.GRANULARITIES.items() if g.exportable)
-TARGETS = tuple(export.TARGETS)   # the engine targets calib.export finds (one module each)
-SKIP_KEYWORDS = ("sliding_window",)
+TARGETS = support.targets()      # the engines of the support matrix: kvcalib's targets (calib.export writes each)
+SKIP_KEYWORDS = tuple(dict.fromkeys(k for kinds in support.SKIP_KINDS.values() for k in kinds))
 # observer -> {parameter a recipe may set: (check, description)}; validated here (before any observer allocates)
 # so the recipe never needs torch.
 OBSERVERS: dict[str, dict[str, tuple[Any, str]]] = {
@@ -122,18 +121,21 @@ class Recipe:
         if self.targets and not self.scale_granularity.exportable:
             raise RecipeError(f"recipe field 'granularity' = {self.granularity!r} cannot be exported: no engine reads "
                               f"it; use {' or '.join(EXPORTABLE)}, or set targets: [] to keep statistics only")
-        targets = [export.TARGETS[t] for t in self.targets]     # what each engine can read (calib.export)
-        for t in targets:
-            if self.kv_dtype not in t.dtypes:
-                raise RecipeError(f"recipe field 'dtype' = {self.dtype!r} with target {t.name}: {t.dtype_note}")
-        for t in targets:
-            if self.skip_layers and not t.skips_layers:
-                raise RecipeError(f"recipe field 'skip_layers' with target {t.name}: {t.skip_note}")
-        readers = [t for t in export.TARGETS.values() if t.reads_q_scale]
-        if self.q_scale and not any(t.reads_q_scale for t in targets):
-            names = " or ".join(t.name for t in readers)
-            raise RecipeError(f"recipe field 'q_scale' = true needs target {names} ({readers[0].q_note}); add "
-                              f"{names} to targets or drop q_scale")
+        for t in self.targets:           # what each engine can read: calib.recipe.dtypes and the support matrix
+            lacks = support.lacks_format(t, self.dtype)
+            if lacks:
+                raise RecipeError(f"recipe field 'dtype' = {self.dtype!r} with target {t}: {lacks}")
+        for t in self.targets:
+            lacks = self.skip_layers and support.lacks_skip(t)
+            if lacks:
+                raise RecipeError(f"recipe field 'skip_layers' with target {t}: {lacks}")
+        readers = support.q_scale_readers()
+        if self.q_scale and not set(readers) & set(self.targets):
+            names = " or ".join(readers)
+            titles = " and ".join(support.ENGINES[n].title for n in readers)
+            raise RecipeError(f"recipe field 'q_scale' = true needs target {names} (only {titles} appl"
+                              f"{'ies' if len(readers) == 1 else 'y'} a q_scale); add {names} to targets or drop "
+                              "q_scale")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
