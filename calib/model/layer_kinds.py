@@ -31,12 +31,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from calib.model.geometry import GeometryError, text_part
+from calib.recipe import dtypes
 
 GLOBAL, SLIDING, CHUNKED, SHARED = "global", "sliding_window", "chunked_local", "shared"
 # vLLM's KV cache spec class per kind (v1/kv_cache_interface.py): how the engine names a group it reports
 ENGINE_SPEC_KINDS = {"FullAttentionSpec": GLOBAL, "SlidingWindowSpec": SLIDING, "ChunkedLocalAttentionSpec": CHUNKED}
 TYPE_NAMES = {"full_attention": GLOBAL, "sliding_attention": SLIDING, "chunked_attention": CHUNKED}
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+# bytes per element: the model dtypes' and every whole-byte KV format's (calib.recipe.dtypes)
+DTYPE_BYTES = {**dtypes.MODEL_DTYPE_BYTES, **{n: d.bits // 8 for n, d in dtypes.KV_FORMATS.items() if d.bits % 8 == 0}}
 LLAMA4_GLOBAL_EVERY = 4      # transformers Llama4TextConfig: no_rope_layers default, every 4th layer global
 
 

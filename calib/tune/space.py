@@ -1,10 +1,10 @@
 """The search space of `kvcalib tune`: the recipes a target engine can load, and what each one costs and buys.
 
-Why per engine: a candidate the engine cannot load is not a choice. vLLM reads FP8 KV scales per tensor or
-per KV head (per head only on its FlashAttention-3 backend; the others take the max over heads), an optional
-q_scale (read by FlashAttention-3's FP8 attention only) and a per-layer skip flag; TensorRT-LLM reads one FP8
-or INT8 scale per layer, cannot skip layers, and runs its FP8 path with scale 1.0 whatever the checkpoint
-holds (docs/design.md §5). Observers and headroom values multiply those.
+Why per engine: a candidate the engine cannot load is not a choice. What each engine is searched over is its
+support-matrix entry's (calib.recipe.support: `Engine.tune`, the granularities and q_scale choices) times the
+static formats it has (calib.recipe.dtypes): vLLM FP8 per tensor or per KV head, with and without q_scale;
+TensorRT-LLM FP8 and INT8 per layer (its FP8 path runs at scale 1.0 whatever the checkpoint holds, docs/design.md
+§5). Observers and headroom values multiply those.
 
 A candidate is a frozen value that names one recipe (`recipe()` gives the exact `Recipe` calibrate would
 run) plus the layers it keeps in the model dtype. Nothing here imports torch.
@@ -17,13 +17,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from calib.errors import KvcalibError
-from calib.recipe import recipe as recipe_mod
+from calib.recipe import dtypes, recipe as recipe_mod, support
 
-TARGETS = ("vllm", "trtllm")            # the engines whose candidate rules `generate` knows (a subset of export's)
+# the engines tune searches (those whose support-matrix entry has a tune space), in the targets' order
+TARGETS = tuple(n for n, e in support.ENGINES.items() if e.tune is not None)
 OBSERVERS = tuple(recipe_mod.OBSERVERS)  # every observer the recipe vocabulary has, in its order
 HEADROOMS = (1.0, 1.25)
 MAX_HEADROOMS = 8
-_SHORT = {"fp8_e4m3": "fp8", "int8": "int8"}
 
 
 class SpaceError(KvcalibError, ValueError):
@@ -43,7 +43,7 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        parts = [_SHORT[self.dtype], self.granularity, self.observer, f"h{self.headroom:g}"]
+        parts = [dtypes.kv_dtype(self.dtype).short, self.granularity, self.observer, f"h{self.headroom:g}"]
         name = "/".join(parts) + ("+q" if self.q_scale else "")
         return name + (f" skip {','.join(map(str, self.skip))}" if self.skip else "")
 
@@ -57,11 +57,8 @@ class Candidate:
                             skip_layers=",".join(map(str, self.skip)), targets=self.target)
 
     def support(self) -> str:
-        """What the target engine does with this candidate (the support matrix, calib.engine.support)."""
-        from calib.engine import support
-
-        cal = support.Calibrated(self.dtype, "tensor" if self.target == "trtllm" else self.granularity, self.q_scale,
-                                 tuple(self.skip))
+        """What the target engine does with this candidate (the support matrix, calib.recipe.support)."""
+        cal = support.Calibrated(self.dtype, self.granularity, self.q_scale, tuple(self.skip))
         text = support.outcome(self.target, cal).summary()
         return text + ("; --kv-cache-dtype-skip-layers" if self.skip else "")
 
@@ -80,17 +77,16 @@ class Candidate:
 
 
 def generate(target: str, observers: Sequence[str] = OBSERVERS, headrooms: Sequence[float] = HEADROOMS) -> list[Candidate]:
-    """Every recipe `target` can load: vLLM FP8 per tensor / per head, without and with q_scale; TensorRT-LLM
-    FP8 and INT8 per layer — each with every observer and headroom. Layer skips are added later, from
-    measured sensitivity (calib/tune/search.py)."""
+    """Every recipe `target` can load: each static format it has, at each granularity and q_scale choice of its
+    tune space (vLLM FP8 per tensor / per head, without and with q_scale; TensorRT-LLM FP8 and INT8 per layer) —
+    each with every observer and headroom. Layer skips are added later, from measured sensitivity
+    (calib/tune/search.py)."""
     if target not in TARGETS:
         raise SpaceError(f"--target {target!r} is not an engine tune knows; accepted: {', '.join(TARGETS)}")
     check_observers(observers)
     check_headrooms(headrooms)
-    if target == "vllm":
-        shapes = [("fp8_e4m3", g, q) for g in ("tensor", "head") for q in (False, True)]
-    else:
-        shapes = [(d, "tensor", False) for d in ("fp8_e4m3", "int8")]
+    space = support.ENGINES[target].tune
+    shapes = [(d.name, g, q) for d in dtypes.for_engine(target) for g in space.granularities for q in space.q_scale]
     return [Candidate(target, d, g, o, float(h), q) for d, g, q in shapes for o in observers for h in headrooms]
 
 
@@ -125,9 +121,9 @@ def parse_list(text: str, option: str, kind: type = str) -> tuple:
 
 
 def memory_saved(candidate: Candidate | None, layers: int, ref_bytes: int) -> float:
-    """Share of the model-dtype KV cache this candidate saves (None: the reference, 0). FP8 and INT8 store one
-    byte per value; skipped layers keep `ref_bytes`."""
+    """Share of the model-dtype KV cache this candidate saves (None: the reference, 0): its format's bytes per value
+    (calib.recipe.dtypes; FP8 and INT8 one) against `ref_bytes`; skipped layers keep `ref_bytes`."""
     if candidate is None:
         return 0.0
     kept = layers - len(candidate.skip)
-    return kept / layers * (1 - 1 / ref_bytes)
+    return kept / layers * (1 - dtypes.kv_dtype(candidate.dtype).element_bytes / ref_bytes)

@@ -24,14 +24,14 @@ from pathlib import Path
 
 from calib import discovery
 from calib.ckpt.reader import CheckpointFiles, Problem
-from calib.export import TARGETS
+from calib.recipe import support
 from calib.verify.checker import Checker
 
 
 def discover(path: list[str] | None = None, package: str = __name__) -> dict[str, Checker]:
-    """The `CHECKER` of every module of this package (or of `package` at `path`), in the export targets' order
-    (engines without a target after them, by name)."""
-    rank = {name: i for i, name in enumerate(TARGETS)}
+    """The `CHECKER` of every module of this package (or of `package` at `path`), in the targets' order (the
+    support matrix's engines; engines without one after them, by name)."""
+    rank = {name: i for i, name in enumerate(support.targets())}
     found = discovery.collect(__path__ if path is None else path, package, "CHECKER", Checker)
     return {c.name: c for c in sorted(found, key=lambda c: (rank.get(c.name, len(rank)), c.name))}
 

@@ -1,8 +1,9 @@
 """What an engine will apply of a checkpoint's KV scales: the checkpoint read as a calibrated result (format,
-granularity, q_scale, skipped layers, range) and looked up in the support matrix (calib.engine.support).
+granularity, q_scale, skipped layers, range, model architecture) and looked up in the support matrix
+(calib.recipe.support).
 
 Why beside the loader rules: a checkpoint can pass every loader check and still be served at scale 1.0 (TensorRT-LLM's
-FP8 and INT8 caches, SGLang before 0.5.19 or with per-head scales). `kvcalib verify` prints this per engine after the
+FP8 and INT8 caches, SGLang before 0.5.19, with per-head scales, or for a model whose loader drops them). `kvcalib verify` prints this per engine after the
 problems, and a result the engine would not serve as calibrated (INT8 at 1.0, FP8 past its range at 1.0) is an error.
 Reads what CheckpointFiles already read; no torch.
 """
@@ -11,9 +12,7 @@ from __future__ import annotations
 
 from calib.ckpt import formats
 from calib.ckpt.reader import CheckpointFiles, Problem
-from calib.engine import support
-
-_QMAX = {"fp8_e4m3": 448.0, "int8": 127.0}
+from calib.recipe import dtypes, support
 
 
 def read_calibrated(ck: CheckpointFiles, engine: str) -> support.Calibrated | None:
@@ -24,7 +23,7 @@ def read_calibrated(ck: CheckpointFiles, engine: str) -> support.Calibrated | No
         algo = (inner or {}).get("kv_cache_quant_algo")
         served = formats.trtllm_serve_kv_algo(ck.api_options) if ck.api_options_error is None else None
         algo = served if served in ("FP8", "INT8", "NVFP4") else algo   # the serve-time dtype overrides
-        dtype = {"FP8": "fp8_e4m3", "INT8": "int8"}.get(str(algo)) if algo else None
+        dtype = _named(engine, algo)
     else:
         scheme = formats.ct_declared_kv_scheme(ck.inline_qc)
         if isinstance(scheme, dict):
@@ -37,8 +36,19 @@ def read_calibrated(ck: CheckpointFiles, engine: str) -> support.Calibrated | No
     q = any(s.kind == "q" for s in ck.scales(ck.files))
     layers = (ck.provenance or {}).get("layers") or {}
     peaks = [max(float(r.get("k_amax", 0)), float(r.get("v_amax", 0))) for r in layers.values() if isinstance(r, dict)]
-    ratio = max(peaks) / _QMAX[dtype] if peaks else None
-    return support.Calibrated(dtype, granularity, q, tuple(sorted(ck.skipped_layers)), ratio)
+    ratio = max(peaks) / dtypes.kv_dtype(dtype).qmax if peaks else None
+    archs = ck.config.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    return support.Calibrated(dtype, granularity, q, tuple(sorted(ck.skipped_layers)), ratio, arch)
+
+
+def _named(engine: str, algo: object) -> str | None:
+    """kvcalib's static dtype for the KV algorithm an engine's checkpoint names (None: none kvcalib calibrates)."""
+    try:
+        d = dtypes.kv_format(str(algo), engine) if algo else None
+    except ValueError:
+        return None
+    return d.name if d is not None and d.name in dtypes.KV_DTYPES else None
 
 
 def applied(ck: CheckpointFiles, engine: str, version: str | None = None) -> support.Outcome | None:
