@@ -3,20 +3,25 @@ before anything is written; the serve lines every command prints.
 
 Why: a checkpoint an engine loads but whose scales it never applies is the silent failure users of KV-scale
 tools meet most. So every command that writes or names a checkpoint for an engine asks the one support
-matrix (calib.engine.support) what that engine does with it, says so next to the serve command, and refuses
+matrix (calib.recipe.support) what that engine does with it, says so next to the serve command, and refuses
 — one line naming the engine, its version and what to do instead, before any output exists — where the
 engine would run the scales at 1.0 and that changes the result (INT8 at 1.0; FP8 with values past its range),
 or would not run the file at all. `--engine-version ENGINE=VERSION` states another version or a build (e.g.
-`trtllm=pr18953`, TensorRT-LLM with calibrated INT8 KV) and the matrix answers for it. Torch-free.
+`trtllm=pr18953`, TensorRT-LLM with calibrated INT8 KV) and the matrix answers for it. Where the engine's
+loading depends on the model (SGLang drops the scales of some architectures), the model's architecture is read
+from the written checkpoint's config.json and the serve lines warn. Torch-free.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from calib.ckpt.source import ExportError
-from calib.engine import support
+from calib.recipe import support
 
 
 def parse_versions(text: str | None, targets: Sequence[str]) -> dict[str, str]:
@@ -59,17 +64,29 @@ def amax_ratio(scales: Mapping[int, Any] | None, qmax: float) -> float | None:
 
 
 def calibrated(target: Any, dtype: str, granularity: str, q_scale: bool, skipped: Iterable[int | str] = (),
-               ratio: float | None = None) -> support.Calibrated:
+               ratio: float | None = None, architecture: str | None = None) -> support.Calibrated:
     """What `target` (a calib.export Target) writes of a result: per-head scales folded where it folds them,
     q_scale only where it writes one."""
     gran = "tensor" if getattr(target, "folds_heads", False) else granularity
-    return support.Calibrated(dtype, gran, bool(q_scale and target.reads_q_scale), tuple(skipped), ratio)
+    return support.Calibrated(dtype, gran, bool(q_scale and target.reads_q_scale), tuple(skipped), ratio,
+                              architecture)
+
+
+def architecture_of(path: str | Path) -> str | None:
+    """The model architecture a checkpoint folder declares (config.json `architectures[0]`); None when unread."""
+    try:
+        archs = json.loads((Path(path) / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
 
 
 def outcomes(recipe: Any, scales: Mapping[int, Any] | None = None, skipped: Iterable[int | str] | None = None,
-             versions: Mapping[str, str] | None = None) -> dict[str, support.Outcome]:
+             versions: Mapping[str, str] | None = None,
+             architecture: str | None = None) -> dict[str, support.Outcome]:
     """{target: what its engine does with the recipe's result}; `scales` (when known) give the range ratio,
-    `skipped` the resolved skipped layers (the recipe's own entries when not yet resolved)."""
+    `skipped` the resolved skipped layers (the recipe's own entries when not yet resolved), `architecture` the
+    model's (config.json `architectures[0]`; None: not known, the engine's rule for any model)."""
     from calib.export import TARGETS
 
     skip = tuple(support.skip_order(recipe.skip_layers if skipped is None else skipped))
@@ -77,9 +94,17 @@ def outcomes(recipe: Any, scales: Mapping[int, Any] | None = None, skipped: Iter
     out = {}
     for name in recipe.targets:
         cal = calibrated(TARGETS[name], recipe.kv_dtype.name, recipe.scale_granularity.name, recipe.q_scale, skip,
-                         ratio)
+                         ratio, architecture)
         out[name] = support.outcome(name, cal, (versions or {}).get(name))
     return out
+
+
+def for_model(outcome: support.Outcome, architecture: str | None) -> support.Outcome:
+    """`outcome` again for a model of `architecture` (the same when None or already known)."""
+    if architecture is None or outcome.calibrated.architecture is not None:
+        return outcome
+    return support.outcome(outcome.engine, replace(outcome.calibrated, architecture=architecture), outcome.version,
+                           [c.backend for c in outcome.per_backend])
 
 
 def instead(name: str, outcome: support.Outcome) -> str:
@@ -87,14 +112,14 @@ def instead(name: str, outcome: support.Outcome) -> str:
     build of this engine that applies it (a build-specific cell of the matrix)."""
     cal = outcome.calibrated
     others = [e for e in support.ENGINES if e != name and support.outcome(e, cal).severity == support.SAME]
-    builds = sorted({c.build for c in support.CELLS if c.engine == name and c.build and cal.dtype in c.formats
-                     and c.effect in (support.Effect.APPLIED, support.Effect.MAX_OVER_HEADS)})
     parts = []
     if others:
         parts.append(f"use --target {' or '.join(others)}, which {'applies' if len(others) == 1 else 'apply'} these scales")
     elif cal.dtype != "fp8_e4m3":
-        parts.append("calibrate fp8_e4m3 for vLLM or SGLang")
-    parts += [f"state a build that applies them with --engine-version {name}={b}" for b in builds]
+        fp8 = [support.ENGINES[e].title for e in support.ENGINES
+               if support.outcome(e, replace(cal, dtype="fp8_e4m3")).severity == support.SAME]
+        parts.append(f"calibrate fp8_e4m3 for {' or '.join(fp8)}")
+    parts += [f"state a build that applies them with --engine-version {name}={b}" for b in support.builds(name, cal.dtype)]
     text = "; or ".join(parts)
     return text[:1].upper() + text[1:]
 
@@ -122,10 +147,16 @@ def fold_note(target: Any, recipe: Any, outcome: support.Outcome) -> str | None:
 
 def serve_lines(target: Any, path: str, outcome: support.Outcome, skipped: Sequence[int | str] = ()) -> list[str]:
     """The serve command for `target`'s variant at `path`, and (when the engine applies the scales as
-    calibrated) that it does; what differs is `warnings`'."""
+    calibrated) that it does; what differs is `warnings`', except what differs only for this model (its
+    config.json architecture, e.g. SGLang dropping a Qwen2's scales), which is warned here."""
     command = target.serve_command(path, tuple(skipped), outcome.calibrated.dtype)
     lines = [f"serve it with {support.ENGINES[target.name].title}:", f"  {command}"]
-    return lines + ([f"  {outcome.summary()}"] if outcome.severity == support.SAME else [])
+    if outcome.severity != support.SAME:
+        return lines
+    mine = for_model(outcome, architecture_of(path))
+    if mine.severity != support.SAME:
+        return lines + [f"  warning: for {mine.calibrated.architecture}: {line}" for line in mine.lines()]
+    return lines + [f"  {outcome.summary()}"]
 
 
 def warnings(target: Any, recipe: Any, outcome: support.Outcome) -> list[str]:

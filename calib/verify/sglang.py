@@ -2,7 +2,7 @@
 declared scheme, which files and tensor names it loads (the view), and one rule per loader check.
 
 Read from sgl-project/sglang 0.5.23 (compressed-tensors KV scales load since 0.5.19; earlier versions drop them,
-see calib.engine.support). Paths below are under `python/sglang/srt/`. A rule the engine would fail on is an
+and so do the weight loaders of some architectures: see calib.recipe.support). Paths below are under `python/sglang/srt/`. A rule the engine would fail on is an
 "error"; one where SGLang loads the checkpoint but runs the cache at scale 1.0 (it only warns in its log) is a
 "warning" that says so.
 """
@@ -17,6 +17,7 @@ from typing import Any
 from calib.ckpt import formats
 from calib.ckpt.names import HF_QUANT_CONFIG, INDEX_FILE
 from calib.ckpt.reader import CheckpointFiles, Problem, ScaleTensor
+from calib.recipe import support
 from calib.verify.checker import Checker
 from calib.verify.common import scalar_problems
 
@@ -166,6 +167,23 @@ def sglang_scale_names(ck: CheckpointFiles, v: SglangView) -> Iterator[Problem]:
                           "scale 1.0", code="sglang.unknown-name")
 
 
+def sglang_model_loads_scales(ck: CheckpointFiles, v: SglangView) -> Iterator[Problem]:
+    """The model's own weight loader must remap `self_attn.{k,v}_scale` onto its attention layer; some do not
+    (the support matrix's SGLang cells for this architecture, calib.recipe.support).
+
+    model_loader/weight_utils.py: maybe_remap_kv_scale_name (called by the llama, mistral, qwen3 and gemma3
+    loaders); models/qwen2.py, models/qwen3_moe.py, models/mixtral.py: load_weights (never call it: the scale is
+    not in params_dict and is dropped; sglang issue 39942).
+    """
+    arch = (ck.config.get("architectures") or [None])[0] if isinstance(ck.config.get("architectures"), list) else None
+    if not v.kv_supported or not _usable(v) or not isinstance(arch, str):
+        return
+    c = support.cell("sglang", None, "cuda", "fp8_e4m3", "tensor", arch)
+    if c.models and c.effect is not support.Effect.APPLIED:
+        yield Problem("sglang", "config.json:architectures", f"{arch}: {c.note}; serve it with vLLM, or with a "
+                      "SGLang whose loader for this model remaps the scales", "warning", "sglang.model-drops-scales")
+
+
 def sglang_one_scale_per_layer(ck: CheckpointFiles, v: SglangView) -> Iterator[Problem]:
     """Both k and v for every layer: one alone is duplicated as max(k, v); none stays 1.0.
 
@@ -227,7 +245,7 @@ def sglang_index_consistent(ck: CheckpointFiles, v: SglangView) -> Iterator[Prob
 
 SGLANG_RULES: tuple[Callable[[CheckpointFiles, SglangView], Iterable[Problem]], ...] = (
     sglang_reads_a_kv_config, sglang_ct_kv_cache_scheme, sglang_declared_without_scales, sglang_scale_names,
-    sglang_one_scale_per_layer, sglang_scale_shapes_dtypes_values, sglang_index_consistent,
+    sglang_model_loads_scales, sglang_one_scale_per_layer, sglang_scale_shapes_dtypes_values, sglang_index_consistent,
 )
 
 

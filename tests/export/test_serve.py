@@ -35,7 +35,7 @@ def _refused(r, out, before_work=True):
 def test_int8_for_tensorrt_llm_is_refused_before_any_work(tiny_llama_dir, token_data, tmp_path):
     out = tmp_path / "int8"
     line = _refused(_calibrate(tiny_llama_dir, token_data, out, "--target", "trtllm", "--dtype", "int8"), out)
-    assert "TensorRT-LLM 1.2 would not serve these scales" in line and "INT8 runs at scale 1.0" in line
+    assert "TensorRT-LLM 1.4 would not serve these scales" in line and "INT8 runs at scale 1.0" in line
     # the TensorRT-engine backend applies calibrated INT8 (calib.export.trtllm_engine), so that is the advice now
     assert "--engine-version trtllm=pr18953" in line and "--target trtllm-engine, which applies these scales" in line
 
@@ -45,8 +45,10 @@ def test_int8_for_a_stated_tensorrt_llm_build_that_applies_it(tiny_llama_dir, to
     r = _calibrate(tiny_llama_dir, token_data, out, "--target", "trtllm", "--dtype", "int8",
                    "--engine-version", "trtllm=1.2+pr18953")
     assert r.exit_code == 0, r.output
-    assert f"trtllm-serve {out}" in r.output and "TensorRT-LLM 1.2+pr18953: the scales are applied" in r.output
-    assert "warning" not in r.output
+    # the build applies one scale per layer shared by K and V, max(k, v): served, but not exactly as calibrated
+    assert f"trtllm-serve {out}" in r.output
+    assert ("warning: TensorRT-LLM 1.2+pr18953: int8 tensor scales applied as one scale shared by K and V per layer"
+            in r.output)
 
 
 def test_fp8_past_the_range_for_tensorrt_llm_is_refused_after_calibration(tmp_path):
@@ -64,7 +66,7 @@ def test_fp8_inside_the_range_for_tensorrt_llm_is_written_with_a_warning(tiny_ll
     out = tmp_path / "trt"
     r = _calibrate(tiny_llama_dir, token_data, out, "--target", "trtllm")
     assert r.exit_code == 0, r.output
-    assert "warning: TensorRT-LLM 1.2: fp8_e4m3 tensor scales ignored, the cache runs at scale 1.0" in r.output
+    assert "warning: TensorRT-LLM 1.4: fp8_e4m3 tensor scales ignored, the cache runs at scale 1.0" in r.output
     assert "behaves like the default scale" in r.output and "Consider INT8" not in r.output
 
 
@@ -109,7 +111,7 @@ def test_export_from_statistics_refuses_as_calibrate_does(tiny_llama_dir, token_
     out = tmp_path / "int8"
     line = _refused(_run("export", "--stats", stats / "stats.safetensors", "--model", tiny_llama_dir, "--dtype", "int8",
                          "--target", "trtllm", "--out", out), out)
-    assert "TensorRT-LLM 1.2 would not serve these scales" in line
+    assert "TensorRT-LLM 1.4 would not serve these scales" in line
 
 
 @pytest.mark.parametrize("targets,dtype,ratio,refused", [
@@ -184,3 +186,32 @@ def test_eval_reads_the_same_grammar():
             served.stated("sglang", text)
         with pytest.raises(EvalError, match=message.replace("(", r"\(").replace(")", r"\)")):
             served.stated("sglang", text)
+
+
+@pytest.mark.parametrize("arch, warned", [("Qwen2ForCausalLM", True), ("MixtralForCausalLM", True),
+                                          ("Qwen3MoeForCausalLM", True), ("LlamaForCausalLM", False), (None, False)])
+def test_the_serve_lines_warn_for_a_model_whose_sglang_loader_drops_the_scales(tmp_path, arch, warned):
+    """SGLang 0.5.19-0.5.23 applies per-tensor FP8 scales only where the model's weight loader remaps their names
+    (sglang issue 39942): the serve lines read the written checkpoint's architecture and warn for Qwen2, Qwen3-MoE
+    and Mixtral; vLLM, whose loader is the same for every model, is not warned for."""
+    import json
+
+    from calib.export import TARGETS
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]} if arch else {}))
+    recipe = Recipe(targets=("sglang", "vllm"))
+    found = serve.outcomes(recipe, {0: type("S", (), {"k_amax": _t(100.0), "v_amax": _t(3.0)})()})
+    sg = serve.serve_lines(TARGETS["sglang"], str(tmp_path), found["sglang"])
+    assert any(ln.startswith(f"  warning: for {arch}: SGLang 0.5.23: fp8_e4m3 tensor scales ignored") for ln in sg) \
+        == warned
+    assert ("SGLang 0.5.23: the scales are applied as calibrated" in sg[-1]) != warned
+    assert not any("warning" in ln for ln in serve.serve_lines(TARGETS["vllm"], str(tmp_path), found["vllm"]))
+    # told the architecture up front, the outcome itself differs (the check refuses past the FP8 range)
+    told = serve.outcomes(recipe, {0: type("S", (), {"k_amax": _t(900.0), "v_amax": _t(3.0)})()},
+                          architecture=arch)
+    assert told["sglang"].refused == warned and not told["vllm"].refused
+
+
+def _t(x: float):
+    import torch
+    return torch.tensor([x])
