@@ -27,7 +27,7 @@ from typing import Any
 
 from calib.ckpt import fingerprint, integrity
 from calib.ckpt.kvinfo import read_kv_info
-from calib.engine.support import skip_order
+from calib.recipe.support import skip_order
 
 ONE = [1.0]
 

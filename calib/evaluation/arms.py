@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from calib.ckpt.kvinfo import KVInfo, read_kv_info
-from calib.engine import support
 from calib.errors import KvcalibError
 from calib.evaluation.results import ArmInfo
+from calib.recipe import support
 from calib.recipe.dtypes import FP8_E4M3, FP8_E5M2, INT8, KVDtype, kv_dtype, kv_format
 from calib.scales.fold import amax_to_scale
 from calib.scales.stats import LayerStats, Stats

@@ -18,7 +18,6 @@ import torch
 
 from calib.ckpt.kvinfo import read_kv_info
 from calib.data import sources as data_mod
-from calib.engine import support
 from calib.evaluation import emulate, measurable, memory
 from calib.evaluation import passkey
 from calib.evaluation import plan as plan_mod
@@ -38,6 +37,7 @@ from calib.model import layer_kinds
 from calib.model import load as model_mod
 from calib.model.geometry import GeometryError
 from calib.progress import SILENT, Progress, Stage, duration
+from calib.recipe import support
 from calib.safety import outputs
 
 Log = Callable[[str], Any]

@@ -1,5 +1,5 @@
 """Arms "as the engine serves them": `kvcalib eval --target ENGINE` evaluates each calibrated arm with the scales
-that engine really uses, read from the support matrix (calib.engine.support).
+that engine really uses, read from the support matrix (calib.recipe.support).
 
 Why: an evaluation that measures the calibrated scales while the chosen engine ignores them (TensorRT-LLM's FP8 and
 INT8 caches run at 1.0; SGLang runs per-head schemes at 1.0) reports a gain the user never gets. So, with a target,
@@ -16,9 +16,9 @@ from dataclasses import replace
 
 import torch
 
-from calib.engine import support
 from calib.errors import KvcalibError
 from calib.evaluation.arms import Arm, EvalError
+from calib.recipe import support
 
 # --emulate name -> the backend of the target engine whose arithmetic it follows
 _BACKEND_OF_EMULATION = {"vllm-cpu": "cpu", "vllm-fa3": "fa3"}

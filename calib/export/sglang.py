@@ -9,7 +9,7 @@ this variant is the vLLM writer's per-tensor variant: per-head scales are folded
 which SGLang applies, rather than written in a form SGLang ignores. It carries no q_scale (SGLang's Llama
 loader has no parameter for it: `LlamaForCausalLM._legacy_load_weights`, `python/sglang/srt/models/llama.py`)
 and cannot skip layers (no per-layer KV dtype option). What SGLang does with each format and version is the
-support matrix's (calib.engine.support); the loader rules are checked by calib.verify.sglang.
+support matrix's (calib.recipe.support); the loader rules are checked by calib.verify.sglang.
 
 Serve: `python -m sglang.launch_server --model-path DIR --kv-cache-dtype fp8_e4m3`.
 """

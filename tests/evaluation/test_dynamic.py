@@ -222,7 +222,7 @@ def test_recipes_still_calibrate_only_static_dtypes():
 
 
 def test_the_format_names_agree_with_the_support_matrix():
-    from calib.engine import support
+    from calib.recipe import support
 
     assert set(support.KV_FORMATS) == set(dtypes.KV_FORMATS)
     assert set(support.DYNAMIC_FORMATS) == {n for n, d in dtypes.KV_FORMATS.items() if d.dynamic}

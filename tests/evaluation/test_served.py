@@ -28,7 +28,7 @@ def _arm(granularity="head", dtype=FP8_E4M3, q=True):
 def test_tensorrt_llm_runs_the_calibrated_arm_at_one():
     (arm,), note = served.as_served([_arm()], "trtllm", None, "trtllm")
     assert arm.name == "calibrated:ck" and all(float(s) == 1.0 for s in (*arm.k.values(), *arm.v.values()))
-    assert arm.q == {} and "TensorRT-LLM 1.2" in note and "runs at scale 1.0" in arm.notes[-1]
+    assert arm.q == {} and "TensorRT-LLM 1.4" in note and "runs at scale 1.0" in arm.notes[-1]
     (built,), _ = served.as_served([_arm("tensor", INT8, q=False)], "trtllm", "pr18953", "trtllm")
     assert float(built.k[0].max()) == 2.0 and not built.notes          # a build that applies INT8 scales keeps them
 
@@ -76,7 +76,7 @@ def test_eval_target_trtllm_measures_the_calibrated_arm_as_the_default(tmp_path,
     doc = json.loads((tmp_path / "trt" / "report.json").read_text())
     arms = doc["arms"]
     assert arms[name]["summary"]["kl"] == pytest.approx(arms["default"]["summary"]["kl"], rel=1e-9)
-    assert any("evaluated as TensorRT-LLM 1.2 serves them" in n for n in doc["notes"])
+    assert any("evaluated as TensorRT-LLM 1.4 serves them" in n for n in doc["notes"])
     md = (tmp_path / "trt" / "report.md").read_text()
     assert "this arm runs at scale 1.0" in md
 

@@ -1,5 +1,5 @@
 """What each target's engine does with what kvcalib writes, through the CLI: the refusals (one line, non-zero exit,
-nothing written), the warnings, and the serve lines — all read from the support matrix (calib.engine.support)."""
+nothing written), the warnings, and the serve lines — all read from the support matrix (calib.recipe.support)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from calib.cli import main
-from calib.engine import support
+from calib.recipe import support
 from calib.export import serve
 from calib.recipe.recipe import Recipe
 from helpers import k_beyond_fp8_model, save_model_and_data

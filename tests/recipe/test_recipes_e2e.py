@@ -21,7 +21,7 @@ SMALL = dict(samples=8, seq_len=32, min_tokens=8, batch_size=4)
 def _run(src, data, out, name, **extra):
     r = recipe_mod.load(Path("recipes") / f"{name}.yaml" if not str(name).endswith(".yaml") else name)
     r = r.replace(**SMALL, **extra)
-    # INT8 for TensorRT-LLM is written only for a build that applies it (calib.engine.support)
+    # INT8 for TensorRT-LLM is written only for a build that applies it (calib.recipe.support)
     versions = {"trtllm": "pr18953"} if r.dtype == "int8" else {}
     return r, pipeline.calibrate(src, data, r, out, device="cpu", engine_versions=versions)
 
