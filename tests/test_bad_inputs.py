@@ -1,8 +1,8 @@
 """Every bad input ends in one line naming the file/field/layer and what to do, a non-zero exit, no output,
 and every input unchanged.
 
-`ROWS` is the source of the README's bad-input table (`make bad-input-table` regenerates it; a test below
-fails when the README drifts from it). Each row builds its bad input in a temp dir (also the current folder
+`ROWS` is the source of docs/bad-inputs.md's table (`make bad-input-table` regenerates it; a test below
+fails when the document drifts from it). Each row builds its bad input in a temp dir (also the current folder
 while it runs) and gives the CLI args of its command; every file the setup made is hashed before and after.
 """
 
@@ -30,7 +30,7 @@ from tiny import fp8_weight_checkpoint, random_sequences, tiny_causal_lm
 
 @dataclass(frozen=True)
 class Row:
-    input: str                                   # what the user did (README column)
+    input: str                                   # what the user did (the table's column)
     setup: Callable[[Path], list[str]]           # builds the case under a temp dir, returns CLI args
     message: str                                 # substring of the one-line error
     command: str = "calibrate"                   # the kvcalib command the args are given to
@@ -891,12 +891,12 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-def test_readme_table_is_generated_from_these_rows():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert markdown_table() in readme, "README bad-input table is stale: run `make bad-input-table`"
+def test_the_docs_table_is_generated_from_these_rows():
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "bad-inputs.md").read_text()
+    assert markdown_table() in doc, "docs/bad-inputs.md's table is stale: run `make bad-input-table`"
 
 
-if __name__ == "__main__":  # prints the README table
+if __name__ == "__main__":  # prints the docs/bad-inputs.md table
     print(markdown_table())
 
 

@@ -1,4 +1,4 @@
-"""The README's layout tree is the package: one line per file under calib/, each saying what the file is for.
+"""docs/layout.md's tree is the package: one line per file under calib/, each saying what the file is for.
 
 The tree (between `<!-- layout:start -->` and `<!-- layout:end -->`) is read as indentation, two spaces a level,
 a name (a folder ends in `/`) and its description; the files are read from the checkout beside this test, not
@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+DOC = "docs/layout.md"
 START, END = "<!-- layout:start -->", "<!-- layout:end -->"
 INDENT = 2          # spaces per level
 NAME_WIDTH = 26     # the column the descriptions start at
-WIDTH = 116         # the widest line the tree keeps (the README's code blocks do not scroll)
+WIDTH = 116         # the widest line the tree keeps (markdown code blocks do not scroll)
 LINE = re.compile(r"^(?P<indent> *)(?P<name>[A-Za-z0-9_.-]+/?)(?: {2,}(?P<what>\S.*))?$")
 
 
@@ -26,13 +27,13 @@ LINE = re.compile(r"^(?P<indent> *)(?P<name>[A-Za-z0-9_.-]+/?)(?: {2,}(?P<what>\
 class Entry:
     path: str        # "calib/ckpt/names.py", "calib/ckpt/"
     what: str
-    lineno: int      # README.md's line
+    lineno: int      # the document's line
     line: str
 
 
 def block(readme: str) -> tuple[str, int]:
-    """The text between the markers and the README line number of its first line."""
-    assert readme.count(START) == readme.count(END) == 1, f"README.md needs one {START} and one {END}"
+    """The text between the markers and the document line number of its first line."""
+    assert readme.count(START) == readme.count(END) == 1, f"{DOC} needs one {START} and one {END}"
     head, rest = readme.split(START, 1)
     return rest.split(END, 1)[0], head.count("\n") + 1
 
@@ -47,10 +48,10 @@ def parse_tree(text: str, first_lineno: int = 1) -> list[Entry]:
         m = LINE.match(line)
         depth = len(m["indent"]) // INDENT if m else 0
         if not m or len(m["indent"]) % INDENT or depth > len(folders):
-            raise ValueError(f"README.md:{n}: not a tree line (indent {INDENT} spaces a level under a folder, "
+            raise ValueError(f"{DOC}:{n}: not a tree line (indent {INDENT} spaces a level under a folder, "
                              f"name, two spaces, description): {line!r}")
         if not m["what"]:
-            raise ValueError(f"README.md:{n}: {m['name']} has no description: {line!r}")
+            raise ValueError(f"{DOC}:{n}: {m['name']} has no description: {line!r}")
         del folders[depth:]
         path = "".join(folders) + m["name"]
         if m["name"].endswith("/"):
@@ -89,37 +90,36 @@ def differences(entries: list[Entry], disk: dict[str, Path]) -> list[str]:
     listed: dict[str, Entry] = {}
     for e in entries:
         if e.path in listed:
-            out.append(f"remove README.md line {e.lineno} (it repeats line {listed[e.path].lineno}): {e.line!r}")
+            out.append(f"remove {DOC} line {e.lineno} (it repeats line {listed[e.path].lineno}): {e.line!r}")
         else:
             listed[e.path] = e
     for path in sorted(set(listed) - set(disk)):
-        out.append(f"remove README.md line {listed[path].lineno} (no such file): {listed[path].line!r}")
+        out.append(f"remove {DOC} line {listed[path].lineno} (no such file): {listed[path].line!r}")
     for path in sorted(set(disk) - set(listed), key=lambda p: (p.rstrip("/").count("/"), p)):
         parent = path.rstrip("/").rpartition("/")[0] + "/"
         inside = [e.lineno for e in listed.values() if e.path.startswith(parent) and e.path in disk]
-        where = f"after README.md line {max(inside)}, in {parent}" if inside else f"under the new folder {parent}"
+        where = f"after {DOC} line {max(inside)}, in {parent}" if inside else f"under the new folder {parent}"
         line = tree_line(path, summary(disk[path]))
         width = f" (then shorten its description to {WIDTH} columns)" if len(line) > WIDTH else ""
         out.append(f"add {where}: {line!r}{width}")
     return out
 
 
-def test_the_readme_tree_lists_every_file_of_the_package_and_nothing_else():
-    readme = (ROOT / "README.md").read_text()
-    text, first = block(readme)
+def test_the_tree_lists_every_file_of_the_package_and_nothing_else():
+    text, first = block((ROOT / DOC).read_text())
     entries = parse_tree(text, first)
     disk = on_disk(ROOT)
     assert {"calib/", "calib/cli.py", "calib/recipe/", "calib/recipe/recipe.py", "calib/ckpt/names.py"} <= set(disk)
     assert len(disk) > 60                       # the walk sees the package (it had 100 files and folders)
     todo = differences(entries, disk)
-    assert not todo, "the README layout tree differs from calib/:\n" + "\n".join(todo)
+    assert not todo, f"the {DOC} tree differs from calib/:\n" + "\n".join(todo)
 
 
 def test_every_tree_line_fits_and_says_something():
-    text, first = block((ROOT / "README.md").read_text())
+    text, first = block((ROOT / DOC).read_text())
     entries = parse_tree(text, first)
-    wide = [f"README.md:{e.lineno} is {len(e.line)} columns" for e in entries if len(e.line) > WIDTH]
-    bare = [f"README.md:{e.lineno}" for e in entries if len(e.what.split()) < 2]
+    wide = [f"{DOC}:{e.lineno} is {len(e.line)} columns" for e in entries if len(e.line) > WIDTH]
+    bare = [f"{DOC}:{e.lineno}" for e in entries if len(e.what.split()) < 2]
     assert wide == [] and bare == []
 
 
@@ -130,9 +130,9 @@ def test_the_tree_is_read_as_paths():
     assert [(e.path, e.what, e.lineno) for e in parse_tree(text, 10)] == [
         ("calib/", "the package", 11), ("calib/a.py", "first", 12), ("calib/sub/", "a folder", 13),
         ("calib/sub/b.py", "second", 14), ("calib/c.py", "third", 15)]
-    with pytest.raises(ValueError, match="README.md:2: b.py has no description"):
+    with pytest.raises(ValueError, match="docs/layout.md:2: b.py has no description"):
         parse_tree("calib/  the package\n  b.py\n")
-    with pytest.raises(ValueError, match="README.md:2: not a tree line"):
+    with pytest.raises(ValueError, match="docs/layout.md:2: not a tree line"):
         parse_tree("calib/  the package\n     b.py  odd indent\n")
 
 
@@ -144,8 +144,8 @@ def test_the_differences_name_the_lines_to_add_and_remove(tmp_path):
     (tmp_path / "calib" / "new" / "__init__.py").write_text('"""A new stage."""\n')
     entries = parse_tree("calib/  the package\n  a.py  first\n  gone.py  was here\n  sub/  a folder\n  a.py  again\n")
     assert differences(entries, on_disk(tmp_path)) == [
-        "remove README.md line 5 (it repeats line 2): '  a.py  again'",
-        "remove README.md line 3 (no such file): '  gone.py  was here'",
-        "add after README.md line 4, in calib/: '  new/                    A new stage.'",
+        "remove docs/layout.md line 5 (it repeats line 2): '  a.py  again'",
+        "remove docs/layout.md line 3 (no such file): '  gone.py  was here'",
+        "add after docs/layout.md line 4, in calib/: '  new/                    A new stage.'",
         "add under the new folder calib/new/: '    __init__.py           A new stage.'",
-        "add after README.md line 4, in calib/sub/: '    b.py                  Second thing.'"]
+        "add after docs/layout.md line 4, in calib/sub/: '    b.py                  Second thing.'"]
