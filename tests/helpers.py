@@ -241,6 +241,27 @@ def summary_row(max_bucket_kl: float | None = None, **kw):
     return Summary(**row.to_dict(), max_bucket_kl=row.kl if max_bucket_kl is None else max_bucket_kl)
 
 
+def engine_numbers(entry=None, **kw):
+    """calib.engine.metrics.EngineNumbers from an engine entry as report.json holds it (`entry`, a dict, plus `kw`);
+    None stays None. Rows may leave out kl_unresolved_mass (0); keys the type derives (tokens_per_gib) are dropped."""
+    from dataclasses import fields
+
+    from calib.engine.metrics import EngineNumbers, Overall, Row
+    from calib.evaluation.results import passkey_rows
+
+    if entry is None and not kw:
+        return None
+    d = {"engine": "vllm", "version": "0", **(entry or {}), **kw}
+
+    def typed(cls, row):
+        return cls(**{"kl_unresolved_mass": 0.0, **{k: v for k, v in row.items() if k in {f.name for f in fields(cls)}}})
+    d["buckets"] = {b: typed(Row, r) for b, r in (d.get("buckets") or {}).items()}
+    d["summary"] = typed(Overall, d["summary"]) if d.get("summary") else None
+    d["passkey"] = passkey_rows(d["passkey"]) if d.get("passkey") else None
+    d["sample_nll"] = tuple(d.get("sample_nll") or ())
+    return EngineNumbers(**{k: v for k, v in d.items() if k in {f.name for f in fields(EngineNumbers)}})
+
+
 def arm_metrics(kind: str = "checkpoint", dtype: str | None = "fp8_e4m3", *, granularity: str = "tensor",
                 shippable: bool = True, source: str | None = "ck", skip=(), serve_skip=(), layers=None, kl: float = 0.001,
                 ppl_rel: float = 0.001, ppl: float = 10.0, sample_nll=(), passkey=None, engine=None):
@@ -250,7 +271,8 @@ def arm_metrics(kind: str = "checkpoint", dtype: str | None = "fp8_e4m3", *, gra
     info = ArmInfo(kind, dtype, granularity, shippable, source, tuple(skip), tuple(serve_skip), (),
                    {"k": {}, "v": {}, "q": {}})
     return ArmMetrics(info, {"64": bucket_row(kl, ppl_rel, ppl)}, summary_row(kl=kl, ppl_rel=ppl_rel, ppl=ppl),
-                      tuple(sample_nll), tuple(0.0 for _ in sample_nll), layers or {}, (), Seconds(1.0), passkey, engine)
+                      tuple(sample_nll), tuple(0.0 for _ in sample_nll), layers or {}, (), Seconds(1.0), passkey,
+                      engine_numbers(engine) if isinstance(engine, dict) else engine)
 
 
 def reference_metrics(sample_tokens=(), ranges=None, engine=None):
@@ -259,7 +281,8 @@ def reference_metrics(sample_tokens=(), ranges=None, engine=None):
 
     return Reference({"64": bucket_row(0.0, 0.0, 10.0, 1.0)}, summary_row(kl=0.0, ppl_rel=0.0, top1=1.0), Seconds(1.0),
                      (), tuple(sample_tokens),
-                     {i: KVRange(tuple(k), tuple(v)) for i, (k, v) in (ranges or {}).items()}, None, engine)
+                     {i: KVRange(tuple(k), tuple(v)) for i, (k, v) in (ranges or {}).items()}, None,
+                     engine_numbers(engine) if isinstance(engine, dict) else engine)
 
 
 def default_sigint() -> None:

@@ -13,15 +13,97 @@ agreement need nothing beyond what the engine returns, so they are exact.
 
 Positions: the engine scores token j of a sample from tokens < j for j = 1..n-1, exactly the positions the
 emulation scores (`calib/evaluation/measure.py`), so token counts match one for one.
+
+The numbers are typed once, here, from the runner's checked answer (`EngineNumbers`, built by calib/engine/run.py):
+every reader after reads attributes. They stay raw: passkey answers are generated ids, scored by the evaluation.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from calib.engine.protocol import NOT_RUN, OK
+
 MIN_P = 1e-30
+
+
+@dataclass(frozen=True)
+class Row:
+    """One length bucket (or all of them) in the engine: the emulation's row (calib.evaluation.results.BucketRow)
+    and the reference's mass the KL bound could not resolve."""
+    samples: int
+    tokens: int
+    kl: float
+    kl_unresolved_mass: float
+    top1: float
+    ppl: float
+    ppl_ref: float
+    ppl_delta: float
+    ppl_rel: float
+
+
+@dataclass(frozen=True)
+class Overall(Row):
+    """Every bucket together, the worst bucket's KL, and the greedy continuations against the reference's
+    (`continuation_agreement`)."""
+    max_bucket_kl: float = 0.0
+    greedy: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineNumbers:
+    """One arm in the engine: its numbers where it ran (`status` OK), else why not (`reason`). `serve`: the runner
+    spec's fields that say how to serve the arm (kvcalib validate); `kv_groups`: the engine's KV cache groups
+    (calib.engine.protocol.kv_groups); `passkey_ids`: the ids generated per passkey prompt, which the evaluation
+    scores into `passkey` (rows per bucket, calib.evaluation.retrieval.score_engine)."""
+    engine: str
+    version: str
+    status: str = NOT_RUN
+    reason: str | None = None
+    kv_cache_dtype: str | None = None
+    buckets: Mapping[str, Row] = field(default_factory=dict)
+    summary: Overall | None = None
+    sample_nll: tuple[float, ...] = ()
+    kv_capacity_tokens: int | None = None
+    kv_gib: int = 0
+    seconds: Mapping[str, float] = field(default_factory=dict)
+    serve: Mapping[str, Any] | None = None
+    kv_groups: Mapping[str, Any] | None = None
+    passkey_ids: tuple[tuple[int, ...], ...] = ()
+    passkey: Mapping[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    @property
+    def tokens_per_gib(self) -> float | None:
+        """The engine's KV pool in tokens per GiB."""
+        return self.kv_capacity_tokens / self.kv_gib if self.kv_capacity_tokens and self.kv_gib else None
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        """The engine's measured cache bytes per token (all layers): its pool over the tokens it fits."""
+        return self.kv_gib * 2 ** 30 / self.kv_capacity_tokens if self.kv_capacity_tokens and self.kv_gib else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """As report.json holds it."""
+        out: dict[str, Any] = {"engine": self.engine, "version": self.version, "status": self.status}
+        if not self.ok:
+            return {**out, "reason": self.reason}
+        out.update(kv_cache_dtype=self.kv_cache_dtype, buckets={b: asdict(r) for b, r in self.buckets.items()},
+                   summary=asdict(self.summary) if self.summary else None, sample_nll=list(self.sample_nll),
+                   kv_capacity_tokens=self.kv_capacity_tokens, kv_gib=self.kv_gib, tokens_per_gib=self.tokens_per_gib,
+                   bytes_per_token=self.bytes_per_token, seconds=dict(self.seconds),
+                   serve=None if self.serve is None else dict(self.serve))
+        if self.kv_groups:
+            out["kv_groups"] = self.kv_groups
+        if self.passkey is not None:
+            out["passkey"] = {b: r.to_dict() for b, r in self.passkey.items()}
+        return out
 
 
 def position_kl(ref_top: dict[int, float], arm_top: dict[int, float]) -> tuple[float, float]:
@@ -88,8 +170,8 @@ def continuation_agreement(ref: Sequence[Sequence[int]], arm: Sequence[Sequence[
 
 def table(ref: dict[str, Any], arm: dict[str, Any] | None, samples: Sequence[Sequence[int]],
           buckets: Sequence[int], sample_buckets: Sequence[int]) -> dict[str, Any]:
-    """The engine entry's numbers for one arm against the engine's reference run: per bucket and overall
-    (the emulation's keys plus `kl_unresolved_mass`), per-sample NLL (for noise estimates) and greedy agreement."""
+    """An EngineNumbers' fields for one arm against the engine's reference run: per bucket and overall (the
+    emulation's plus `kl_unresolved_mass`), per-sample NLL (for noise estimates) and greedy agreement."""
     keys = ("tokens", "nll", "kl", "unresolved", "top1")
     zero = dict.fromkeys(keys, 0.0)
     by_b = {b: dict(zero) for b in buckets}
@@ -105,8 +187,8 @@ def table(ref: dict[str, Any], arm: dict[str, Any] | None, samples: Sequence[Seq
         ref_b[b] += r_nll
         count[b] += 1
         nll_samples.append(s["nll"])
-    rows = {str(b): _row(by_b[b], ref_b[b], count[b]) for b in buckets if by_b[b]["tokens"] > 0}
-    total = _row({k: sum(by_b[b][k] for b in buckets) for k in keys}, sum(ref_b.values()), len(samples))
-    total["max_bucket_kl"] = max(r["kl"] for r in rows.values())
-    total["greedy"] = continuation_agreement(ref["continuations"], (arm or ref)["continuations"])
-    return {"buckets": rows, "summary": total, "sample_nll": nll_samples}
+    rows = {str(b): Row(**_row(by_b[b], ref_b[b], count[b])) for b in buckets if by_b[b]["tokens"] > 0}
+    total = Overall(**_row({k: sum(by_b[b][k] for b in buckets) for k in keys}, sum(ref_b.values()), len(samples)),
+                    max_bucket_kl=max(r.kl for r in rows.values()),
+                    greedy=continuation_agreement(ref["continuations"], (arm or ref)["continuations"]))
+    return {"buckets": rows, "summary": total, "sample_nll": tuple(nll_samples)}

@@ -9,16 +9,20 @@ the reference (model-dtype KV), FP8 with the default scale, each checkpoint's sc
 scales did not take is "not run" and says which layer holds what. An arm the engine cannot serve — INT8
 KV in vLLM, what-ifs from a statistics file that no checkpoint holds, an FP8 cache the machine refuses —
 gets an entry that says "not run" and why; nothing is ever filled in from the emulation.
+
+The engine returns raw numbers, typed once (calib.engine.metrics.EngineNumbers): log-probabilities become KL and
+perplexity here, against the engine's own reference run; passkey answers stay generated ids, which the evaluation
+scores as it scores its own (calib.evaluation.retrieval.score_engine).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from calib.engine import driver, metrics, protocol, serve, support
-from calib.evaluation import passkey
+from calib.engine.metrics import EngineNumbers
 from calib.progress import SILENT, Progress
 
 KV_DTYPES = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}      # kvcalib dtype -> vLLM --kv-cache-dtype
@@ -104,8 +108,9 @@ class EngineRun:
     model_dtype: str
     samples: Sequence[Any]                      # calib.evaluation.samples.Sample: ids and bucket
     buckets: Sequence[int]
-    prompts: Sequence[passkey.Prompt] = ()
-    tokenizer: Any = None
+    prompts: Sequence[Any] = ()                 # calib.evaluation.passkey.Prompt: ids
+    passkey_tokens: int = 0                     # tokens generated per passkey prompt
+    tokenizer: Any = None                       # its end-of-sequence id stops generation
     context: int | None = None                  # the model's max positions
     progress: Progress = SILENT
     reference: dict[str, Any] | None = field(default=None, init=False)
@@ -114,11 +119,11 @@ class EngineRun:
 
     def _request(self, arm_specs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         cont = self.spec.continuation_tokens
-        need = max([len(s.ids) + cont for s in self.samples] + [len(p.ids) + passkey.MAX_NEW_TOKENS for p in self.prompts])
+        need = max([len(s.ids) + cont for s in self.samples] + [len(p.ids) + self.passkey_tokens for p in self.prompts])
         eos = getattr(self.tokenizer, "eos_token_id", None)
         return {"protocol": protocol.PROTOCOL, "arms": list(arm_specs), "samples": [list(s.ids) for s in self.samples],
                 "continuation_tokens": cont, "passkey": [list(p.ids) for p in self.prompts],
-                "passkey_tokens": passkey.MAX_NEW_TOKENS, "stop_token_ids": [] if eos is None else [int(eos)],
+                "passkey_tokens": self.passkey_tokens, "stop_token_ids": [] if eos is None else [int(eos)],
                 "top_k": self.spec.top_k, "kv_gib": self.spec.kv_gib,
                 "max_model_len": min(need, self.context) if self.context else need, "dtype": self.model_dtype,
                 "seed": 0, "chunk": self.spec.chunk}
@@ -128,7 +133,7 @@ class EngineRun:
         """One engine start for `arm_specs` (one serve configuration, `request`): one response per arm, in
         order."""
         cont, n = self.spec.continuation_tokens, len(arm_specs)
-        per_arm = sum(len(s.ids) + cont for s in self.samples) + sum(len(p.ids) + passkey.MAX_NEW_TOKENS
+        per_arm = sum(len(s.ids) + cont for s in self.samples) + sum(len(p.ids) + self.passkey_tokens
                                                                      for p in self.prompts)
         name = f"{self.spec.name} `{arm_specs[0]['name']}`" + (f" + {n - 1} arm(s) on one engine start" if n > 1 else "")
         with self.progress.stage(name, n * per_arm, samples=n * len(self.samples),
@@ -151,13 +156,13 @@ class EngineRun:
                                 + (f"; {len(said) - 2} more not run" if len(said) > 2 else "")}
             return resp
 
-    def _entry(self, resp: dict[str, Any], arm_spec: dict[str, Any]) -> dict[str, Any]:
-        base = {"engine": self.spec.name, "version": resp.get("version") or self.version}
+    def _entry(self, resp: dict[str, Any], arm_spec: dict[str, Any]) -> EngineNumbers:
+        base = EngineNumbers(self.spec.name, resp.get("version") or self.version)
         if resp["status"] != protocol.OK:
-            return {**base, "status": protocol.NOT_RUN, "reason": resp["reason"]}
+            return replace(base, reason=resp["reason"])
         bad = protocol.scales_mismatch(arm_spec.get("scales"), resp.get("scales"))
         if bad:
-            return {**base, "status": protocol.NOT_RUN, "reason": f"scales did not take ({bad})"}
+            return replace(base, reason=f"scales did not take ({bad})")
         if self.reference is None:
             raise RuntimeError("engine arms are measured after the reference")
         arm = None if resp is self.reference else resp
@@ -165,33 +170,22 @@ class EngineRun:
             nums = metrics.table(self.reference, arm, [s.ids for s in self.samples], self.buckets,
                                  [s.bucket for s in self.samples])
         except (ValueError, IndexError, KeyError) as e:
-            return {**base, "status": protocol.NOT_RUN, "reason": f"the engine's answer does not fit the request: {e}"}
-        cap = resp.get("kv_capacity_tokens")
-        out = {**base, "status": protocol.OK, "kv_cache_dtype": resp["kv_cache_dtype"], **nums,
-               "kv_capacity_tokens": cap, "kv_gib": resp["kv_gib"],
-               "tokens_per_gib": cap / resp["kv_gib"] if cap and resp["kv_gib"] else None,
-               "bytes_per_token": _bytes_per_token(cap, resp["kv_gib"]),
-               "seconds": resp["seconds"]}
-        out["serve"] = {k: arm_spec.get(k) for k in SERVE_KEYS}   # how to serve this arm (kvcalib validate)
-        if resp.get("kv_groups"):             # the engine's capacity as its hybrid cache manager counts it
-            out["kv_groups"] = resp["kv_groups"]
-        if self.prompts and self.tokenizer is not None:
-            out["passkey"] = passkey.summarize([
-                passkey.score(p, self.tokenizer.decode(ids, skip_special_tokens=True))
-                for p, ids in zip(self.prompts, resp["passkey"])])
-        return out
+            return replace(base, reason=f"the engine's answer does not fit the request: {e}")
+        return replace(base, status=protocol.OK, kv_cache_dtype=resp["kv_cache_dtype"], **nums,
+                       kv_capacity_tokens=resp.get("kv_capacity_tokens"), kv_gib=resp["kv_gib"],
+                       seconds=resp["seconds"], serve={k: arm_spec.get(k) for k in SERVE_KEYS},
+                       kv_groups=resp.get("kv_groups") or None, passkey_ids=tuple(map(tuple, resp["passkey"])))
 
-    def measure(self, reference: Any, arms: Sequence[Any]) -> dict[str, dict[str, Any]]:
+    def measure(self, reference: Any, arms: Sequence[Any]) -> dict[str, EngineNumbers]:
         """{arm name: engine entry} for the reference (on the first call) and every arm given: the reference
         on its own start first, then one start per serve configuration (`serve.group`)."""
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, EngineNumbers] = {}
         todo = ([] if self.reference is not None or self.reference_reason else [reference]) + list(arms)
         runnable: list[tuple[Any, dict[str, Any], str]] = []
         for j, arm in enumerate(todo):
             spec = request_arm(arm, self.model, driver.offered(self.spec))
             if isinstance(spec, str):
-                out[arm.name] = {"engine": self.spec.name, "version": self.version, "status": protocol.NOT_RUN,
-                                 "reason": spec}
+                out[arm.name] = EngineNumbers(self.spec.name, self.version, reason=spec)
             else:
                 runnable.append((arm, spec, f"arm {j + 1}/{len(todo)}"))
         if runnable and runnable[0][0] is reference:
@@ -204,9 +198,9 @@ class EngineRun:
             out[arm.name] = self._entry(resp, spec)
         if self.reference is None:
             for arm, _, _ in runnable:
-                out[arm.name] = {"engine": self.spec.name, "version": self.version, "status": protocol.NOT_RUN,
-                                 "reason": f"the engine's {reference.name.upper()}-KV reference run did not run "
-                                           f"({self.reference_reason})"}
+                out[arm.name] = EngineNumbers(self.spec.name, self.version,
+                                              reason=f"the engine's {reference.name.upper()}-KV reference run did "
+                                                     f"not run ({self.reference_reason})")
             return out
         for idx in serve.group([spec for _, spec, _ in runnable]):
             part = [runnable[i] for i in idx]
@@ -215,7 +209,3 @@ class EngineRun:
                 out[arm.name] = self._entry(resp, spec)
         return {a.name: out[a.name] for a in todo if a.name in out}
 
-
-def _bytes_per_token(capacity: int | None, kv_gib: int) -> float | None:
-    """The engine's measured cache bytes per token (all layers): its pool over the tokens it fits."""
-    return kv_gib * 2 ** 30 / capacity if capacity and kv_gib else None

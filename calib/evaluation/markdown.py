@@ -1,8 +1,8 @@
 """report.md: the evaluation's tables and verdict as GitHub markdown, from the typed report.
 
-Why a module of its own: calib/evaluation/report.py decides (thresholds, verdict, skip plan) and writes the
-files; this one only renders. Every number it prints is already in report.json; nothing here computes a
-decision, so a change of wording cannot change what the verdict says.
+Why a module of its own: calib/evaluation/verdict.py decides (thresholds, verdict, skip plan) and
+calib/evaluation/report.py writes the files; this one only renders. Every number it prints is already in
+report.json; nothing here computes a decision, so a change of wording cannot change what the verdict says.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from calib.engine import report as engine_report
-from calib.evaluation import significance
+from calib.evaluation import engine_report, significance
 from calib.evaluation.results import passkey_correct
 
 # `rep` below is a calib.evaluation.report.Report; it is not imported (report.py imports this module: no cycle)
@@ -49,7 +48,7 @@ def _passkey_cell(rows: Mapping[str, Any] | None) -> str:
 
 def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     """report.md from the typed report; `doc` (report.json's document) feeds the engine section, which
-    calib/engine/report.py renders from the engine's own entries."""
+    calib/evaluation/engine_report.py renders from the engine's own entries."""
     meta, ref, th, v = rep.meta, rep.reference, rep.thresholds, rep.verdict
     ref_name, quant = rep.reference_name, rep.arms
     d = meta["data"]

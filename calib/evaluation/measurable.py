@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from calib.engine.metrics import EngineNumbers
 from calib.errors import KvcalibError
 
 _BUCKET = ("kl", "top1", "ppl", "ppl_ref", "ppl_delta", "ppl_rel")
@@ -78,12 +79,11 @@ def _passkey(arm: str, rows: Mapping[str, Any] | None, prefix: str = "") -> Iter
             yield Unmeasured(arm, f"{prefix}passkey bucket <= {b}", "accuracy", v)
 
 
-def _engine(arm: str, entry: Mapping[str, Any] | None) -> Iterator[Unmeasured]:
+def _engine(arm: str, entry: EngineNumbers | None) -> Iterator[Unmeasured]:
     """The engine's own numbers, where it measured the arm (an entry that says "not run" holds none)."""
-    if not entry or entry.get("status") != "ok":
+    if entry is None or not entry.ok:
         return
-    name = entry.get("engine", "engine")
-    prefix = f"({name}) "
+    prefix = f"({entry.engine}) "
 
     def walk(x: Any, where: str, key: str) -> Iterator[Unmeasured]:
         if isinstance(x, Mapping):
@@ -95,11 +95,11 @@ def _engine(arm: str, entry: Mapping[str, Any] | None) -> Iterator[Unmeasured]:
                 yield from walk(v, where, key)
         elif _bad(x):
             yield Unmeasured(arm, prefix + where, key, x)
-    for b, row in (entry.get("buckets") or {}).items():
-        yield from walk(row, f"bucket <= {b}", "")
-    yield from walk(entry.get("summary") or {}, "all buckets", "")
-    yield from _samples(arm, entry.get("sample_nll"), "nll", prefix)
-    yield from _passkey(arm, entry.get("passkey"), prefix)
+    for b, row in entry.buckets.items():
+        yield from walk(asdict(row), f"bucket <= {b}", "")
+    yield from walk(asdict(entry.summary) if entry.summary else {}, "all buckets", "")
+    yield from _samples(arm, entry.sample_nll, "nll", prefix)
+    yield from _passkey(arm, entry.passkey, prefix)
 
 
 def reference_problems(name: str, ref: Any) -> Iterator[Unmeasured]:

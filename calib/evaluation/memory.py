@@ -17,7 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from calib.engine import verdict as honest
+from calib.engine.command import SKIP_FLAG
+from calib.engine.metrics import EngineNumbers
+from calib.evaluation.numbers import decisive, paired
 from calib.evaluation.results import ArmInfo, ArmMetrics, bucket_of
 from calib.model import layer_kinds as lk
 from calib.recipe import dtypes
@@ -72,7 +74,7 @@ class Model:
 
 
 def table(m: Model, ref_name: str, results: Mapping[str, ArmMetrics],
-          ref_engine: Mapping[str, Any] | None = None) -> dict[str, Any]:
+          ref_engine: EngineNumbers | None = None) -> dict[str, Any]:
     """report.json's `memory`: per arm and length the bytes per sequence, tokens per GiB and share of the
     reference's bytes saved (the bytes model), next to the engine's capacity where it ran (`ref_engine`: the
     reference's engine entry, `Reference.engine`)."""
@@ -82,11 +84,10 @@ def table(m: Model, ref_name: str, results: Mapping[str, ArmMetrics],
         for L in m.lengths:
             b, r = m.bytes(info, L), m.bytes(None, L)
             per[str(L)] = {"bytes_per_sequence": b, "tokens_per_gib": L * 2 ** 30 / b, "saving": 1 - b / r}
-        eng = engine or {}
-        rows[name] = {"model": per, "engine_tokens_per_gib": eng.get("tokens_per_gib"),
-                      "engine_capacity_tokens": eng.get("kv_capacity_tokens")}
-        if eng.get("kv_groups"):
-            rows[name]["engine_check"] = engine_check(m, info, eng["kv_groups"])
+        rows[name] = {"model": per, "engine_tokens_per_gib": engine.tokens_per_gib if engine else None,
+                      "engine_capacity_tokens": engine.kv_capacity_tokens if engine else None}
+        if engine and engine.kv_groups:
+            rows[name]["engine_check"] = engine_check(m, info, engine.kv_groups)
     return {"layer_kinds": m.layers.describe(), "rows": rows,
             "note": ("bytes model: per layer min(length, window) tokens x KV heads x head_dim x 2 x bytes (kvcalib); "
                      "the engine's number is its pool in tokens (vLLM: blocks x block size), which for a hybrid model "
@@ -117,7 +118,7 @@ class Candidate:
     change: float | None = None
     noise: float | None = None
     noise_over: str = ""
-    # False where the capacity rule (calib.engine.verdict.capacity_gain) finds the skip arm holding no more requests
+    # False where the capacity rule (calib.evaluation.capacity.capacity_gain) finds the skip arm holding no more requests
     # than the reference beyond noise: no serve command then; None where not weighed
     capacity_gain: bool | None = None
 
@@ -166,16 +167,16 @@ class Candidate:
 
 
 def _loss(entry: ArmMetrics, length: int) -> tuple[float, str] | None:
-    nums = honest.decisive(entry)
+    nums = decisive(entry)
     row = nums.buckets.get(str(length))
     return (row.ppl_rel, nums.source) if row is not None else None
 
 
-def _engine_bytes(engine: Mapping[str, Any] | None) -> tuple[float, int] | None:
+def _engine_bytes(engine: EngineNumbers | None) -> tuple[float, int] | None:
     """(bytes per context token, max_model_len) the engine reserves for a request of max_model_len: its pool over
     the capacity it reported in its own definition (vLLM's `kv_cache_size_tokens`); None where it did not say."""
-    groups = (engine or {}).get("kv_groups") or {}
-    size, gib, length = groups.get("size_tokens"), (engine or {}).get("kv_gib"), groups.get("max_model_len")
+    groups = (engine and engine.kv_groups) or {}
+    size, gib, length = groups.get("size_tokens"), engine and engine.kv_gib, groups.get("max_model_len")
     return (gib * 2 ** 30 / size, int(length)) if size and gib and length else None
 
 
@@ -190,18 +191,18 @@ def _paired_at(arm: ArmMetrics, base: ArmMetrics, tokens: Sequence[int], buckets
                length: int) -> tuple[float | None, float | None, str]:
     """(log ppl ratio arm / base, 2 standard errors, which samples) on the decisive numbers, paired by sample over
     bucket `length`'s samples, or every sample where that bucket has fewer than two."""
-    a, b = honest.decisive(arm).sample_nll, honest.decisive(base).sample_nll
+    a, b = decisive(arm).sample_nll, decisive(base).sample_nll
     if len(a) != len(tokens) or len(b) != len(tokens):         # not measured per sample alike: no estimate
         return None, None, "every sample"
     idx = [i for i, t in enumerate(tokens) if t + 1 <= length and bucket_of(t + 1, buckets) == length]
     over = f"the {len(idx)} samples of bucket <= {length}"
     if len(idx) < 2:
         idx, over = list(range(len(tokens))), "every sample"
-    pair = honest.paired([a[i] for i in idx], [b[i] for i in idx], [tokens[i] for i in idx])
+    pair = paired([a[i] for i in idx], [b[i] for i in idx], [tokens[i] for i in idx])
     return (pair[0], 2 * pair[1], over) if pair else (None, None, over)
 
 
-def candidates(m: Model, results: Mapping[str, ArmMetrics], ref_engine: Mapping[str, Any] | None = None,
+def candidates(m: Model, results: Mapping[str, ArmMetrics], ref_engine: EngineNumbers | None = None,
                sample_tokens: Sequence[int] = ()) -> list[Candidate]:
     """Every measured skip arm against the arm it was cut from, at the longest length both measured with the same
     numbers (engine or emulation), best quality regained per memory given back first. The share given back is the
@@ -228,10 +229,10 @@ def candidates(m: Model, results: Mapping[str, ArmMetrics], ref_engine: Mapping[
             saving = full - kept
             back = (m.bytes(e.info, L) - kept) / saving if saving > 0 else 0.0
             if e.info.skip_kind:
-                label, flag = f"skip {e.info.skip_kind.replace('_', '-')} layers", f"{honest.SKIP_FLAG} {e.info.skip_kind}"
+                label, flag = f"skip {e.info.skip_kind.replace('_', '-')} layers", f"{SKIP_FLAG} {e.info.skip_kind}"
             else:
                 label = f"skip layer{'s' if len(e.info.skip) > 1 else ''} {', '.join(map(str, e.info.skip))}"
-                flag = f"{honest.SKIP_FLAG} {' '.join(map(str, e.info.skip))}"
+                flag = f"{SKIP_FLAG} {' '.join(map(str, e.info.skip))}"
             eng = _engine_share(_engine_bytes(ref_engine), _engine_bytes(base.engine), _engine_bytes(e.engine))
             change, noise, over = _paired_at(e, base, sample_tokens, m.lengths, L)
             out.append(Candidate(name, base_name, label, L, b[0], a[0], back, a[1], flag, *eng, change, noise, over))

@@ -1,10 +1,10 @@
 """The evaluation's results as typed values: what `measure` returns, what the verdict reads, what report.json holds.
 
-Why typed: the same numbers are read by the verdict (calib/evaluation/report.py), the engine comparison
-(calib/engine/verdict.py) and `kvcalib tune`; a named field makes a misspelt or missing number an error where
-it is read. `to_dict` gives report.json's form: its keys and their order are the file format
-(tests/evaluation/test_run.py pins them). The engine's own entry (`engine`) stays the mapping its runner
-protocol defines (calib/engine/run.py); `calib.engine.verdict.decisive` reads both through one typed view.
+Why typed: the same numbers are read by the verdict (calib/evaluation/verdict.py), the capacity rule and
+`kvcalib tune`; a named field makes a misspelt or missing number an error where it is read. `to_dict` gives
+report.json's form: its keys and their order are the file format (tests/evaluation/test_run.py pins them). The
+engine's own numbers (`engine`) are typed where the engine returns them (calib.engine.metrics.EngineNumbers);
+`calib.evaluation.numbers.decisive` picks the engine's or the emulation's.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from calib.engine.metrics import EngineNumbers
 
 def bucket_of(length: int, buckets: Iterable[int]) -> int:
     """A sample's bucket, the `b` of every "bucket <= b" row: the smallest bucket >= its length in tokens
@@ -48,11 +49,6 @@ class BucketRow:
         t = max(tokens, 1e-300)
         ppl, ppl_ref = exp(nll / t), exp(ref_nll / t)
         return cls(samples, int(t), kl / t, agree / t, ppl, ppl_ref, ppl - ppl_ref, ppl / ppl_ref - 1)
-
-    @classmethod
-    def read(cls, row: Mapping[str, Any]) -> "BucketRow":
-        """From report.json's (or an engine entry's) row; keys beyond this row's are left out."""
-        return cls(**{f.name: row[f.name] for f in fields(cls)})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,12 +92,11 @@ def passkey_rows(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, PasskeyR
             for b, r in summary.items()}
 
 
-def passkey_correct(rows: Mapping[str, Any] | None) -> tuple[int, int] | None:
-    """(correct, total) over every bucket of typed rows or of an engine entry's table; None when not run."""
+def passkey_correct(rows: Mapping[str, PasskeyRow] | None) -> tuple[int, int] | None:
+    """(correct, total) over every bucket (the emulation's rows or the engine's); None when not run."""
     if not rows:
         return None
-    pick = [(r.correct, r.total) if isinstance(r, PasskeyRow) else (r["correct"], r["total"]) for r in rows.values()]
-    return sum(c for c, _ in pick), sum(t for _, t in pick)
+    return sum(r.correct for r in rows.values()), sum(r.total for r in rows.values())
 
 
 @dataclass(frozen=True)
@@ -185,7 +180,7 @@ class Reference:
     sample_tokens: tuple[int, ...]
     ranges: Mapping[str, KVRange]
     passkey: Mapping[str, PasskeyRow] | None = None
-    engine: Mapping[str, Any] | None = None
+    engine: EngineNumbers | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {"buckets": table(self.buckets), "summary": self.summary.to_dict(), "seconds": self.seconds.to_dict(),
@@ -207,7 +202,7 @@ class ArmMetrics:
     failures: tuple[Failure, ...]
     seconds: Seconds
     passkey: Mapping[str, PasskeyRow] | None = None
-    engine: Mapping[str, Any] | None = None
+    engine: EngineNumbers | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {**self.info.to_dict(), "buckets": table(self.buckets), "summary": self.summary.to_dict(),
@@ -221,7 +216,7 @@ def _extras(out: dict[str, Any], e: Reference | ArmMetrics) -> dict[str, Any]:
     if e.passkey is not None:
         out["passkey"] = {b: r.to_dict() for b, r in e.passkey.items()}
     if e.engine is not None:
-        out["engine"] = e.engine
+        out["engine"] = e.engine.to_dict()
     return out
 
 

@@ -1,7 +1,7 @@
 """The decision of `kvcalib tune`, and the plain statement of whether scales mattered at all.
 
 The rule (written into tune.json and tune.md so it can be checked and re-argued):
-1. a candidate qualifies when it is within the quality bar in every length bucket (`report.failures`:
+1. a candidate qualifies when it is within the quality bar in every length bucket (`verdict.failures`:
    worst-bucket KL <= --max-kl, perplexity rise <= --max-ppl-increase; on the engine's numbers where the
    engine measured it);
 2. among qualifying candidates, the fewest skipped layers (the most KV memory saved: every FP8/INT8 layer
@@ -11,7 +11,7 @@ The rule (written into tune.json and tune.md so it can be checked and re-argued)
    (per-tensor, no q_scale), then the simplest observer, then the least headroom, then the lowest KL;
 4. nothing qualifies: keep the model-dtype ("BF16") KV cache.
 With an engine (`--engine vllm`) that counted the reference's KV capacity, steps 2 and 4 are eval's capacity rule
-(calib.engine.verdict.by_capacity, CAPACITY_RULE) instead: tune measures no speed (`kvcalib validate` measures
+(calib.evaluation.capacity.by_capacity, CAPACITY_RULE) instead: tune measures no speed (`kvcalib validate` measures
 goodput under load), so among qualifying candidates it serves the one whose KV pool holds the most requests of the
 longest length measured, if that is more than 5 % above the reference's and, where the engine counted both, more
 than one request more; otherwise it keeps BF16.
@@ -30,9 +30,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from calib.engine import verdict as honest
-from calib.engine.verdict import ENGINE, decisive
-from calib.evaluation import measurable, report
+from calib.evaluation import capacity as rule
+from calib.evaluation import measurable, verdict
+from calib.evaluation.numbers import ENGINE, decisive
 from calib.evaluation.results import ArmMetrics
 from calib.tune import score, space
 
@@ -56,7 +56,7 @@ def kl(entry: ArmMetrics) -> float:
     return decisive(entry).summary.max_bucket_kl
 
 
-def rows(found: Any, th: report.Thresholds, layers: int, ref_bytes: int, baseline: str) -> list[dict[str, Any]]:
+def rows(found: Any, th: verdict.Thresholds, layers: int, ref_bytes: int, baseline: str) -> list[dict[str, Any]]:
     """One row per candidate: its recipe, memory saved, numbers, why it misses the bar, and vs the default."""
     ref, base = found.ref, found.entries.get(baseline)
     tokens = ref.sample_tokens if ref else ()
@@ -68,9 +68,9 @@ def rows(found: Any, th: report.Thresholds, layers: int, ref_bytes: int, baselin
                "measured_as": found.measured_as.get(c.name), "scored": e is not None}
         if e is not None:
             source = decisive(e).source
-            shown = e.engine if source == ENGINE else e.to_dict()     # the engine's rows keep their extra numbers
+            shown = (e.engine if source == ENGINE else e).to_dict()     # the engine's rows keep their extra numbers
             row.update(numbers=source, summary=shown["summary"], buckets=shown["buckets"],
-                       emulated=score.slim(e), failures=report.failures(e, ref, th))
+                       emulated=score.slim(e), failures=verdict.failures(e, ref, th))
             if base is not None:
                 row["vs_default"] = score.compare(e, base, tokens)
             cap = capacity(found, c, e, row["memory_saved"], counts)
@@ -87,9 +87,7 @@ def layout(c: Any) -> tuple[str, tuple[int, ...]]:
 
 def capacity_length(found: Any) -> int:
     """The capacity rule's length: the longest the evaluation asked for (the longest requests bind), as in eval."""
-    ref = found.ref
-    lengths = [int(b) for b in ref.buckets] + [int(b) for b in ((ref.engine or {}).get("buckets") or {})]
-    return max(lengths, default=0)
+    return rule.longest(found.ref)
 
 
 def engine_counts(found: Any, baseline: str) -> dict[tuple[str, tuple[int, ...]], tuple[Any, str]]:
@@ -97,11 +95,11 @@ def engine_counts(found: Any, baseline: str) -> dict[tuple[str, tuple[int, ...]]
     and the default scale 1.0 (FP8, no skip); the first such arm of a layout counts for the layout."""
     out: dict[tuple[str, tuple[int, ...]], tuple[Any, str]] = {}
     base = found.entries.get(baseline) if found.ref is not None else None
-    if base is not None and (base.engine or {}).get("status") == "ok":
+    if base is not None and base.engine is not None and base.engine.ok:
         out[("fp8_e4m3", ())] = (base.engine, baseline)
     for c in found.candidates:
         run = found.engine.get(c.name)
-        if (run or {}).get("status") == "ok":
+        if run is not None and run.ok:
             out.setdefault(layout(c), (run, c.name))
     return out
 
@@ -111,19 +109,19 @@ def capacity(found: Any, cand: Any, entry: ArmMetrics, saved: float,
     """With an engine that counted the reference's KV capacity: the candidate's capacity over the reference's at the
     longest length (the engine's count for its layout where the engine ran it, this candidate or another of the same
     KV dtype and skipped layers (`counted_on`), else 1 / (1 - the share of memory it saves)) and whether that is a
-    gain beyond noise (calib.engine.verdict.capacity_gain); None without such an engine."""
+    gain beyond noise (calib.evaluation.capacity.capacity_gain); None without such an engine."""
     ref = found.ref
     length = capacity_length(found)
-    ref_row = honest.CapacityRow("reference", True, 0.0, honest.engine_requests(ref.engine, length), 1.0, True)
+    ref_row = rule.CapacityRow("reference", True, 0.0, rule.engine_requests(ref.engine, length), 1.0, True)
     if ref_row.requests is None:
         return None
-    own = honest.engine_requests(entry.engine, length)
+    own = rule.engine_requests(entry.engine, length)
     run, on = (counts or {}).get(layout(cand), (None, None))
-    requests, counted_on = (own, cand.name) if own is not None else (honest.engine_requests(run, length), on)
-    row = honest.CapacityRow(cand.name, True, kl(entry), requests, 1 / (1 - saved) if saved < 1 else None)
-    ratio, source = honest.capacity_ratio(row, ref_row)
+    requests, counted_on = (own, cand.name) if own is not None else (rule.engine_requests(run, length), on)
+    row = rule.CapacityRow(cand.name, True, kl(entry), requests, 1 / (1 - saved) if saved < 1 else None)
+    ratio, source = rule.capacity_ratio(row, ref_row)
     return {"length": length, "requests": row.requests, "reference_requests": ref_row.requests,
-            "vs_reference": ratio, "source": source, "gain": honest.capacity_gain(row, ref_row),
+            "vs_reference": ratio, "source": source, "gain": rule.capacity_gain(row, ref_row),
             "counted_on": counted_on if source == ENGINE else None}
 
 
@@ -137,8 +135,8 @@ class Choice:
     NOT_COUNTED), and, under the capacity rule, the rows by_capacity ranked and its decision."""
     row: dict[str, Any] | None
     rule: str
-    rows: tuple[honest.CapacityRow, ...] = ()
-    decision: honest.CapacityDecision | None = None
+    rows: tuple[rule.CapacityRow, ...] = ()
+    decision: rule.CapacityDecision | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """tune.json's `capacity`: which rule chose, in words, and the capacity decision where there is one."""
@@ -160,7 +158,7 @@ def words(choice: Choice) -> str:
                 f"kvcalib's bytes model). Speed was {SPEED}.")
     d = choice.decision
     used = sorted({d.sources[r.name] for r in choice.rows if not r.reference and d.sources.get(r.name)})
-    text = (f"Chosen by eval's capacity rule (calib.engine.verdict.by_capacity): {honest.CAPACITY_RULE} Capacity at "
+    text = (f"Chosen by eval's capacity rule (calib.evaluation.capacity.by_capacity): {rule.CAPACITY_RULE} Capacity at "
             f"{d.length:,} tokens: {' and '.join(used) or 'not known'}.")
     named = [r.name for r in choice.rows if not r.reference]
     if named:
@@ -182,20 +180,20 @@ def decide(found: Any, table: list[dict[str, Any]]) -> Choice:
         groups.setdefault(layout(by_name[r["name"]]), []).append(r)
     reps = {_settle(found, g)["name"] for g in groups.values()}
     first = next(r for r in table if "capacity" in r)["capacity"]
-    ref_row = honest.CapacityRow(REFERENCE, True, 0.0, first["reference_requests"], 1.0, True)
+    ref_row = rule.CapacityRow(REFERENCE, True, 0.0, first["reference_requests"], 1.0, True)
     cap_rows = (ref_row, *(capacity_row(r) for r in ok if r["name"] in reps))
-    d = honest.by_capacity(cap_rows, first["length"])
+    d = rule.by_capacity(cap_rows, first["length"])
     row = next((r for r in ok if r["name"] == d.recommended), None)
     return Choice(row, ENGINE_COUNTED, cap_rows, d)
 
 
-def capacity_row(r: dict[str, Any]) -> honest.CapacityRow:
+def capacity_row(r: dict[str, Any]) -> rule.CapacityRow:
     """A table row as the capacity rule reads it: its requests (the engine's count for its layout, or None) and the
     bytes model's 1 / (1 - memory saved), its worst-bucket KL as the quality key."""
     cap = r["capacity"]
     model = 1 / (1 - r["memory_saved"]) if r["memory_saved"] < 1 else None
     requests = cap["requests"] if cap["source"] == ENGINE else None
-    return honest.CapacityRow(r["name"], not r["failures"], r["summary"]["max_bucket_kl"], requests, model)
+    return rule.CapacityRow(r["name"], not r["failures"], r["summary"]["max_bucket_kl"], requests, model)
 
 
 def choose(found: Any, table: list[dict[str, Any]]) -> dict[str, Any] | None:

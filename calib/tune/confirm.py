@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from calib.evaluation import report
+from calib.evaluation import verdict
 from calib.evaluation.arms import Arm, reference_arm
 from calib.recipe.dtypes import kv_dtype
 from calib.safety import files
@@ -25,14 +25,14 @@ from calib.tune.output import write_checkpoint
 from calib.tune.search import BASELINE, TuneError
 
 
-def shortlist(found: Any, th: report.Thresholds, n: int) -> list[Any]:
+def shortlist(found: Any, th: verdict.Thresholds, n: int) -> list[Any]:
     """The candidates the rule would look at first: within the bar, fewest skips, broadest support, lowest KL."""
     scored = [c for c in found.candidates if found.entry(c.name) is not None]
     seen, out = set(), []
 
     def key(c: Any) -> tuple:
         e = found.entry(c.name)
-        return (bool(report.failures(e, found.ref, th)), len(c.skip), -c.breadth(), c.simplicity(),
+        return (bool(verdict.failures(e, found.ref, th)), len(c.skip), -c.breadth(), c.simplicity(),
                 choose_mod.kl(e))
     for c in sorted(scored, key=key):
         if found.measured_as.get(c.name) in seen and c.breadth() == 2:
@@ -67,7 +67,7 @@ def confirm(cfg: Any, found: Any, st: Any, source: Path, loaded: Any, samples: A
         default = [Arm(BASELINE, kv_dtype("fp8_e4m3"), kind="default")] if base is not None else []
         ref_arm = reference_arm(loaded.dtype)
         engine = EngineRun(cfg.engine, version, str(source), str(loaded.dtype).removeprefix("torch."), samples,
-                           buckets, (), loaded.tokenizer, getattr(loaded.config, "max_position_embeddings", None),
+                           buckets, (), 0, loaded.tokenizer, getattr(loaded.config, "max_position_embeddings", None),
                            progress)
         log(f"tune: confirming {len(short)} candidate(s) in {cfg.engine.name} {version}")
         res = engine.measure(ref_arm, default + arms)

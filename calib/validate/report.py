@@ -14,9 +14,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from calib.engine import verdict as honest
+from calib.engine.metrics import EngineNumbers
 from calib.evaluation import markdown as render
 from calib.evaluation import report as eval_report
+from calib.evaluation import verdict as eval_verdict
+from calib.evaluation.numbers import decisive
 from calib.load import decide
 from calib.load.spec import LoadSpec
 from calib.safety import files
@@ -27,9 +29,9 @@ RECOMMENDED, DOMINATED, NO_GAIN, QUALITY, NOT_MEASURED = (
     "recommended", "dominated", "no gain", "fails the quality bar", decide.NOT_MEASURED)
 
 
-def _quality(entry: Any, ref: Any, th: eval_report.Thresholds, is_ref: bool) -> dict[str, Any]:
-    nums = honest.decisive(entry)
-    why = [] if is_ref else eval_report.failures(entry, ref, th)
+def _quality(entry: Any, ref: Any, th: eval_verdict.Thresholds, is_ref: bool) -> dict[str, Any]:
+    nums = decisive(entry)
+    why = [] if is_ref else eval_verdict.failures(entry, ref, th)
     return {"source": nums.source, "ok": not why, "failures": why,
             "buckets": {b: {"kl": r.kl, "ppl": r.ppl, "ppl_rel": r.ppl_rel, "top1": r.top1, "samples": r.samples}
                         for b, r in nums.buckets.items()},
@@ -37,10 +39,10 @@ def _quality(entry: Any, ref: Any, th: eval_report.Thresholds, is_ref: bool) -> 
                         "ppl_rel": 0.0 if is_ref else nums.summary.ppl_rel, "top1": nums.summary.top1}}
 
 
-def _bucket_arm(name: str, quality: dict[str, Any], sw: Mapping[str, Any] | None, engine: Mapping[str, Any] | None,
+def _bucket_arm(name: str, quality: dict[str, Any], sw: Mapping[str, Any] | None, engine: EngineNumbers | None,
                 is_ref: bool) -> decide.Arm:
-    if not engine or engine.get("status") != "ok":
-        why = f"not served by the engine: {(engine or {}).get('reason') or 'no engine run'}"
+    if engine is None or not engine.ok:
+        why = f"not served by the engine: {(engine and engine.reason) or 'no engine run'}"
         return decide.Arm(name, quality["ok"], quality["summary"]["ppl_rel"], None, None, 0.0, is_ref, why)
     if sw is None or sw.get("best") is None:
         why = f"the sweep did not run: {(sw or {}).get('error') or 'no serve configuration'}"
@@ -83,7 +85,7 @@ def _label(name: str, arm: decide.Arm, overall: decide.Decision) -> tuple[str, s
         "the reference; another arm delivers more within the bar"
 
 
-def build(result: Any, thresholds: eval_report.Thresholds, load: LoadSpec,
+def build(result: Any, thresholds: eval_verdict.Thresholds, load: LoadSpec,
           sweeps: Sequence[tuple[Any, Sequence[str], dict[str, Any]]], device: str) -> dict[str, Any]:
     """validate.json's document from a finished evaluation and the sweeps of its serve configurations."""
     ref_name = result.report["reference"]

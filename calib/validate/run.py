@@ -73,10 +73,9 @@ def serve_configs(entries: dict[str, Any], cpu: bool) -> list[tuple[server.Serve
     groups: dict[tuple[Any, ...], tuple[server.ServeConfig, list[str]]] = {}
     seen: dict[str, tuple[str, ...]] = {}          # a folder's identity reads its weights' bytes: once per folder
     for name, e in entries.items():
-        eng = e.engine or {}
-        if eng.get("status") != "ok" or not eng.get("serve"):
+        if e.engine is None or not e.engine.ok or not e.engine.serve:
             continue
-        cfg = _config(eng["serve"], cpu)
+        cfg = _config(e.engine.serve, cpu)
         if cfg.model not in seen:
             seen[cfg.model] = identity(cfg.model)
         key = (seen[cfg.model], cfg.kv_cache_dtype, tuple(str(s) for s in cfg.skip_layers), cfg.attention_backend)
@@ -109,7 +108,7 @@ def serve(result: Any, cfg: EvalConfig, load: LoadSpec, log: Log) -> dict[str, A
     configs = serve_configs(entries, cpu)
     buckets = prompt_buckets(result.samples, result.tokenizer, load.output_tokens, result.context)
     base = server.Launch(0, spec.kv_gib, "auto", on_cpu=cpu, timeout=spec.timeout)     # the dtype users serve
-    tok = str(((result.reference.engine or {}).get("serve") or {}).get("model") or cfg.model)
+    tok = str(((result.reference.engine and result.reference.engine.serve) or {}).get("model") or cfg.model)
     sweeps = []
     with tempfile.TemporaryDirectory(prefix=f"{driver.DIR_PREFIX}{os.getpid()}-") as work:
         for j, (scfg, names) in enumerate(configs):

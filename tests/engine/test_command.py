@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from calib.ckpt.kvinfo import read_kv_info
 from calib.cli import main
 from calib.engine import command, support
-from calib.engine.verdict import how_to_serve
+from calib.evaluation.verdict import how_to_serve
 from calib.routes import plan, spec
 from calib.tune import output
 from helpers import arm_metrics

@@ -1,4 +1,4 @@
-"""Choosing a KV format (calib/engine/formats.py) and serving the engine's own formats as arms (calib/engine/run.py
+"""Choosing a KV format (calib/evaluation/formats.py) and serving the engine's own formats as arms (calib/engine/run.py
 `format_arm`, the runner probe's list): the fewest bytes per token within the bar, ties to the format more backends
 serve; engine garbage for a dynamic format never chosen; formats the engine does not offer not run with the reason.
 Fast: helper-built numbers and the fake runner (tests/fake_vllm_runner.py); tests/engine/test_vllm_formats.py runs
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from calib.engine import driver, formats, protocol, run, support
-from calib.engine import verdict as honest
+from calib.engine import driver, protocol, run, support
 from calib.engine.driver import EngineSpec
-from calib.evaluation import report
+from calib.evaluation import formats, numbers
+from calib.evaluation import verdict as report
 from calib.evaluation.arms import Geometry, format_arms
 from calib.evaluation.run import run_eval
-from helpers import arm_metrics, engine_script, eval_config, reference_metrics, save_model_and_data
+from helpers import arm_metrics, engine_numbers, engine_script, eval_config, reference_metrics, save_model_and_data
 from tiny import tiny_causal_lm
 
 FAKE = Path(__file__).resolve().parents[1] / "fake_vllm_runner.py"
@@ -85,10 +85,11 @@ def test_engine_garbage_for_a_dynamic_format_is_implausible_and_never_chosen():
     with the exact emulation as the second opinion, that arm is flagged and not chosen, however small."""
     e = fmt("int4_per_token_head", ppl_rel=0.004)
     d = e.to_dict()
-    e = replace(e, engine={"status": "ok", "engine": "vllm", "version": "0.32.0", "kv_cache_dtype": "int4_per_token_head",
-                           "buckets": d["buckets"], "tokens_per_gib": 1e6,
-                           "summary": {**d["summary"], "ppl": 224275.0, "ppl_rel": 224275.0 / 22.4 - 1, "kl": 6.0}})
-    why = honest.implausible(e)
+    e = replace(e, engine=engine_numbers(status="ok", version="0.32.0", kv_cache_dtype="int4_per_token_head",
+                                         buckets=d["buckets"], kv_capacity_tokens=10 ** 6, kv_gib=1,
+                                         summary={**d["summary"], "ppl": 224275.0, "ppl_rel": 224275.0 / 22.4 - 1,
+                                                  "kl": 6.0}))
+    why = numbers.implausible(e)
     assert why and why.startswith("engine output implausible for int4_per_token_head on vllm 0.32.0")
     c = choose({"int4_per_token_head": e, "default": fmt("fp8_e4m3", "default", ppl_rel=0.005)})
     assert c.chosen == "default"
@@ -112,7 +113,7 @@ def test_format_arms_ask_the_engine_for_its_own_format_and_backend():
     assert run.request_arm(arms["int4_per_token_head"], "m", old) == (
         "this vLLM does not offer --kv-cache-dtype int4_per_token_head (it offers: " + ", ".join(old) + ")")
     assert isinstance(run.request_arm(arms["int8_per_token_head"], "m", old), dict)
-    assert honest.how_to_serve(arms["int8_per_token_head"].info()).startswith(
+    assert report.how_to_serve(arms["int8_per_token_head"].info()).startswith(
         "serve with `--kv-cache-dtype int8_per_token_head --attention-backend TRITON_ATTN`")
     assert set(support.DYNAMIC_FORMATS) == {a.dtype.name for a in arms.values() if a.dtype.dynamic}
 

@@ -121,7 +121,7 @@ def test_no_groups_where_the_engine_core_runs_elsewhere(runner):
 def test_the_engine_table_states_the_context_capacity_beside_the_pool():
     """The H100 run of the Gemma-3-4B shape: pool 838,848 tokens (one group's blocks), the engine's own capacity
     200,330 context tokens at max_model_len 32,800; an engine that did not say it shows a dash, not the pool."""
-    from calib.engine import report as engine_report
+    from calib.evaluation import engine_report
 
     assert engine_report.context_capacity({"size_tokens": 200330, "max_model_len": 32800}) == \
         "200,330 at max_model_len 32,800"

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from calib.engine import protocol, serve
-from calib.engine import verdict as honest
 from calib.engine.run import request_arm, served_skip, starts
+from calib.evaluation import verdict as honest
 from calib.evaluation.arms import Geometry, checkpoint_arms, default_arm, reference_arm
 from calib.recipe.dtypes import kv_dtype
 from helpers import arm_metrics, calibrate_small, save_model_and_data

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from calib.engine import verdict as honest
+from calib.evaluation import verdict as honest
 from calib.evaluation.arms import TOKEN, Arm, EvalError, Geometry, checkpoint_arms, reference_arm
 from calib.recipe.dtypes import FP8_E4M3, INT8
 

@@ -1,6 +1,6 @@
 """eval's recommendation when speed was not measured: among arms within the quality bar, the most KV capacity (the
 engine's own count, else the bytes model), never an arm whose gain over BF16 is within noise of zero
-(calib/engine/verdict.py `by_capacity`; issue 42 item 5). The rule against brute force on synthetic arm tables, the
+(calib/evaluation/capacity.py `by_capacity`; issue 42 item 5). The rule against brute force on synthetic arm tables, the
 verdict built on it, and tune's choice with an engine."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from dataclasses import replace as dc_replace
 
 import pytest
 
-from calib.engine import verdict as honest
-from calib.engine.verdict import CapacityRow, by_capacity
-from calib.evaluation import memory, report
+from calib.evaluation import capacity as honest
+from calib.evaluation import memory
+from calib.evaluation import verdict as report
+from calib.evaluation.capacity import CapacityRow, by_capacity
 from calib.model import layer_kinds as lk
-from helpers import arm_metrics, reference_metrics
+from helpers import arm_metrics, engine_numbers, reference_metrics
 
 REF = 20                                  # the reference's requests at the rule's length in the synthetic tables
 
@@ -107,13 +108,13 @@ def test_a_skip_with_bf16s_capacity_is_no_gain_and_twice_the_capacity_is():
 
 
 def test_engine_requests_read_the_groups_where_reported_else_the_pool():
-    assert honest.engine_requests({"status": "ok", "kv_capacity_tokens": 100_000}, 32768) == 3
-    assert honest.engine_requests({"status": "not_run", "kv_capacity_tokens": 100_000}, 32768) is None
+    assert honest.engine_requests(engine_numbers(status="ok", kv_capacity_tokens=100_000), 32768) == 3
+    assert honest.engine_requests(engine_numbers(status="not_run", kv_capacity_tokens=100_000), 32768) is None
     assert honest.engine_requests(None, 32768) is None
     groups = {"num_blocks": 1000, "in_flight_tokens": 2048, "max_model_len": 32768, "size_tokens": 1,
               "groups": [{"layers": [0], "spec": "FullAttentionSpec", "block_size": 16, "page_bytes": 1,
                           "window": None}]}
-    assert honest.engine_requests({"status": "ok", "kv_capacity_tokens": 10 ** 9, "kv_groups": groups}, 1600) == \
+    assert honest.engine_requests(engine_numbers(status="ok", kv_capacity_tokens=10 ** 9, kv_groups=groups), 1600) == \
         lk.engine_requests_fit(groups, 1600) == 10
 
 
@@ -136,8 +137,8 @@ def _arm(rel, skip=(), kind=None, layers=range(18), cap=None, kl=0.001):
     if cap is not None:
         summary = {"ppl": 10.0 * (1 + rel), "ppl_rel": rel, "kl": kl, "max_bucket_kl": kl, "top1": 0.99,
                    "samples": 2, "tokens": 126, "ppl_ref": 10.0, "ppl_delta": 10.0 * rel}
-        engine = {"status": "ok", "engine": "vllm", "version": "0.24", "kv_capacity_tokens": cap, "kv_gib": 8,
-                  "summary": summary, "buckets": {"32768": {**summary}}}
+        engine = engine_numbers(status="ok", version="0.24", kv_capacity_tokens=cap, kv_gib=8, summary=summary,
+                                buckets={"32768": {**summary}})
     return dc_replace(m, info=info, buckets=rows, engine=engine)
 
 
@@ -230,7 +231,7 @@ def test_eval_with_the_engine_keeps_bf16_over_a_skip_with_its_capacity(tmp_path,
     res = run_eval(eval_config(src, data, tmp_path / "r", samples=4, passkey_trials=0, engine=spec, plots=False,
                                thresholds=th))
     skip = "default skip sliding_window"
-    assert res.arms[skip].engine["status"] == "ok" and res.arms["default"].engine["status"] == "ok"
+    assert res.arms[skip].engine.ok and res.arms["default"].engine.ok
     v = res.verdict
     assert report.failures(res.arms["default"], res.reference, th) and not report.failures(res.arms[skip],
                                                                                             res.reference, th)
@@ -253,8 +254,8 @@ def test_eval_with_the_engine_keeps_bf16_over_a_skip_with_its_capacity(tmp_path,
 
 
 def _engine_entry(m, cap):
-    return {"status": "ok", "engine": "vllm", "version": "0.0", "kv_capacity_tokens": cap, "kv_gib": 1,
-            "summary": m.summary.to_dict(), "buckets": {b: r.to_dict() for b, r in m.buckets.items()}}
+    return engine_numbers(status="ok", kv_capacity_tokens=cap, kv_gib=1, summary=m.summary.to_dict(),
+                          buckets={b: r.to_dict() for b, r in m.buckets.items()})
 
 
 def test_tune_with_an_engine_does_not_choose_a_candidate_without_capacity_gain():

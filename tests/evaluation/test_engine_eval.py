@@ -16,12 +16,12 @@ from click.testing import CliRunner
 
 from calib.cli import main
 from calib.engine import driver, metrics, protocol
-from calib.engine import verdict as honest
 from calib.engine.driver import EngineSpec
-from calib.evaluation import report
+from calib.evaluation import numbers as honest
+from calib.evaluation import verdict as report
 from calib.evaluation.run import run_eval
 from tiny import tiny_causal_lm
-from helpers import arm_metrics, calibrate_small, eval_config, k_beyond_fp8_model, reference_metrics, save_model_and_data
+from helpers import arm_metrics, calibrate_small, engine_numbers, eval_config, k_beyond_fp8_model, reference_metrics, save_model_and_data
 
 FAKE = Path(__file__).resolve().parents[1] / "fake_vllm_runner.py"
 VENV = Path(sys.executable).parent.parent
@@ -184,9 +184,9 @@ def _entry(kind="checkpoint", dtype="fp8_e4m3", **kw):
 
 
 def _engine(entry, **kw):
-    """An engine entry (what calib/engine/run.py writes) holding `entry`'s buckets and summary."""
+    """An engine entry (what calib/engine/run.py returns) holding `entry`'s buckets and summary."""
     d = entry.to_dict()
-    return {"status": "ok", "engine": "vllm", "version": "x", "buckets": d["buckets"], "summary": {**d["summary"], **kw}}
+    return engine_numbers(status="ok", version="x", buckets=d["buckets"], summary={**d["summary"], **kw})
 
 
 def test_int8_advice_says_which_engine_applies_it_never_vllms_fp8_flag():
@@ -231,7 +231,7 @@ def test_skip_layers_are_recommended_only_when_the_engine_confirms():
     worse = _engine(trial, ppl=13.0)
     ok, why = honest.skip_confirmed(replace(trial, engine=worse), replace(base, engine=eng_bad))
     assert not ok and "does not confirm the gain" in why
-    assert math.isfinite(eng_ok["summary"]["ppl"])
+    assert math.isfinite(eng_ok.summary.ppl)
 
 
 def test_implausible_engine_numbers_are_reported_and_never_ranked():
@@ -239,8 +239,8 @@ def test_implausible_engine_numbers_are_reported_and_never_ranked():
     far off while its emulation is not is named, fails, and is never the arm shipped."""
     th = report.Thresholds()
     broken = _entry(ppl_rel=0.001)
-    broken = replace(broken, engine={**_engine(broken, ppl=224275.0, ppl_rel=224275.0 / 22.4 - 1, kl=6.0),
-                                     "kv_cache_dtype": "fp8", "version": "0.32.0"})
+    broken = replace(broken, engine=replace(_engine(broken, ppl=224275.0, ppl_rel=224275.0 / 22.4 - 1, kl=6.0),
+                                            kv_cache_dtype="fp8", version="0.32.0"))
     fine = _entry(kl=0.002, ppl_rel=0.003)
     fine = replace(fine, engine=_engine(fine))
     why = honest.implausible(broken)

@@ -66,18 +66,18 @@ def test_arms_differing_only_in_scales_share_one_start_and_match_separate_starts
     apart, log, n = _measure(setup, monkeypatch, [[0], [1], [2]])
     assert log == ["fp32", *names] and n == 4
     for name in names:
-        assert together[name]["status"] == "ok", together[name]
-        assert together[name]["summary"] == apart[name]["summary"]
-        assert together[name]["sample_nll"] == apart[name]["sample_nll"]
-    assert together[names[1]]["summary"] != together[names[2]]["summary"]    # the checkpoints differ: a real check
+        assert together[name].ok, together[name]
+        assert together[name].summary == apart[name].summary
+        assert together[name].sample_nll == apart[name].sample_nll
+    assert together[names[1]].summary != together[names[2]].summary    # the checkpoints differ: a real check
 
 
 def test_an_arm_whose_scales_did_not_take_is_not_run_naming_the_layer(setup, monkeypatch):
     _, arms, _, _ = setup
     out, log, _ = _measure(setup, monkeypatch, [[0, 1, 2]], FAKE_SCALES="drop")
-    assert out[arms[0].name]["status"] == "ok"
+    assert out[arms[0].name].ok
     for arm in arms[1:]:
         got = out[arm.name]
         want_k = float(arm.k[0])
-        assert got["status"] == "not_run"
-        assert got["reason"].startswith(f"scales did not take (layer 0: sent k {want_k:.6g}, engine holds 1)"), got
+        assert not got.ok
+        assert got.reason.startswith(f"scales did not take (layer 0: sent k {want_k:.6g}, engine holds 1)"), got

@@ -10,10 +10,11 @@ from dataclasses import replace as dc_replace
 import pytest
 
 from calib.engine.run import request_arm
-from calib.evaluation import markdown, memory, report
+from calib.evaluation import markdown, memory
+from calib.evaluation import verdict as report
 from calib.evaluation.run import run_eval
 from calib.model import layer_kinds as lk
-from helpers import arm_metrics, boosted, eval_config, reference_metrics, save_model_and_data
+from helpers import arm_metrics, boosted, engine_numbers, eval_config, reference_metrics, save_model_and_data
 from tiny import tiny_causal_lm
 
 
@@ -77,7 +78,7 @@ def _arm(rel, skip=(), kind=None, layers=range(18), nll=(), size=None):
     m = arm_metrics("default", ppl_rel=rel, skip=skip, sample_nll=nll)
     info = dc_replace(m.info, scales={"k": {str(i): 1.0 for i in layers}, "v": {}, "q": {}}, skip_kind=kind)
     rows = {"32768": dc_replace(m.buckets["64"], ppl_rel=rel)}
-    engine = {"kv_gib": 16, "kv_groups": {"size_tokens": size, "max_model_len": 32768}} if size else None
+    engine = engine_numbers(kv_gib=16, kv_groups={"size_tokens": size, "max_model_len": 32768}) if size else None
     return dc_replace(m, info=info, buckets=rows, engine=engine)
 
 
@@ -136,15 +137,15 @@ def test_the_engine_runs_the_sliding_arm_by_kind_name(gemma3, tmp_path, monkeypa
     out = run_eval(eval_config(src, src.parent / "tokens.jsonl", tmp_path / "r", samples=4, passkey_trials=0,
                                engine=spec))
     arm = out.arms["default skip sliding_window"]
-    assert arm.engine["status"] == "ok", arm.engine
+    assert arm.engine.ok, arm.engine
     # the memory table's reference row shows the engine's run of the reference, as every arm's row does
     rows = json.loads((out.out / "report.json").read_text())["memory"]["rows"]
     ref = out.report["reference"]
-    assert out.reference.engine["kv_capacity_tokens"] > 0
-    assert rows[ref]["engine_capacity_tokens"] == out.reference.engine["kv_capacity_tokens"]
-    assert rows[ref]["engine_tokens_per_gib"] == out.reference.engine["tokens_per_gib"]
-    assert arm.engine["summary"]["ppl"] == pytest.approx(arm.summary.ppl, rel=1e-5)
-    assert arm.engine["summary"]["ppl"] != pytest.approx(out.arms["default"].engine["summary"]["ppl"], rel=1e-6)
+    assert out.reference.engine.kv_capacity_tokens > 0
+    assert rows[ref]["engine_capacity_tokens"] == out.reference.engine.kv_capacity_tokens
+    assert rows[ref]["engine_tokens_per_gib"] == out.reference.engine.tokens_per_gib
+    assert arm.engine.summary.ppl == pytest.approx(arm.summary.ppl, rel=1e-5)
+    assert arm.engine.summary.ppl != pytest.approx(out.arms["default"].engine.summary.ppl, rel=1e-6)
 
 
 # CPU vLLM 0.32's answer for the tiny Gemma-3-shaped model of tests/engine/test_vllm_hybrid.py (3 sliding layers,
@@ -211,8 +212,7 @@ def _gemma3_4b_groups(size_tokens: int) -> dict:
 def test_memory_table_shows_the_references_engine_run():
     layers = lk.layer_kinds({"num_hidden_layers": 34, "sliding_window": 1024, "sliding_window_pattern": 6})
     m = memory.Model(layers, 4, 256, "bfloat16", (32768,), "m")
-    ref = {"status": "ok", "kv_capacity_tokens": 838848, "kv_gib": 16, "tokens_per_gib": 838848 / 16,
-           "kv_groups": _gemma3_4b_groups(200181)}
+    ref = engine_numbers(status="ok", kv_capacity_tokens=838848, kv_gib=16, kv_groups=_gemma3_4b_groups(200181))
     doc = memory.table(m, "bf16", {}, ref)
     row = doc["rows"]["bf16"]
     assert (row["engine_capacity_tokens"], row["engine_tokens_per_gib"]) == (838848, 52428.0)

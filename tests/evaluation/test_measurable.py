@@ -13,11 +13,12 @@ import torch
 from click.testing import CliRunner
 
 from calib.cli import main
-from calib.evaluation import measurable, report
+from calib.evaluation import measurable
+from calib.evaluation import verdict as report
 from calib.evaluation.fakequant import Meter
-from calib.evaluation.report import Thresholds
+from calib.evaluation.verdict import Thresholds
 from calib.evaluation.results import ArmInfo, ArmMetrics, BucketRow, KVRange, PasskeyRow, Reference, Seconds, Summary
-from helpers import overflowing_model
+from helpers import engine_numbers, overflowing_model
 from tiny import random_sequences
 
 
@@ -40,11 +41,11 @@ def _row(r: BucketRow, **kw) -> BucketRow:
     return replace(r, **kw)
 
 
-def _engine_entry(kl: float) -> dict:
+def _engine_entry(kl: float):
     row = {"samples": 2, "tokens": 126, "kl": kl, "kl_unresolved_mass": 0.0, "top1": 1.0, "ppl": 10.0,
            "ppl_ref": 10.0, "ppl_delta": 0.0, "ppl_rel": 0.0}
-    return {"engine": "vllm", "version": "0", "status": "ok", "buckets": {"64": row},
-            "summary": {**row, "max_bucket_kl": kl, "greedy": {"prefix": None}}, "sample_nll": [1.0, 2.0]}
+    return engine_numbers(status="ok", buckets={"64": row}, sample_nll=[1.0, 2.0],
+                          summary={**row, "max_bucket_kl": kl, "greedy": {"prefix": None}})
 
 
 ARM_CASES = {
@@ -95,7 +96,7 @@ def test_an_exact_layer_and_engine_entries_not_run_are_not_failures():
     ref, results = _ships()
     e = results["default"]
     assert e.layers["0"]["v_snr_db"] == math.inf          # stored exactly: no noise, a fact
-    not_run = {"engine": "vllm", "version": "0", "status": "not_run", "reason": "no FP8 here"}
+    not_run = engine_numbers(status="not_run", reason="no FP8 here")
     results = {"default": replace(e, engine=not_run)}
     assert measurable.problems(ref, results) == []
     assert report.verdict(ref, results, Thresholds(), "fp32").action == "ship"

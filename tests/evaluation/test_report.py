@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from calib.evaluation import markdown, report
-from calib.evaluation.report import Thresholds
+from calib.evaluation.verdict import Thresholds, dominant_layers, failures, verdict
 from calib.evaluation.results import ArmInfo, ArmMetrics, BucketRow, KVRange, PasskeyRow, Reference, Seconds, Summary
 
 
@@ -47,24 +47,24 @@ def _arm(buckets: dict[str, float], ppl_rel: float, passkey: tuple[int, int] | N
 
 
 def _report(meta, ref, results) -> report.Report:
-    return report.Report(meta, ref, results, Thresholds(), report.verdict(ref, results, Thresholds(), "fp32"))
+    return report.Report(meta, ref, results, Thresholds(), verdict(ref, results, Thresholds(), "fp32"))
 
 
 def test_failures_name_every_miss_with_its_number():
     entry = _arm({"64": 0.005, "256": 0.0234}, 0.0213, passkey=(3, 5))
     _, ref, _ = _known(10.0)
     ref = replace(ref, passkey={"256": PasskeyRow(5, 5, {}, 1.0)})
-    assert report.failures(entry, ref, Thresholds()) == [
+    assert failures(entry, ref, Thresholds()) == [
         "KL 0.0234 > 0.01 in bucket <= 256", "perplexity +2.13% > +1%", "passkey 3/5 < reference 5/5"]
-    assert report.failures(entry, ref, Thresholds(max_kl=0.03, max_ppl_increase=0.03, passkey_drop=2)) == []
+    assert failures(entry, ref, Thresholds(max_kl=0.03, max_ppl_increase=0.03, passkey_drop=2)) == []
 
 
 def test_dominant_layers_are_those_far_above_the_median():
     errs = {"0": 0.01, "1": 0.02, "2": 0.5, "3": 0.011, "4": 0.06}       # median 0.02: 3x is 0.06
     entry = _arm({"64": 0.1}, 0.0, layers={i: {"attn_rel_error": e} for i, e in errs.items()})
-    assert report.dominant_layers(entry, Thresholds()) == [2, 4]
-    assert report.dominant_layers(entry, Thresholds(max_skip=1)) == [2]
-    assert report.dominant_layers(entry, Thresholds(dominance=30)) == []
+    assert dominant_layers(entry, Thresholds()) == [2, 4]
+    assert dominant_layers(entry, Thresholds(max_skip=1)) == [2]
+    assert dominant_layers(entry, Thresholds(dominance=30)) == []
 
 
 def test_verdict_text_carries_the_deciding_numbers():
@@ -77,7 +77,7 @@ def test_verdict_text_carries_the_deciding_numbers():
         "Decided on emulated "
         "numbers (no engine run; `--engine vllm` measures the real engine).")
     meta, ref, results = _known(ppl=10.05)
-    v = report.verdict(ref, results, Thresholds(), "fp32")
+    v = verdict(ref, results, Thresholds(), "fp32")
     assert v.action == "ship" and v.text.startswith(
         "Ship `default` (emulated: worst-bucket KL 0.004, ppl +0.50%): serve with FP8 KV and no scales "
         "(vLLM: `--kv-cache-dtype fp8`); calibration is not needed.")

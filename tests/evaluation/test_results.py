@@ -20,7 +20,7 @@ def test_a_bucket_row_is_its_sums_divided_by_its_tokens():
     assert row.ppl_rel == pytest.approx(math.exp(0.5) - 1)
     assert list(row.to_dict()) == ["samples", "tokens", "kl", "top1", "ppl", "ppl_ref", "ppl_delta", "ppl_rel"]
     total = Summary(**row.to_dict(), max_bucket_kl=0.07)
-    assert list(total.to_dict())[-1] == "max_bucket_kl" and BucketRow.read({**row.to_dict(), "extra": 1}) == row
+    assert list(total.to_dict())[-1] == "max_bucket_kl"
 
 
 def test_passkey_outcomes_are_counted_per_bucket_and_depth():
@@ -33,7 +33,6 @@ def test_passkey_outcomes_are_counted_per_bucket_and_depth():
     assert rows["512"].to_dict() == {"correct": 0, "total": 1, "by_depth": {"1": {"correct": 0, "total": 1}},
                                      "accuracy": 0.0, "outcomes": [{"depth": 1.0, "correct": False}]}
     assert rows["256"].outcomes == ((0.0, True), (0.5, False), (0.5, True))
-    assert passkey_correct({"64": {"correct": 3, "total": 5}}) == (3, 5)        # an engine entry's table
 
 
 def test_an_arms_report_entry_keeps_report_jsons_keys_in_order():

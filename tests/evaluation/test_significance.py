@@ -12,7 +12,7 @@ from fractions import Fraction
 import pytest
 
 from calib.evaluation import markdown, passkey, report, significance
-from calib.evaluation.report import Thresholds
+from calib.evaluation.verdict import Thresholds, failures, verdict
 from calib.evaluation.results import PasskeyRow, passkey_rows
 from helpers import arm_metrics, reference_metrics
 
@@ -121,21 +121,21 @@ def test_the_verdict_ships_an_arm_one_prompt_below_the_reference():
     ref = reference_metrics()
     ref = replace(ref, passkey=passkey_rows(_rows("64", [True] * 7 + [False] * 3)))
     arm = arm_metrics(passkey=passkey_rows(_rows("64", [True] * 6 + [False] * 4)))
-    v = report.verdict(ref, {"calibrated": arm}, Thresholds(), "bf16")
+    v = verdict(ref, {"calibrated": arm}, Thresholds(), "bf16")
     assert v.action == "ship" and v.arm == "calibrated"
     assert "`calibrated` passkey 6/10 vs reference 7/10 in bucket <= 64 (1 lost, 0 gained; exact McNemar p = 0.5 " \
            ">= 0.05): within noise." in v.text
     drop = arm_metrics(passkey=passkey_rows(_rows("64", [False] * 10)))
-    assert report.failures(drop, ref, Thresholds()) == [
+    assert failures(drop, ref, Thresholds()) == [
         "passkey 0/10 vs reference 7/10 in bucket <= 64 (7 lost, 0 gained; exact McNemar p = 0.00781 < 0.05)"]
-    assert report.verdict(ref, {"calibrated": drop}, Thresholds(), "bf16").action == "keep_reference"
+    assert verdict(ref, {"calibrated": drop}, Thresholds(), "bf16").action == "keep_reference"
 
 
 def test_report_shows_the_paired_test_per_bucket_and_depth():
     ref = replace(reference_metrics(), passkey=passkey_rows(_rows("64", [True] * 7 + [False] * 3)))
     arm = arm_metrics(passkey=passkey_rows(_rows("64", [True] * 6 + [False] * 4)))
     rep = report.Report({"reference": "bf16"}, ref, {"calibrated": arm}, Thresholds(),
-                        report.verdict(ref, {"calibrated": arm}, Thresholds(), "bf16"))
+                        verdict(ref, {"calibrated": arm}, Thresholds(), "bf16"))
     lines = markdown._significance_lines(rep)
     assert "| calibrated | 64 | 10 | 7 | 6 | 1 | 0 | 0.5 | 0.05 | within noise (underpowered) | 0:1-/0+ 0.5:0-/0+ |" \
         in lines

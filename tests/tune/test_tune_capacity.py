@@ -1,4 +1,4 @@
-"""`kvcalib tune --engine vllm` chooses by eval's capacity rule (calib/engine/verdict.py `by_capacity`; issue 42
+"""`kvcalib tune --engine vllm` chooses by eval's capacity rule (calib/evaluation/capacity.py `by_capacity`; issue 42
 item 5): the most KV capacity among candidates within the bar that gain over BF16 for real, BF16 when none does;
 without the engine's count, the fewest skipped layers, and tune says capacity was not counted by the engine."""
 
@@ -12,21 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from calib.engine import verdict as honest
-from calib.engine.verdict import CapacityRow, by_capacity
-from calib.evaluation import report
+from calib.evaluation import capacity as honest
+from calib.evaluation import verdict as report
+from calib.evaluation.capacity import CapacityRow, by_capacity
 from calib.tune import choose as choose_mod
 from calib.tune import output, space
 from calib.tune.search import Search
-from helpers import arm_metrics, reference_metrics
+from helpers import arm_metrics, engine_numbers, reference_metrics
 
 LENGTH, REF, LAYERS, REF_BYTES = 64, 20, 8, 2
 TH = report.Thresholds(max_kl=0.01)
 
 
-def _engine_entry(m, requests: int) -> dict:
-    return {"status": "ok", "engine": "vllm", "version": "0.0", "kv_capacity_tokens": requests * LENGTH, "kv_gib": 1,
-            "summary": m.summary.to_dict(), "buckets": {b: r.to_dict() for b, r in m.buckets.items()}}
+def _engine_entry(m, requests: int):
+    return engine_numbers(status="ok", kv_capacity_tokens=requests * LENGTH, kv_gib=1, summary=m.summary.to_dict(),
+                          buckets={b: r.to_dict() for b, r in m.buckets.items()})
 
 
 def _search(cands: list[tuple[space.Candidate, float]], counts: dict[tuple[int, ...], int | None],

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from calib.engine import report as engine_report
+from calib.evaluation import engine_report
 from calib.evaluation.markdown import table
 
 # per sample: bucket, tokens, (reference NLL, arm NLL, arm KL, arm top-1 agreements) emulated, the same in the engine

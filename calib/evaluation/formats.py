@@ -2,10 +2,10 @@
 
 Why a rule of its own: the question users ask before calibrating is whether calibration is worth it at all —
 static calibrated FP8 against the engine's dynamic per-token-head caches (which need no calibration but store a
-float32 scale per token and head) or FP8 at scale 1.0 (issue 25). The per-arm verdict (calib/evaluation/report.py)
+float32 scale per token and head) or FP8 at scale 1.0 (issue 25). The per-arm verdict (calib/evaluation/verdict.py)
 ranks arms by KL; this ranks formats by memory, because memory is what a quantised cache is for:
 1. an arm qualifies when the verdict's `failures` finds nothing (the engine's numbers where it measured the arm;
-   engine output implausible for the format never qualifies: calib/engine/verdict.py `implausible`);
+   engine output implausible for the format never qualifies: calib/evaluation/numbers.py `implausible`);
 2. among qualifying arms, the fewest bytes per token per layer (calib.recipe.dtypes `bytes_per_token`,
    the scale storage included; the reference stores the model dtype);
 3. a tie goes to the format the most engine backends serve (calib.engine.support), then to the lowest KL.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from calib.engine import support
-from calib.engine.verdict import decisive, engine_ok, implausible
+from calib.evaluation.numbers import decisive, engine_ok, implausible
 from calib.recipe import dtypes
 
 # static scales: 1.0, a checkpoint's, a statistics file's what-if, a tune candidate's
@@ -92,7 +92,7 @@ def rows(results: Mapping[str, Any], failures: Callable[[Any], list[str]], kv_he
         nums = decisive(e)
         eng = None
         if engine_ok(e) and not implausible(e):
-            tpg = e.engine.get("tokens_per_gib")
+            tpg = e.engine.tokens_per_gib
             eng = 2 ** 30 / tpg / max(layers, 1) if tpg else None
         out.append(FormatRow(name, fmt.name, info.kind, fmt.bytes_per_token(kv_heads, head_dim), eng,
                              served_by(fmt.name), nums.summary.ppl_rel, nums.summary.kl, nums.source,
