@@ -160,3 +160,23 @@ def test_a_scale_in_a_shard_the_index_does_not_name_is_never_read(ckpt):
     """model_loader/weight_utils.py: filter_duplicate_safetensors_files (only indexed shards are read)."""
     save_file({_kv(0, "k"): torch.tensor(0.5)}, str(ckpt / "stray.safetensors"))
     _one(verify(ckpt, "sglang"), _kv(0, "k"), "sglang.unindexed-shard")
+
+
+@pytest.mark.parametrize("arch, warned", [("Qwen2ForCausalLM", True), ("Qwen3MoeForCausalLM", True),
+                                          ("MixtralForCausalLM", True), ("LlamaForCausalLM", False)])
+def test_a_model_whose_loader_drops_the_scales_is_warned(ckpt, arch, warned):
+    """models/qwen2.py, models/qwen3_moe.py, models/mixtral.py: load_weights never calls
+    maybe_remap_kv_scale_name, so `self_attn.k_scale` finds no parameter and the layer runs at 1.0 (sglang issue
+    39942); llama (and mistral, qwen3, gemma3) remap it. One warning from the loader rule, none from the
+    support-matrix line after it (verify counts a model's dropped scales once)."""
+    _edit_json(ckpt / "config.json", lambda c: c.update(architectures=[arch]))
+    problems = verify(ckpt, "sglang")
+    hits = [p for p in problems if p.code == "sglang.model-drops-scales"]
+    assert len(hits) == int(warned) and all(p.severity == "warning" and arch in p.message for p in hits)
+    assert [p for p in problems if p.severity == "error"] == []
+    from calib.ckpt.reader import CheckpointFiles
+    from calib.verify.applied import applied, differs_problem
+
+    o = applied(CheckpointFiles(ckpt), "sglang")
+    assert o.calibrated.architecture == arch and (o.severity != "same") == warned
+    assert differs_problem("sglang", o, problems) is None          # the loader rule already warned
