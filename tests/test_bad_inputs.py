@@ -872,7 +872,7 @@ def test_bad_input(row: Row, tmp_path: Path):
         pytest.skip("this machine has a CUDA GPU")
     code, output, left, changed = run_row(row, tmp_path)
     errors = [ln for ln in output.splitlines() if ln.startswith("Error:")]
-    assert code != 0 and "Traceback" not in output, output
+    assert code == 1 and "Traceback" not in output, output          # the table says exit code 1 (errors.ERROR)
     assert len(errors) == 1 and row.message in errors[0], output
     assert left == [], f"left behind: {left}"
     assert changed == [], f"inputs changed: {changed}"
