@@ -203,35 +203,65 @@ def test_no_import_cycles():
     assert cycles(graph) == []
 
 
-# The stages' layering: a package on the left imports (at module level or lazily) nothing from the packages on
-# its right. data, model, capture and scales come before every consumer of their values; the recipe and the
-# checkpoint layout sit under everything, except that the recipe reads the engine targets' names and rules
-# from calib.export's registry (recipe.recipe imports calib.export, which imports no torch).
-LATER = ("calib.export", "calib.verify", "calib.evaluation", "calib.engine", "calib.tune", "calib.routes", "calib.validate",
-         "calib.pipeline",
+# The packages' order, lowest first: a first-level package (or module) of calib imports, at module level or
+# lazily, only from the packages before it. Facts sit at the bottom (the recipe vocabulary and the support matrix,
+# the checkpoint layout: nothing heavy), then the stages that produce values (data, model, scales, capture), the
+# engine that measures, the export that writes, the decisions (the evaluation's verdict, tune, validate, routes),
+# and the command line on top (its shared options and its summary.json under the commands).
+ORDER = ("calib", "calib.errors", "calib.progress", "calib.resources", "calib.discovery", "calib.safety",
+         "calib.provenance", "calib.recipe", "calib.ckpt", "calib.data", "calib.model", "calib.scales",
+         "calib.capture", "calib.engine", "calib.load", "calib.export", "calib.verify", "calib.evaluation",
+         "calib.pipeline", "calib.tune", "calib.validate", "calib.routes", "calib.cli_options", "calib.summary",
          "calib.cli")
-LAYERS = {**{p: LATER for p in ("calib.data", "calib.model", "calib.capture", "calib.scales")},
-          **{p: tuple(q for q in LATER if q != "calib.export") for p in LIGHT_PACKAGES}}
 
 
-def layer_violations(graph: dict[str, set[str]], layers: dict[str, tuple[str, ...]]) -> list[str]:
-    """`module imports later-module` for every edge of the graph that goes against the layers."""
-    return [f"{mod} imports {dep}" for mod in sorted(graph) for package, later in layers.items()
-            if _in(mod, (package,)) for dep in sorted(graph[mod]) if _in(dep, later)]
+def package_of(mod: str) -> str:
+    """calib's first-level package (or module) that holds `mod`: calib.engine.run -> calib.engine. A stage's
+    `cli.py` is its command's front end and counts as the command line (calib.cli), above every stage."""
+    return "calib.cli" if mod.endswith(".cli") else ".".join(mod.split(".")[:2])
 
 
-def test_the_layer_checker_finds_one():
-    graph = {"calib.capture.hook": {"calib.model.attention", "calib.evaluation.fakequant"},
-             "calib.recipe.recipe": {"calib.export", "calib.verify"}, "calib.cli": {"calib.capture"}}
-    assert layer_violations(graph, LAYERS) == ["calib.capture.hook imports calib.evaluation.fakequant",
-                                               "calib.recipe.recipe imports calib.verify"]
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """First-level package -> the other first-level packages its modules import."""
+    out: dict[str, set[str]] = {}
+    for mod, deps in graph.items():
+        out.setdefault(package_of(mod), set()).update(package_of(d) for d in deps)
+    return {p: deps - {p} for p, deps in out.items()}
 
 
-def test_the_stages_import_no_later_stage():
-    graph = import_graph()
-    assert "calib.model.attention" in graph["calib.capture.hook"]           # the graph sees the stages' own imports
-    assert all(any(_in(m, (p,)) for m in graph) for p in LAYERS)           # every layered package is on disk
-    assert layer_violations(graph, LAYERS) == []
+def upward(packages: dict[str, set[str]], order: tuple[str, ...]) -> set[str]:
+    """`package imports later-package` for every package import that goes up the order (a package the order does
+    not name is neither: `test_every_package_has_its_place_in_the_order` names it)."""
+    rank = {p: i for i, p in enumerate(order)}
+    return {f"{p} imports {d}" for p, deps in packages.items() for d in deps
+            if rank.get(d, -1) > rank.get(p, len(order))}
+
+
+def test_the_package_checkers_find_a_loop_and_an_upward_import():
+    graph = {"calib.scales.fold": {"calib.capture.stats"}, "calib.capture.hook": {"calib.scales.quant"},
+             "calib.tune.cli": {"calib.capture.hook"}}
+    packages = package_graph(graph)
+    assert packages == {"calib.scales": {"calib.capture"}, "calib.capture": {"calib.scales"},
+                        "calib.cli": {"calib.capture"}}
+    assert cycles(packages) == [["calib.capture", "calib.scales"]]
+    assert upward(packages, ORDER) == {"calib.scales imports calib.capture"}
+
+
+def test_every_package_has_its_place_in_the_order():
+    on_disk = set(package_graph(import_graph()))
+    assert (on_disk - set(ORDER), set(ORDER) - on_disk) == (set(), set())
+
+
+def test_no_package_imports_another_round_a_loop():
+    """Acyclic between packages, not only between modules: a loop through packages makes every package on it
+    a dependency of every other (the engine would need the evaluation to load, the scales the capture)."""
+    packages = package_graph(import_graph())
+    assert "calib.scales" in packages["calib.capture"]          # the graph sees package imports
+    assert cycles(packages) == []
+
+
+def test_the_packages_import_only_down_the_order():
+    assert upward(package_graph(import_graph()), ORDER) == set()
 
 
 @pytest.mark.slow
