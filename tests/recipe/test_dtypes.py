@@ -72,3 +72,30 @@ def test_every_spec_parameter_is_an_observer_constructor_parameter():
 def test_engine_targets_map_registry_values():
     assert set(ALGO_OF_DTYPE) == set(dtypes.KV_DTYPES.values())
     assert set(VllmTarget.strategies) == {n for n, g in granularity.GRANULARITIES.items() if g.exportable}
+
+
+def test_each_format_carries_its_engine_facts_once():
+    """Every per-format fact on the KVDtype (calib.recipe.dtypes): the engines' names (vLLM's `fp8` and `fp8_e4m3`
+    name one cache), the first version that has it, the backend it needs, bytes per element, tune's short name;
+    the other tables are read from it."""
+    from calib.engine import command
+    from calib.model import layer_kinds
+    from calib.recipe import support
+
+    assert dtypes.kv_format("fp8") is dtypes.kv_format("fp8_e4m3", "vllm") is dtypes.FP8_E4M3
+    assert dtypes.kv_format("INT8", "trtllm") is dtypes.INT8 and dtypes.kv_format("fp8_e5m2", "sglang").qmax == 57344
+    with pytest.raises(ValueError, match="unknown KV format 'nvfp4'.*an engine's name for one"):
+        dtypes.kv_format("nvfp4")
+    assert {e for d in dtypes.KV_FORMATS.values() for e in d.engines} == set(support.ENGINES)
+    assert dtypes.for_engine("vllm") == (dtypes.FP8_E4M3,) and dtypes.for_engine("trtllm") == (dtypes.FP8_E4M3,
+                                                                                            dtypes.INT8)
+    assert dtypes.INT8.cache_name("vllm") is None and dtypes.INT8.engine is None      # vLLM has no INT8 KV cache
+    assert [(d.served("vllm").since, d.served("vllm").backend) for d in dtypes.KV_FORMATS.values() if d.dynamic] == \
+        [("0.20", "TRITON_ATTN"), ("0.20", "TRITON_ATTN"), ("0.25", "TRITON_ATTN")]
+    assert dtypes.FP8_E5M2.served("vllm").cuda_backend == "FLASHINFER"
+    assert dtypes.bytes_per_element("torch.bfloat16") == 2 and dtypes.bytes_per_element("int4_per_token_head") == 0.5
+    assert {n: b for n, b in layer_kinds.DTYPE_BYTES.items() if n in dtypes.KV_FORMATS} == \
+        {n: d.bits // 8 for n, d in dtypes.KV_FORMATS.items() if d.bits == 8}
+    assert command.KV_FLAG["vllm"]["fp8_e4m3"] == "fp8" and command.KV_FLAG["trtllm"] == {}
+    assert [d.short for d in dtypes.KV_DTYPES.values()] == ["fp8", "int8"]
+    assert hash(dtypes.FP8_E4M3) == hash(dtypes.KVDtype("fp8_e4m3", 448.0, short="fp8", cast="float8_e4m3fn"))
