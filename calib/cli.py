@@ -62,16 +62,6 @@ def _interrupt_code(e: KeyboardInterrupt) -> int:
     return errors.INTERRUPTED
 
 
-def conclude(doc: dict[str, Any], folder: Path) -> None:
-    """Write the command's summary.json into its output folder and exit with its decision's code (calib.summary)."""
-    from calib import summary
-
-    summary.write(folder, doc)
-    code = summary.exit_code(doc["decision"])
-    if code:
-        click.get_current_context().exit(code)
-
-
 def _default_model() -> str:
     """The embedded default model's directory, built on first use (build messages go to stderr)."""
     from calib.model.default_model import ensure_default_model
@@ -178,7 +168,7 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
             result = pipeline.run(job, progress=bar, options_checked=True)
     if dist.is_main:
         _report(result, recipe, versions)
-        conclude(summary.of_calibrate(result, recipe, stats_out), result.out)
+        summary.conclude(summary.of_calibrate(result, recipe, stats_out), result.out)
 
 
 class _LazyBar:

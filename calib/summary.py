@@ -49,6 +49,17 @@ def write(folder: Path, doc: Mapping[str, Any]) -> Path:
     return outputs.add_file(Path(folder), FILE, json.dumps(doc, indent=2, allow_nan=False) + "\n")
 
 
+def conclude(doc: Mapping[str, Any], folder: Path) -> None:
+    """Write `doc` as the command's summary.json into its output folder, then end the command with its decision's
+    exit code (0 returns normally; 3 exits)."""
+    import click
+
+    write(folder, doc)
+    code = exit_code(doc["decision"])
+    if code:
+        click.get_current_context().exit(code)
+
+
 def _num(x: Any) -> float | None:
     """A headline number: None where it is missing or not finite (strict JSON)."""
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None

@@ -54,7 +54,6 @@ def eval_cmd(model_src, data_src, scales, stats, kv_cache_dtype, formats, emulat
     """Compare BF16, default-scale and calibrated FP8 KV by layer and context length; write a report + verdict.
     Exit 0 when the verdict ships a quantized KV cache, 3 when it keeps BF16 (calib/errors.py)."""
     from calib import summary
-    from calib.cli import conclude
     from calib.evaluation import served
     from calib.evaluation.config import EvalConfig
     from calib.evaluation.report import Thresholds
@@ -81,4 +80,4 @@ def eval_cmd(model_src, data_src, scales, stats, kv_cache_dtype, formats, emulat
         result = run_eval(cfg, log=opts.echo_err, progress=Progress(opts.echo_err if progress else None))
     click.echo(result.verdict.text)
     click.echo(f"report: {result.out / 'report.md'} ({result.seconds:.1f} s)")
-    conclude(summary.of_eval(result, cfg), result.out)
+    summary.conclude(summary.of_eval(result, cfg), result.out)

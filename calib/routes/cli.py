@@ -32,7 +32,6 @@ def plan(routes_file, model_src, scales, emulation, passkey_trials, batch_size, 
     """One FP8 / FP8-with-skips / BF16 decision per route, the `vllm serve` command for each, and plan.json.
     Exit 0 when some route serves FP8, 3 when every route keeps BF16 (calib/errors.py)."""
     from calib import summary
-    from calib.cli import conclude
     from calib.evaluation import served
     from calib.evaluation.config import EvalConfig
     from calib.evaluation.report import Thresholds
@@ -68,4 +67,4 @@ def plan(routes_file, model_src, scales, emulation, passkey_trials, batch_size, 
     for name, r in doc["routes"].items():
         click.echo(f"{name}: {r['decision']} — {r['serve']}")
     click.echo(f"plan: {base.out / 'plan.json'}")
-    conclude(summary.of_plan(doc, base.out), base.out)
+    summary.conclude(summary.of_plan(doc, base.out), base.out)

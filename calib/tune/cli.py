@@ -46,7 +46,6 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
     """Search the recipes the target engine can load; score each on held-out text; write the best checkpoint.
     Exit 0 when a candidate is chosen (its checkpoint written), 3 when BF16 stays (calib/errors.py)."""
     from calib import summary
-    from calib.cli import conclude
     from calib.evaluation import served
     from calib.model.default_model import DIR_NAME
     from calib.progress import Progress
@@ -96,4 +95,4 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
         click.echo(f"wrote {result.out} (the checkpoint, tune.json, tune.md)\nserve it:\n  {result.serve}")
     else:
         click.echo(f"wrote {result.out} (tune.json, tune.md): no checkpoint — serve the model with its BF16 KV cache")
-    conclude(summary.of_tune(result, cfg), result.out)
+    summary.conclude(summary.of_tune(result, cfg), result.out)

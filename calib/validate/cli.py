@@ -33,7 +33,6 @@ def validate(model_src, data_src, scales, formats, buckets, samples, min_tokens,
     validate.png and OUT/eval/ (the evaluation). Exit 0 when a quantized arm is recommended, 3 when BF16 stays or
     nothing could be measured (calib/errors.py)."""
     from calib import summary
-    from calib.cli import conclude
     from calib.evaluation import served
     from calib.evaluation.cli import settings, with_model
     from calib.evaluation.config import EvalConfig
@@ -72,4 +71,4 @@ def validate(model_src, data_src, scales, formats, buckets, samples, min_tokens,
     if res.doc.get("recommended_command"):
         click.echo(f"serve: {res.doc['recommended_command']}")
     click.echo(f"report: {res.out / 'validate.md'} (speed measured on {res.doc['device']})")
-    conclude(summary.of_validate(res), res.out)
+    summary.conclude(summary.of_validate(res), res.out)
