@@ -16,14 +16,18 @@ from collections.abc import Callable
 
 import torch
 
-from calib.recipe.dtypes import FP8_E4M3, INT8, KVDtype
+from calib.recipe.dtypes import KV_DTYPES, KVDtype
 
 
-def _round_fp8(q: torch.Tensor) -> torch.Tensor:
-    return q.to(torch.float8_e4m3fn).to(torch.float32)
+def _round_through(cast: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Round to the nearest value of the float type `cast` (calib.recipe.dtypes `KVDtype.cast`), back in float32."""
+    kind = getattr(torch, cast)
+    return lambda q: q.to(kind).to(torch.float32)
 
 
-_ROUND: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {FP8_E4M3.name: _round_fp8, INT8.name: torch.round}
+# each static format's rounding, from its registry entry: through its float type, else to integers
+_ROUND: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    d.name: torch.round if d.cast is None else _round_through(d.cast) for d in KV_DTYPES.values()}
 
 
 def _rounder(dtype: KVDtype) -> Callable[[torch.Tensor], torch.Tensor]:

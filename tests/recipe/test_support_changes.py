@@ -1,7 +1,7 @@
 """How many files a change touches, as worked examples: a made-up static KV format and a made-up export target are
 added to a copy of the package, each by editing the files the change needs and nothing else, and a fresh
-interpreter checks that the matrix, the recipe, the targets, the serve commands, tune's space and the bytes model
-all pick the addition up (issue 40: a static format in at most 3 files, an export target in 3).
+interpreter checks that the matrix, the recipe, the targets, the serve commands, tune's space, the bytes model and
+the emulation all pick the addition up (issue 40: a static format in at most 3 files, an export target in 3).
 
 The copies are the package's own source; the edits are plain text appended or substituted, so a test fails the
 day a registry stops being derived (the addition would then be missing somewhere, or need a fourth file).
@@ -57,7 +57,8 @@ def _check(tmp_path: Path, code: str) -> None:
 def test_a_static_kv_format_is_two_files(tmp_path):
     """A made-up static format, `fp8_e3m4`, that only vLLM has: its registry entry (calib/recipe/dtypes.py) and what
     vLLM does with its scales (calib/recipe/support/engines/vllm.py). The other engines refuse it without an edit;
-    the recipe, vLLM's target, its serve command, tune's space and the bytes model take it."""
+    the recipe, vLLM's target, its serve command, tune's space, the bytes model and the emulation's rounding take
+    it."""
     pkg = _copy(tmp_path)
     _edit(pkg / "recipe/dtypes.py", "# Every KV format kvcalib knows", 'FP8_E3M4 = KVDtype("fp8_e3m4", 31.0, '
           'short="e3m4", engines={"vllm": Served(("fp8_e3m4",))})\n# Every KV format kvcalib knows')
@@ -94,6 +95,11 @@ def test_a_static_kv_format_is_two_files(tmp_path):
         assert "e3m4/head/absmax/h1+q" in [c.name for c in space.generate("vllm", ("absmax",), (1.0,))]
         assert layer_kinds.DTYPE_BYTES["fp8_e3m4"] == 1
         assert "| fp8_e3m4 |" in support.markdown()
+        import torch                                  # the emulation rounds it as its entry says (no cast: integers)
+        from calib.recipe import dtypes
+        from calib.scales import quant
+        q = quant.quantize(torch.tensor([40.0, 2.4, -2.6, 2.5]), 1.0, dtypes.KV_FORMATS["fp8_e3m4"])
+        assert q.tolist() == [31.0, 2.0, -3.0, 2.0], q
         print("ok")
     ''')
 
