@@ -205,6 +205,7 @@ def test_text_model_with_tokenizer_runs_passkey_and_shows_failure_text(tmp_path)
     tok.save_pretrained(tmp_path / "model")
     cfg = EvalConfig(model=str(tmp_path / "model"), data=str(SAMPLE_TEXT), out=tmp_path / "report",
                         buckets=(64, 128, 256, 1024), samples=6, pack=True, batch_size=2, plots=False,
+                        passkey_trials=1,     # one prompt per depth: 5 a bucket
                         fit_buckets=True)     # as the CLI's default buckets: 1024 is dropped, not refused
     res = run_eval(cfg)
     doc = res.report
