@@ -34,7 +34,7 @@ def _refused(r, out, before_work=True):
 
 def test_int8_for_tensorrt_llm_is_refused_before_any_work(tiny_llama_dir, token_data, tmp_path):
     out = tmp_path / "int8"
-    line = _refused(_calibrate(tiny_llama_dir, token_data, out, "--target", "trtllm", "--dtype", "int8"), out)
+    line = _refused(_calibrate(tiny_llama_dir, token_data, out, "--target", "trtllm", "--kv-cache-dtype", "int8"), out)
     assert "TensorRT-LLM 1.4 would not serve these scales" in line and "INT8 runs at scale 1.0" in line
     # the TensorRT-engine backend applies calibrated INT8 (calib.export.trtllm_engine), so that is the advice now
     assert "--engine-version trtllm=pr18953" in line and "--target trtllm-engine, which applies these scales" in line
@@ -42,7 +42,7 @@ def test_int8_for_tensorrt_llm_is_refused_before_any_work(tiny_llama_dir, token_
 
 def test_int8_for_a_stated_tensorrt_llm_build_that_applies_it(tiny_llama_dir, token_data, tmp_path):
     out = tmp_path / "int8"
-    r = _calibrate(tiny_llama_dir, token_data, out, "--target", "trtllm", "--dtype", "int8",
+    r = _calibrate(tiny_llama_dir, token_data, out, "--target", "trtllm", "--kv-cache-dtype", "int8",
                    "--engine-version", "trtllm=1.2+pr18953")
     assert r.exit_code == 0, r.output
     # the build applies one scale per layer shared by K and V, max(k, v): served, but not exactly as calibrated
@@ -109,7 +109,7 @@ def test_export_from_statistics_refuses_as_calibrate_does(tiny_llama_dir, token_
     r = _calibrate(tiny_llama_dir, token_data, stats, "--target", "")
     assert r.exit_code == 0, r.output
     out = tmp_path / "int8"
-    line = _refused(_run("export", "--stats", stats / "stats.safetensors", "--model", tiny_llama_dir, "--dtype", "int8",
+    line = _refused(_run("export", "--stats", stats / "stats.safetensors", "--model", tiny_llama_dir, "--kv-cache-dtype", "int8",
                          "--target", "trtllm", "--out", out), out)
     assert "TensorRT-LLM 1.4 would not serve these scales" in line
 

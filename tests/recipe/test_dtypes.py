@@ -16,15 +16,21 @@ from calib.recipe import recipe as R, dtypes
 
 
 def _choices(command: str, option: str) -> list[str]:
+    """The choices of `command`'s `option` (its flag, e.g. --granularity)."""
     cmd = main.commands[command]
-    return list(next(p for p in cmd.params if p.name == option).type.choices)
+    choices = next(p for p in cmd.params if option in p.opts).type.choices
+    return list(choices() if callable(choices) else choices)
 
 
 def test_cli_choices_are_the_registries():
-    assert _choices("calibrate", "dtype") == list(dtypes.KV_DTYPES) == _choices("eval", "dtype")
-    assert _choices("calibrate", "granularity") == list(granularity.GRANULARITIES)
-    assert _choices("export", "granularity") == [n for n, g in granularity.GRANULARITIES.items() if g.exportable]
-    assert _choices("calibrate", "observer") == list(dtypes.OBSERVERS)
+    kv = _choices("calibrate", "--kv-cache-dtype")
+    assert kv == _choices("eval", "--kv-cache-dtype")
+    # kvcalib's names and vLLM's (fp8), each naming a registry entry (calib.recipe.dtypes)
+    assert [c for c in kv if c in dtypes.KV_DTYPES] == list(dtypes.KV_DTYPES)
+    assert {dtypes.kv_format(c, "vllm").name for c in kv if c not in dtypes.KV_DTYPES} <= set(dtypes.KV_DTYPES)
+    assert _choices("calibrate", "--granularity") == list(granularity.GRANULARITIES)
+    assert _choices("export", "--granularity") == [n for n, g in granularity.GRANULARITIES.items() if g.exportable]
+    assert _choices("calibrate", "--observer") == list(dtypes.OBSERVERS)
 
 
 def test_recipe_hands_out_registry_values():
