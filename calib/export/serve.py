@@ -119,7 +119,8 @@ def instead(name: str, outcome: support.Outcome) -> str:
         fp8 = [support.ENGINES[e].title for e in support.ENGINES
                if support.outcome(e, replace(cal, dtype="fp8_e4m3")).severity == support.SAME]
         parts.append(f"calibrate fp8_e4m3 for {' or '.join(fp8)}")
-    parts += [f"state a build that applies them with --engine-version {name}={b}" for b in support.builds(name, cal.dtype)]
+    parts += [f"state a build that applies them with --engine-version {name}={b}"
+              for b in support.builds(name, cal.dtype)]
     text = "; or ".join(parts)
     return text[:1].upper() + text[1:]
 

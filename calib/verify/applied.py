@@ -3,8 +3,9 @@ granularity, q_scale, skipped layers, range, model architecture) and looked up i
 (calib.recipe.support).
 
 Why beside the loader rules: a checkpoint can pass every loader check and still be served at scale 1.0 (TensorRT-LLM's
-FP8 and INT8 caches, SGLang before 0.5.19, with per-head scales, or for a model whose loader drops them). `kvcalib verify` prints this per engine after the
-problems, and a result the engine would not serve as calibrated (INT8 at 1.0, FP8 past its range at 1.0) is an error.
+FP8 and INT8 caches, SGLang before 0.5.19, with per-head scales, or for a model whose loader drops them).
+`kvcalib verify` prints this per engine after the problems, and a result the engine would not serve as calibrated
+(INT8 at 1.0, FP8 past its range at 1.0) is an error.
 Reads what CheckpointFiles already read; no torch.
 """
 

@@ -2,9 +2,9 @@
 declared scheme, which files and tensor names it loads (the view), and one rule per loader check.
 
 Read from sgl-project/sglang 0.5.23 (compressed-tensors KV scales load since 0.5.19; earlier versions drop them,
-and so do the weight loaders of some architectures: see calib.recipe.support). Paths below are under `python/sglang/srt/`. A rule the engine would fail on is an
-"error"; one where SGLang loads the checkpoint but runs the cache at scale 1.0 (it only warns in its log) is a
-"warning" that says so.
+and so do the weight loaders of some architectures: see calib.recipe.support). Paths below are under
+`python/sglang/srt/`. A rule the engine would fail on is an "error"; one where SGLang loads the checkpoint but runs
+the cache at scale 1.0 (it only warns in its log) is a "warning" that says so.
 """
 
 from __future__ import annotations

@@ -30,8 +30,9 @@ T6 = _s("tensorrt_llm/llmapi/llm_utils.py", "ModelLoader._update_from_hf_quant_c
         "outputs 2026-12")
 T7 = _s("tensorrt_llm/_torch/pyexecutor/model_loader.py", "validate_and_set_kv_cache_quant (kv_cache_config.dtype "
         "fp8 | nvfp4 | auto)", _OLD)
-T_PR = _s("pull request 18953 (open)", "calibrated INT8 KV cache for the PyTorch backend: paired positive finite scalar "
-          "k_scale / v_scale, their max the one shared K/V scale per layer", "unmerged; its description read 2026-12")
+T_PR = _s("pull request 18953 (open)", "calibrated INT8 KV cache for the PyTorch backend: paired positive finite "
+          "scalar k_scale / v_scale, their max the one shared K/V scale per layer",
+          "unmerged; its description read 2026-12")
 
 ENGINE = Engine(
     "trtllm", "TensorRT-LLM", 1, {"pytorch": "PyTorch backend"}, v("1.4"),
