@@ -54,7 +54,7 @@ def run_eval(request, out: Path, data: Path | None) -> dict:
     ckpt = request.config.getoption("--ckpt")
     args += ["--scales", ckpt] if ckpt else []
     r = subprocess.run(args, capture_output=True, text=True, timeout=3000)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode in (0, 3), r.stdout[-3000:] + r.stderr[-3000:]      # a verdict either way: ship 0, keep 3
     assert "eval vllm `" in r.stderr                      # progress lines for the engine arms
     doc = json.loads((out / "report.json").read_text())
     doc["_md"] = (out / "report.md").read_text()
@@ -181,7 +181,7 @@ def test_a_bucket_at_the_models_context_runs_in_the_engine(request, short_contex
             "--samples", "4", "--buckets", f"128,{SHORT_CONTEXT}", "--pack", "--passkey-trials", "1",
             "--engine-top-k", "20", "--no-plots", "--out", str(out)]
     r = subprocess.run(args, capture_output=True, text=True, timeout=3000)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode in (0, 3), r.stdout[-3000:] + r.stderr[-3000:]      # a verdict either way: ship 0, keep 3
     doc = json.loads((out / "report.json").read_text())
     full = str(SHORT_CONTEXT)
     ref = doc["arms"][doc["reference"]]

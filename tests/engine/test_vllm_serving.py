@@ -29,10 +29,10 @@ def validated(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("validate") / "v"
     args = [kvcalib, "validate", "--vllm-venv", sys.prefix, "--samples", "2", "--buckets", "128",
             "--concurrency", ",".join(map(str, LEVELS)), "--output-tokens", str(OUTPUT_TOKENS), "--max-skip", "0",
-            "--no-progress", "--out", str(out)]
+            "--passkey-trials", "0", "--no-progress", "--out", str(out)]
     args += ["--model", model] if model else []
     r = subprocess.run(args, capture_output=True, text=True, timeout=3000)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode in (0, 3), r.stdout[-3000:] + r.stderr[-3000:]      # a decision either way: go 0, no-go 3
     return r, out, json.loads((out / "validate.json").read_text())
 
 
