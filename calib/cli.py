@@ -26,7 +26,6 @@ from calib.safety import outputs
 
 DEFAULT_DATA = resources.default_data()
 BUILD_DIR = resources.build_dir()
-CPU_DTYPES = ("float32", "bfloat16")
 
 EXIT_CODES = f"""Exit codes:
 
