@@ -60,7 +60,6 @@ PROGRESS = "progress"
 
 REQUEST_FIELDS = ("protocol", "arms", "samples", "continuation_tokens", "passkey", "passkey_tokens",
                   "stop_token_ids", "top_k", "kv_gib", "max_model_len", "dtype", "seed", "chunk")
-ARM_FIELDS = ("name", "model", "kv_cache_dtype", "skip_layers", "scales")
 RESPONSE_FIELDS = ("protocol", "arms")
 ARM_RESPONSE_FIELDS = ("status", "reason", "engine", "version", "kv_cache_dtype", "kv_capacity_tokens", "kv_gib",
                        "seconds", "samples", "continuations", "passkey", "scales")

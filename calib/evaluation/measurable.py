@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from calib.engine.metrics import EngineNumbers
 from calib.errors import KvcalibError
 
-_BUCKET = ("kl", "top1", "ppl", "ppl_ref", "ppl_delta", "ppl_rel")
+_BUCKET = ("kl", "top1", "ppl", "ppl_ref", "ppl_delta", "ppl_rel", "kl_unresolved_mass")     # the last: engine rows
 _SUMMARY = (*_BUCKET, "max_bucket_kl")
-_ENGINE_SKIP = frozenset({"samples", "tokens", "seconds"})      # counts and timing: not quality numbers
 
 
 class CannotMeasure(KvcalibError, ValueError):
@@ -53,17 +52,13 @@ def _bad(x: Any) -> bool:
 def _rows(arm: str, buckets: Mapping[str, Any], summary: Any, prefix: str = "") -> Iterator[Unmeasured]:
     for b, row in buckets.items():
         for q in _BUCKET:
-            v = _get(row, q)
+            v = getattr(row, q, None)
             if _bad(v):
                 yield Unmeasured(arm, f"{prefix}bucket <= {b}", q, v)
     for q in _SUMMARY:
-        v = _get(summary, q)
+        v = getattr(summary, q, None)
         if _bad(v):
             yield Unmeasured(arm, f"{prefix}all buckets", q, v)
-
-
-def _get(row: Any, key: str) -> Any:
-    return row.get(key) if isinstance(row, Mapping) else getattr(row, key, None)
 
 
 def _samples(arm: str, values: Any, quantity: str, prefix: str = "") -> Iterator[Unmeasured]:
@@ -74,7 +69,7 @@ def _samples(arm: str, values: Any, quantity: str, prefix: str = "") -> Iterator
 
 def _passkey(arm: str, rows: Mapping[str, Any] | None, prefix: str = "") -> Iterator[Unmeasured]:
     for b, r in (rows or {}).items():
-        v = _get(r, "accuracy")
+        v = r.accuracy
         if _bad(v):
             yield Unmeasured(arm, f"{prefix}passkey bucket <= {b}", "accuracy", v)
 
@@ -84,20 +79,7 @@ def _engine(arm: str, entry: EngineNumbers | None) -> Iterator[Unmeasured]:
     if entry is None or not entry.ok:
         return
     prefix = f"({entry.engine}) "
-
-    def walk(x: Any, where: str, key: str) -> Iterator[Unmeasured]:
-        if isinstance(x, Mapping):
-            for k, v in x.items():
-                if k not in _ENGINE_SKIP:
-                    yield from walk(v, where, str(k))
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                yield from walk(v, where, key)
-        elif _bad(x):
-            yield Unmeasured(arm, prefix + where, key, x)
-    for b, row in entry.buckets.items():
-        yield from walk(asdict(row), f"bucket <= {b}", "")
-    yield from walk(asdict(entry.summary) if entry.summary else {}, "all buckets", "")
+    yield from _rows(arm, entry.buckets, entry.summary, prefix)
     yield from _samples(arm, entry.sample_nll, "nll", prefix)
     yield from _passkey(arm, entry.passkey, prefix)
 

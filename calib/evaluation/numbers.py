@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from calib.evaluation.results import ArmMetrics, BucketRow, Reference, Summary, passkey_correct
+from calib.evaluation.results import ArmMetrics, BucketRow, Reference, Summary
 
 ENGINE, EMULATION = "engine", "emulation"
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
@@ -56,29 +56,22 @@ def implausible(entry: Entry) -> str | None:
 
 @dataclass(frozen=True)
 class Numbers:
-    """The numbers a decision reads for one arm (`decisive`): per bucket, overall, passkey (correct, total) and
-    per-sample NLL, with their source and how the verdict names them. The engine's rows carry the same fields
-    as the emulation's (calib.engine.metrics.Row) and more."""
+    """The numbers a decision reads for one arm (`decisive`): per bucket, overall and per-sample NLL, with their
+    source and how the verdict names them. The engine's rows carry the emulation's fields (calib.engine.metrics.Row)
+    and more."""
     source: str
     label: str
     buckets: Mapping[str, BucketRow]
     summary: Summary
-    passkey: tuple[int, int] | None
     sample_nll: tuple[float, ...]
-
-
-def emulated(entry: Entry) -> Numbers:
-    return Numbers(EMULATION, "emulated", entry.buckets, entry.summary, passkey_correct(entry.passkey),
-                   tuple(entry.sample_nll))
 
 
 def decisive(entry: Entry) -> Numbers:
     """The numbers that decide for this arm: the engine's where it measured the arm, the emulation's otherwise."""
     if not engine_ok(entry):
-        return emulated(entry)
+        return Numbers(EMULATION, "emulated", entry.buckets, entry.summary, tuple(entry.sample_nll))
     g = entry.engine
-    return Numbers(ENGINE, f"{g.engine} {g.version}, KL a lower bound", g.buckets, g.summary,
-                   passkey_correct(g.passkey), g.sample_nll)
+    return Numbers(ENGINE, f"{g.engine} {g.version}, KL a lower bound", g.buckets, g.summary, g.sample_nll)
 
 
 def paired(a: Sequence[float], b: Sequence[float], tokens: Sequence[int]) -> tuple[float, float] | None:

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any
 
+from calib.evaluation.results import PasskeyRow, passkey_correct
+
 ALPHA = 0.05
 DETECT_DROP = 0.10          # accuracy points a default run should detect
 POWER = 0.80
@@ -134,17 +136,9 @@ class PasskeyDecision:
                 "failed": list(self.failed), "notes": list(self.notes)}
 
 
-def _outcomes(row: Any) -> list[tuple[str, bool]] | None:
-    """[(depth, correct)] per prompt, in prompt order, from a typed or a JSON row; None when not recorded."""
-    raw = getattr(row, "outcomes", None) if not isinstance(row, Mapping) else row.get("outcomes")
-    if not raw:
-        return None
-    return [(f"{float(o['depth']):g}", bool(o["correct"])) if isinstance(o, Mapping) else (f"{float(o[0]):g}", bool(o[1]))
-            for o in raw]
-
-
-def _count(row: Any) -> tuple[int, int]:
-    return (row["correct"], row["total"]) if isinstance(row, Mapping) else (row.correct, row.total)
+def _outcomes(row: PasskeyRow) -> list[tuple[str, bool]] | None:
+    """[(depth, correct)] per prompt, in prompt order; None when not recorded."""
+    return [(f"{float(d):g}", bool(c)) for d, c in row.outcomes] or None
 
 
 def _test(bucket: str, depth: str | None, pairs: Sequence[tuple[bool, bool]], alpha: float) -> PairedTest:
@@ -154,10 +148,10 @@ def _test(bucket: str, depth: str | None, pairs: Sequence[tuple[bool, bool]], al
                       mcnemar_p(losses, gains), alpha)
 
 
-def decide(ref_rows: Mapping[str, Any] | None, arm_rows: Mapping[str, Any] | None, allowed: int = 0,
+def decide(ref_rows: Mapping[str, PasskeyRow] | None, arm_rows: Mapping[str, PasskeyRow] | None, allowed: int = 0,
            alpha: float = ALPHA) -> PasskeyDecision | None:
-    """The passkey decision for an arm (rows per bucket, as `passkey.summarize` writes them or typed); None when
-    either run has no passkey."""
+    """The passkey decision for an arm (typed rows per bucket, the emulation's or the engine's); None when either run
+    has no passkey."""
     if not ref_rows or not arm_rows:
         return None
     common = [b for b in ref_rows if b in arm_rows]
@@ -165,7 +159,7 @@ def decide(ref_rows: Mapping[str, Any] | None, arm_rows: Mapping[str, Any] | Non
     if not common or any(ro is None or ao is None or [d for d, _ in ro] != [d for d, _ in ao]
                          for ro, ao in paired.values()):
         # no per-prompt outcomes to pair (an older report): the count rule over every bucket
-        (rc, rt), (ac, at) = (tuple(map(sum, zip(*(_count(r) for r in rows.values())))) for rows in (ref_rows, arm_rows))
+        (rc, rt), (ac, at) = (passkey_correct(rows) for rows in (ref_rows, arm_rows))
         failed = (f"passkey {ac}/{at} < reference {rc}/{rt}",) if ac < rc - allowed else ()
         return PasskeyDecision((), (), failed, (), allowed)
     k = len(common)

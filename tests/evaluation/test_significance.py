@@ -77,9 +77,9 @@ def test_the_default_prompts_detect_a_ten_point_drop():
 
 
 def _rows(bucket: str, outcomes: list[bool], depths=(0.0, 0.5)) -> dict:
-    """passkey.summarize's table for one bucket, prompts cycling through `depths`."""
-    return passkey.summarize([passkey.Outcome(int(bucket), depths[i % len(depths)], "12345", "", c)
-                              for i, c in enumerate(outcomes)])
+    """Typed passkey rows for one bucket, prompts cycling through `depths`."""
+    return passkey_rows(passkey.summarize([passkey.Outcome(int(bucket), depths[i % len(depths)], "12345", "", c)
+                                           for i, c in enumerate(outcomes)]))
 
 
 def test_one_flipped_prompt_is_within_noise_and_a_real_drop_fails():
@@ -95,8 +95,6 @@ def test_one_flipped_prompt_is_within_noise_and_a_real_drop_fails():
     assert d.failed == ("passkey 0/10 vs reference 7/10 in bucket <= 256 (7 lost, 0 gained; exact McNemar "
                         "p = 0.00781 < 0.05)",)
     assert significance.decide(ref, worse, allowed=7).failed == ()
-    # typed rows (as results.py holds them) give the same decision as summarize's table
-    assert significance.decide(passkey_rows(ref), passkey_rows(worse)) == d
 
 
 def test_bonferroni_over_buckets_and_too_few_prompts():
@@ -119,21 +117,21 @@ def test_rows_without_outcomes_fall_back_to_counts():
 
 def test_the_verdict_ships_an_arm_one_prompt_below_the_reference():
     ref = reference_metrics()
-    ref = replace(ref, passkey=passkey_rows(_rows("64", [True] * 7 + [False] * 3)))
-    arm = arm_metrics(passkey=passkey_rows(_rows("64", [True] * 6 + [False] * 4)))
+    ref = replace(ref, passkey=_rows("64", [True] * 7 + [False] * 3))
+    arm = arm_metrics(passkey=_rows("64", [True] * 6 + [False] * 4))
     v = verdict(ref, {"calibrated": arm}, Thresholds(), "bf16")
     assert v.action == "ship" and v.arm == "calibrated"
     assert "`calibrated` passkey 6/10 vs reference 7/10 in bucket <= 64 (1 lost, 0 gained; exact McNemar p = 0.5 " \
            ">= 0.05): within noise." in v.text
-    drop = arm_metrics(passkey=passkey_rows(_rows("64", [False] * 10)))
+    drop = arm_metrics(passkey=_rows("64", [False] * 10))
     assert failures(drop, ref, Thresholds()) == [
         "passkey 0/10 vs reference 7/10 in bucket <= 64 (7 lost, 0 gained; exact McNemar p = 0.00781 < 0.05)"]
     assert verdict(ref, {"calibrated": drop}, Thresholds(), "bf16").action == "keep_reference"
 
 
 def test_report_shows_the_paired_test_per_bucket_and_depth():
-    ref = replace(reference_metrics(), passkey=passkey_rows(_rows("64", [True] * 7 + [False] * 3)))
-    arm = arm_metrics(passkey=passkey_rows(_rows("64", [True] * 6 + [False] * 4)))
+    ref = replace(reference_metrics(), passkey=_rows("64", [True] * 7 + [False] * 3))
+    arm = arm_metrics(passkey=_rows("64", [True] * 6 + [False] * 4))
     rep = report.Report({"reference": "bf16"}, ref, {"calibrated": arm}, Thresholds(),
                         verdict(ref, {"calibrated": arm}, Thresholds(), "bf16"))
     lines = markdown._significance_lines(rep)
