@@ -77,6 +77,7 @@ def main() -> None:
     base = server.Launch(0, args.kv_gib, "auto", on_cpu=args.cpu, timeout=900)
     results, arms = {}, []
     earlier = json.loads(Path(args.out).read_text())["arms"] if args.resume and Path(args.out).exists() else {}
+    earlier = {k: v for k, v in earlier.items() if not any(b.get("error") for b in v["buckets"].values())}  # retried
     t0 = time.time()
     for j, text in enumerate(args.arm):
         name, _, kv = text.partition("=")

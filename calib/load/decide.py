@@ -12,7 +12,9 @@ BF16's throughput served at saturation with CUDA graphs). So the decision reads 
    dominated and never recommended; where two arms tie on all three, the earlier one (reference first, then
    the arms in the order given) stands;
 3. among the undominated candidates, the one with the highest goodput that beats BF16's by more than the
-   noise; where none does, BF16 — FP8 buys nothing for this workload, and the decision says so.
+   noise; where none does, BF16 — FP8 buys nothing for this workload, and the decision says so, unless an arm
+   within the bar was never served (its server failed, the budget ran out): then BF16 is kept and the decision
+   names that arm instead of claiming FP8 buys nothing.
 
 Goodput is requests per second that meet both SLO bounds (calib/load/records.py). The noise of one arm is the
 relative spread of its best level measured twice; a comparison uses the larger of the stated floor and the two
@@ -109,16 +111,22 @@ def decide(arms: Sequence[Arm], floor: float = 0.03) -> Decision:
                 break
     tol = {a.name: tolerance(a, ref, floor) for a in cands if not a.reference}
     faster = [a for a in cands if not a.reference and a.name not in dominated and _speed_cmp(a, ref, floor) > 0]
+    unserved = [a for a in arms if not a.reference and a.goodput is None and a.quality_ok]
+    missing = "; ".join(f"`{a.name}` {NOT_MEASURED}" + (f" ({a.why_not})" if a.why_not else "") for a in unserved)
     if not faster:
         best = max((a for a in cands if not a.reference), key=lambda a: a.goodput or 0.0, default=None)
-        why = ("FP8 KV buys nothing for this workload: no arm within the quality bar beats the reference's goodput "
-               "by more than the run-to-run noise")
+        if unserved:       # an arm within the bar that was never served may be the faster one: say so, claim nothing
+            why = (f"BF16 KV kept: no measured arm within the quality bar beats the reference's goodput by more than "
+                   f"the run-to-run noise, but {missing}: this does not show that FP8 KV buys nothing")
+        else:
+            why = ("FP8 KV buys nothing for this workload: no arm within the quality bar beats the reference's "
+                   "goodput by more than the run-to-run noise")
         if best is not None:
             why += f" (best: `{best.name}` at {ratio_text(ratios[best.name])} the reference's, margin {tol[best.name]:.0%})"
         return Decision(ref.name, why, dominated, ratios, tol)
     win = max(faster, key=lambda a: (a.goodput or 0.0, -cands.index(a)))
     why = (f"`{win.name}`: {ratio_text(ratios[win.name])} the reference's goodput (beyond the {tol[win.name]:.0%} noise), "
-           f"quality within the bar ({_pct(win.ppl_rel)} ppl)")
+           f"quality within the bar ({_pct(win.ppl_rel)} ppl)" + (f"; {missing}" if unserved else ""))
     return Decision(win.name, why, dominated, ratios, tol)
 
 

@@ -28,6 +28,21 @@ def test_no_gain_beyond_noise_keeps_bf16_and_says_fp8_buys_nothing():
     assert "buys nothing" in d.why and "fp8" in d.why
 
 
+def test_an_arm_whose_server_failed_is_named_and_fp8_is_not_said_to_buy_nothing():
+    # measured on the GPU: the FP8 server failed at start-up (memory held by another process); the decision had
+    # read "FP8 KV buys nothing" from BF16 alone
+    d = decide([ref(), Arm("fp8", True, None, None, None, why_not="server exited with code 1 at start-up")])
+    assert d.recommended == "bf16"
+    assert "buys nothing" not in d.why.replace("does not show that FP8 KV buys nothing", "")
+    assert "`fp8` not measured (server exited with code 1 at start-up)" in d.why
+    # a measured winner still wins, and the unserved arm is still named
+    d = decide([ref(), Arm("fp8", True, 0.01, 20, 19.0), Arm("fp8-skip", True, 0.0, None, None, why_not="budget")])
+    assert d.recommended == "fp8" and "`fp8-skip` not measured (budget)" in d.why
+    # an arm outside the quality bar that was not served changes nothing
+    d = decide([ref(), Arm("fp8", False, 0.3, None, None, why_not="x"), Arm("c", True, 0.0, 20, 10.1)])
+    assert "buys nothing for this workload" in d.why and "not measured" not in d.why
+
+
 def test_slower_fp8_at_short_context_keeps_bf16():
     d = decide([ref(goodput=30.0, capacity=400), Arm("fp8", True, 0.01, 800, 27.0)])
     assert d.recommended == "bf16"
