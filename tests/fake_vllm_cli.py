@@ -7,7 +7,8 @@ cache, half for FP8; a skipped layer list costs a quarter of the saving back) an
 waves of min(concurrency, requests the pool holds); a wave prefills then decodes, a step slower with a bigger
 batch and 5 % slower with an FP8 cache; requests beyond the batch queue inside the server. It writes the result
 file `vllm bench serve --save-detailed` writes. FAKE_SERVE=die makes the server exit at start-up;
-FAKE_BENCH_FAIL_AT=C makes the load generator exit 1 at C or more requests in flight.
+FAKE_BENCH_FAIL_AT=C makes the load generator exit 1 at C or more requests in flight. FAKE_ENGINE_PID=FILE makes
+the server start a child process first, as vLLM starts its engine process, and write the child's pid to FILE.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -41,6 +43,10 @@ def serve(argv):
     if os.environ.get("FAKE_SERVE") == "die":
         print("RuntimeError: fake engine refused to start", flush=True)
         return 1
+    if os.environ.get("FAKE_ENGINE_PID"):
+        engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(os.environ["FAKE_ENGINE_PID"], "w") as f:
+            f.write(str(engine.pid))
     port, length = int(_arg(argv, "--port")), int(_arg(argv, "--max-model-len"))
     kv = _arg(argv, "--kv-cache-dtype", "auto")
     pool = int(_arg(argv, "--kv-cache-memory-bytes", 0)) or int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) << 30

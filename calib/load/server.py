@@ -8,7 +8,10 @@ runs, and reads what they wrote.
 
 The server runs in its own process group with a parent-death signal (calib.engine.driver), its log goes to a file
 in kvcalib's temporary folder (kept: the last lines explain a failure in one line), and it is killed with its
-group when the block ends, however it ends. Its capacity is the engine's own: the line vLLM logs at start-up
+group when the block ends, however it ends — SIGTERM included: Python's default SIGTERM ends the process
+without running `finally` blocks, and the parent-death signal reaches only the server's own process, not the
+engine process vLLM starts under it, which then kept ~37 GiB of a GPU after a `timeout` (measured on an H100).
+So while a server runs, SIGTERM exits through the cleanup (`terminate_as_exit`). Its capacity is the engine's own: the line vLLM logs at start-up
 ("KV cache size: N tokens" and "Maximum concurrency for L tokens per request: X"), at max_model_len = this
 bucket's longest request, so it counts the KV cache groups, page padding and sliding-window reservations exactly
 as the scheduler does.
@@ -320,15 +323,34 @@ def _group_rss(pgid: int) -> int | None:
 
 
 @contextlib.contextmanager
-def serving(venv: Path, cfg: ServeConfig, launch: Launch, folder: Path) -> Iterator[Server]:
-    """A started server for `cfg`, stopped with its process group when the block ends (errors and interrupts
-    included)."""
-    srv = Server(Path(venv), cfg, launch, folder)
+def terminate_as_exit() -> Iterator[None]:
+    """Within the block, SIGTERM raises SystemExit(143) so every `finally` runs (see the module docstring). Left
+    alone where the signal cannot be set (not the main thread) or the program already handles SIGTERM itself."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        yield
+        return
+
+    def exit_now(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+    old = signal.signal(signal.SIGTERM, exit_now)
     try:
-        srv.start()
-        yield srv
+        yield
     finally:
-        srv.stop()
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def serving(venv: Path, cfg: ServeConfig, launch: Launch, folder: Path) -> Iterator[Server]:
+    """A started server for `cfg`, stopped with its process group when the block ends (errors, interrupts and
+    SIGTERM included)."""
+    srv = Server(Path(venv), cfg, launch, folder)
+    with terminate_as_exit():
+        try:
+            srv.start()
+            yield srv
+        finally:
+            srv.stop()
 
 
 def bench_argv(venv: Path, srv: Server, dataset: Path, n: int, level: int, result: Path, tokenizer: str,
