@@ -228,14 +228,14 @@ def json_shape(doc, path: str = "") -> list[str]:
 
 def bucket_row(kl: float = 0.001, ppl_rel: float = 0.001, ppl: float = 10.0, top1: float = 0.99, samples: int = 2,
                tokens: int = 126):
-    from calib.evaluation.results import BucketRow
+    from calib.engine.metrics import BucketRow
 
     ref = ppl / (1 + ppl_rel)
     return BucketRow(samples, tokens, kl, top1, ppl, ref, ppl - ref, ppl_rel)
 
 
 def summary_row(max_bucket_kl: float | None = None, **kw):
-    from calib.evaluation.results import Summary
+    from calib.engine.metrics import Summary
 
     row = bucket_row(**kw)
     return Summary(**row.to_dict(), max_bucket_kl=row.kl if max_bucket_kl is None else max_bucket_kl)
@@ -243,10 +243,10 @@ def summary_row(max_bucket_kl: float | None = None, **kw):
 
 def engine_numbers(entry=None, **kw):
     """calib.engine.metrics.EngineNumbers from an engine entry as report.json holds it (`entry`, a dict, plus `kw`);
-    None stays None. Rows may leave out kl_unresolved_mass (0); keys the type derives (tokens_per_gib) are dropped."""
+    None stays None. Keys the type derives (tokens_per_gib) are dropped."""
     from dataclasses import fields
 
-    from calib.engine.metrics import EngineNumbers, Overall, Row
+    from calib.engine.metrics import BucketRow, EngineNumbers, Summary
     from calib.evaluation.results import passkey_rows
 
     if entry is None and not kw:
@@ -254,9 +254,9 @@ def engine_numbers(entry=None, **kw):
     d = {"engine": "vllm", "version": "0", **(entry or {}), **kw}
 
     def typed(cls, row):
-        return cls(**{"kl_unresolved_mass": 0.0, **{k: v for k, v in row.items() if k in {f.name for f in fields(cls)}}})
-    d["buckets"] = {b: typed(Row, r) for b, r in (d.get("buckets") or {}).items()}
-    d["summary"] = typed(Overall, d["summary"]) if d.get("summary") else None
+        return cls(**{k: v for k, v in row.items() if k in {f.name for f in fields(cls)}})
+    d["buckets"] = {b: typed(BucketRow, r) for b, r in (d.get("buckets") or {}).items()}
+    d["summary"] = typed(Summary, d["summary"]) if d.get("summary") else None
     d["passkey"] = passkey_rows(d["passkey"]) if d.get("passkey") else None
     d["sample_nll"] = tuple(d.get("sample_nll") or ())
     return EngineNumbers(**{k: v for k, v in d.items() if k in {f.name for f in fields(EngineNumbers)}})

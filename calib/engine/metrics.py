@@ -30,27 +30,50 @@ from calib.engine.protocol import NOT_RUN, OK
 MIN_P = 1e-30
 
 
+def exp(x: float) -> float:
+    """e**x, +inf past float64's range (a perplexity that overflows is reported, then refused as not finite
+    by calib/evaluation/measurable.py, not a traceback)."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
 @dataclass(frozen=True)
-class Row:
-    """One length bucket (or all of them) in the engine: the emulation's row (calib.evaluation.results.BucketRow)
-    and the reference's mass the KL bound could not resolve."""
+class BucketRow:
+    """One length bucket (or all of them) against the reference, as the emulation (calib/evaluation/measure.py) and
+    the engine (`table`) measure it: tokens scored, mean KL, top-1 agreement, perplexity; the engine's rows also
+    say the reference's mass its KL bound could not resolve (None in the emulation's, and left out of to_dict)."""
     samples: int
     tokens: int
     kl: float
-    kl_unresolved_mass: float
+    kl_unresolved_mass: float | None = field(default=None, kw_only=True)
     top1: float
     ppl: float
     ppl_ref: float
     ppl_delta: float
     ppl_rel: float
 
+    @classmethod
+    def of(cls, tokens: float, kl: float, agree: float, nll: float, ref_nll: float, samples: int,
+           unresolved: float | None = None) -> "BucketRow":
+        """From sums over the bucket's tokens: KL, top-1 agreements, NLL, the reference's NLL (and the unresolved
+        mass)."""
+        t = max(tokens, 1e-300)
+        ppl, ppl_ref = exp(nll / t), exp(ref_nll / t)
+        return cls(samples, int(t), kl / t, agree / t, ppl, ppl_ref, ppl - ppl_ref, ppl / ppl_ref - 1,
+                   kl_unresolved_mass=None if unresolved is None else unresolved / t)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
 
 @dataclass(frozen=True)
-class Overall(Row):
-    """Every bucket together, the worst bucket's KL, and the greedy continuations against the reference's
-    (`continuation_agreement`)."""
+class Summary(BucketRow):
+    """Every bucket together and the worst bucket's KL (the threshold applies per bucket); the engine's also the
+    greedy continuations against the reference's (`continuation_agreement`)."""
     max_bucket_kl: float = 0.0
-    greedy: Mapping[str, Any] = field(default_factory=dict)
+    greedy: Mapping[str, Any] | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -64,8 +87,8 @@ class EngineNumbers:
     status: str = NOT_RUN
     reason: str | None = None
     kv_cache_dtype: str | None = None
-    buckets: Mapping[str, Row] = field(default_factory=dict)
-    summary: Overall | None = None
+    buckets: Mapping[str, BucketRow] = field(default_factory=dict)
+    summary: Summary | None = None
     sample_nll: tuple[float, ...] = ()
     kv_capacity_tokens: int | None = None
     kv_gib: int = 0
@@ -94,8 +117,8 @@ class EngineNumbers:
         out: dict[str, Any] = {"engine": self.engine, "version": self.version, "status": self.status}
         if not self.ok:
             return {**out, "reason": self.reason}
-        out.update(kv_cache_dtype=self.kv_cache_dtype, buckets={b: asdict(r) for b, r in self.buckets.items()},
-                   summary=asdict(self.summary) if self.summary else None, sample_nll=list(self.sample_nll),
+        out.update(kv_cache_dtype=self.kv_cache_dtype, buckets={b: r.to_dict() for b, r in self.buckets.items()},
+                   summary=self.summary.to_dict() if self.summary else None, sample_nll=list(self.sample_nll),
                    kv_capacity_tokens=self.kv_capacity_tokens, kv_gib=self.kv_gib, tokens_per_gib=self.tokens_per_gib,
                    bytes_per_token=self.bytes_per_token, seconds=dict(self.seconds),
                    serve=None if self.serve is None else dict(self.serve))
@@ -146,14 +169,6 @@ def per_sample(ref: dict[str, Any], arm: dict[str, Any] | None, ids: Sequence[in
     return out
 
 
-def _row(sums: dict[str, float], ref_nll: float, samples: int) -> dict[str, Any]:
-    t = max(sums["tokens"], 1)
-    ppl, ppl_ref = math.exp(sums["nll"] / t), math.exp(ref_nll / t)
-    return {"samples": samples, "tokens": int(sums["tokens"]), "kl": sums["kl"] / t,
-            "kl_unresolved_mass": sums["unresolved"] / t, "top1": sums["top1"] / t, "ppl": ppl, "ppl_ref": ppl_ref,
-            "ppl_delta": ppl - ppl_ref, "ppl_rel": ppl / ppl_ref - 1}
-
-
 def continuation_agreement(ref: Sequence[Sequence[int]], arm: Sequence[Sequence[int]]) -> dict[str, Any]:
     """Greedy continuations against the reference's: mean share of tokens before the first difference, and the
     share of samples whose whole continuation is identical."""
@@ -187,8 +202,10 @@ def table(ref: dict[str, Any], arm: dict[str, Any] | None, samples: Sequence[Seq
         ref_b[b] += r_nll
         count[b] += 1
         nll_samples.append(s["nll"])
-    rows = {str(b): Row(**_row(by_b[b], ref_b[b], count[b])) for b in buckets if by_b[b]["tokens"] > 0}
-    total = Overall(**_row({k: sum(by_b[b][k] for b in buckets) for k in keys}, sum(ref_b.values()), len(samples)),
-                    max_bucket_kl=max(r.kl for r in rows.values()),
-                    greedy=continuation_agreement(ref["continuations"], (arm or ref)["continuations"]))
+    def row(s: dict[str, float], ref_nll: float, n: int) -> BucketRow:
+        return BucketRow.of(s["tokens"], s["kl"], s["top1"], s["nll"], ref_nll, n, s["unresolved"])
+    rows = {str(b): row(by_b[b], ref_b[b], count[b]) for b in buckets if by_b[b]["tokens"] > 0}
+    total = row({k: sum(by_b[b][k] for b in buckets) for k in keys}, sum(ref_b.values()), len(samples))
+    total = Summary(**{**asdict(total), "max_bucket_kl": max(r.kl for r in rows.values()),
+                       "greedy": continuation_agreement(ref["continuations"], (arm or ref)["continuations"])})
     return {"buckets": rows, "summary": total, "sample_nll": tuple(nll_samples)}

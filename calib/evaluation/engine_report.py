@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from calib.evaluation.results import exp
+from calib.engine.metrics import exp
 from calib.safety import files
 
 PLOT = "engine_vs_emulation.png"

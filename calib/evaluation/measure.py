@@ -15,9 +15,10 @@ import torch
 
 from calib.capture import hook as observe
 from calib.data.batching import pad
+from calib.engine.metrics import BucketRow, Summary
 from calib.evaluation.arms import Arm
 from calib.evaluation.fakequant import Meter
-from calib.evaluation.results import ArmMetrics, BucketRow, Failure, KVRange, Position, Reference, Seconds, Summary
+from calib.evaluation.results import ArmMetrics, Failure, KVRange, Position, Reference, Seconds
 from calib.evaluation.samples import Sample
 from calib.evaluation.session import Session, clock
 from calib.progress import Stage

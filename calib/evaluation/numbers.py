@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from calib.evaluation.results import ArmMetrics, BucketRow, Reference, Summary
+from calib.engine.metrics import BucketRow, Summary
+from calib.evaluation.results import ArmMetrics, Reference
 
 ENGINE, EMULATION = "engine", "emulation"
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
@@ -57,8 +58,7 @@ def implausible(entry: Entry) -> str | None:
 @dataclass(frozen=True)
 class Numbers:
     """The numbers a decision reads for one arm (`decisive`): per bucket, overall and per-sample NLL, with their
-    source and how the verdict names them. The engine's rows carry the emulation's fields (calib.engine.metrics.Row)
-    and more."""
+    source and how the verdict names them."""
     source: str
     label: str
     buckets: Mapping[str, BucketRow]

@@ -3,61 +3,23 @@
 Why typed: the same numbers are read by the verdict (calib/evaluation/verdict.py), the capacity rule and
 `kvcalib tune`; a named field makes a misspelt or missing number an error where it is read. `to_dict` gives
 report.json's form: its keys and their order are the file format (tests/evaluation/test_run.py pins them). The
-engine's own numbers (`engine`) are typed where the engine returns them (calib.engine.metrics.EngineNumbers);
-`calib.evaluation.numbers.decisive` picks the engine's or the emulation's.
+engine's own numbers (`engine`) are typed where the engine returns them (calib.engine.metrics.EngineNumbers), in
+the same rows (BucketRow, Summary); `calib.evaluation.numbers.decisive` picks the engine's or the emulation's.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from calib.engine.metrics import EngineNumbers
+from calib.engine.metrics import BucketRow, EngineNumbers, Summary
+
 
 def bucket_of(length: int, buckets: Iterable[int]) -> int:
     """A sample's bucket, the `b` of every "bucket <= b" row: the smallest bucket >= its length in tokens
     (samples are cut to the largest)."""
     return min(b for b in buckets if b >= length)
-
-
-def exp(x: float) -> float:
-    """e**x, +inf past float64's range (a perplexity that overflows is reported, then refused as not finite
-    by calib/evaluation/measurable.py, not a traceback)."""
-    try:
-        return math.exp(x)
-    except OverflowError:
-        return math.inf
-
-
-@dataclass(frozen=True)
-class BucketRow:
-    """One length bucket (or all of them): tokens scored, mean KL to the reference, top-1 agreement, perplexity."""
-    samples: int
-    tokens: int
-    kl: float
-    top1: float
-    ppl: float
-    ppl_ref: float
-    ppl_delta: float
-    ppl_rel: float
-
-    @classmethod
-    def of(cls, tokens: float, kl: float, agree: float, nll: float, ref_nll: float, samples: int) -> "BucketRow":
-        """From sums over the bucket's tokens: KL, top-1 agreements, NLL, and the reference's NLL."""
-        t = max(tokens, 1e-300)
-        ppl, ppl_ref = exp(nll / t), exp(ref_nll / t)
-        return cls(samples, int(t), kl / t, agree / t, ppl, ppl_ref, ppl - ppl_ref, ppl / ppl_ref - 1)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Summary(BucketRow):
-    """Every bucket together, and the worst bucket's KL (the threshold applies per bucket)."""
-    max_bucket_kl: float = 0.0
 
 
 def table(rows: Mapping[str, BucketRow]) -> dict[str, dict[str, Any]]:

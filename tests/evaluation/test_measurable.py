@@ -17,7 +17,8 @@ from calib.evaluation import measurable
 from calib.evaluation import verdict as report
 from calib.evaluation.fakequant import Meter
 from calib.evaluation.verdict import Thresholds
-from calib.evaluation.results import ArmInfo, ArmMetrics, BucketRow, KVRange, PasskeyRow, Reference, Seconds, Summary
+from calib.engine.metrics import BucketRow, Summary
+from calib.evaluation.results import ArmInfo, ArmMetrics, KVRange, PasskeyRow, Reference, Seconds
 from helpers import engine_numbers, overflowing_model
 from tiny import random_sequences
 

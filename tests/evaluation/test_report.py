@@ -11,7 +11,8 @@ import pytest
 
 from calib.evaluation import markdown, report
 from calib.evaluation.verdict import Thresholds, dominant_layers, failures, verdict
-from calib.evaluation.results import ArmInfo, ArmMetrics, BucketRow, KVRange, PasskeyRow, Reference, Seconds, Summary
+from calib.engine.metrics import BucketRow, Summary
+from calib.evaluation.results import ArmInfo, ArmMetrics, KVRange, PasskeyRow, Reference, Seconds
 
 
 def test_markdown_table_rejects_ragged_rows():

@@ -7,9 +7,10 @@ import math
 
 import pytest
 
+from calib.engine.metrics import BucketRow, Summary
 from calib.evaluation import passkey
-from calib.evaluation.results import (ArmInfo, ArmMetrics, BucketRow, Failure, PasskeyRow, Position, Seconds, Summary,
-                                      passkey_correct, passkey_rows, with_passkey)
+from calib.evaluation.results import (ArmInfo, ArmMetrics, Failure, PasskeyRow, Position, Seconds, passkey_correct,
+                                      passkey_rows, with_passkey)
 
 
 def test_a_bucket_row_is_its_sums_divided_by_its_tokens():
