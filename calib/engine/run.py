@@ -25,15 +25,6 @@ from calib.engine import driver, metrics, protocol, serve, support
 from calib.engine.metrics import EngineNumbers
 from calib.progress import SILENT, Progress
 
-KV_DTYPES = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}      # kvcalib dtype -> vLLM --kv-cache-dtype
-# The attention backend vLLM needs for a per-token-head cache: only its Triton backend implements them
-# (vllm/v1/attention/backends/triton_attn.py `TritonAttentionBackend.supported_kv_cache_dtypes`; the support
-# matrix, calib.engine.support, cites it).
-DYNAMIC_BACKEND = "TRITON_ATTN"
-# On CUDA only vLLM's FlashInfer backend keeps an fp8_e5m2 cache as e5m2 (read in vLLM 0.24: FLASH_ATTN takes FP8 as
-# e4m3 only, and TRITON_ATTN views every static FP8 cache as the platform's e4m3), so the runner asks for it there;
-# vLLM's CPU backend serves e5m2 as its own.
-CUDA_BACKEND = {"fp8_e5m2": "FLASHINFER"}
 # What an arm's serve command is made of (its runner spec's fields), kept on its engine entry for `kvcalib validate`.
 SERVE_KEYS = ("model", "kv_cache_dtype", "skip_layers", "attention_backend", "cuda_attention_backend")
 INT8_SERVED_BY = ("vLLM has no INT8 KV cache (the support matrix, calib.engine.support: "
@@ -41,19 +32,20 @@ INT8_SERVED_BY = ("vLLM has no INT8 KV cache (the support matrix, calib.engine.s
 
 
 def format_arm(arm: Any, model: str, offered: Sequence[str] | None = None) -> dict[str, Any] | str:
-    """The runner's arm spec for a whole-format arm (kind `format`: fp8_e5m2, the per-token-head caches), or why
-    the engine cannot serve it. `offered`: the cache dtypes the engine's probe listed (None: not known)."""
-    name = arm.dtype.engine
-    if name is None:
+    """The runner's arm spec for a whole-format arm (kind `format`: fp8_e5m2, the per-token-head caches), with the
+    attention backend the format needs in vLLM (calib.recipe.dtypes `Served`), or why the engine cannot serve it.
+    `offered`: the cache dtypes the engine's probe listed (None: not known)."""
+    served = arm.dtype.served("vllm")
+    if served is None:
         return f"vLLM has no {arm.dtype.name} KV cache"
+    name = served.names[0]
     if offered is not None and name not in offered:
         return f"this vLLM does not offer --kv-cache-dtype {name} (it offers: {', '.join(offered)})"
     spec = {"name": arm.name, "model": model, "kv_cache_dtype": name,
             "skip_layers": sorted(set(arm.skip) | set(arm.serve_skip)), "scales": None}
-    if arm.dtype.dynamic:
-        spec["attention_backend"] = DYNAMIC_BACKEND
-    if name in CUDA_BACKEND:
-        spec["cuda_attention_backend"] = CUDA_BACKEND[name]
+    for key, backend in (("attention_backend", served.backend), ("cuda_attention_backend", served.cuda_backend)):
+        if backend:
+            spec[key] = backend
     return spec
 
 
@@ -63,7 +55,7 @@ def request_arm(arm: Any, model: str, offered: Sequence[str] | None = None) -> d
         return {"name": arm.name, "model": model, "kv_cache_dtype": "auto", "skip_layers": [], "scales": None}
     if arm.kind == "format":
         return format_arm(arm, model, offered)
-    if arm.dtype.name not in KV_DTYPES:
+    if arm.dtype.engine is None:
         return INT8_SERVED_BY
     if arm.kind == "stats":
         return ("a what-if from a statistics file, not a checkpoint: export it (`kvcalib export --stats`) and pass "
@@ -79,7 +71,7 @@ def request_arm(arm: Any, model: str, offered: Sequence[str] | None = None) -> d
     except (OSError, ValueError, KeyError) as e:
         return f"the checkpoint's scales cannot be read: {e}"
     return {"name": arm.name, "model": arm.source if arm.kind == "checkpoint" else model,
-            "kv_cache_dtype": KV_DTYPES[arm.dtype.name], "skip_layers": served_skip(arm),
+            "kv_cache_dtype": arm.dtype.engine, "skip_layers": served_skip(arm),
             "scales": scales}
 
 
