@@ -51,6 +51,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -217,17 +218,15 @@ def _whole(value: Any, where: str, lo: int = 0, hi: int | None = None) -> int:
     return value
 
 
-def _logprob(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value > LOGPROB_SLACK:
-        raise ProtocolError(f"{where} = {_show(value)}: not a log-probability (a finite number <= 0)")
-    return float(min(value, 0.0))
-
-
-def _seconds(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ProtocolError(f"{where} = {_show(value)}: expected a finite number of seconds >= 0")
+def _real(value: Any, where: str, ok: Callable[[float], bool], expected: str) -> float:
+    """A finite number (never a bool) for which `ok` holds; else ProtocolError "<where> = <value>: <expected>"."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise ProtocolError(f"{where} = {_show(value)}: {expected}")
     return float(value)
+
+
+def _logprob(value: Any, where: str) -> float:
+    return min(_real(value, where, lambda x: x <= LOGPROB_SLACK, "not a log-probability (a finite number <= 0)"), 0.0)
 
 
 def _text(value: Any, where: str, optional: bool = False) -> str | None:
@@ -268,9 +267,7 @@ def _sample(row: Any, where: str, ids: list[int], k: int) -> dict[str, Any]:
 
 
 def _scale(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ProtocolError(f"{where} = {_show(value)}: expected a finite scale > 0")
-    return float(value)
+    return _real(value, where, lambda x: x > 0, "expected a finite scale > 0")
 
 
 def _scales(doc: Any, where: str) -> dict[str, Any]:
@@ -324,8 +321,8 @@ def _arm(doc: Any, request: dict[str, Any], where: str) -> dict[str, Any]:
         "kv_capacity_tokens": None if doc["kv_capacity_tokens"] is None
         else _whole(doc["kv_capacity_tokens"], f"{where}.kv_capacity_tokens", 0, MAX_COUNT),
         "kv_gib": kv_gib,
-        "seconds": {clean_text(str(name), 40): _seconds(v, f"{where}.seconds.{clean_text(str(name), 40)}")
-                    for name, v in seconds.items()},
+        "seconds": {n: _real(v, f"{where}.seconds.{n}", lambda x: x >= 0, "expected a finite number of seconds >= 0")
+                    for n, v in ((clean_text(str(name), 40), v) for name, v in seconds.items())},
         "samples": [_sample(row, f"{where}.samples[{i}]", samples[i], k) for i, row in enumerate(rows)],
         "continuations": [_ids(c, f"{where}.continuations[{i}]", cont) for i, c in
                           enumerate(_list(doc["continuations"], f"{where}.continuations", len(samples)))],
@@ -346,10 +343,8 @@ def kv_groups(doc: Any) -> dict[str, Any]:
     for k in ("size_tokens", "in_flight_tokens"):      # null: this engine version does not keep it
         out[k] = None if doc.get(k) is None else _whole(doc[k], f"kv_groups.{k}", 0, MAX_COUNT)
     conc = doc.get("max_concurrency")
-    if conc is not None and (isinstance(conc, bool) or not isinstance(conc, (int, float)) or not math.isfinite(conc)
-                             or conc < 0):
-        raise ProtocolError(f"kv_groups.max_concurrency = {_show(conc)}: expected a finite number >= 0 or null")
-    out["max_concurrency"] = None if conc is None else float(conc)
+    out["max_concurrency"] = None if conc is None else _real(conc, "kv_groups.max_concurrency", lambda x: x >= 0,
+                                                             "expected a finite number >= 0 or null")
     groups = []
     for j, g in enumerate(doc["groups"]):
         where = f"kv_groups.groups[{j}]"
