@@ -20,9 +20,9 @@ from typing import Any
 
 from calib.engine.metrics import BucketRow, Summary
 from calib.evaluation.results import ArmMetrics, Reference
+from calib.recipe.dtypes import kv_format
 
 ENGINE, EMULATION = "engine", "emulation"
-FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
 
 Entry = Reference | ArmMetrics
 
@@ -108,7 +108,7 @@ def scales_within_noise(ref: Reference, results: Mapping[str, ArmMetrics],
             source = na.source
     if not same:
         return None
-    qmax = FP8_MAX.get(default.info.dtype or "", 448.0)
+    qmax = kv_format(default.info.dtype).qmax
     k = max((max(r.k_amax) for r in ref.ranges.values()), default=math.nan)
     v = max((max(r.v_amax) for r in ref.ranges.values()), default=math.nan)
     names = ", ".join(f"`{s['arm']}` (ppl x{s['ppl_ratio']:.4f}, noise ±{100 * s['noise']:.2g}%)" for s in same)

@@ -42,10 +42,7 @@ def score_engine(entries: Mapping[str, EngineNumbers], prompts: Sequence[passkey
                  tokenizer: Any) -> dict[str, EngineNumbers]:
     """Each engine entry with its passkey rows: the ids it generated per prompt, decoded and scored as the
     emulation's answers are; entries without answers (not run, no prompts) as they are."""
-    if not prompts or tokenizer is None:
-        return dict(entries)
-
     def rows(answers: Sequence[Sequence[int]]) -> dict[str, PasskeyRow]:
         return passkey_rows(passkey.summarize([passkey.score(p, tokenizer.decode(ids, skip_special_tokens=True))
                                                for p, ids in zip(prompts, answers)]))
-    return {n: replace(g, passkey=rows(g.passkey_ids)) if g.ok else g for n, g in entries.items()}
+    return {n: replace(g, passkey=rows(g.passkey_ids)) if g.ok and prompts else g for n, g in entries.items()}

@@ -85,11 +85,6 @@ def layout(c: Any) -> tuple[str, tuple[int, ...]]:
     return (c.dtype, tuple(sorted(c.skip)))
 
 
-def capacity_length(found: Any) -> int:
-    """The capacity rule's length: the longest the evaluation asked for (the longest requests bind), as in eval."""
-    return rule.longest(found.ref)
-
-
 def engine_counts(found: Any, baseline: str) -> dict[tuple[str, tuple[int, ...]], tuple[Any, str]]:
     """{layout: (the engine's entry, the arm it ran)} for every KV layout the engine ran: the candidates it confirmed
     and the default scale 1.0 (FP8, no skip); the first such arm of a layout counts for the layout."""
@@ -111,7 +106,7 @@ def capacity(found: Any, cand: Any, entry: ArmMetrics, saved: float,
     KV dtype and skipped layers (`counted_on`), else 1 / (1 - the share of memory it saves)) and whether that is a
     gain beyond noise (calib.evaluation.capacity.capacity_gain); None without such an engine."""
     ref = found.ref
-    length = capacity_length(found)
+    length = rule.longest(found.ref)
     ref_row = rule.CapacityRow("reference", True, 0.0, rule.engine_requests(ref.engine, length), 1.0, True)
     if ref_row.requests is None:
         return None
