@@ -175,7 +175,7 @@ def test_with_a_target_a_format_it_does_not_serve_is_kept_but_not_shipped():
     arms = format_arms(Geometry((0,), 2, 16), ["fp8_e5m2", "int8_per_token_head"])
     trt = {a.name: a for a in served.formats_as_served(arms, "trtllm", None, "trtllm")}
     assert not trt["int8_per_token_head"].shippable and not trt["fp8_e5m2"].shippable
-    assert "TensorRT-LLM 1.2 does not serve int8_per_token_head" in trt["int8_per_token_head"].notes[-1]
+    assert "TensorRT-LLM 1.4 does not serve int8_per_token_head" in trt["int8_per_token_head"].notes[-1]
     fa3 = {a.name: a for a in served.formats_as_served(arms, "vllm", None, "vllm-fa3")}
     assert not fa3["int8_per_token_head"].shippable          # FlashAttention-3 has no per-token-head cache
     assert served.formats_as_served(arms, None, None, "vllm-cpu") == arms

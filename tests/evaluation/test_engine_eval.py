@@ -196,7 +196,7 @@ def test_int8_advice_says_which_engine_applies_it_never_vllms_fp8_flag():
     for e in (_entry(dtype="int8"), _entry(kind="stats", dtype="int8", granularity="head", source=None),
               _entry(kind="default", dtype="int8", source=None)):
         v = report.verdict(reference_metrics(), {"a": e}, th, "bf16")
-        assert v.action == "ship" and "run at scale 1.0 by TensorRT-LLM 1.2" in v.text
+        assert v.action == "ship" and "run at scale 1.0 by TensorRT-LLM 1.4" in v.text
         assert "--engine-version trtllm=pr18953" in v.text and "not served by vLLM" in v.text
         assert "--kv-cache-dtype" not in v.text
     v = report.verdict(reference_metrics(), {"a": _entry()}, th, "bf16")
