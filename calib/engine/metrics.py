@@ -107,21 +107,16 @@ class EngineNumbers:
         """The engine's KV pool in tokens per GiB."""
         return self.kv_capacity_tokens / self.kv_gib if self.kv_capacity_tokens and self.kv_gib else None
 
-    @property
-    def bytes_per_token(self) -> float | None:
-        """The engine's measured cache bytes per token (all layers): its pool over the tokens it fits."""
-        return self.kv_gib * 2 ** 30 / self.kv_capacity_tokens if self.kv_capacity_tokens and self.kv_gib else None
-
     def to_dict(self) -> dict[str, Any]:
-        """As report.json holds it."""
+        """As report.json holds it (`bytes_per_token`: the engine's cache bytes per token, all layers)."""
         out: dict[str, Any] = {"engine": self.engine, "version": self.version, "status": self.status}
         if not self.ok:
             return {**out, "reason": self.reason}
+        tpg = self.tokens_per_gib
         out.update(kv_cache_dtype=self.kv_cache_dtype, buckets={b: r.to_dict() for b, r in self.buckets.items()},
                    summary=self.summary.to_dict() if self.summary else None, sample_nll=list(self.sample_nll),
-                   kv_capacity_tokens=self.kv_capacity_tokens, kv_gib=self.kv_gib, tokens_per_gib=self.tokens_per_gib,
-                   bytes_per_token=self.bytes_per_token, seconds=dict(self.seconds),
-                   serve=None if self.serve is None else dict(self.serve))
+                   kv_capacity_tokens=self.kv_capacity_tokens, kv_gib=self.kv_gib, tokens_per_gib=tpg,
+                   bytes_per_token=2 ** 30 / tpg if tpg else None, seconds=self.seconds, serve=self.serve)
         if self.kv_groups:
             out["kv_groups"] = self.kv_groups
         if self.passkey is not None:
