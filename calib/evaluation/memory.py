@@ -248,13 +248,6 @@ def lines(cands: Sequence[Candidate], model: str) -> list[str]:
             + "; ".join(c.line(model) for c in cands) + "."]
 
 
-def of_config(config: Any, model: str, kv_heads: int, head_dim: int, model_dtype: str,
-              lengths: Sequence[int]) -> Model | None:
-    """The bytes model of a loaded model; None when its layer kinds cannot be read (the caller reported why)."""
-    layers = lk.layer_kinds(config, f"MODEL {model}/config.json")
-    return Model(layers, kv_heads, head_dim, model_dtype, tuple(lengths), model)
-
-
 def engine_check(m: Model, info: ArmInfo | None, groups: Mapping[str, Any]) -> dict[str, Any]:
     """The engine's capacity next to the bytes model's, in the engine's own definition (vLLM: requests of
     max_model_len the pool holds x max_model_len, each group of layers reserving what its kind needs:
