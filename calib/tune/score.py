@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from calib.evaluation import emulate
+from calib.evaluation import emulate, numbers
 from calib.evaluation.arms import Arm, Geometry
 from calib.evaluation.results import ArmMetrics
 from calib.recipe.dtypes import FP8_E4M3, kv_dtype
@@ -105,15 +105,12 @@ def compare(a: ArmMetrics, b: ArmMetrics, tokens: Sequence[int]) -> dict[str, An
 
 
 def paired(a: Sequence[float], b: Sequence[float], tokens: Sequence[int]) -> Paired:
-    """Ratio estimate of sum(a - b) / sum(tokens) and NOISE_SE standard errors of it over samples."""
-    d = [x - y for x, y in zip(a, b)]
-    n, total = len(d), float(sum(tokens))
-    delta = sum(d) / total if total else 0.0
-    if n < 2 or not total:
-        return Paired(delta, math.inf, n)
-    resid = [di - delta * t for di, t in zip(d, tokens)]
-    se = math.sqrt(sum(r * r for r in resid) * n / (n - 1)) / total
-    return Paired(delta, NOISE_SE * se, n)
+    """Ratio estimate of sum(a - b) / sum(tokens) and NOISE_SE standard errors of it over samples (the verdict's
+    estimator, calib.evaluation.numbers.paired); infinite noise with fewer than two samples."""
+    r, total = numbers.paired(a, b, tokens), float(sum(tokens))
+    if r is None:
+        return Paired(sum(x - y for x, y in zip(a, b)) / total if total else 0.0, math.inf, len(a))
+    return Paired(r[0], NOISE_SE * r[1], len(a))
 
 
 def slim(entry: ArmMetrics) -> dict[str, Any]:
