@@ -11,7 +11,10 @@ in kvcalib's temporary folder (kept: the last lines explain a failure in one lin
 group when the block ends, however it ends — SIGTERM included: Python's default SIGTERM ends the process
 without running `finally` blocks, and the parent-death signal reaches only the server's own process, not the
 engine process vLLM starts under it, which then kept ~37 GiB of a GPU after a `timeout` (measured on an H100).
-So while a server runs, SIGTERM exits through the cleanup (`terminate_as_exit`). Its capacity is the engine's own: the line vLLM logs at start-up
+So while a server runs, SIGTERM unwinds like Ctrl-C (calib.safety.outputs.terminate_as_interrupt) whoever
+calls this module: the CLI sets it too, a script such as bench/gpu/serve_sweep.py did not.
+
+Its capacity is the engine's own: the line vLLM logs at start-up
 ("KV cache size: N tokens" and "Maximum concurrency for L tokens per request: X"), at max_model_len = this
 bucket's longest request, so it counts the KV cache groups, page padding and sliding-window reservations exactly
 as the scheduler does.
@@ -38,6 +41,7 @@ from typing import Any
 
 from calib.engine.driver import parent_death_signal
 from calib.errors import KvcalibError
+from calib.safety import outputs
 
 LOG_TAIL = 64 << 10                     # bytes of the server's log read back to explain a failure
 POLL_S = 0.5
@@ -323,29 +327,11 @@ def _group_rss(pgid: int) -> int | None:
 
 
 @contextlib.contextmanager
-def terminate_as_exit() -> Iterator[None]:
-    """Within the block, SIGTERM raises SystemExit(143) so every `finally` runs (see the module docstring). Left
-    alone where the signal cannot be set (not the main thread) or the program already handles SIGTERM itself."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
-        yield
-        return
-
-    def exit_now(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-    old = signal.signal(signal.SIGTERM, exit_now)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-@contextlib.contextmanager
 def serving(venv: Path, cfg: ServeConfig, launch: Launch, folder: Path) -> Iterator[Server]:
     """A started server for `cfg`, stopped with its process group when the block ends (errors, interrupts and
     SIGTERM included)."""
     srv = Server(Path(venv), cfg, launch, folder)
-    with terminate_as_exit():
+    with outputs.terminate_as_interrupt():
         try:
             srv.start()
             yield srv

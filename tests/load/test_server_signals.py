@@ -61,8 +61,6 @@ def test_the_engine_process_under_the_server_dies_when_kvcalib_is_terminated(tmp
         while _alive(engine) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _alive(engine), f"the engine process {engine} outlived kvcalib after {sig.name}"
-        if sig == signal.SIGTERM:
-            assert proc.returncode == 128 + signal.SIGTERM
     finally:
         proc.kill()
         if pidfile.exists():
@@ -70,10 +68,3 @@ def test_the_engine_process_under_the_server_dies_when_kvcalib_is_terminated(tmp
                 os.kill(int(pidfile.read_text()), signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-def test_sigterm_handling_is_restored_after_the_block():
-    before = signal.getsignal(signal.SIGTERM)
-    with server.terminate_as_exit():
-        assert signal.getsignal(signal.SIGTERM) is not before
-    assert signal.getsignal(signal.SIGTERM) is before
