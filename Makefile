@@ -242,7 +242,7 @@ bench-llmc: $(NEED_LLMC)
 	$(LLMC_VENV)/bin/python bench/run.py $(or $(ARGS),--shape tiny --samples 8 --seq-len 128)
 
 bad-input-table: $(NEED_VENV)
-	$(BIN)/python tests/bad_input_table.py README.md
+	$(BIN)/python tests/bad_input_table.py docs/bad-inputs.md
 
 clean:
 	rm -rf build out
