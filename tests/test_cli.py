@@ -127,6 +127,18 @@ def test_multi_target_output_and_inspect_of_both(tiny_llama_dir, token_data, tmp
     assert r.exit_code == 0 and "targets:    vllm" in r.output and "targets:    trtllm" in r.output
 
 
+def test_inspect_lists_every_target_variant_sglang_included(tiny_llama_dir, token_data, tmp_path):
+    """`inspect` walks the export registry, not a fixed pair: an output with an SGLang variant shows it."""
+    out = tmp_path / "three"
+    r = _run("calibrate", "--model", tiny_llama_dir, "--data", token_data, "--out", out, "--samples", 8,
+             "--seq-len", 32, "--device", "cpu", "--target", "vllm,sglang,trtllm")
+    assert r.exit_code == 0, r.output
+    r = _run("inspect", out)
+    assert r.exit_code == 0, r.output
+    shown = [ln.split(":", 1)[1].strip() for ln in r.output.splitlines() if ln.startswith("checkpoint:")]
+    assert shown == [str(out / t) for t in ("vllm", "trtllm", "sglang")]
+
+
 def test_cpu_dtype_sets_the_model_dtype_on_cpu(tmp_path, token_data):
     """A bf16 checkpoint runs in float32 on CPU by default (faster there), in bf16 with --cpu-dtype bfloat16;
     the K/V ranges differ only by bf16 rounding."""
