@@ -8,7 +8,7 @@ The runner's stdout carries progress lines (calib/engine/protocol.py) among the 
 the last lines of both streams are kept (bounded: a line is cut at MAX_LINE bytes, TAIL lines are kept) to
 explain a failure in one line.
 
-What the runner writes is untrusted input (`protocol.read_response`): a response that breaks the protocol,
+What the runner writes is untrusted input (`answer.read_response`): a response that breaks the protocol,
 or a runner that exits 0 without one, is an EngineError (one line, non-zero exit), never an arm's numbers.
 
 The runner dies with kvcalib, however kvcalib ends. It runs in its own process group (the group is killed
@@ -40,9 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from calib.engine import protocol
+from calib.engine import answer, protocol
 from calib.errors import KvcalibError
 from calib.safety import files, outputs
+from calib.safety.readers import clean_text
 
 RUNNERS = {"vllm": Path(__file__).resolve().parent / "vllm_runner.py"}
 RUNNER_ENV = "KVCALIB_ENGINE_RUNNER"       # another runner script speaking the protocol (tests use a fake one)
@@ -80,7 +81,7 @@ class EngineSpec:
 
 
 def _last_line(lines: Any) -> str:
-    kept = [protocol.clean_text(ln) for ln in lines if ln.strip() and protocol.parse_progress(ln) is None]
+    kept = [clean_text(ln) for ln in lines if ln.strip() and protocol.parse_progress(ln) is None]
     kept = [ln for ln in kept if ln]
     return kept[-1] if kept else ""
 
@@ -243,18 +244,18 @@ def check(spec: EngineSpec) -> str:
             child.kill()
             raise
         child.join()
-    answer = next((ln for ln in child.out if ln.lstrip().startswith("{")), "")
-    if code != 0 or not answer:
+    line = next((ln for ln in child.out if ln.lstrip().startswith("{")), "")
+    if code != 0 or not line:
         raise EngineError(f"{spec.name} in {spec.venv} cannot run: {child.why() or f'exit code {code}'}")
     try:
-        doc = json.loads(answer)
+        doc = json.loads(line)
     except (ValueError, RecursionError):
         doc = None
     if not isinstance(doc, dict) or not isinstance(doc.get("version", "unknown"), str):
         raise EngineError(f"{spec.name} runner {spec.runner}: its --probe answer is not "
-                          f'{{"engine": ..., "version": "..."}}: {protocol.clean_text(answer, 120)}')
-    _PROBED[(str(spec.python), str(spec.runner))] = protocol.probe_formats(doc)
-    return protocol.clean_text(doc.get("version", "unknown"), 80) or "unknown"
+                          f'{{"engine": ..., "version": "..."}}: {clean_text(line, 120)}')
+    _PROBED[(str(spec.python), str(spec.runner))] = answer.probe_formats(doc)
+    return clean_text(doc.get("version", "unknown"), 80) or "unknown"
 
 
 # the cache dtypes each engine environment's probe listed, kept from `check` (one probe per evaluation)
@@ -292,7 +293,7 @@ def run(spec: EngineSpec, request: dict[str, Any], on_progress: Callable[[dict[s
         where = f"{spec.name} runner {spec.runner}"
         if resp.is_file():
             try:
-                return protocol.read_response(resp, request)
+                return answer.read_response(resp, request)
             except protocol.ProtocolError as e:
                 raise EngineError(f"{where} broke the protocol: {e}; its numbers cannot be used") from None
         if code == 0:

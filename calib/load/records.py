@@ -19,8 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from calib.load.stats import distribution
 from calib.errors import KvcalibError
+from calib.load.stats import distribution
+from calib.safety.readers import clean_text, items, number, raising, whole
 
 MAX_TEXT = 300
 MAX_SECONDS = 7 * 24 * 3600.0
@@ -59,40 +60,25 @@ class SLO:
         return r.ok and r.output_tokens >= asked and r.ttft <= self.ttft_s and r.tpot <= self.tpot_s
 
 
-def _num(v: Any, where: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= MAX_SECONDS:
-        raise RecordsError(f"{where} = {str(v)[:40]}: expected a finite number of seconds >= 0")
-    return float(v)
-
-
-def _whole(v: Any, where: str, hi: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
-        raise RecordsError(f"{where} = {str(v)[:40]}: expected a whole number in [0, {hi}]")
-    return v
+def _seconds(v: Any, where: str) -> float:
+    return number(v, where, 0, MAX_SECONDS)
 
 
 def _list(doc: Mapping[str, Any], key: str, n: int, required: bool = True) -> list[Any] | None:
-    v = doc.get(key)
-    if v is None and not required:
-        return None
-    if not isinstance(v, list) or len(v) != n:
-        raise RecordsError(f"'{key}': expected a list of {n} (one per request)")
-    return v
-
-
-def _text(v: Any) -> str | None:
-    if v in (None, ""):
-        return None
-    s = str(v)[:MAX_TEXT]
-    return " ".join("".join(c if c.isprintable() else " " for c in s).split()) or "error"
+    return None if doc.get(key) is None and not required else items(doc.get(key), f"'{key}'", n)
 
 
 def parse(doc: Any, asked: int, output_tokens: int, max_prompt: int) -> tuple[list[Request], float, dict[str, Any]]:
     """(requests, duration in seconds, the generator's own summary numbers) from one level's result file: exactly
     `asked` requests, each at most `output_tokens` tokens and `max_prompt` prompt tokens (RecordsError otherwise)."""
+    with raising(RecordsError):
+        return _parse(doc, asked, output_tokens, max_prompt)
+
+
+def _parse(doc: Any, asked: int, output_tokens: int, max_prompt: int) -> tuple[list[Request], float, dict[str, Any]]:
     if not isinstance(doc, dict):
         raise RecordsError("expected a JSON object")
-    duration = _num(doc.get("duration"), "'duration'")
+    duration = _seconds(doc.get("duration"), "'duration'")
     if duration <= 0:
         raise RecordsError("'duration' = 0: the level ran no request")
     n = len(doc["ttfts"]) if isinstance(doc.get("ttfts"), list) else -1
@@ -104,18 +90,15 @@ def parse(doc: Any, asked: int, output_tokens: int, max_prompt: int) -> tuple[li
     lat = _list(doc, "latencies", n, required=False)
     reqs = []
     for i in range(n):
-        err = _text(errors[i])
-        o = _whole(outs[i], f"'output_lens'[{i}]", output_tokens)
-        gaps = itls[i]
-        if not isinstance(gaps, list) or len(gaps) > output_tokens:
-            raise RecordsError(f"'itls'[{i}]: expected a list of at most {output_tokens} gaps")
-        gaps = tuple(_num(g, f"'itls'[{i}]") for g in gaps)
-        ttft = None if err or ttfts[i] in (None, 0) else _num(ttfts[i], f"'ttfts'[{i}]")
-        latency = None if err else (_num(lat[i], f"'latencies'[{i}]") if lat is not None
+        err = None if errors[i] in (None, "") else clean_text(str(errors[i]), MAX_TEXT) or "error"
+        o = whole(outs[i], f"'output_lens'[{i}]", 0, output_tokens)
+        gaps = tuple(_seconds(g, f"'itls'[{i}]") for g in items(itls[i], f"'itls'[{i}]", hi=output_tokens))
+        ttft = None if err or ttfts[i] in (None, 0) else _seconds(ttfts[i], f"'ttfts'[{i}]")
+        latency = None if err else (_seconds(lat[i], f"'latencies'[{i}]") if lat is not None
                                     else (None if ttft is None else ttft + sum(gaps)))
         if ttft is not None and latency is not None and latency + 1e-6 < ttft:
             raise RecordsError(f"request {i}: latency {latency:.3g} s is shorter than its TTFT {ttft:.3g} s")
-        reqs.append(Request(_whole(ins[i], f"'input_lens'[{i}]", max_prompt), o, ttft, gaps, latency, err))
+        reqs.append(Request(whole(ins[i], f"'input_lens'[{i}]", 0, max_prompt), o, ttft, gaps, latency, err))
     own = {k: doc.get(k) for k in ("request_goodput", "request_throughput", "output_throughput",
                                    "max_concurrent_requests")
            if isinstance(doc.get(k), (int, float)) and not isinstance(doc.get(k), bool) and math.isfinite(doc[k])}

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from calib.engine import protocol
+from calib.engine import answer
 from calib.evaluation import markdown, memory
 from calib.evaluation.results import ArmInfo
 from calib.model import layer_kinds as lk
@@ -84,7 +84,7 @@ def test_vllm_024_in_flight_tokens_are_the_schedulers_batch(runner):
     assert got["groups"][6] == {"layers": list(GLOBAL), "spec": "FullAttentionSpec", "block_size": 32,
                                 "page_bytes": 65536, "dtype": "uint8", "window": None}
     # through the protocol and the check: the bytes model predicts the engine's capacity in its own definition
-    checked = protocol.kv_groups(json.loads(json.dumps(got)))
+    checked = answer.kv_groups(json.loads(json.dumps(got)))
     assert memory.engine_check(_model(), SKIP_SLIDING, checked) == {
         "engine": 227303, "bytes_model": 227303, "max_model_len": 32768, "problems": []}
 
@@ -98,7 +98,7 @@ def test_vllm_032_in_flight_tokens_are_the_configs_own(runner):
 def test_a_number_the_engine_does_not_keep_costs_only_that_number(runner):
     got = runner.kv_groups(_engine("0.24", cache={}))      # no kv_cache_size_tokens / kv_cache_max_concurrency
     assert got["size_tokens"] is None and got["max_concurrency"] is None and len(got["groups"]) == 7
-    checked = protocol.kv_groups(json.loads(json.dumps(got)))
+    checked = answer.kv_groups(json.loads(json.dumps(got)))
     c = memory.engine_check(_model(), SKIP_SLIDING, checked)
     assert c == {"engine": None, "bytes_model": 227303, "max_model_len": 32768, "problems": []}
     assert "not reported vs 227,303 at 32,768" in "\n".join(markdown.memory_lines(
@@ -107,7 +107,7 @@ def test_a_number_the_engine_does_not_keep_costs_only_that_number(runner):
     # neither max_in_flight_tokens nor the scheduler's batch: no prediction, and the check says why
     got = runner.kv_groups(_engine("0.24", scheduler={}))
     assert got["in_flight_tokens"] is None and got["size_tokens"] == 227303
-    c = memory.engine_check(_model(), SKIP_SLIDING, protocol.kv_groups(got))
+    c = memory.engine_check(_model(), SKIP_SLIDING, answer.kv_groups(got))
     assert c["bytes_model"] is None and c["problems"] == [
         "the engine did not say the tokens in flight a sliding or chunked layer reserves"]
 

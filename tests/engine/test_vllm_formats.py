@@ -110,6 +110,8 @@ def test_a_per_token_head_cache_in_cpu_vllm_is_not_run_with_the_reason(request, 
     sys.path.insert(0, str(RUNNER.parent))
     import protocol
 
+    from calib.engine import answer
+
     req = {"protocol": protocol.PROTOCOL, "arms": [{"name": "fp8_per_token_head", "model": str(model),
                                                     "kv_cache_dtype": "fp8_per_token_head", "skip_layers": [],
                                                     "attention_backend": "TRITON_ATTN", "scales": None}],
@@ -120,6 +122,6 @@ def test_a_per_token_head_cache_in_cpu_vllm_is_not_run_with_the_reason(request, 
     r = subprocess.run([sys.executable, str(RUNNER), str(tmp_path / "req.json"), str(tmp_path / "resp.json")],
                        capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
-    resp = protocol.read_response(tmp_path / "resp.json", req)["arms"][0]
+    resp = answer.read_response(tmp_path / "resp.json", req)["arms"][0]
     print(f"fp8_per_token_head on CPU vLLM: {resp['status']}: {resp['reason']}")
     assert resp["status"] == protocol.NOT_RUN and resp["reason"] and resp["samples"] == []

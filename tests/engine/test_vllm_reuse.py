@@ -34,6 +34,8 @@ RUNNER = ROOT / "calib" / "engine" / "vllm_runner.py"
 sys.path.insert(0, str(RUNNER.parent))
 import protocol  # noqa: E402  (stdlib only, like the runner)
 
+from calib.engine import answer  # noqa: E402  (kvcalib's check of the runner's answer)
+
 TOL = 1e-4
 LAYERS, KV_HEADS = 2, 2
 CT = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {}, "ignore": [],
@@ -111,7 +113,7 @@ def _run(tmp: Path, arms: list[dict], log: list) -> list[dict]:
     log.append((" + ".join(a["name"] for a in arms), time.perf_counter() - t0,
                 c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime))
     assert r.returncode == 0, r.stderr[-3000:]
-    return protocol.read_response(resp, req)["arms"]
+    return answer.read_response(resp, req)["arms"]
 
 
 def _max_diff(x: dict, y: dict) -> float:

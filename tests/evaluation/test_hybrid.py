@@ -180,20 +180,20 @@ def test_engine_check_reproduces_vllms_capacity():
 
 
 def test_protocol_checks_the_optional_kv_groups():
-    from calib.engine import protocol
+    from calib.engine import answer, protocol
 
-    doc = protocol.kv_groups(VLLM_032_FP8_SKIP_SLIDING)
+    doc = answer.kv_groups(VLLM_032_FP8_SKIP_SLIDING)
     assert doc == VLLM_032_FP8_SKIP_SLIDING
     bad = {**VLLM_032_FP8_SKIP_SLIDING, "groups": [{**VLLM_032_FP8_SKIP_SLIDING["groups"][0], "block_size": -1}]}
     with pytest.raises(protocol.ProtocolError, match=r"kv_groups.groups\[0\].block_size = -1"):
-        protocol.kv_groups(bad)
+        answer.kv_groups(bad)
     # an engine version that does not keep its capacity or tokens in flight says null; a wrong type is still an error
     unknown = {**VLLM_032_FP8_SKIP_SLIDING, "size_tokens": None, "max_concurrency": None, "in_flight_tokens": None}
-    assert protocol.kv_groups(unknown) == unknown
+    assert answer.kv_groups(unknown) == unknown
     with pytest.raises(protocol.ProtocolError, match=r"kv_groups.in_flight_tokens = '1024'"):
-        protocol.kv_groups({**VLLM_032_FP8_SKIP_SLIDING, "in_flight_tokens": "1024"})
+        answer.kv_groups({**VLLM_032_FP8_SKIP_SLIDING, "in_flight_tokens": "1024"})
     with pytest.raises(protocol.ProtocolError, match=r"kv_groups.num_blocks = None"):
-        protocol.kv_groups({**VLLM_032_FP8_SKIP_SLIDING, "num_blocks": None})
+        answer.kv_groups({**VLLM_032_FP8_SKIP_SLIDING, "num_blocks": None})
 
 
 def _gemma3_4b_groups(size_tokens: int) -> dict:
