@@ -39,8 +39,8 @@ FIRST_LOOK: dict[str, dict[str, Any]] = {
 }
 # --formats: the KV formats that need no kvcalib scales (the static ones are the default and checkpoint arms)
 FORMAT_CHOICES = tuple(n for n, d in dtypes_mod.KV_FORMATS.items() if d.scaling != dtypes_mod.STATIC)
-# vLLM's --kv-cache-dtype names of the formats a recipe calibrates (KVDtype.engine), e.g. fp8 -> fp8_e4m3
-VLLM_KV_NAMES = {d.engine: n for n, d in dtypes_mod.KV_DTYPES.items() if d.engine}
+# every vLLM --kv-cache-dtype name of the formats a recipe calibrates (their KVDtype's), e.g. fp8 -> fp8_e4m3
+VLLM_KV_NAMES = {v: d.name for d in dtypes_mod.for_engine("vllm") for v in d.engines["vllm"].names}
 
 
 def echo_err(message: str) -> None:

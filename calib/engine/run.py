@@ -21,23 +21,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from calib.engine import driver, metrics, protocol, serve, support
+from calib.engine import driver, metrics, protocol, serve
 from calib.engine.metrics import EngineNumbers
 from calib.progress import SILENT, Progress
+from calib.recipe import support
 
 # What an arm's serve command is made of (its runner spec's fields), kept on its engine entry for `kvcalib validate`.
 SERVE_KEYS = ("model", "kv_cache_dtype", "skip_layers", "attention_backend", "cuda_attention_backend")
-INT8_SERVED_BY = ("vLLM has no INT8 KV cache (the support matrix, calib.engine.support: "
-                  + support.who_serves("int8") + ")")
+
+
+def lacks(dtype: Any) -> str | None:
+    """Why vLLM cannot serve a `dtype` cache (the support matrix's one line; for a calibrated format also who
+    serves its scales); None: it can."""
+    line = support.lacks_format("vllm", dtype.name)
+    if line is None or dtype.dynamic:
+        return line
+    return f"{line} ({support.who_serves(dtype.name)})"
 
 
 def format_arm(arm: Any, model: str, offered: Sequence[str] | None = None) -> dict[str, Any] | str:
     """The runner's arm spec for a whole-format arm (kind `format`: fp8_e5m2, the per-token-head caches), with the
     attention backend the format needs in vLLM (calib.recipe.dtypes `Served`), or why the engine cannot serve it.
     `offered`: the cache dtypes the engine's probe listed (None: not known)."""
+    if (why := lacks(arm.dtype)) is not None:
+        return why
     served = arm.dtype.served("vllm")
-    if served is None:
-        return f"vLLM has no {arm.dtype.name} KV cache"
     name = served.names[0]
     if offered is not None and name not in offered:
         return f"this vLLM does not offer --kv-cache-dtype {name} (it offers: {', '.join(offered)})"
@@ -55,8 +63,8 @@ def request_arm(arm: Any, model: str, offered: Sequence[str] | None = None) -> d
         return {"name": arm.name, "model": model, "kv_cache_dtype": "auto", "skip_layers": [], "scales": None}
     if arm.kind == "format":
         return format_arm(arm, model, offered)
-    if arm.dtype.engine is None:
-        return INT8_SERVED_BY
+    if (why := lacks(arm.dtype)) is not None:
+        return why
     if arm.kind == "stats":
         return ("a what-if from a statistics file, not a checkpoint: export it (`kvcalib export --stats`) and pass "
                 "it with --scales to measure it in the engine")

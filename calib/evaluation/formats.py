@@ -8,7 +8,7 @@ ranks arms by KL; this ranks formats by memory, because memory is what a quantis
    engine output implausible for the format never qualifies: calib/evaluation/numbers.py `implausible`);
 2. among qualifying arms, the fewest bytes per token per layer (calib.recipe.dtypes `bytes_per_token`,
    the scale storage included; the reference stores the model dtype);
-3. a tie goes to the format the most engine backends serve (calib.engine.support), then to the lowest KL.
+3. a tie goes to the format the most engine backends serve (calib.recipe.support), then to the lowest KL.
 The text then says whether static calibration beat the dynamic formats on this model and data, and why.
 """
 
@@ -18,9 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from calib.engine import support
 from calib.evaluation.numbers import decisive, engine_ok, implausible
-from calib.recipe import dtypes
+from calib.recipe import dtypes, support
 
 # static scales: 1.0, a checkpoint's, a statistics file's what-if, a tune candidate's
 STATIC_KINDS = ("default", "checkpoint", "stats", "candidate")

@@ -10,7 +10,7 @@ A skip recommendation is never a guess: `skip_plan` names the layers whose atten
 dominates, the evaluation re-measures the arm with those layers unquantised, and only that measurement
 can turn into "ship with --kv-cache-dtype-skip-layers ...". Advice names the engine that serves the arm's KV
 dtype and its setting, never another engine's flag, and never an engine that would run the scales at 1.0 (the
-support matrix, calib.engine.support, says which).
+support matrix, calib.recipe.support, says which).
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from calib.engine import command, support
+from calib.engine import command
 from calib.evaluation import capacity, measurable, memory, significance
 from calib.evaluation import formats as kv_formats
 from calib.evaluation.numbers import (EMULATION, ENGINE, decisive, engine_ok, implausible, saturated_layers,
                                      saturation_text, scales_within_noise, skip_confirmed)
 from calib.evaluation.results import ArmInfo, ArmMetrics, Reference
+from calib.recipe import support
 
 SKIP_FLAG = command.SKIP_FLAG
 
@@ -290,11 +291,10 @@ def _skip_trial(results: Results, name: str) -> tuple[list[int], str, str]:
 
 
 def int8_serving() -> str:
-    """Where calibrated INT8 KV scales are served, from the support matrix (calib.engine.support), and how
+    """Where calibrated INT8 KV scales are served, from the support matrix (calib.recipe.support), and how
     kvcalib writes them for a build that applies them."""
-    builds = sorted({c.build for c in support.CELLS if c.engine == "trtllm" and c.build and "int8" in c.formats})
-    how = "; ".join(f"`kvcalib calibrate --dtype int8 --target trtllm --engine-version trtllm={b}` writes it for a "
-                    f"TensorRT-LLM build with {b}" for b in builds)
+    how = "; ".join(f"`kvcalib calibrate --dtype int8 --target {n} --engine-version {n}={b}` writes it for a "
+                    f"{e.title} build with {b}" for n, e in support.ENGINES.items() for b in support.builds(n, "int8"))
     return f"{support.who_serves('int8')}" + (f" ({how})" if how else "")
 
 
@@ -334,7 +334,7 @@ def _on(engine: str, dtype: str | None, skip: Sequence[int | str]) -> str:
 
 def format_serving(fmt: str, skip: Sequence[int | str] = (), engine: str = "vllm") -> str:
     """How to serve a whole KV format (no kvcalib scales) on `engine`: its flags and, for the per-token-head caches,
-    the attention backend that implements them (the support matrix, calib.engine.support)."""
+    the attention backend that implements them (the support matrix, calib.recipe.support)."""
     title = support.ENGINES[engine].title
     try:
         flags = " ".join(command.flags(engine, fmt, skip))

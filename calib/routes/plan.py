@@ -28,19 +28,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from calib.engine import command, support
+from calib.engine import command
 from calib.errors import KvcalibError
 from calib.evaluation import numbers as honest
 from calib.evaluation.config import EvalConfig
 from calib.evaluation.verdict import Thresholds
 from calib.progress import SILENT, Progress
+from calib.recipe import dtypes, support
 from calib.routes import spec
 from calib.routes.spec import Route, Routes, RoutesError
 
 FP8, FP8_SKIP, BF16 = "fp8", "fp8_skip", "bf16"
 SCHEMA = "kvcalib.plan/1"          # plan.json's format: a key renamed, moved or retyped takes the next number
 VLLM_KV = {k: command.KV_FLAG["vllm"][k] for k in ("fp8_e4m3", "fp8_e5m2")}   # the static formats a route serves
-_KV_NAME = {flag: name for name, flag in VLLM_KV.items()}
 Log = Callable[[str], Any]
 
 
@@ -61,8 +61,8 @@ class Decision:
     @property
     def serve_argv(self) -> list[str]:
         """From the one serve-command builder calibrate, eval and tune print too (calib.engine.command)."""
-        return command.argv("vllm", self.serve_model, _KV_NAME.get(self.kv_cache_dtype), self.skip_layers,
-                            self.max_model_len)
+        kv = None if self.kv_cache_dtype == "auto" else dtypes.kv_format(self.kv_cache_dtype, "vllm").name
+        return command.argv("vllm", self.serve_model, kv, self.skip_layers, self.max_model_len)
 
     @property
     def serve(self) -> str:

@@ -190,7 +190,7 @@ def _engine(entry, **kw):
 
 
 def test_int8_advice_says_which_engine_applies_it_never_vllms_fp8_flag():
-    """Merged TensorRT-LLM runs INT8 KV at scale 1.0 (calib.engine.support): the advice says so and names the build
+    """Merged TensorRT-LLM runs INT8 KV at scale 1.0 (calib.recipe.support): the advice says so and names the build
     that applies calibrated INT8, never a plain `trtllm-serve`."""
     th = report.Thresholds()
     for e in (_entry(dtype="int8"), _entry(kind="stats", dtype="int8", granularity="head", source=None),
