@@ -227,12 +227,14 @@ def _report(result, recipe: recipe_mod.Recipe, versions: dict[str, str]) -> None
 
 
 def _serve_report(recipe: recipe_mod.Recipe, out: Path, scales, skipped, versions: dict[str, str]) -> None:
-    """Each target's serve command, then what its engine does with the scales (calib.engine.support); a
-    result the engine serves differently from what was calibrated gets a warning line on stderr each way."""
+    """Each target's serve command, then what its engine does with the scales (calib.recipe.support) for this
+    model's architecture (as the check before writing read it); a result the engine serves differently from what
+    was calibrated gets a warning line on stderr each way."""
     from calib.export import TARGETS
 
-    served = serve.outcomes(recipe, scales, skipped, versions)
     multi = len(recipe.targets) > 1
+    arch = serve.architecture_of(out / recipe.targets[0] if multi else out)
+    served = serve.outcomes(recipe, scales, skipped, versions, arch)
     for t in recipe.targets:
         path = str(out / t if multi else out)      # quoted by the serve-command builder
         for line in serve.serve_lines(TARGETS[t], path, served[t], skipped):

@@ -225,10 +225,10 @@ def write_outputs(source: Path, out: Path, recipe: Recipe, capture: observe.KVCa
     no target → OUT holds the statistics only (stats.safetensors + kvcalib.json). `extra_files` ({name: text},
     one target only) are written into OUT in the same atomic step. `prepared` (from `prepare_targets`, run by
     the checks) is what each target writes from; without it each target checks `source` itself. Before anything
-    is written, a target whose engine (at `engine_versions`) would not serve these scales as calibrated refuses
-    (calib.export.serve)."""
+    is written, a target whose engine (at `engine_versions`, for this model's architecture) would not serve these
+    scales as calibrated refuses (calib.export.serve)."""
     targets = list(recipe.targets)
-    serve.check(recipe, scales, prov.skipped_layers, engine_versions)
+    serve.check(recipe, scales, prov.skipped_layers, engine_versions, serve.architecture_of(source))
     if not targets:
         with outputs.atomic_dir(out, force, kind="statistics") as tmp:
             statsfile.save(tmp / STATS_FILE, capture, prov.stats_header())

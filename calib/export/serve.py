@@ -126,9 +126,9 @@ def instead(name: str, outcome: support.Outcome) -> str:
 
 
 def check(recipe: Any, scales: Mapping[int, Any] | None = None, skipped: Iterable[int | str] | None = None,
-          versions: Mapping[str, str] | None = None) -> dict[str, support.Outcome]:
+          versions: Mapping[str, str] | None = None, architecture: str | None = None) -> dict[str, support.Outcome]:
     """`outcomes`, or an ExportError (one line) for the first target whose engine would not serve the result."""
-    found = outcomes(recipe, scales, skipped, versions)
+    found = outcomes(recipe, scales, skipped, versions, architecture)
     for name, o in found.items():
         if o.refused:
             raise ExportError(o.refusal(instead(name, o)))

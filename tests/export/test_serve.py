@@ -11,6 +11,7 @@ from calib.recipe import support
 from calib.export import serve
 from calib.recipe.recipe import Recipe
 from helpers import k_beyond_fp8_model, save_model_and_data
+from tiny import tiny_causal_lm
 
 
 def _run(*args):
@@ -210,6 +211,28 @@ def test_the_serve_lines_warn_for_a_model_whose_sglang_loader_drops_the_scales(t
     told = serve.outcomes(recipe, {0: type("S", (), {"k_amax": _t(900.0), "v_amax": _t(3.0)})()},
                           architecture=arch)
     assert told["sglang"].refused == warned and not told["vllm"].refused
+
+
+def test_calibrate_for_sglang_reads_the_models_architecture_before_writing(tmp_path):
+    """SGLang drops a Qwen2's k/v scales (sglang issue 39942). calibrate reads the model's architecture before it
+    writes, as the serve lines do: inside the FP8 range the checkpoint is written with the warning; with |K| past
+    448 (K at scale 1.0 saturates) nothing is written and vLLM is named instead. The control: a Llama of the same
+    range is served by SGLang as calibrated."""
+    small, data = save_model_and_data(tmp_path, tiny_causal_lm("qwen2"), "qwen2")
+    r = _calibrate(small, data, tmp_path / "small", "--target", "sglang")
+    assert r.exit_code == 0, r.output
+    assert ("warning: SGLang 0.5.23: fp8_e4m3 tensor scales ignored, the cache runs at scale 1.0 (this model's weight "
+            "loader never remaps self_attn.k_scale / v_scale" in r.output)
+    assert "behaves like the default scale" in r.output
+    assert "the scales are applied as calibrated" not in r.output
+    big, _ = save_model_and_data(tmp_path, tiny_causal_lm("qwen2", scale_k=3000.0), "qwen2-big-k")
+    out = tmp_path / "big"
+    line = _refused(_calibrate(big, data, out, "--target", "sglang"), out, before_work=False)
+    assert line.startswith("Error: SGLang 0.5.23 would not serve these scales: fp8_e4m3 tensor scales ignored") \
+        and "saturate" in line and "Use --target vllm" in line
+    llama, _ = save_model_and_data(tmp_path, k_beyond_fp8_model(), "llama-big-k")
+    r = _calibrate(llama, data, tmp_path / "llama", "--target", "sglang")
+    assert r.exit_code == 0 and "SGLang 0.5.23: the scales are applied as calibrated" in r.output, r.output
 
 
 def _t(x: float):
