@@ -12,8 +12,9 @@ from click.testing import CliRunner
 
 from calib.ckpt.kvinfo import read_kv_info
 from calib.cli import main
-from calib.engine import command, support
+from calib.engine import command
 from calib.evaluation.verdict import how_to_serve
+from calib.recipe import support
 from calib.routes import plan, spec
 from calib.tune import output
 from helpers import arm_metrics

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from calib.engine import driver, protocol, run, support
+from calib.engine import driver, protocol, run
 from calib.engine.driver import EngineSpec
 from calib.evaluation import formats, numbers
 from calib.evaluation import verdict as report
 from calib.evaluation.arms import Geometry, format_arms
 from calib.evaluation.run import run_eval
+from calib.recipe import support
 from helpers import arm_metrics, engine_numbers, engine_script, eval_config, reference_metrics, save_model_and_data
 from tiny import tiny_causal_lm
 

@@ -291,9 +291,3 @@ def test_skip_by_layer_kind_per_engine():
 def test_skip_order_puts_numbers_in_order_then_names_once_each():
     assert s.skip_order(["sliding_window", 10, 3, 3]) == [3, 10, "sliding_window"]
     assert s.skip_order([]) == []
-
-
-def test_the_old_import_still_answers():
-    from calib.engine import support as old
-
-    assert old.CELLS is s.CELLS and old.outcome is s.outcome
