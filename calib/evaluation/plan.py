@@ -145,11 +145,11 @@ class Plan:
         """The total when `trials` of the planned skip trials run: they are conditional (only when no arm passes
         and a few layers dominate the best one's error), so the plan states both ends and the run its own."""
         skip = sum(s for name, s in self.phases if name.startswith(SKIP_PHASE))
-        return self.total - skip + (skip * trials / self.parts.skip_trials if self.parts.skip_trials else 0.0)
+        return self.total - skip + (skip * trials / self.parts.skip_trials if skip else 0.0)
 
-    def lines(self, rates: Rates) -> list[str]:
+    def lines(self, rates: Rates, title: str = "eval plan") -> list[str]:
         batch = f" x {rates.probed_batch}" if rates.probed_batch > 1 else ""
-        out = [f"eval plan (probe: one forward at {rates.probed_at} tokens{batch}; engine "
+        out = [f"{title} (probe: one forward at {rates.probed_at} tokens{batch}; engine "
                f"{rates.engine_start:.0f} s per start (+{rates.engine_first_start:.0f} s the first), scoring at "
                f"{rates.engine_tokens_per_s:,.0f} tok/s or {rates.engine_over_reference:g}x the reference pass, "
                "measured defaults):"]
@@ -171,26 +171,55 @@ def estimate(w: Work, parts: Parts, cost: Cost, rates: Rates) -> tuple[tuple[str
     emu = [(n, b) for n, b in w.samples if parts.emulate_up_to is None or b <= parts.emulate_up_to]
     pk = [(n, b) for n, b, d in w.prompts if d in parts.depths]
     pk_emu = [(n, b) for n, b in pk if parts.emulate_up_to is None or b <= parts.emulate_up_to]
-    per_pass = sum(cost.work(n) for n, _ in emu)
     batches = prompt_batches(pk_emu, w.passkey_batch)
     pk_ref = sum(cost.batch(lengths, rates.ref, rates.step_ref) for lengths in batches)
     pk_arm = sum(cost.batch(lengths, rates.arm, rates.step_arm) for lengths in batches)
-    metrics = per_pass * (rates.ref + w.arms * rates.arm)
+    metrics = measuring([n for n, _ in emu], w.arms, cost, rates)
     passkey = pk_ref + w.arms * pk_arm
-    engine_pk = pk if parts.engine_passkey else []
-    scoring = max(sum(n for n, _ in w.samples) / rates.engine_tokens_per_s,
-                  rates.engine_over_reference * sum(cost.work(n) for n, _ in w.samples) * rates.ref)
-    pk_rate = rates.engine_prompt_tokens_per_s or rates.engine_tokens_per_s
-    scoring += max(sum(n + MAX_NEW_TOKENS for n, _ in engine_pk) / pk_rate,
-                   rates.engine_over_reference * sum(cost.work(n) + cost.decode(n) for n, _ in engine_pk) * rates.ref)
-    engine_arm = (rates.engine_start + scoring) if w.engine else 0.0
-    engine = (rates.engine_first_start + w.starts * rates.engine_start + (w.arms + 1) * scoring) if w.engine else 0.0
+    lengths = [n for n, _ in w.samples]
+    pk_lengths = [n for n, _ in pk] if parts.engine_passkey else []
+    engine_arm = rates.engine_start + scoring(lengths, pk_lengths, cost, rates) if w.engine else 0.0
+    engine = engine_seconds(lengths, pk_lengths, w.arms, w.starts, cost, rates) if w.engine else 0.0
     # a trial re-runs the reference forward (its KL needs the logits), not the reference's passkey
-    skips = parts.skip_trials * (per_pass * (rates.ref + rates.arm) + pk_arm + engine_arm)
+    skips = parts.skip_trials * (measuring([n for n, _ in emu], 1, cost, rates) + pk_arm + engine_arm)
     return ((f"emulation: reference + {w.arms} arm(s) on {len(emu)} samples", metrics),
             (f"emulation passkey: {len(pk_emu)} prompts x {w.arms + 1}", passkey),
             (f"engine: {w.arms + 1} arms on {w.starts} start(s)" if w.engine else "engine", engine),
             (f"{SKIP_PHASE}: up to {parts.skip_trials}", skips))
+
+
+def measuring(lengths: Sequence[int], arms: int, cost: Cost, rates: Rates) -> float:
+    """Seconds of one measuring pass: the reference and `arms` emulated arms over samples of `lengths` tokens."""
+    return sum(cost.work(n) for n in lengths) * (rates.ref + arms * rates.arm)
+
+
+def scoring(lengths: Sequence[int], prompts: Sequence[int], cost: Cost, rates: Rates) -> float:
+    """Seconds the engine scores one arm: held-out samples of `lengths` tokens and passkey prompts of `prompts`."""
+    out = max(sum(lengths) / rates.engine_tokens_per_s,
+              rates.engine_over_reference * sum(cost.work(n) for n in lengths) * rates.ref)
+    pk_rate = rates.engine_prompt_tokens_per_s or rates.engine_tokens_per_s
+    return out + max(sum(n + MAX_NEW_TOKENS for n in prompts) / pk_rate,
+                     rates.engine_over_reference * sum(cost.work(n) + cost.decode(n) for n in prompts) * rates.ref)
+
+
+def engine_seconds(lengths: Sequence[int], prompts: Sequence[int], arms: int, starts: int, cost: Cost,
+                   rates: Rates) -> float:
+    """Seconds of the engine phase: its first start, `starts` starts (the reference's included) and the
+    reference and `arms` arms each scored."""
+    return (rates.engine_first_start + starts * rates.engine_start
+            + (arms + 1) * scoring(lengths, prompts, cost, rates))
+
+
+def reduce(parts: Any, steps: Sequence[tuple[str, Any]], total: Any, budget_s: float) -> tuple[Any, list[str]]:
+    """`parts` with `steps` (what it drops, a function of the parts) applied in order until `total(parts)` fits
+    `budget_s`, and what was dropped, in words: eval's order (`fit`) and tune's (calib/tune/search.py) alike."""
+    dropped: list[str] = []
+    for what, change in steps:
+        if total(parts) <= budget_s:
+            break
+        parts = change(parts)
+        dropped.append(what)
+    return parts, dropped
 
 
 PASSKEY_BATCH_TOKENS = 32768   # a batch of passkey prompts holds at most this many tokens (one prompt at least)
@@ -222,9 +251,8 @@ def prompt_batches(prompts: Sequence[tuple[int, int]], size: int) -> list[list[i
 
 def fit(w: Work, parts: Parts, cost: Cost, rates: Rates, budget_s: float | None) -> Plan:
     """The plan of `parts`, reduced in the module's order until it fits `budget_s` (None: as asked)."""
-    plan = Plan(parts, estimate(w, parts, cost, rates), (), budget_s)
     if budget_s is None:
-        return plan
+        return Plan(parts, estimate(w, parts, cost, rates), (), budget_s)
     buckets = sorted({b for _, b in w.samples} | {b for _, b, _ in w.prompts})
     steps = []
     have = len(parts.depths)
@@ -241,14 +269,9 @@ def fit(w: Work, parts: Parts, cost: Cost, rates: Rates, budget_s: float | None)
             steps.append((f"emulated bucket {buckets[buckets.index(b) + 1]} ({what})", {"emulate_up_to": b}))
     if w.engine and parts.engine_passkey and w.prompts:
         steps.append(("the engine's passkey prompts", {"engine_passkey": False}))
-    dropped: list[str] = []
-    for what, change in steps:
-        if plan.total <= budget_s:
-            break
-        parts = replace(parts, **change)
-        dropped.append(what)
-        plan = Plan(parts, estimate(w, parts, cost, rates), tuple(dropped), budget_s)
-    return plan
+    parts, dropped = reduce(parts, [(what, lambda p, c=change: replace(p, **c)) for what, change in steps],
+                            lambda p: sum(s for _, s in estimate(w, p, cost, rates)), budget_s)
+    return Plan(parts, estimate(w, parts, cost, rates), tuple(dropped), budget_s)
 
 
 def engine_figures(device_type: str) -> tuple[float, float]:

@@ -10,8 +10,13 @@ Order of work (each step only where the previous one needs it):
    then that candidate with the top 1..max_skip layers skipped (vLLM only: TensorRT-LLM cannot skip);
 5. with `engine`, the short list again in the real engine (calib/engine/), whose numbers then decide;
 6. the choice (`choose`) and OUT (calib/tune/output.py); calib/tune/run.py runs the steps in this order.
-`--budget-minutes` bounds the whole run: measuring stops between passes early enough to leave the engine
-confirmation its time (calib/tune/run.py confirms fewer candidates, or none, when that is short).
+`--budget-minutes` bounds the run with the evaluation's plan (calib/evaluation/plan.py: a probe, its cost model,
+drops in a fixed order, each said): before the first measuring pass the time left is planned and printed, dropping
+the layer skips, the sliding-window skip, engine confirmations (one at a time), then candidates (last first) until
+it fits. Why this order: the engine's short list is drawn from the emulated scores, and an engine arm costs a start
+(20-66 s) on top of its scoring. The plan is then kept: a pass starts only when its estimate (scaled up by how far
+the passes so far ran over theirs) ends before the budget less the engine's planned share. Loading, statistics and
+OUT are not in the plan (the plan gets the time they leave; eval's plan covers its measuring passes alike).
 """
 
 from __future__ import annotations
@@ -29,13 +34,14 @@ from calib import resources
 from calib.data import sources as data_mod
 from calib.engine.metrics import EngineNumbers
 from calib.errors import KvcalibError
-from calib.evaluation import emulate
-from calib.evaluation import verdict
+from calib.evaluation import emulate, verdict
+from calib.evaluation import plan as plan_mod
 from calib.evaluation.arms import Geometry, default_arm, format_arms
 from calib.evaluation.config import EvalConfig, check_buckets
 from calib.evaluation.fakequant import fake_quant_kv
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference
+from calib.evaluation.run import probe
 from calib.evaluation.samples import calibration_windows, select_samples, usable_buckets
 from calib.evaluation.session import Session, open_session
 from calib.model import context
@@ -194,28 +200,84 @@ class Search:
         return e if e is None or name not in self.engine else replace(e, engine=self.engine[name])
 
 
-class Clock:
-    """Time since the run began and whether `--budget-minutes` is spent. The measuring passes stop at
-    `deadline`, `reserve`d seconds before the run's `end` (the engine confirmation's share, at most half)."""
+now = time.perf_counter       # the run's clock (a test sets a fake one)
 
-    def __init__(self, budget_minutes: float | None) -> None:
-        self.start = time.perf_counter()
-        self.end = None if budget_minutes is None else self.start + 60 * budget_minutes
-        self.deadline = self.end
 
-    def reserve(self, seconds: float) -> None:
-        if self.end is not None:
-            self.deadline = self.end - min(seconds, 0.5 * (self.end - self.start))
+@dataclass(frozen=True)
+class Parts:
+    """What tune's plan keeps: the first `arms` measured arms (the default scale 1.0 first), the layer skips,
+    the sliding-window skip, and how many candidates the engine confirms."""
+    arms: int
+    skips: bool
+    sliding: bool
+    confirm: int
 
-    def left(self) -> float | None:
-        """Seconds until the whole run's end (None: no budget)."""
-        return None if self.end is None else self.end - time.perf_counter()
 
-    def over(self) -> bool:
-        return self.deadline is not None and time.perf_counter() > self.deadline
+@dataclass(frozen=True)
+class Planner:
+    """Tune's work in the evaluation's cost model: passes of at most `chunk` arms (the reference once per pass)
+    over held-out samples of `lengths` tokens, the engine phase as eval's. `groups`: the candidates (or formats)
+    each measured arm scores, in the order measured."""
+    cost: plan_mod.Cost
+    rates: plan_mod.Rates
+    lengths: tuple[int, ...]
+    sens: tuple[int, ...]          # the sensitivity samples' lengths
+    chunk: int
+    layers: int                    # layers whose sensitivity is measured (0: no layer skips)
+    skips: int
+    engine: bool
+    groups: tuple[tuple[str, ...], ...]
 
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
+    def passes(self, arms: int, lengths: Sequence[int]) -> float:
+        return sum(plan_mod.measuring(lengths, min(self.chunk, arms - a), self.cost, self.rates)
+                   for a in range(0, arms, self.chunk))
+
+    def phases(self, p: Parts) -> tuple[tuple[str, float], ...]:
+        kept, total = (sum(len(g) for g in self.groups[:n]) for n in (p.arms, len(self.groups)))
+        return ((f"candidates: {kept} of {total} ({p.arms} measured arm(s) with the default scale 1.0)",
+                 self.passes(p.arms, self.lengths)),
+                (f"layer skips: sensitivity of {self.layers} layers, skips of 1..{self.skips}",
+                 self.passes(self.layers, self.sens) + self.passes(self.skips, self.lengths) if p.skips else 0.0),
+                ("the sliding-window skip", self.passes(1, self.lengths) if p.sliding else 0.0),
+                (f"engine: {p.confirm} candidate(s), the default scale 1.0 and the reference",
+                 plan_mod.engine_seconds(self.lengths, (), p.confirm + 1, p.confirm + 2, self.cost, self.rates)
+                 if self.engine and p.confirm else 0.0))
+
+    def fit(self, full: Parts, budget_s: float | None) -> plan_mod.Plan:
+        """`full` reduced in the module's order until it fits `budget_s` (None: as asked), the drops named."""
+        steps: list[tuple[str, Any]] = []
+        if full.skips:
+            steps.append((f"layer skips (sensitivity of {self.layers} layers, skips of 1..{self.skips})",
+                          lambda p: replace(p, skips=False)))
+        if full.sliding:
+            steps.append(("the sliding-window skip", lambda p: replace(p, sliding=False)))
+        steps += [("", lambda p, n=n: replace(p, confirm=n)) for n in reversed(range(full.confirm))]
+        steps += [("", lambda p, k=k: replace(p, arms=k)) for k in reversed(range(full.arms)) if k != 1]
+        parts, dropped = (full, []) if budget_s is None else plan_mod.reduce(
+            full, steps, lambda p: sum(x for _, x in self.phases(p)), budget_s)
+        dropped = [d for d in dropped if d]
+        if parts.confirm < full.confirm:
+            dropped.append(f"engine confirmation {full.confirm} -> {parts.confirm} candidate(s)")
+        gone = [n for g in self.groups[parts.arms:] for n in g]
+        if gone:
+            dropped.append(f"{len(gone)} candidate(s) not scored: {', '.join(gone)}")
+        return plan_mod.Plan(parts, self.phases(parts), tuple(dropped), budget_s)
+
+
+@dataclass
+class Kept:
+    """The plan as the search keeps it: a pass starts only when its estimate, scaled up by how far the passes so
+    far ran over theirs (never down), ends by `end` (the budget's end less the engine's planned share)."""
+    planner: Planner
+    plan: plan_mod.Plan
+    end: float | None
+    estimated: float = 0.0
+    measured: float = 0.0
+
+    def need(self, lengths: Sequence[int], arms: int) -> tuple[float, float]:
+        """(the plan's estimate of a pass, what it is expected to take now)."""
+        est = plan_mod.measuring(lengths, arms, self.planner.cost, self.planner.rates)
+        return est, est * max(1.0, self.measured / self.estimated if self.estimated else 1.0)
 
 
 class _Tokens:
@@ -228,16 +290,21 @@ class _Tokens:
         self.stage.advance(tokens)
 
 
-def _measure(s: Session, arms: Sequence[Any], found: Search, clock: Clock, chunk: int, stage: Any,
+def _measure(s: Session, arms: Sequence[Any], found: Search, kept: Kept, chunk: int, stage: Any,
              what: str) -> dict[str, ArmMetrics]:
-    """Measure `arms` a chunk at a time (the reference once per chunk); stop when the budget is spent."""
+    """Measure `arms` a chunk at a time (the reference once per chunk); stop before a pass that would overrun."""
     out: dict[str, ArmMetrics] = {}
+    lengths = [len(x.ids) for x in s.samples]
     for a in range(0, len(arms), chunk):
-        if clock.over():
-            found.stopped = f"--budget-minutes spent after {clock.elapsed():.0f} s, during {what}"
+        est, need = kept.need(lengths, len(arms[a:a + chunk]))
+        if kept.end is not None and now() + need > kept.end:
+            found.stopped = (f"--budget-minutes: {what} stopped before a pass of ~{need:.0f} s that would overrun "
+                             f"the plan ({max(0.0, kept.end - now()):.0f} s left)")
             break
         stage.advance(0, labels={"what": what})
+        t0 = now()
         ref, res = measure(s, arms[a:a + chunk], stage=_Tokens(stage))
+        kept.estimated, kept.measured = kept.estimated + est, kept.measured + now() - t0
         found.passes += 1 + len(arms[a:a + chunk])
         found.ref = found.ref or ref
         out.update(res)
@@ -280,9 +347,10 @@ class HeldOut:
     info: dict[str, Any]
 
 
-def search(cfg: TuneConfig, loaded: Any, source: Path, clock: Clock, log: Log,
-           progress: Progress = SILENT) -> tuple[Search, Any, HeldOut]:
-    """Statistics, candidates, scores, sensitivity and skips (steps 2-4 above) on a loaded causal LM."""
+def search(cfg: TuneConfig, loaded: Any, source: Path, end: float | None, log: Log,
+           progress: Progress = SILENT) -> tuple[Search, Any, HeldOut, Kept]:
+    """Statistics, candidates, the plan, scores, sensitivity and skips (steps 2-4 above) on a loaded causal LM;
+    `end`: when --budget-minutes is spent (`now()`'s time; None: no budget)."""
     emulation = emulate.by_name(cfg.emulation)
     st = _stats(cfg, loaded, source, _candidates(cfg) if not cfg.stats else [], log)
     candidates = _candidates(cfg, st)
@@ -324,22 +392,45 @@ def search(cfg: TuneConfig, loaded: Any, source: Path, clock: Clock, log: Log,
     log(f"tune: {len(candidates)} candidates for {cfg.target} ({len(arms) - 1} distinct under emulation "
         f"{emulation.name}) + the default scale 1.0; {len(samples)} held-out samples / {used.tokens} tokens"
         + (f"; sensitivity of {layers} layers on {sens_n} samples, then skips of 1..{cfg.skips}" if layers else ""))
+    sliding = sliding_layers(cfg, loaded)
     with fake_quant_kv(loaded.model, emulation) as hook, torch.inference_mode():
         sess, note = open_session(loaded.model, hook, loaded.tokenizer, samples, buckets, cfg.batch_size, 0)
         held["notes"] = [note] if note else []
+        kept = _plan(cfg, loaded, sess, arms, found, [len(x.ids) for x in samples], sens_n, layers, sliding, end,
+                     log)
+        arms = arms[:kept.plan.parts.arms]
         with progress.stage("tune", plan, arms=len(arms) + layers + cfg.skips) as stage:
             # counts measured arms: the candidates (+ the default scale 1.0), one per layer, the skips
-            found.entries.update(_measure(sess, arms, found, clock, cfg.chunk, stage, "candidates"))
-            if layers and not found.stopped:
-                _skips(cfg, found, st, geo, emulation, sess, samples[:sens_n], clock, stage)
-            if not found.stopped:
-                _sliding_skip(cfg, found, st, geo, emulation, sess, sliding_layers(cfg, loaded), clock, stage)
+            found.entries.update(_measure(sess, arms, found, kept, cfg.chunk, stage, "candidates"))
+            if kept.plan.parts.skips and not found.stopped:
+                _skips(cfg, found, st, geo, emulation, sess, samples[:sens_n], kept, stage)
+            if kept.plan.parts.sliding and not found.stopped:
+                _sliding_skip(cfg, found, st, geo, emulation, sess, sliding, kept, stage)
+    if kept.plan.dropped and not found.stopped:
+        found.stopped = "--budget-minutes: the plan dropped " + "; ".join(kept.plan.dropped)
     found.not_scored = [c.name for c in found.candidates if found.entry(c.name) is None]
-    return found, st, HeldOut(tuple(samples), tuple(buckets), held)
+    return found, st, HeldOut(tuple(samples), tuple(buckets), held), kept
+
+
+def _plan(cfg: TuneConfig, loaded: Any, sess: Session, arms: list[Any], found: Search, lengths: Sequence[int],
+          sens_n: int, layers: int, sliding: Sequence[int], end: float | None, log: Log) -> Kept:
+    """The probe and the plan of the search (fitted to the time left of --budget-minutes), printed before it."""
+    cost = plan_mod.Cost.of(loaded.config, sum(t.numel() for t in sess.lm.parameters()))
+    rates = probe(sess, arms[1] if len(arms) > 1 else None, cost)
+    groups = tuple(tuple(c.name for c in found.candidates if found.measured_as[c.name] == a.name)
+                   or ((a.name,) if a.name != BASELINE else ()) for a in arms)
+    planner = Planner(cost, rates, tuple(lengths), tuple(lengths[:sens_n]), cfg.chunk, layers, cfg.skips,
+                      cfg.engine is not None, groups)
+    confirm = min(cfg.confirm, len(found.candidates)) if cfg.engine is not None else 0
+    budget = None if end is None else max(0.0, end - now())
+    planned = planner.fit(Parts(len(arms), bool(layers), bool(sliding), confirm), budget)
+    for line in planned.lines(rates, "tune plan"):
+        log(line)
+    return Kept(planner, planned, None if end is None else end - planned.phases[-1][1])
 
 
 def _skips(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulation: Any, sess: Session,
-           sens_samples: Sequence[Any], clock: Clock, stage: Any) -> None:
+           sens_samples: Sequence[Any], kept: Kept, stage: Any) -> None:
     """Per-layer sensitivity of the best full candidate, then it with the top 1..max_skip layers skipped."""
     full = [c for c in found.candidates if found.entry(c.name) is not None]
     if not full:
@@ -348,7 +439,7 @@ def _skips(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulation: An
     found.sensitivity_base = base.name
     base_arm = score.arm_for(base, st.stats_for(base, cfg.base), geo, emulation)
     sub = replace(sess, samples=tuple(sens_samples))
-    res = _measure(sub, [score.only_layer(base_arm, i) for i in geo.layers], found, clock, cfg.chunk, stage,
+    res = _measure(sub, [score.only_layer(base_arm, i) for i in geo.layers], found, kept, cfg.chunk, stage,
                    "sensitivity")
     if len(res) < len(geo.layers):
         return
@@ -359,7 +450,7 @@ def _skips(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulation: An
     arms = [score.arm_for(c, st.stats_for(c, cfg.base), geo, emulation) for c in skipped]
     for c in skipped:
         found.measured_as[c.name] = c.name
-    found.entries.update(_measure(sess, arms, found, clock, cfg.chunk, stage, "layer skips"))
+    found.entries.update(_measure(sess, arms, found, kept, cfg.chunk, stage, "layer skips"))
 
 
 def sliding_layers(cfg: TuneConfig, loaded: Any) -> tuple[int, ...]:
@@ -378,7 +469,7 @@ def sliding_layers(cfg: TuneConfig, loaded: Any) -> tuple[int, ...]:
 
 
 def _sliding_skip(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulation: Any, sess: Session,
-                  sliding: Sequence[int], clock: Clock, stage: Any) -> None:
+                  sliding: Sequence[int], kept: Kept, stage: Any) -> None:
     """The best full candidate with the sliding-window layers kept at the model dtype (a hybrid model's standard
     experiment: vLLM serves it with --kv-cache-dtype-skip-layers sliding_window), measured on every sample."""
     full = [c for c in found.candidates if found.entry(c.name) is not None and not c.skip]
@@ -391,7 +482,7 @@ def _sliding_skip(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulat
     found.candidates.append(cand)
     found.measured_as[cand.name] = cand.name
     arm = score.arm_for(cand, st.stats_for(cand, cfg.base), geo, emulation)
-    found.entries.update(_measure(sess, [arm], found, clock, cfg.chunk, stage, "sliding-window skip"))
+    found.entries.update(_measure(sess, [arm], found, kept, cfg.chunk, stage, "sliding-window skip"))
 
 
 def ranking(sensitivity: dict[int, float]) -> list[int]:

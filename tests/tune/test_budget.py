@@ -1,42 +1,52 @@
-"""tune --budget-minutes bounds the engine confirmation too: the measuring passes leave it time, and it confirms
-fewer candidates (or none) when the time left does not hold them (stated engine figures, a clock set by hand)."""
+"""tune's plan (calib/tune/search.py Planner) in the evaluation's cost model: what --budget-minutes drops, in which
+order, named; the engine's share from eval's stated figures. Hand-computed seconds on a linear cost model."""
 
 from __future__ import annotations
 
-import time
-from types import SimpleNamespace
+import pytest
 
 from calib.evaluation import plan
-from calib.tune.run import confirmations
-from calib.tune.search import Clock
+from calib.tune.search import Parts, Planner
+
+COST = plan.Cost(1.0, 0.0)                                # a sample of n tokens is n units of work
+RATES = plan.default_rates("cpu", 1e-3, 1e-3, 16)         # 1 ms per unit: 5 s per arm over 5 x 1,000 tokens
+GROUPS = ((), ("a1", "a2"), ("b",), ("c",))               # the default scale 1.0, then three measured arms
+PLANNER = Planner(COST, RATES, (1000,) * 5, (1000,) * 2, 8, 3, 2, True, GROUPS)
+FULL = Parts(4, True, False, 3)
+START, RATE = plan.engine_figures("cpu")
+ENGINE_ARM = START + 5000 / RATE                          # a start and 5,000 tokens scored: 23.3 s
 
 
-def _clock(left_s: float) -> Clock:
-    c = Clock(10)
-    c.end = time.perf_counter() + left_s
-    return c
+def test_full_plan_is_every_phase_by_hand():
+    got = PLANNER.fit(FULL, None)
+    assert dict(got.phases) == pytest.approx({
+        "candidates: 4 of 4 (4 measured arm(s) with the default scale 1.0)": 5 * (1 + 4),    # one pass of 4 arms
+        "layer skips: sensitivity of 3 layers, skips of 1..2": 2 * (1 + 3) + 5 * (1 + 2),    # 2 samples, then 5
+        "the sliding-window skip": 0.0,
+        "engine: 3 candidate(s), the default scale 1.0 and the reference": 5 * ENGINE_ARM})
+    assert got.dropped == ()
 
 
-def test_confirmations_fit_the_time_left():
-    start, rate = plan.engine_figures("cpu")
-    samples = [SimpleNamespace(ids=range(1000))] * 5                 # 5,000 tokens per engine arm
-    per_arm = start + 5000 / rate
-    cfg = SimpleNamespace(confirm=3)
-    logged = []
-    assert confirmations(cfg, Clock(None), samples, "cpu", logged.append) == 3 and not logged
-    assert confirmations(cfg, _clock(per_arm * 5.5), samples, "cpu", logged.append) == 3 and not logged
-    assert confirmations(cfg, _clock(per_arm * 3.5), samples, "cpu", logged.append) == 1
-    assert "engine confirmation 1 of 3 candidates" in logged[-1] and "stated defaults" in logged[-1]
-    assert confirmations(cfg, _clock(per_arm * 1.5), samples, "cpu", logged.append) == 0
-    assert logged[-1].endswith("engine confirmation dropped")
+@pytest.mark.parametrize("budget, parts, total, before, dropped", [
+    # the plan one drop earlier (`before`: one more engine arm, or one more measured arm) does not fit
+    (100, Parts(4, False, False, 1), 25 + 3 * ENGINE_ARM, 25 + 4 * ENGINE_ARM, ["layer skips (sensitivity of 3 layers, skips of 1..2)",
+                                      "engine confirmation 3 -> 1 candidate(s)"]),
+    (20, Parts(3, False, False, 0), 5 * 4, 5 * 5, ["layer skips (sensitivity of 3 layers, skips of 1..2)",
+                                     "engine confirmation 3 -> 0 candidate(s)", "1 candidate(s) not scored: c"]),
+    (0, Parts(0, False, False, 0), 0, 5 * 3, ["layer skips (sensitivity of 3 layers, skips of 1..2)",
+                                    "engine confirmation 3 -> 0 candidate(s)",
+                                    "4 candidate(s) not scored: a1, a2, b, c"]),
+])
+def test_budget_drops_skips_then_engine_arms_then_candidates_last_first(budget, parts, total, before, dropped):
+    got = PLANNER.fit(FULL, budget)
+    assert got.parts == parts and list(got.dropped) == dropped
+    assert got.total == pytest.approx(total) and got.total <= budget < before
+    lines = got.lines(RATES, "tune plan")
+    assert lines[0].startswith("tune plan (probe: one forward at 16 tokens")
+    assert lines[-1] == "  dropped to fit the budget: " + "; ".join(dropped)
 
 
-def test_measuring_stops_early_enough_to_leave_the_engine_its_share():
-    c = Clock(10)
-    c.reserve(120)
-    assert c.end - c.deadline == 120
-    c.reserve(1e6)                                                    # never more than half the budget
-    assert c.end - c.deadline == 300
-    none = Clock(None)
-    none.reserve(120)
-    assert none.deadline is None and none.left() is None
+def test_the_candidate_pass_counts_the_reference_once_per_chunk():
+    two = Planner(COST, RATES, (1000,) * 5, (), 2, 0, 0, False, GROUPS)
+    assert two.passes(4, two.lengths) == pytest.approx(2 * 5 * (1 + 2))      # two passes of two arms
+    assert two.passes(3, two.lengths) == pytest.approx(5 * 3 + 5 * 2)

@@ -233,20 +233,44 @@ def test_engine_confirms_the_short_list(over448, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["held.jsonl", "out"]   # no temporary export left
 
 
-def test_budget_keeps_the_best_so_far(over448, tmp_path, monkeypatch):
-    """The budget runs out after the first measuring pass (default + the absmax arm): the mse candidates stay
-    unscored, and the choice is made among what was scored."""
-    tmp, src, _, _ = over448
-    calls = []
+@pytest.mark.parametrize("minutes, slow, elapsed, planned", [
+    (0.5, 1.0, 30.0, "  candidates: 4 of 8 (2 measured arm(s) with the default scale 1.0): 30s"),
+    (1.0, 1.5, 45.0, "  candidates: 8 of 8 (3 measured arm(s) with the default scale 1.0): 50s")])
+def test_budget_plans_up_front_and_keeps_the_best_so_far(over448, tmp_path, monkeypatch, minutes, slow, elapsed,
+                                                         planned):
+    """A fake clock: a measuring pass of k arms over every held-out sample takes 10 s x (1 + k) by the probe and
+    `slow` times that when it runs. Three arms in passes of two (the default + absmax, then mse), then the layer
+    skips (50 s + 20 s). The plan, printed before any pass, fits the budget: at 30 s it drops the skips and the mse
+    candidates (named); at 60 s the skips only, and the first pass's 45 s (1.5x its estimate) says the next would
+    overrun. Either way the mse candidates stay unscored and the choice is among the rest. The clock before the
+    plan (the reactive one) overran: it started a pass whenever the time was not yet spent (50 s of 30, 75 of 60)."""
+    from calib.evaluation import plan
 
-    def over(self):
-        calls.append(1)
-        return len(calls) > 1
-    monkeypatch.setattr(search.Clock, "over", over)
-    res = run.run(_config(src, None, tmp_path / "out", stats=(str(tmp / "stats"),), chunk=2))
-    doc = res.doc
-    assert doc["budget"]["stopped"].startswith("--budget-minutes spent")
-    assert sorted(doc["budget"]["not_scored"]) == sorted(r["name"] for r in doc["candidates"] if r["observer"] == "mse")
+    tmp, src, _, _ = over448
+    t, unit = [0.0], {}
+
+    def probe(s, arm, cost):
+        unit["w"], unit["cost"] = sum(cost.work(len(x.ids)) for x in s.samples), cost
+        return plan.default_rates("cpu", 10 / unit["w"], 10 / unit["w"], 32)
+
+    def timed(s, arms, **kw):
+        out = measure(s, arms, **kw)
+        t[0] += slow * 10 * (1 + len(arms)) * sum(unit["cost"].work(len(x.ids)) for x in s.samples) / unit["w"]
+        return out
+    monkeypatch.setattr(search, "now", lambda: t[0])
+    monkeypatch.setattr(search, "probe", probe)
+    monkeypatch.setattr(search, "measure", timed)
+    log = []
+    res = run.run(_config(src, None, tmp_path / "out", stats=(str(tmp / "stats"),), chunk=2, budget_minutes=minutes,
+                          sensitivity_samples=8), log=lambda m: log.append((t[0], m)))
+    doc, mse = res.doc, [r["name"] for r in res.doc["candidates"] if r["observer"] == "mse"]
+    assert t[0] == pytest.approx(elapsed) and t[0] <= 60 * minutes
+    plan_lines = [m for at, m in log if at == 0.0 and m.startswith("  ")]      # logged before any pass ran
+    dropped = "layer skips (sensitivity of 3 layers, skips of 1..1)"
+    dropped += f"; 4 candidate(s) not scored: {', '.join(mse)}" if minutes < 1 else ""
+    assert planned in plan_lines and f"  dropped to fit the budget: {dropped}" in plan_lines
+    assert doc["budget"]["not_scored"] == mse and doc["measuring_passes"] == 3
+    assert doc["budget"]["stopped"].startswith("--budget-minutes: ")
     assert res.chosen is not None and res.chosen["observer"] == "absmax" and res.chosen["name"] == "fp8/tensor/absmax/h1"
     assert "stopped early" in (tmp_path / "out" / "tune.md").read_text().lower()
 
