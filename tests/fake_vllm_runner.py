@@ -110,9 +110,8 @@ def measure_arm(req: dict, arm: dict, j: int = 0) -> dict:
             print(protocol.progress_line(tokens, len(samples), len(answers), j), flush=True)
     from calib.recipe.dtypes import kv_format
 
-    name = {"fp8": "fp8_e4m3"}.get(arm["kv_cache_dtype"], arm["kv_cache_dtype"])
     wide = 2 * geo.kv_heads * geo.head_dim * (torch.finfo(loaded.dtype).bits // 8)
-    narrow = kv_format(name).bytes_per_token(geo.kv_heads, geo.head_dim) if fp8 else wide
+    narrow = kv_format(arm["kv_cache_dtype"], "vllm").bytes_per_token(geo.kv_heads, geo.head_dim) if fp8 else wide
     per_token = int(sum(wide if i in skipped else narrow for i in geo.layers))    # skipped layers: model dtype
     capacity = req["kv_gib"] * 2 ** 30 // per_token // 16 * 16
     return {"status": protocol.OK, "reason": None, "engine": "vllm", "scales": None,

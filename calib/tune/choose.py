@@ -34,6 +34,7 @@ from calib.evaluation import capacity as rule
 from calib.evaluation import measurable, verdict
 from calib.evaluation.numbers import ENGINE, decisive
 from calib.evaluation.results import ArmMetrics
+from calib.recipe.dtypes import FP8_E4M3
 from calib.tune import score, space
 
 
@@ -222,9 +223,10 @@ def scales_matter(found: Any, table: list[dict[str, Any]], ranges: dict[str, flo
     full = [r for r in table if r["scored"] and not r["skip"] and "vs_default" in r]
     base = found.entries.get(baseline)
     n = found.ref and len(found.ref.sample_tokens)
-    inside = ranges["k_amax"] <= 448 and ranges["v_amax"] <= 448
+    inside = ranges["k_amax"] <= FP8_E4M3.qmax and ranges["v_amax"] <= FP8_E4M3.qmax
     fact = (f"max |K| = {ranges['k_amax']:.4g}, max |V| = {ranges['v_amax']:.4g} over the calibration data; FP8 "
-            f"e4m3 holds +-448, and inside its normal range the rounding error does not depend on the scale")
+            f"e4m3 holds +-{FP8_E4M3.qmax:g}, and inside its normal range the rounding error does not depend on the "
+            "scale")
     if not full or base is None:
         return {"measurable": None, "text": "not measured (the budget ran out before the candidates were scored)",
                 **ranges}
