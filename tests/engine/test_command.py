@@ -70,3 +70,24 @@ def test_an_engine_without_the_flag_is_an_error_not_another_engines_flag():
         "--kv-cache-dtype", "fp8_per_token_head", "--kv-cache-dtype-skip-layers", "3", "sliding_window",
         "--attention-backend", "TRITON_ATTN"]
     assert command.line("vllm", "/my model") == "vllm serve '/my model'"
+
+
+def test_the_engine_arm_and_the_plan_read_vllms_names_from_the_registry():
+    """An INT8 arm is "not run" with the support matrix's one line (vLLM has no static INT8 cache) and who serves INT8
+    instead; plan's Decision holds vLLM's --kv-cache-dtype value and turns it back into kvcalib's format by the
+    registry (fp8 -> fp8_e4m3, auto: the model's dtype, no flag)."""
+    from calib.engine import run
+    from calib.recipe import dtypes
+
+    why = run.request_arm(SimpleNamespace(dtype=dtypes.INT8, kind="checkpoint", name="ck", source="/ck"), "m")
+    assert why.startswith("vLLM has no static INT8 KV cache (not a --kv-cache-dtype choice")
+    assert "run at scale 1.0 by TensorRT-LLM 1.4" in why and "TensorRT-LLM +pr18953" in why
+    assert run.lacks(dtypes.FP8_E4M3) is None and run.lacks(dtypes.FP8_E5M2) is None
+
+    def argv(kv: str) -> list[str]:
+        return plan.Decision("r", plan.FP8, "a", "/ck", kv, (2,), 4096, None, "").serve_argv
+
+    assert argv("fp8") == ["vllm", "serve", "/ck", "--max-model-len", "4096", "--kv-cache-dtype", "fp8",
+                           "--kv-cache-dtype-skip-layers", "2"]
+    assert argv("fp8_e5m2")[5:7] == ["--kv-cache-dtype", "fp8_e5m2"]
+    assert "--kv-cache-dtype" not in argv("auto")
