@@ -1,21 +1,70 @@
-"""report.md: the evaluation's tables and verdict as GitHub markdown, from the typed report.
+"""report.md: the evaluation's decision, tables and verdict as GitHub markdown, from the typed report; and the
+opening every report shares (eval's report.md, validate.md, tune.md, plan.md).
 
 Why a module of its own: calib/evaluation/verdict.py decides (thresholds, verdict, skip plan) and
 calib/evaluation/report.py writes the files; this one only renders. Every number it prints is already in
 report.json; nothing here computes a decision, so a change of wording cannot change what the verdict says.
+
+Why every report opens the same way (`lead`): a reader asks "what do I serve, and with which command?" before
+anything else. So the decision comes first in one line, then one table (each arm: its decision, its quality
+against the bar, its KV capacity — the engine's own count where it ran, else the bytes model's, said which — and
+its speed where it was measured), then the whole serve command; the per-bucket and per-layer detail follows, the
+per-layer tables last. Paths are written relative to the folder the command ran in (`relative`): report.json
+keeps them whole.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from calib.evaluation import engine_report, significance
+from calib.evaluation.capacity import ENGINE, QUALITY, RECOMMENDED
+from calib.evaluation.numbers import decisive
 from calib.evaluation.results import passkey_correct
 
 # `rep` below is a calib.evaluation.report.Report; it is not imported (report.py imports this module: no cycle)
 Report = Any
+DTYPE_TITLE = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32"}
+SHIPS = ("ship", "ship_with_skip")         # the verdict's actions that serve a quantized KV cache
+
+
+def dtype_title(name: str) -> str:
+    """How a report names a model dtype: BF16, FP16, FP32 (another name upper-cased)."""
+    return DTYPE_TITLE.get(name, name.upper())
+
+
+def absolute_paths(obj: Any) -> list[str]:
+    """Every absolute path among the strings of `obj` (a report's settings: dicts, lists, strings)."""
+    if isinstance(obj, Mapping):
+        return [p for v in obj.values() for p in absolute_paths(v)]
+    if isinstance(obj, (list, tuple)):
+        return [p for v in obj for p in absolute_paths(v)]
+    return [str(obj)] if isinstance(obj, (str, Path)) and len(str(obj)) > 1 and os.path.isabs(str(obj)) else []
+
+
+def relative(text: str, paths: Iterable[str], base: Path | None = None) -> str:
+    """`text` with each of `paths` (absolute) written relative to `base` (default: the folder the command runs in,
+    the user's), longest first; a path is replaced whole, never inside a longer name."""
+    here = str(base or Path.cwd())
+    for p in sorted({str(p).rstrip("/") for p in paths if os.path.isabs(str(p)) and len(str(p)) > 1}, key=len,
+                    reverse=True):
+        text = re.sub(r"(?<![\w.~/-])" + re.escape(p) + r"(?![\w.-])", lambda _m, r=os.path.relpath(p, here): r, text)
+    return text
+
+
+def lead(headline: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], serve: str | None,
+         after: Sequence[str] = ()) -> list[str]:
+    """The opening of every report: the decision in one line, one table (arm, decision, quality, capacity, speed)
+    and the whole serve command of the decision; `after`: lines that qualify them (one short paragraph)."""
+    out = [headline, ""] + table(headers, rows)
+    out += ["```", serve, "```", ""] if serve else []
+    return out + ([*after, ""] if after else [])
+
 
 def _cell(x: Any, fmt: str = ".3g") -> str:
     if x is None:
@@ -47,20 +96,22 @@ def _passkey_cell(rows: Mapping[str, Any] | None) -> str:
 
 
 def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
-    """report.md from the typed report; `doc` (report.json's document) feeds the engine section, which
-    calib/evaluation/engine_report.py renders from the engine's own entries."""
+    """report.md from the typed report: the decision, its table and serve command (`lead`), then the verdict's
+    reasons and every table; `doc` (report.json's document) feeds the engine section, which
+    calib/evaluation/engine_report.py renders from the engine's own entries. Paths relative to the user's folder."""
     meta, ref, th, v = rep.meta, rep.reference, rep.thresholds, rep.verdict
     ref_name, quant = rep.reference_name, rep.arms
     d = meta["data"]
     held = d["held_out"]
-    lines = [f"# KV-cache evaluation: `{meta['model']}`", "", "## Verdict", "", f"**{v.text}**", "",
-             f"Rule: every length bucket's mean next-token KL to {ref_name} <= {th.max_kl:g} nats, perplexity "
-             f"<= +{100 * th.max_ppl_increase:g}%, passkey not a significant drop of more than {th.passkey_drop} "
-             f"below {ref_name}'s (exact McNemar per bucket, paired by prompt). "
-             f"Dominant layers: attention-output error >= {th.dominance:g}x the median layer's.", ""]
+    lines = [f"# KV-cache evaluation: `{meta['model']}`", ""]
+    lines += lead(headline(rep), *decision_table(rep), rep.serve_line(), _reference_note(rep))
+    lines += ["## Verdict", "", v.text, "",
+              f"Rule: every length bucket's mean next-token KL to {ref_name} <= {th.max_kl:g} nats, perplexity "
+              f"<= +{100 * th.max_ppl_increase:g}%, passkey not a significant drop of more than {th.passkey_drop} "
+              f"below {ref_name}'s (exact McNemar per bucket, paired by prompt). "
+              f"Dominant layers: attention-output error >= {th.dominance:g}x the median layer's.", ""]
     if v.dominant_layers:
         lines += [f"Layers dominating the error of `{v.dominant_in}`: {list(v.dominant_layers)}.", ""]
-    lines += _format_lines(rep)
     if held.get("checked_against"):
         held_txt = f"{held['excluded_samples']} calibration samples of `{held['checked_against']}` left out"
         held_txt += "" if held.get("reproduced_exactly") else " (calibration stream not reproduced exactly)"
@@ -72,6 +123,7 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     emu = meta.get("emulation")
     if emu:
         lines += [f"Emulated engine: {emu['line']}.", ""]
+    lines += _format_lines(rep)
     s = ref.summary
     rows = [[ref_name, "reference", ref_name, "–", s.kl, s.max_bucket_kl, _pct(s.top1), s.ppl, "–",
              _passkey_cell(ref.passkey), "reference", ref.seconds.total]]
@@ -88,16 +140,6 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
          "within threshold", "seconds"], rows)
     lines += engine_report.markdown(doc, table)
     lines += memory_lines(meta.get("memory"))
-    lines += ["## Per layer", "", "Saturated: share of values with |x / scale| > qmax. Flushed: share of nonzero "
-              "values stored as 0. SNR over real tokens. Attention error: ||o - ô|| / ||o|| of the layer's "
-              "attention output with quantised K/V (same inputs).", ""]
-    for n, e in quant.items():
-        sc = e.info.scales
-        rows = [[i, sc["k"].get(i), sc["v"].get(i), _pct(r["k_saturated"]), _pct(r["k_flushed"]), r["k_snr_db"],
-                 _pct(r["v_saturated"]), _pct(r["v_flushed"]), r["v_snr_db"], r["attn_rel_error"]]
-                for i, r in e.layers.items()]
-        lines += [f"### `{n}`", ""] + table(["layer", "k_scale", "v_scale", "K sat", "K flushed", "K SNR dB", "V sat",
-                                             "V flushed", "V SNR dB", "attn error"], rows)
     lines += ["## By context length", ""] + table(
         ["arm", "bucket <=", "samples", "tokens", "KL", "top-1", "ppl", f"{ref_name} ppl", "Δppl"],
         [[n, b, r.samples, r.tokens, r.kl, _pct(r.top1), r.ppl, r.ppl_ref, _pct(r.ppl_rel)]
@@ -121,7 +163,119 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     notes = list(meta.get("notes", [])) + [f"`{n}`: {x}" for n, e in quant.items() for x in e.info.notes]
     if notes:
         lines += ["## Notes", ""] + [f"- {x}" for x in notes] + [""]
-    return "\n".join(lines)
+    lines += _layer_lines(rep)
+    return relative("\n".join(lines), rep.paths())
+
+
+def headline(rep: Report) -> str:
+    """The decision in one line, in the dtype the model is served in (BF16 for a BF16 model, whatever the reference
+    was measured in)."""
+    v, dtype = rep.verdict, dtype_title(rep.serving_dtype)
+    cap = v.capacity
+    if v.action == "ship" and v.arm:
+        e = rep.arms[v.arm]
+        ratio = cap.ratios.get(v.arm) if cap else None
+        gain = "" if ratio is None else (f", {ratio:.2f}x {dtype}'s KV capacity ("
+                                         f"{_source(cap.sources.get(v.arm))})")
+        return f"**Ship `{v.arm}`**: {e.info.dtype} KV within the quality bar{gain}."
+    if v.action == "ship_with_skip":
+        return (f"**Ship `{v.arm}` with layers {list(v.skip_layers)} kept in {dtype}**: within the quality bar, "
+                "confirmed by the engine.")
+    if v.action == "skip_unconfirmed":
+        return (f"**Keep {dtype} KV for now**: `{v.arm}` with layers {list(v.skip_layers)} kept in {dtype} is within "
+                "the quality bar in emulation; measure it in the engine before serving it.")
+    within = [n for n, label in (cap.labels.items() if cap else ()) if n != rep.reference_name and label != QUALITY]
+    if within:
+        return (f"**Keep {dtype} KV**: no arm within the quality bar holds more requests than {dtype} beyond noise "
+                f"({', '.join(f'`{n}`' for n in within)}).")
+    best = v.dominant_in
+    if best is None or best not in rep.arms:
+        return f"**Keep {dtype} KV**: no quantized arm was measured."
+    return f"**Keep {dtype} KV**: no arm is within the quality bar (best: `{best}`, {'; '.join(rep.misses(best))})."
+
+
+def recommended(rep: Report) -> str:
+    """The row the decision serves: the arm shipped (a skip: the trial that measured it), else the reference."""
+    v = rep.verdict
+    if v.action == "ship" and v.arm:
+        return v.arm
+    if v.action == "ship_with_skip":
+        if v.capacity and v.capacity.recommended in rep.arms:
+            return v.capacity.recommended
+        layers = sorted(v.skip_layers)
+        return next((n for n, e in rep.arms.items() if n.startswith(f"{v.arm} skip ")
+                     and sorted(set(e.info.skip) | set(e.info.serve_skip)) == layers), v.arm)
+    return rep.reference_name
+
+
+def decision_table(rep: Report) -> tuple[list[str], list[list[Any]]]:
+    """(headers, rows) of eval's decision table: the recommended row first, then the reference and every arm; speed
+    is not measured by eval."""
+    th, cap, dtype = rep.thresholds, rep.verdict.capacity, dtype_title(rep.serving_dtype)
+    chosen = recommended(rep)
+    at = f" at {cap.length:,} tokens" if cap else ""
+    headers = ["arm", "decision", quality_header(th.max_kl, th.max_ppl_increase), f"KV capacity vs {dtype}{at}",
+               "speed"]
+    ref = rep.reference_name
+    rows = [[f"{dtype} KV (reference)", "**recommended**" if chosen == ref else "reference", "reference",
+             _capacity_cell(cap, ref), "not measured"]]
+    for n, e in rep.arms.items():
+        rows.append([f"`{n}`", "**recommended**" if n == chosen else _label(rep, n), _quality_cell(rep, n),
+                     _capacity_cell(cap, n), "not measured"])
+    return headers, sorted(rows, key=lambda r: r[1] != "**recommended**")      # the decision's row first
+
+
+def quality_header(max_kl: float, max_ppl_increase: float) -> str:
+    """The decision table's quality column, the bar in its header (every report's the same words)."""
+    return f"quality (worst-bucket KL <= {max_kl:g}, Δppl <= +{100 * max_ppl_increase:g}%)"
+
+
+def quality_cell(kl: float, ppl_rel: float, max_kl: float, max_ppl_increase: float, source: str) -> str:
+    """An arm's worst-bucket KL and perplexity change against the bar, and whose numbers they are."""
+    return (f"KL {kl:.3g} {'<=' if kl <= max_kl else '>'} {max_kl:g}, Δppl {100 * ppl_rel:+.2f}% "
+            f"{'<=' if ppl_rel <= max_ppl_increase else '>'} +{100 * max_ppl_increase:g}% ({source})")
+
+
+def _label(rep: Report, name: str) -> str:
+    cap, e = rep.verdict.capacity, rep.arms[name]
+    label = cap.labels.get(name) if cap else None
+    if label and label != RECOMMENDED:
+        return label
+    if rep.misses(name):
+        return QUALITY
+    if not e.info.shippable:
+        return "not served as measured"
+    if e.info.skip and rep.verdict.action == "skip_unconfirmed":
+        return "within the bar, not confirmed by the engine"
+    return "within the bar"
+
+
+def _quality_cell(rep: Report, name: str) -> str:
+    e, th = rep.arms[name], rep.thresholds
+    nums = decisive(e)
+    cell = quality_cell(nums.summary.max_bucket_kl, nums.summary.ppl_rel, th.max_kl, th.max_ppl_increase,
+                        "engine" if nums.source == ENGINE else "emulated")
+    other = [m for m in rep.misses(name) if not m.startswith(("KL ", "perplexity "))]
+    return cell + (f"; {'; '.join(other)}" if other else "")
+
+
+def _source(source: str | None) -> str:
+    return "engine's count" if source == ENGINE else "bytes model" if source else "not known"
+
+
+def _capacity_cell(cap: Any, name: str) -> str:
+    ratio, source = (cap.ratios.get(name), cap.sources.get(name)) if cap else (None, None)
+    return "–" if ratio is None or source is None else f"{ratio:.2f}x ({_source(source)})"
+
+
+def _reference_note(rep: Report) -> list[str]:
+    """Where the reference was measured in another dtype than the model serves in (a BF16 model on CPU): said once."""
+    measured, served = rep.meta.get("model_dtype", ""), rep.serving_dtype
+    if dtype_title(measured) == dtype_title(served):
+        return []
+    cpu = " (the CPU emulation runs float32)" if str(rep.meta.get("device", "")).startswith("cpu") else ""
+    return [f"{dtype_title(served)} is the model's own dtype (its config.json), the KV cache it serves without "
+            f"quantization; the reference here was measured in {dtype_title(measured)}{cpu}."]
 
 
 def memory_lines(mem: Mapping[str, Any] | None) -> list[str]:
@@ -146,6 +300,21 @@ def memory_lines(mem: Mapping[str, Any] | None) -> list[str]:
              "flight) vs the bytes model's in that definition.", ""]
             + table(["arm", *(f"tokens/GiB at {L}" for L in lengths), "engine tokens/GiB (blocks)",
                      "engine capacity vs bytes model"], rows))
+
+
+def _layer_lines(rep: Report) -> list[str]:
+    """The '## Per layer' section, the report's last: one table per quantized arm."""
+    lines = ["## Per layer", "", "Saturated: share of values with |x / scale| > qmax. Flushed: share of nonzero "
+             "values stored as 0. SNR over real tokens. Attention error: ||o - ô|| / ||o|| of the layer's "
+             "attention output with quantised K/V (same inputs).", ""]
+    for n, e in rep.arms.items():
+        sc = e.info.scales
+        rows = [[i, sc["k"].get(i), sc["v"].get(i), _pct(r["k_saturated"]), _pct(r["k_flushed"]), r["k_snr_db"],
+                 _pct(r["v_saturated"]), _pct(r["v_flushed"]), r["v_snr_db"], r["attn_rel_error"]]
+                for i, r in e.layers.items()]
+        lines += [f"### `{n}`", ""] + table(["layer", "k_scale", "v_scale", "K sat", "K flushed", "K SNR dB", "V sat",
+                                             "V flushed", "V SNR dB", "attn error"], rows)
+    return lines
 
 
 def _format_lines(rep: Report) -> list[str]:

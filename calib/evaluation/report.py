@@ -4,8 +4,9 @@ Why a module apart from the verdict (calib/evaluation/verdict.py): the verdict d
 report only writes them down — every arm's numbers, whether it is within the threshold and why not, and the
 verdict — so the file format changes without touching a decision.
 
-Outputs (written to a temporary sibling directory, renamed into place when complete): report.json (every
-number; non-finite values such as the SNR of an exact arm are null), report.md (tables and verdict) and PNG
+Outputs (written to a temporary sibling directory, renamed into place when complete): report.json (schema
+`kvcalib.eval/1`; every number; non-finite values such as the SNR of an exact arm are null), report.md (the
+decision, its table and serve command first, then the tables and verdict: calib/evaluation/markdown.py) and PNG
 plots (matplotlib, Agg backend; skipped with a note when matplotlib is missing).
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,10 +26,38 @@ from calib.evaluation import formats as kv_formats
 from calib.evaluation import markdown as render
 from calib.evaluation import plots as plots_mod
 from calib.evaluation.results import ArmMetrics, Reference
+from calib.engine import command
+from calib.errors import KvcalibError
 from calib.evaluation.verdict import Thresholds, Verdict, failures, passkey_decision
 from calib.safety import files
 
 PLOTS = plots_mod.PLOTS
+SCHEMA = "kvcalib.eval/1"          # report.json's format: a key renamed, moved or retyped takes the next number
+
+
+def declared_dtype(model: str | Path) -> str | None:
+    """The dtype a model folder's config.json declares (`dtype`, else `torch_dtype`; a multimodal model's
+    text_config first): the dtype an engine serves it in (`auto`), whatever kvcalib loaded it in. A hub id is read
+    from the local Hugging Face cache only; None where no config is at hand or it declares none."""
+    path = Path(model) / "config.json"
+    if not path.is_file() and not os.path.isabs(str(model)) and str(model).count("/") == 1:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(str(model), "config.json")
+            path = Path(cached) if isinstance(cached, str) else path
+        except (ImportError, ValueError):
+            pass
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    for c in (cfg.get("text_config"), cfg):
+        if isinstance(c, dict) and isinstance(c.get("dtype") or c.get("torch_dtype"), str):
+            return c.get("dtype") or c.get("torch_dtype")
+    return None
 
 
 @dataclass(frozen=True)
@@ -45,6 +76,46 @@ class Report:
 
     def misses(self, name: str) -> list[str]:
         return failures(self.arms[name], self.reference, self.thresholds)
+
+    @property
+    def serving_dtype(self) -> str:
+        """The dtype the model is served in without KV quantization: its config.json's (an engine's `auto`), else
+        the dtype it was measured in (kvcalib loads float32 on CPU: the reference is then FP32, the model BF16)."""
+        return declared_dtype(self.meta["model"]) or self.meta["model_dtype"]
+
+    def paths(self) -> list[str]:
+        """The absolute paths the report names (model, data, output, scales and statistics, arms' sources), which
+        report.md writes relative to the user's folder."""
+        sources = [e.info.source for e in self.arms.values() if e.info.source]
+        return render.absolute_paths([self.meta["model"], self.meta.get("config", {}), self.meta["data"], sources])
+
+    def serve_argv(self) -> list[str] | None:
+        """The whole command that serves the decision (calib.engine.command, the builder every command uses): the
+        shipped arm's checkpoint or the model with its KV dtype and skipped layers, else the model as it is; on
+        `--target`'s engine (vLLM without one). None where the decision is served otherwise (scales still to
+        calibrate) or the engine has no flag for it."""
+        v, model = self.verdict, str(self.meta["model"])
+        engine = self.meta.get("config", {}).get("target") or "vllm"
+        dtype, skip = None, []
+        if v.action in render.SHIPS and v.arm is not None:
+            info = self.arms[v.arm].info
+            if info.kind not in ("checkpoint", "default", "format"):
+                return None
+            model = str(info.source) if info.kind == "checkpoint" else model
+            dtype = info.dtype
+            skip = v.flag.split()[1:] if v.action == "ship_with_skip" and v.flag else [*info.serve_skip, *info.skip]
+        try:
+            return command.argv(engine, model, dtype, skip)
+        except KvcalibError:
+            return None
+
+    def serve_line(self) -> str | None:
+        """`serve_argv` as one shell line, its paths relative to the user's folder (report.md)."""
+        argv = self.serve_argv()
+        if argv is None:
+            return None
+        here, paths = Path.cwd(), set(self.paths())
+        return shlex.join(os.path.relpath(a, here) if a in paths else a for a in argv)
 
     def within(self, name: str) -> bool:
         return self.arms[name].info.shippable and not self.misses(name)
@@ -71,7 +142,8 @@ class Report:
             pk = self.passkey(n)
             if pk is not None:
                 arms[n]["passkey_significance"] = pk.to_dict()
-        out = {"kvcalib_eval": 1, **self.meta, "thresholds": self.thresholds.to_dict(),
+        out = {"schema": SCHEMA, **self.meta, "serving_dtype": self.serving_dtype,
+               "thresholds": self.thresholds.to_dict(),
                "arms": {self.reference_name: self.reference.to_dict(), **arms}, "verdict": self.verdict.to_dict()}
         fmt = self.formats()
         return {**out, "formats": fmt.to_dict()} if fmt else out

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from calib.capture.hook import capture_kv
-from calib.evaluation import report
+from calib.evaluation import markdown, report
 from calib.evaluation.config import EvalConfig
 from calib.evaluation.run import run_eval
 from calib.model.load import find_attention_layers
@@ -117,7 +117,7 @@ def test_report_files_are_well_formed(k1000):
     doc = json.loads((out / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
     assert doc["verdict"] == json.loads(json.dumps(res.verdict.to_dict()))
     md = (out / "report.md").read_text()
-    assert "## Verdict" in md and res.verdict.text in md
+    assert "## Verdict" in md and markdown.relative(res.verdict.text, [str(out.parent)]) in md   # paths relative
     blocks, current = [], []
     for line in md.splitlines() + [""]:
         if line.startswith("|"):
@@ -125,7 +125,7 @@ def test_report_files_are_well_formed(k1000):
         elif current:
             blocks.append(current)
             current = []
-    assert len(blocks) == 2 + len(doc["arms"]) - 1              # arms, one per quantised arm, buckets
+    assert len(blocks) == 3 + len(doc["arms"]) - 1      # decision, arms, one per quantised arm, buckets
     for cells in blocks:
         assert len(set(cells)) == 1 and cells[0] >= 5
     from matplotlib.image import imread
