@@ -421,7 +421,8 @@ def _plan(cfg: TuneConfig, loaded: Any, sess: Session, arms: list[Any], found: S
                    or ((a.name,) if a.name != BASELINE else ()) for a in arms)
     planner = Planner(cost, rates, tuple(lengths), tuple(lengths[:sens_n]), cfg.chunk, layers, cfg.skips,
                       cfg.engine is not None, groups)
-    confirm = min(cfg.confirm, len(found.candidates)) if cfg.engine is not None else 0
+    extra = (cfg.skips if layers else 0) + (1 if sliding else 0)       # the skip candidates the search adds
+    confirm = min(cfg.confirm, len(found.candidates) + extra) if cfg.engine is not None else 0
     budget = None if end is None else max(0.0, end - now())
     planned = planner.fit(Parts(len(arms), bool(layers), bool(sliding), confirm), budget)
     for line in planned.lines(rates, "tune plan"):
