@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+import shlex
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,23 +39,22 @@ def dtype_title(name: str) -> str:
     return DTYPE_TITLE.get(name, name.upper())
 
 
-def absolute_paths(obj: Any) -> list[str]:
-    """Every absolute path among the strings of `obj` (a report's settings: dicts, lists, strings)."""
-    if isinstance(obj, Mapping):
-        return [p for v in obj.values() for p in absolute_paths(v)]
-    if isinstance(obj, (list, tuple)):
-        return [p for v in obj for p in absolute_paths(v)]
-    return [str(obj)] if isinstance(obj, (str, Path)) and len(str(obj)) > 1 and os.path.isabs(str(obj)) else []
+# an absolute path in prose or a command: at a word's start, "/" then a name (not "//" of a URL), up to a space,
+# quote, backtick, pipe or bracket; a shell-quoted one ('/a b/c') whole
+_PATH = re.compile(r"'(/[\w.~-][^']*)'|(?<![\w.~/-])(/[\w.~-][^\s`'\"|()\[\]<>]*)")
 
 
-def relative(text: str, paths: Iterable[str], base: Path | None = None) -> str:
-    """`text` with each of `paths` (absolute) written relative to `base` (default: the folder the command runs in,
-    the user's), longest first; a path is replaced whole, never inside a longer name."""
+def relative(text: str, base: Path | None = None) -> str:
+    """`text` with every absolute path written relative to `base` (default: the folder the command runs in, the
+    user's): report files name the user's files as the user does, and their JSON beside them keeps paths whole."""
     here = str(base or Path.cwd())
-    for p in sorted({str(p).rstrip("/") for p in paths if os.path.isabs(str(p)) and len(str(p)) > 1}, key=len,
-                    reverse=True):
-        text = re.sub(r"(?<![\w.~/-])" + re.escape(p) + r"(?![\w.-])", lambda _m, r=os.path.relpath(p, here): r, text)
-    return text
+
+    def rel(m: re.Match) -> str:
+        if m[1] is not None:
+            return shlex.quote(os.path.relpath(m[1], here))
+        path = m[2].rstrip(".,:;")
+        return os.path.relpath(path, here) + m[2][len(path):]
+    return _PATH.sub(rel, text)
 
 
 def lead(headline: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], serve: str | None,
@@ -104,7 +104,8 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     d = meta["data"]
     held = d["held_out"]
     lines = [f"# KV-cache evaluation: `{meta['model']}`", ""]
-    lines += lead(headline(rep), *decision_table(rep), rep.serve_line(), _reference_note(rep))
+    argv = rep.serve_argv()
+    lines += lead(headline(rep), *decision_table(rep), argv and shlex.join(argv), _reference_note(rep))
     lines += ["## Verdict", "", v.text, "",
               f"Rule: every length bucket's mean next-token KL to {ref_name} <= {th.max_kl:g} nats, perplexity "
               f"<= +{100 * th.max_ppl_increase:g}%, passkey not a significant drop of more than {th.passkey_drop} "
@@ -157,14 +158,15 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
         lines += _significance_lines(rep)
     else:
         lines += ["Not run (see notes).", ""]
-    lines += _failure_lines(rep)
+    head, failures = lines, _failure_lines(rep)   # relative paths in its headings; the samples' own text as it is
+    lines = []
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     notes = list(meta.get("notes", [])) + [f"`{n}`: {x}" for n, e in quant.items() for x in e.info.notes]
     if notes:
         lines += ["## Notes", ""] + [f"- {x}" for x in notes] + [""]
     lines += _layer_lines(rep)
-    return relative("\n".join(lines), rep.paths())
+    return "\n".join([relative("\n".join(head)), *failures, relative("\n".join(lines))])
 
 
 def headline(rep: Report) -> str:
@@ -361,7 +363,7 @@ def _failure_lines(rep: Report) -> list[str]:
     names = [n for n in dict.fromkeys([v.arm or v.dominant_in, "default"]) if n in rep.arms]
     out = ["## Failure samples", ""]
     for n in names:
-        out += [f"### `{n}`", ""]
+        out += [relative(f"### `{n}`"), ""]
         for f in rep.arms[n].failures:
             out.append(f"- sample {f.sample} ({f.tokens} tokens, bucket <= {f.bucket}): mean KL {f.mean_kl:.3g}")
             for p in f.positions:

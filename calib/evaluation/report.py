@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -83,12 +82,6 @@ class Report:
         the dtype it was measured in (kvcalib loads float32 on CPU: the reference is then FP32, the model BF16)."""
         return declared_dtype(self.meta["model"]) or self.meta["model_dtype"]
 
-    def paths(self) -> list[str]:
-        """The absolute paths the report names (model, data, output, scales and statistics, arms' sources), which
-        report.md writes relative to the user's folder."""
-        sources = [e.info.source for e in self.arms.values() if e.info.source]
-        return render.absolute_paths([self.meta["model"], self.meta.get("config", {}), self.meta["data"], sources])
-
     def serve_argv(self) -> list[str] | None:
         """The whole command that serves the decision (calib.engine.command, the builder every command uses): the
         shipped arm's checkpoint or the model with its KV dtype and skipped layers, else the model as it is; on
@@ -108,14 +101,6 @@ class Report:
             return command.argv(engine, model, dtype, skip)
         except KvcalibError:
             return None
-
-    def serve_line(self) -> str | None:
-        """`serve_argv` as one shell line, its paths relative to the user's folder (report.md)."""
-        argv = self.serve_argv()
-        if argv is None:
-            return None
-        here, paths = Path.cwd(), set(self.paths())
-        return shlex.join(os.path.relpath(a, here) if a in paths else a for a in argv)
 
     def within(self, name: str) -> bool:
         return self.arms[name].info.shippable and not self.misses(name)

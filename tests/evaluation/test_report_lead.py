@@ -20,6 +20,7 @@ from calib.cli import main
 from calib.engine import command
 from calib.engine.metrics import BucketRow, Summary
 from calib.evaluation import report
+from calib.evaluation.markdown import relative
 from calib.evaluation.results import ArmInfo, ArmMetrics, KVRange, Reference, Seconds
 from calib.evaluation.verdict import Thresholds, verdict
 from tiny import random_sequences, tiny_causal_lm
@@ -142,3 +143,13 @@ def test_eval_on_a_bf16_model_opens_with_the_summary_serve_command(tmp_path, mon
     assert _serve_block(md) == summary["serve_command"].replace(str(tmp_path / "model"), "model")
     assert "FP32 KV" not in _decision_part(md) and not ABSOLUTE.findall(md) and str(tmp_path) not in md
     assert os.path.isabs(summary["serve_command"].split()[2])            # summary.json keeps the whole path
+
+
+def test_relative_rewrites_paths_and_nothing_else():
+    base = Path("/srv/work")
+    assert relative("vllm serve /srv/work/ck --kv-cache-dtype fp8", base) == "vllm serve ck --kv-cache-dtype fp8"
+    assert relative("vllm serve '/srv/work/a b/ck'", base) == "vllm serve 'a b/ck'"
+    assert relative("`calibrated:/srv/ck@tensor` and /srv/work/d.jsonl.", base) == \
+        "`calibrated:../ck@tensor` and d.jsonl."
+    kept = "||o - ô|| / ||o||, req/s, K/V, 1/k_scale, https://github.com/org/repo, ![a.png](a.png)"
+    assert relative(kept, base) == kept
