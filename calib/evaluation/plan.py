@@ -158,7 +158,7 @@ class Plan:
         if self.with_trials(0) < self.total:
             total += (f" with every skip trial, {duration(self.with_trials(0))} without (they run only when no arm "
                       "passes and a few layers dominate the best one's error)")
-        out.append(total + (f" (budget {duration(self.budget_s)})" if self.budget_s else ""))
+        out.append(total + (f" (budget {duration(self.budget_s)})" if self.budget_s is not None else ""))
         if self.dropped:
             out.append("  dropped to fit the budget: " + "; ".join(self.dropped))
         if self.budget_s and self.total > self.budget_s:

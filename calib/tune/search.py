@@ -46,7 +46,7 @@ from calib.evaluation.samples import calibration_windows, select_samples, usable
 from calib.evaluation.session import Session, open_session
 from calib.model import context
 from calib.model import load as model_mod
-from calib.progress import SILENT, Progress
+from calib.progress import SILENT, Progress, duration
 from calib.recipe.dtypes import FP8_E4M3
 from calib.recipe.recipe import Recipe
 from calib.safety import options, outputs
@@ -425,7 +425,9 @@ def _plan(cfg: TuneConfig, loaded: Any, sess: Session, arms: list[Any], found: S
     confirm = min(cfg.confirm, len(found.candidates) + extra) if cfg.engine is not None else 0
     budget = None if end is None else max(0.0, end - now())
     planned = planner.fit(Parts(len(arms), bool(layers), bool(sliding), confirm), budget)
-    for line in planned.lines(rates, "tune plan"):
+    title = "tune plan" if budget is None else \
+        f"tune plan of the {duration(budget)} --budget-minutes leaves after loading and statistics"
+    for line in planned.lines(rates, title):
         log(line)
     return Kept(planner, planned, None if end is None else end - planned.phases[-1][1])
 

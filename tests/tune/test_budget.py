@@ -29,8 +29,8 @@ def test_full_plan_is_every_phase_by_hand():
 
 @pytest.mark.parametrize("budget, parts, total, before, dropped", [
     # the plan one drop earlier (`before`: one more engine arm, or one more measured arm) does not fit
-    (100, Parts(4, False, False, 1), 25 + 3 * ENGINE_ARM, 25 + 4 * ENGINE_ARM, ["layer skips (sensitivity of 3 layers, skips of 1..2)",
-                                      "engine confirmation 3 -> 1 candidate(s)"]),
+    (100, Parts(4, False, False, 1), 25 + 3 * ENGINE_ARM, 25 + 4 * ENGINE_ARM,
+     ["layer skips (sensitivity of 3 layers, skips of 1..2)", "engine confirmation 3 -> 1 candidate(s)"]),
     (20, Parts(3, False, False, 0), 5 * 4, 5 * 5, ["layer skips (sensitivity of 3 layers, skips of 1..2)",
                                      "engine confirmation 3 -> 0 candidate(s)", "1 candidate(s) not scored: c"]),
     (0, Parts(0, False, False, 0), 0, 5 * 3, ["layer skips (sensitivity of 3 layers, skips of 1..2)",
