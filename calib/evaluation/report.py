@@ -79,8 +79,10 @@ class Report:
     @property
     def serving_dtype(self) -> str:
         """The dtype the model is served in without KV quantization: its config.json's (an engine's `auto`), else
-        the dtype it was measured in (kvcalib loads float32 on CPU: the reference is then FP32, the model BF16)."""
-        return declared_dtype(self.meta["model"]) or self.meta["model_dtype"]
+        the dtype it was measured in (kvcalib loads float32 on CPU: the reference is then FP32, the model BF16), else
+        the reference's name."""
+        model = self.meta.get("model")
+        return (declared_dtype(model) if model else None) or self.meta.get("model_dtype") or self.reference_name
 
     def serve_argv(self) -> list[str] | None:
         """The whole command that serves the decision (calib.engine.command, the builder every command uses): the
