@@ -121,6 +121,7 @@ def build(result: Any, thresholds: eval_verdict.Thresholds, load: LoadSpec,
                                    "vs_reference": decisions[b].ratios.get(n)} for b in buckets}}
     eng = result.report.get("engine") or {}
     return {"schema": SCHEMA, "producer": "kvcalib validate", "model": result.report["model"], "reference": ref_name,
+            "serving_dtype": result.report.get("serving_dtype"),
             "engine": {"name": eng.get("name"), "version": eng.get("version"), "kv_gib": eng.get("kv_gib")},
             "device": device, "load": {"output_tokens": load.output_tokens, "concurrency": list(load.concurrency)
                                        or "auto", "max_concurrency": load.max_concurrency,
@@ -152,14 +153,68 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:+.2f} %"
 
 
+def _dtype(doc: Mapping[str, Any]) -> str:
+    """The model's own KV dtype as the report names it (BF16): what keeping the reference serves."""
+    return render.dtype_title(doc.get("serving_dtype") or doc["reference"])
+
+
+def headline(doc: Mapping[str, Any]) -> str:
+    """The decision in one line: the arm to serve, or the model's own KV dtype to keep (BF16 for a BF16 model)."""
+    d, keep = doc["decision"]["overall"], _dtype(doc)
+    if d["recommended"] is None:
+        return f"**No recommendation**: {d['why']}"
+    if d["recommended"] == doc["reference"]:
+        return f"**Keep {keep} KV**: {d['why']}"
+    return f"**Serve `{d['recommended']}`**: {d['why']}"
+
+
+def decision_table(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """(headers, rows): per arm, the recommended first, its decision, quality against the bar (the engine's numbers
+    where it ran), KV capacity at the longest bucket (the engine's own count, else the bytes model's: said which)
+    and goodput at the SLO over the user's mix of lengths, both against the reference."""
+    th, ref, dtype = doc["thresholds"], doc["reference"], _dtype(doc)
+    longest = str(doc["buckets"][-1]) if doc["buckets"] else None
+    speed = doc["decision"]["overall"].get("goodput_vs_reference") or {}
+    headers = ["arm", "decision", render.quality_header(th["max_kl"], th["max_ppl_increase"]),
+               f"KV capacity vs {dtype}" + (f" at <= {longest} tokens" if longest else ""),
+               f"speed (goodput at the SLO vs {dtype})"]
+    rows = []
+    for n, a in doc["arms"].items():
+        q = a["quality"]
+        if n == ref:
+            quality = "reference"
+        else:
+            worst = max((b["kl"] for b in q["buckets"].values()), default=q["summary"]["kl"])
+            other = [f for f in q["failures"] if not f.startswith(("KL ", "perplexity "))]
+            quality = render.quality_cell(worst, q["summary"]["ppl_rel"], th["max_kl"], th["max_ppl_increase"],
+                                          "engine" if q["source"] == "engine" else "emulated")
+            quality += f"; {'; '.join(other)}" if other else ""
+        ratio = speed.get(n)
+        rows.append([f"{dtype} KV (reference)" if n == ref else f"`{n}`",
+                     f"**{a['decision']}**" if a["decision"] == RECOMMENDED else a["decision"], quality,
+                     _capacity(doc, n, longest), decide.NOT_MEASURED if ratio is None else decide.ratio_text(ratio)])
+    return headers, sorted(rows, key=lambda r: r[1] != f"**{RECOMMENDED}**")
+
+
+def _capacity(doc: Mapping[str, Any], name: str, bucket: str | None) -> str:
+    """Requests of the bucket's longest length the pool holds over the reference's: the engine's count, else the
+    bytes model's."""
+    if bucket is None:
+        return "–"
+    mine, ref = doc["arms"][name]["buckets"][bucket], doc["arms"][doc["reference"]]["buckets"][bucket]
+    for key, words in (("capacity", "engine's count"), ("capacity_bytes_model", "bytes model")):
+        if mine.get(key) is not None and ref.get(key):
+            return f"{mine[key] / ref[key]:.2f}x ({mine[key]:,} requests, {words})"
+    return "–"
+
+
 def markdown(doc: Mapping[str, Any]) -> str:
+    """validate.md: the decision, its table and the serve command first (calib.evaluation.markdown.lead), then how
+    it was measured, the decision per bucket and each sweep; paths relative to the user's folder."""
     table = render.table
-    d = doc["decision"]["overall"]
     slo, load = doc["slo"], doc["load"]
-    head = (f"**Serve `{d['recommended']}`**: " if d["recommended"] else "**No recommendation**: ") + d["why"]
-    out = [f"# kvcalib validate: {doc['model']}", "", head, ""]
-    if doc.get("recommended_command"):
-        out += ["```", doc["recommended_command"], "```", ""]
+    out = [f"# kvcalib validate: {doc['model']}", ""]
+    out += render.lead(headline(doc), *decision_table(doc), doc.get("recommended_command"))
     out += [f"Measured with a KV pool of {doc['engine']['kv_gib']} GiB per server: FP8's gain comes from the requests "
             "the pool holds, so it holds for a deployment whose pool is that size (vLLM logs its own as 'KV cache "
             "size' at start-up); rerun with `--engine-kv-gib` set to yours before reading the ratio as your gain.", ""]
@@ -171,7 +226,7 @@ def markdown(doc: Mapping[str, Any]) -> str:
             f"Goodput: requests/s meeting TTFT <= {slo['ttft_ms']:g} ms and TPOT <= {slo['tpot_ms']:g} ms. "
             f"Mix of lengths: " + ", ".join(f"<= {b}: {100 * s:.0f} %" for b, s in doc["shares"].items()) + "."
             + (" CPU numbers: they rank arms on this host, not on a GPU." if "CPU" in doc["device"] else ""),
-            "", f"**Rule.** {doc['rule']}", "", "## Decision per arm", ""]
+            "", f"**Rule.** {doc['rule']}", "", "## Decision per arm and bucket", ""]
     rows = []
     for n, a in doc["arms"].items():
         cells = []
@@ -206,7 +261,7 @@ def markdown(doc: Mapping[str, Any]) -> str:
             out.append("")
     out += ["## The evaluation's verdict (quality only)", "", doc["verdict"], "",
             f"Every quality number, per layer and per sample: [{doc['eval_report']}]({doc['eval_report']}).", ""]
-    return "\n".join(out)
+    return render.relative("\n".join(out))
 
 
 def _level_row(r: Mapping[str, Any]) -> list[str]:

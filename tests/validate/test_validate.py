@@ -7,6 +7,7 @@ tests/engine/test_vllm_serving.py."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -15,7 +16,9 @@ from click.testing import CliRunner
 
 from calib.cli import main
 from calib.engine import driver
+from calib.evaluation.markdown import relative
 from calib.load import server
+from calib.validate.report import markdown
 from helpers import SAMPLE_TEXT, calibrate_small, train_tokenizer
 from tiny import tiny_causal_lm
 
@@ -118,7 +121,10 @@ def test_fp8_that_only_adds_work_keeps_bf16_and_says_so(roomy):
     for b in ("32", "64"):
         assert doc["arms"]["default"]["buckets"][b]["vs_reference"] == pytest.approx(1 / 1.05, rel=0.02)
     md = (out / "validate.md").read_text()
-    assert md.startswith(f"# kvcalib validate: ") and f"**Serve `{doc['reference']}`**" in md
+    rows = _lead(md, doc)
+    assert rows[2].startswith("| FP32 KV (reference) | **recommended** | reference | 1.00x (") and \
+        rows[2].endswith(" requests, engine's count) | 1.00x |")                 # the tiny model is FP32 itself
+    assert md.splitlines()[2].startswith("**Keep FP32 KV**: FP8 KV buys nothing for this workload")
     assert "TTFT <= 2000 ms and TPOT <= 100 ms" in md and "## The sweep per serve configuration" in md
     assert "decision: " in r.output and "buys nothing" in r.output
 
@@ -143,6 +149,36 @@ def test_when_the_pool_binds_fp8_serves_more_and_the_better_scales_are_recommend
     assert doc["arms"][best]["decision"] == "recommended" and doc["arms"][other]["decision"] == "dominated"
     assert doc["recommended_command"].endswith("--kv-cache-dtype fp8")
     assert f"serve: vllm serve" in r.output
+    rows = _lead((out / "validate.md").read_text(), doc)
+    fits = doc["arms"][best]["buckets"]["64"]["capacity"]
+    assert rows[2] == (f"| `{relative(best)}` | **recommended** | KL {_worst_kl(doc, best):.3g} <= 1, Δppl "
+                       f"{100 * q[best]:+.2f}% <= +100% (engine) | 2.00x ({fits:,} requests, engine's count) | "
+                       f"{ratio[best]:.2f}x |")
+    # a BF16 model keeps BF16 KV by that name, never its FP32 CPU reference's
+    md = markdown({**doc, "serving_dtype": "bfloat16", "decision": {**doc["decision"], "overall": {
+        **overall, "recommended": doc["reference"]}}})
+    assert md.splitlines()[2].startswith("**Keep BF16 KV**: ") and "FP32 KV" not in md.split("## ", 1)[0]
+
+
+def _worst_kl(doc, name):
+    return max(b["kl"] for b in doc["arms"][name]["quality"]["buckets"].values())
+
+
+def _lead(md: str, doc: dict) -> list[str]:
+    """validate.md's opening checked: the title, the headline, the decision table (its rows returned) and the
+    recommended serve command, relative to the user's folder; no absolute path anywhere."""
+    lines = md.splitlines()
+    assert lines[0] == f"# kvcalib validate: {relative(doc['model'])}" and lines[1] == ""
+    rows = lines[4:4 + 2 + len(doc["arms"])]
+    dtype = "FP32" if doc["serving_dtype"] == "float32" else "BF16"
+    assert rows[0] == (f"| arm | decision | quality (worst-bucket KL <= 1, Δppl <= +100%) | KV capacity vs {dtype} at "
+                       f"<= {doc['buckets'][-1]} tokens | speed (goodput at the SLO vs {dtype}) |")
+    rec = doc["recommended_command"]
+    if rec:
+        assert lines[4 + 2 + len(doc["arms"]):][:4] == ["", "```", relative(rec), "```"]
+        assert rec == doc["arms"][doc["decision"]["overall"]["recommended"]]["serve_command"]
+    assert not re.findall(r"(?<![\w.~/-])/[\w.-]+/", md)            # relative: ../../tmp/..., never /tmp/...
+    return rows
 
 
 def test_a_server_that_does_not_start_is_not_measured_and_nothing_is_recommended(model, tmp_path_factory):
