@@ -1,6 +1,7 @@
 """What `kvcalib tune` leaves in OUT: the chosen checkpoint, written exactly as `calibrate` writes it, with
-the whole search beside it (tune.json: every candidate with its numbers; tune.md: the table; tune.svg: quality
-against KV memory saved) — or, when nothing qualifies, only the search and the advice to keep BF16 KV.
+the whole search beside it (tune.json: every candidate with its numbers; tune.md: the decision, its table and serve
+command first, then every candidate; tune.svg: quality against KV memory saved) — or, when nothing qualifies, only
+the search and the advice to keep the model's own KV dtype (BF16 for a BF16 model).
 
 Why through `pipeline.write_outputs`: the checkpoint must be the one `calibrate` (or `export --stats` on the
 same statistics) would produce for the chosen recipe — the same exporters, provenance, marker, temporary
@@ -20,7 +21,10 @@ from typing import Any
 
 from calib import __version__
 from calib import pipeline
+from calib.engine import command
+from calib.errors import KvcalibError
 from calib.evaluation import formats as kv_formats
+from calib.evaluation import markdown as render
 from calib.evaluation import report, verdict
 from calib.evaluation.capacity import CAPACITY_FLOOR
 from calib.model import load as model_mod
@@ -44,10 +48,9 @@ class Outcome:
     seconds: float
 
 
-def _ref_bytes(source: Path) -> int:
-    cfg = json.loads((source / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
-    return _REF_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
+def _serving_dtype(source: Path) -> str:
+    """The dtype the model is served in without KV quantization (its config.json's; BF16 where it declares none)."""
+    return report.declared_dtype(source) or "bfloat16"
 
 
 def _ranges(st: Any) -> dict[str, float]:
@@ -84,7 +87,8 @@ def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any,
              seconds: float) -> dict[str, Any]:
     th = cfg.thresholds
     layers = len(loaded.attention_layers)
-    table = choose_mod.rows(found, th, layers, _ref_bytes(source), BASELINE)
+    serving = _serving_dtype(source)
+    table = choose_mod.rows(found, th, layers, _REF_BYTES.get(serving, 2), BASELINE)
     decision = choose_mod.decide(found, table)
     chosen = decision.row
     matter = choose_mod.scales_matter(found, table, _ranges(st), BASELINE)
@@ -94,7 +98,7 @@ def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any,
     return {
         "schema": SCHEMA, "producer": "kvcalib tune", "version": __version__, "argv": sys.argv[1:], "config": _config(cfg),
         "model": str(cfg.model), "model_dtype": str(loaded.dtype).removeprefix("torch."), "layers": layers,
-        "kv_bytes_reference": _ref_bytes(source), "target": cfg.target,
+        "serving_dtype": serving, "kv_bytes_reference": _REF_BYTES.get(serving, 2), "target": cfg.target,
         "statistics": {**st.origin, "files": stats_info}, "held_out": held, "thresholds": th.to_dict(),
         "rule": choose_mod.__doc__.split("The rule", 1)[1].split("\n", 1)[1].strip(),
         "reference": None if found.ref is None else _pick(found.ref.to_dict(), ("buckets", "summary", "sample_tokens")),
@@ -135,28 +139,48 @@ def formats(cfg: TuneConfig, loaded: Any, found: Search, chosen: dict[str, Any] 
     return {"formats": {**choice.to_dict(), "not_scored": missing}}
 
 
-def headline(doc: dict[str, Any]) -> str:
+def _dtype(doc: dict[str, Any]) -> str:
+    """The model's own KV dtype as the reports name it (BF16): what keeping the reference serves."""
+    return render.dtype_title(doc.get("serving_dtype") or "bfloat16")
+
+
+def _keep_why(doc: dict[str, Any]) -> str | None:
+    """Why the reference KV dtype is kept; None where a candidate was chosen."""
     c = doc["choice"]
     within = [r for r in doc["candidates"] if r.get("scored") and not r.get("failures")]
     if c["candidate"] is None and within and all((r.get("capacity") or {}).get("gain") is False for r in within):
-        return ("keep BF16 KV: every candidate within the quality bar has no capacity gain over it at "
+        return ("every candidate within the quality bar has no capacity gain over it at "
                 f"{within[0]['capacity']['length']:,} tokens (within {CAPACITY_FLOOR:.0%} or one request; speed was "
                 "not measured: `kvcalib validate` measures goodput under load)")
     if c["candidate"] is None:
         why = "nothing qualifies under the quality bar" if doc["candidates"] else "no candidate"
-        return f"keep BF16 KV: {why} (max KL {doc['thresholds']['max_kl']:g}, " \
-               f"ppl +{100 * doc['thresholds']['max_ppl_increase']:g}%)"
-    row = next(r for r in doc["candidates"] if r["name"] == c["candidate"])
-    return (f"chosen: {row['name']} — {row['support']}; KV memory saved {100 * row['memory_saved']:.1f}%, "
-            f"worst-bucket KL {row['summary']['max_bucket_kl']:.3g}, ppl {100 * row['summary']['ppl_rel']:+.2f}% "
-            f"({row['numbers']})" + _capacity_words(row.get("capacity")))
+        return f"{why} (max KL {doc['thresholds']['max_kl']:g}, ppl +{100 * doc['thresholds']['max_ppl_increase']:g}%)"
+    return None
 
 
-def _capacity_words(cap: dict[str, Any] | None) -> str:
+def _chosen(doc: dict[str, Any]) -> dict[str, Any] | None:
+    return next((r for r in doc["candidates"] if r["name"] == doc["choice"]["candidate"]), None)
+
+
+def _chosen_words(doc: dict[str, Any], row: dict[str, Any]) -> str:
+    return (f"{row['support']}; KV memory saved {100 * row['memory_saved']:.1f}%, worst-bucket KL "
+            f"{row['summary']['max_bucket_kl']:.3g}, ppl {100 * row['summary']['ppl_rel']:+.2f}% ({row['numbers']})"
+            + _capacity_words(row.get("capacity"), _dtype(doc)))
+
+
+def headline(doc: dict[str, Any]) -> str:
+    """The decision in one line, as the command prints it."""
+    why, row = _keep_why(doc), _chosen(doc)
+    if why is not None or row is None:
+        return f"keep {_dtype(doc)} KV: {why}"
+    return f"chosen: {row['name']} — {_chosen_words(doc, row)}"
+
+
+def _capacity_words(cap: dict[str, Any] | None, dtype: str = "BF16") -> str:
     """The chosen candidate's capacity, where an engine counted the reference's (speed is not measured)."""
     if not cap or cap.get("vs_reference") is None:
         return ""
-    return (f"; {cap['vs_reference']:.2f}x BF16's KV capacity at {cap['length']:,} tokens ({cap['source']}); speed "
+    return (f"; {cap['vs_reference']:.2f}x {dtype}'s KV capacity at {cap['length']:,} tokens ({cap['source']}); speed "
             "was not measured (`kvcalib validate` measures goodput under load)")
 
 
@@ -164,19 +188,75 @@ def _cell(x: Any, fmt: str = ".3g") -> str:
     return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
 
+def serve_line(doc: dict[str, Any]) -> str | None:
+    """The whole command that serves the decision: the chosen checkpoint's (tune.json's `choice.serve`, from the
+    target's builder), else the model as it is on the target's engine (calib.engine.command)."""
+    if doc["choice"]["serve"]:
+        return doc["choice"]["serve"]
+    try:
+        return command.line(doc["target"], doc["model"])
+    except KvcalibError:
+        return None
+
+
+def decision_table(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """(headers, rows): the chosen candidate (none: the reference) first, the reference, scale 1.0, and where nothing
+    was chosen the best scored candidate; quality against the bar, KV capacity over the reference's (the engine's
+    count where it counted, else the bytes model's) and speed, which tune does not measure."""
+    th, dtype, row = doc["thresholds"], _dtype(doc), _chosen(doc)
+    counted = next((r["capacity"] for r in doc["candidates"] if (r.get("capacity") or {}).get("length")), None)
+    headers = ["arm", "decision", render.quality_header(th["max_kl"], th["max_ppl_increase"]),
+               f"KV capacity vs {dtype}" + (f" at {counted['length']:,} tokens" if counted else ""), "speed"]
+
+    def quality(r: dict[str, Any]) -> str:
+        s = r["summary"]
+        return render.quality_cell(s["max_bucket_kl"], s["ppl_rel"], th["max_kl"], th["max_ppl_increase"],
+                                   "engine" if r.get("numbers") == "engine" else "emulated")
+
+    def capacity(r: dict[str, Any]) -> str:
+        cap = r.get("capacity") or {}
+        if cap.get("vs_reference") is not None:
+            words = "engine's count" if cap["source"] == "engine" else "bytes model"
+            return f"{cap['vs_reference']:.2f}x ({words})"
+        return f"{1 / (1 - r['memory_saved']):.2f}x (bytes model)" if r["memory_saved"] < 1 else "–"
+
+    def label(r: dict[str, Any]) -> str:
+        if r.get("failures"):
+            return "fails the quality bar"
+        return "no capacity gain" if (r.get("capacity") or {}).get("gain") is False else "within the bar"
+
+    rows = [[f"`{row['name']}`", "**recommended**", quality(row), capacity(row), "not measured"]] if row else []
+    rows.append([f"{dtype} KV (reference)", "reference" if row else "**recommended**", "reference", "1.00x",
+                 "not measured"])
+    base = doc["baseline"]
+    if base:
+        saved = 1 - 1 / doc["kv_bytes_reference"]
+        rows.append([f"`{BASELINE}`", "fails the quality bar" if base["failures"] else "within the bar",
+                     quality(base), capacity({"memory_saved": saved}), "not measured"])
+    scored = [r for r in doc["candidates"] if r.get("scored")]
+    if row is None and scored:
+        best = min(scored, key=lambda r: r["summary"]["max_bucket_kl"])
+        rows.append([f"`{best['name']}` (best scored)", label(best), quality(best), capacity(best), "not measured"])
+    return headers, rows
+
+
 def markdown(doc: dict[str, Any]) -> str:
+    """tune.md: the decision, its table and serve command (calib.evaluation.markdown.lead), then why, every candidate,
+    the layer sensitivity, the KV formats and the rule; paths relative to the user's folder."""
     buckets = doc["held_out"]["buckets"]
-    lines = [f"# kvcalib tune: {doc['model']} for {doc['target']}", "", f"**{headline(doc)}**", "",
-             doc["scales_matter"]["text"], ""]
+    why, row = _keep_why(doc), _chosen(doc)
+    head = (f"**Keep {_dtype(doc)} KV**: {why}." if why is not None or row is None else
+            f"**Ship `{row['name']}`**: {_chosen_words(doc, row)}.")
+    lines = [f"# kvcalib tune: {doc['model']} for {doc['target']}", ""]
+    lines += render.lead(head, *decision_table(doc), serve_line(doc))
+    lines += [doc["scales_matter"]["text"], ""]
     if doc.get("capacity"):
         lines += [doc["capacity"]["text"], ""]
-    if doc["choice"]["serve"]:
-        lines += ["```", doc["choice"]["serve"], "```", ""]
     if doc["budget"]["stopped"]:
         lines += [f"Stopped early: {doc['budget']['stopped']}; not scored: {len(doc['budget']['not_scored'])}.", ""]
     head = ["candidate", "support", "KV saved", "worst KL", "ppl", "top-1",
             *(f"KL <= {b}" for b in buckets), "vs scale 1.0 (nats/token, ± noise)", "verdict"]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["## Candidates", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = doc["baseline"]
     if base:
         s = base["summary"]
@@ -206,7 +286,7 @@ def markdown(doc: dict[str, Any]) -> str:
                   ", ".join(f"{i}: {sens['kl_only_this_layer'][str(i)]:.3g}" for i in top)]
     lines += format_lines(doc)
     lines += ["", "Rule:", "", doc["rule"], ""]
-    return "\n".join(lines) + "\n"
+    return render.relative("\n".join(lines)) + "\n"
 
 
 def format_lines(doc: dict[str, Any]) -> list[str]:
