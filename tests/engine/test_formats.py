@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from calib.engine import driver, protocol, run
+from calib.engine import answer, driver, run
 from calib.engine.driver import EngineSpec
 from calib.evaluation import formats, numbers
 from calib.evaluation import verdict as report
@@ -120,10 +120,10 @@ def test_format_arms_ask_the_engine_for_its_own_format_and_backend():
 
 
 def test_the_probe_lists_what_the_engine_accepts():
-    assert protocol.probe_formats({"kv_cache_dtypes": ["auto", "fp8", " ", 3, "fp8_per_token_head"]}) == (
+    assert answer.probe_formats({"kv_cache_dtypes": ["auto", "fp8", " ", 3, "fp8_per_token_head"]}) == (
         "auto", "fp8", "fp8_per_token_head")
-    assert protocol.probe_formats({"engine": "vllm"}) is None
-    assert protocol.probe_formats({"kv_cache_dtypes": "fp8"}) is None
+    assert answer.probe_formats({"engine": "vllm"}) is None
+    assert answer.probe_formats({"kv_cache_dtypes": "fp8"}) is None
 
 
 @pytest.fixture(scope="module")
