@@ -63,7 +63,7 @@ def help_defaults() -> dict[str, Any]:
     """The `{field}`s help texts name, read from the config dataclasses (imported only when help is shown)."""
     from calib.engine.driver import EngineSpec
     from calib.evaluation.config import EvalConfig
-    from calib.evaluation.report import Thresholds
+    from calib.evaluation.verdict import Thresholds
     from calib.tune.search import TuneConfig
 
     base = _field(TuneConfig, "base")

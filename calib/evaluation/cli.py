@@ -56,7 +56,7 @@ def eval_cmd(model_src, data_src, scales, stats, kv_cache_dtype, formats, emulat
     from calib import summary
     from calib.evaluation import served
     from calib.evaluation.config import EvalConfig
-    from calib.evaluation.report import Thresholds
+    from calib.evaluation.verdict import Thresholds
     from calib.evaluation.run import run_eval
     from calib.progress import Progress
     from calib.safety import options

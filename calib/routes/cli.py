@@ -34,7 +34,7 @@ def plan(routes_file, model_src, scales, emulation, passkey_trials, batch_size, 
     from calib import summary
     from calib.evaluation import served
     from calib.evaluation.config import EvalConfig
-    from calib.evaluation.report import Thresholds
+    from calib.evaluation.verdict import Thresholds
     from calib.model.default_model import DIR_NAME
     from calib.progress import Progress
     from calib.routes import plan as plan_mod

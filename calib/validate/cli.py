@@ -36,7 +36,7 @@ def validate(model_src, data_src, scales, formats, buckets, samples, min_tokens,
     from calib.evaluation import served
     from calib.evaluation.cli import settings, with_model
     from calib.evaluation.config import EvalConfig
-    from calib.evaluation.report import Thresholds
+    from calib.evaluation.verdict import Thresholds
     from calib.progress import Progress
     from calib.safety import options, outputs
     from calib.validate.run import check, run_validate
