@@ -39,9 +39,10 @@ def dtype_title(name: str) -> str:
     return DTYPE_TITLE.get(name, name.upper())
 
 
-# an absolute path in prose or a command: at a word's start, "/" then a name (not "//" of a URL), up to a space,
-# quote, backtick, pipe or bracket; a shell-quoted one ('/a b/c') whole
-_PATH = re.compile(r"'(/[\w.~-][^']*)'|(?<![\w.~/-])(/[\w.~-][^\s`'\"|()\[\]<>]*)")
+# an absolute path in prose or a command: after a space, quote, backtick, bracket, ':', '=' or ',' (or at the start),
+# "/" then a name (not "//" of a URL), up to a space, quote, backtick, pipe or bracket; a shell-quoted one
+# ('/a b/c') whole
+_PATH = re.compile(r"'(/[\w.~-][^']*)'|(?<![^\s`'\"(\[:=,])(/[\w.~-][^\s`'\"|()\[\]<>]*)")
 
 
 def relative(text: str, base: Path | None = None) -> str:

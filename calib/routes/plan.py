@@ -30,6 +30,7 @@ from typing import Any
 
 from calib.engine import command
 from calib.errors import KvcalibError
+from calib.evaluation import markdown as render
 from calib.evaluation import numbers as honest
 from calib.evaluation.config import EvalConfig
 from calib.evaluation.verdict import Thresholds
@@ -226,20 +227,72 @@ def plan_doc(model: str, routes: Routes, decisions: list[Decision]) -> dict[str,
             "servers": [{"serve": s, "routes": names} for s, names in servers.items()]}
 
 
-def markdown(doc: Mapping[str, Any]) -> str:
-    lines = [f"# Serving plan: `{doc['model']}`", "", f"Routes file: `{doc['routes_file']}`.", "",
-             "| route | buckets | bar | decision | arm | numbers | why |", "|---|---|---|---|---|---|---|"]
+def markdown(doc: Mapping[str, Any], reports: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """plan.md: the plan in one line, one table (per route: its decision, the arm, its quality against the route's
+    bar, KV capacity and speed over the reference's where measured) and each server's whole serve command; then the
+    routes file and where each route's evaluation is. `reports`: per route {"eval": its report.json document,
+    "validate": its validate.json document or None}, where capacity (the verdict's: the engine's count, else the
+    bytes model's) and speed (goodput at the SLO, `--serve`) are read. Paths relative to the user's folder."""
+    reports = reports or {}
+    dtype = render.dtype_title(next((x["eval"].get("serving_dtype") for x in reports.values() if x.get("eval")),
+                                    None) or "bfloat16")
+    words = {FP8: "FP8 KV", FP8_SKIP: "FP8 KV", BF16: f"keep {dtype} KV"}
+    rows, said = [], []
     for name, r in doc["routes"].items():
-        bar = r["route"]["bar"]
-        bar_txt = f"KL <= {bar['max_kl']:g}, ppl <= +{100 * bar['max_ppl_increase']:g}%" + (
-            f", passkey >= {bar['min_passkey']:g}" if bar["min_passkey"] is not None else "")
-        lines.append(f"| {name} | {', '.join(map(str, r['route']['buckets']))} | {bar_txt} | {r['decision']} | "
-                     f"{r['arm'] or '–'} | {r['numbers'] or '–'} | {r['why'].replace('|', '/')} |")
-    lines += ["", "## Serve", ""]
-    for s in doc["servers"]:
-        lines += [f"Routes {', '.join(s['routes'])}:", "", "```", s["serve"], "```", ""]
-    lines += ["Each route's evaluation: `<route>/report.md`.", ""]
-    return "\n".join(lines)
+        bar, rep = r["route"]["bar"], reports.get(name, {})
+        decision = words[r["decision"]] + (f", layers {', '.join(map(str, r['skip_layers']))} in {dtype}"
+                                           if r["decision"] == FP8_SKIP else "")
+        said.append(f"{name} → {decision}" + (f" (`{r['arm']}`)" if r["arm"] else ""))
+        quality = "reference" if r["arm"] is None else _quality(rep.get("eval"), r, bar)
+        passkey = f", passkey >= {bar['min_passkey']:g}" if bar["min_passkey"] is not None else ""
+        rows.append([name, f"**{decision}**", f"`{r['arm']}`" if r["arm"] else f"{dtype} KV (reference)",
+                     quality + passkey, _capacity(rep.get("eval"), r["arm"]), _speed(rep.get("validate"), r["arm"]),
+                     ", ".join(map(str, r["route"]["buckets"])), r["why"]])
+    servers = doc["servers"]
+    head = f"**{'; '.join(said)}**: {len(servers)} server{'s' if len(servers) > 1 else ''}, the whole command below."
+    lines = [f"# Serving plan: `{doc['model']}`", ""]
+    lines += render.lead(head, ["route", "decision", "arm", "quality (worst-bucket KL, Δppl vs the route's bar)",
+                                f"KV capacity vs {dtype}", f"speed (goodput at the SLO vs {dtype})", "buckets", "why"],
+                         rows, servers[0]["serve"] if len(servers) == 1 else None)
+    if len(servers) > 1:
+        for srv in servers:
+            lines += [f"Routes {', '.join(srv['routes'])}:", "", "```", srv["serve"], "```", ""]
+    served = any(x.get("validate") for x in reports.values())
+    lines += [f"Routes file: `{doc['routes_file']}`. Each route's evaluation: `<route>/report.md`"
+              + (" and its serving under load `<route>/validate.md`." if served else "."), ""]
+    return render.relative("\n".join(lines))
+
+
+def _quality(report: Mapping[str, Any] | None, r: Mapping[str, Any], bar: Mapping[str, Any]) -> str:
+    """The route's arm's worst-bucket KL and perplexity change against the route's bar (its deciding numbers)."""
+    entry = (report or {}).get("arms", {}).get(r["arm"])
+    if entry is None:
+        return "–"
+    engine = (entry.get("engine") or {}).get("summary")
+    summ = engine if r["numbers"] in ("engine", "engine under load") and engine else entry["summary"]
+    return render.quality_cell(summ["max_bucket_kl"], summ["ppl_rel"], bar["max_kl"], bar["max_ppl_increase"],
+                               "engine" if summ is engine else "emulated")
+
+
+def _capacity(report: Mapping[str, Any] | None, arm: str | None) -> str:
+    """The arm's KV capacity over the reference's as the route's verdict ranked it (the engine's count where it
+    ran, else the bytes model's), at the route's longest length."""
+    cap = ((report or {}).get("verdict") or {}).get("capacity") or {}
+    name = arm if arm is not None else (report or {}).get("reference")
+    row = next((a for a in cap.get("arms", ()) if a["arm"] == name), None)
+    if row is None or row["vs_reference"] is None or row["source"] is None:
+        return "–"
+    words = "engine's count" if row["source"] == "engine" else "bytes model"
+    return f"{row['vs_reference']:.2f}x ({words}) at {cap['length']:,} tokens"
+
+
+def _speed(served: Mapping[str, Any] | None, arm: str | None) -> str:
+    """Goodput at the SLO over the reference's, where the route was served under load (`--serve`)."""
+    if not served:
+        return "not measured"
+    ratios = served["decision"]["overall"].get("goodput_vs_reference") or {}
+    ratio = ratios.get(arm if arm is not None else served["reference"])
+    return "not measured" if ratio is None else f"{ratio:.2f}x"
 
 
 def run_plan(routes: Routes, base: EvalConfig, *, force: bool = False, log: Log = lambda _m: None,
@@ -256,7 +309,7 @@ def run_plan(routes: Routes, base: EvalConfig, *, force: bool = False, log: Log 
     out = Path(base.out)
     check(routes, base, force)
     check_samples(routes, base)          # every route's data usable before the first route's work
-    decisions = []
+    decisions, reports = [], {}
     with atomic_dir(out, force, kind="serving plan", inputs=inputs(routes, base)) as tmp:
         try:
             for r in routes.routes:
@@ -265,14 +318,16 @@ def run_plan(routes: Routes, base: EvalConfig, *, force: bool = False, log: Log 
                 result = run_eval(cfg, log=log, progress=progress)
                 if load is None:
                     decisions.append(decide(r, base.model, result))
+                    reports[r.name] = {"eval": result.report, "validate": None}
                 else:
                     served = vrun.serve(result, cfg, load, log)
                     vreport.write(tmp / r.name, served, base.plots)
                     decisions.append(decide_served(r, base.model, result, served))
+                    reports[r.name] = {"eval": result.report, "validate": served}
                 log(f"plan: route `{r.name}`: {decisions[-1].decision} ({decisions[-1].why})")
         except KvcalibError as e:     # which route failed (atomic_dir names the user's --out, not its folder)
             raise RoutesError(f"route '{r.name}': {e}") from None
         doc = plan_doc(base.model, routes, decisions)
         (tmp / spec.PLAN_FILES[0]).write_text(json.dumps(doc, indent=2) + "\n")
-        (tmp / spec.PLAN_FILES[1]).write_text(markdown(doc))
+        (tmp / spec.PLAN_FILES[1]).write_text(markdown(doc, reports))
     return doc

@@ -151,5 +151,5 @@ def test_relative_rewrites_paths_and_nothing_else():
     assert relative("vllm serve '/srv/work/a b/ck'", base) == "vllm serve 'a b/ck'"
     assert relative("`calibrated:/srv/ck@tensor` and /srv/work/d.jsonl.", base) == \
         "`calibrated:../ck@tensor` and d.jsonl."
-    kept = "||o - ô|| / ||o||, req/s, K/V, 1/k_scale, https://github.com/org/repo, ![a.png](a.png)"
+    kept = "||o - ô|| / ||o||, req/s, K/V, 1/k_scale, https://github.com/org/repo, ![a.png](a.png), `<route>/r.md`"
     assert relative(kept, base) == kept

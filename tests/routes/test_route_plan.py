@@ -5,6 +5,7 @@ kvcalib's emulation); the decision rule on hand-made numbers."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 from dataclasses import replace
@@ -17,6 +18,7 @@ from click.testing import CliRunner
 from calib.cli import main
 from calib.engine import driver
 from calib.evaluation import passkey
+from calib.evaluation.markdown import relative
 from calib.evaluation.results import passkey_rows
 from calib.routes import plan, spec
 from helpers import arm_metrics, save_model_and_data
@@ -117,7 +119,49 @@ def test_two_routes_end_to_end(two_routes, monkeypatch):
         assert rep["arms"]["default"]["engine"]["status"] == "ok"
     assert json.loads((out / "docs" / "report.json").read_text())["buckets"] == [128]
     assert f"chat: fp8 — {chat['serve']}" in r.output
-    assert "| docs | 128 | KL <= 0, ppl <= +0% | bf16 |" in (out / "plan.md").read_text()
+    md = (out / "plan.md").read_text()
+    lines = md.splitlines()
+    assert lines[:3] == [f"# Serving plan: `{relative(str(src))}`", "",
+                         "**chat → FP8 KV (`default`); docs → keep FP32 KV**: 2 servers, the whole command below."]
+    assert lines[4:9] == [           # the tiny model is FP32 itself: keeping the reference keeps FP32
+        "| route | decision | arm | quality (worst-bucket KL, Δppl vs the route's bar) | KV capacity vs FP32 | "
+        "speed (goodput at the SLO vs FP32) | buckets | why |", "|---|---|---|---|---|---|---|---|",
+        f"| chat | **FP8 KV** | `default` | {_kl_cell(out / 'chat', 'default', 1.0, 1.0)} | 4.00x (engine's count) at "
+        f"64 tokens | not measured | 32, 64 | {chat['why']} |",
+        f"| docs | **keep FP32 KV** | FP32 KV (reference) | reference | 1.00x (engine's count) at 128 tokens | "
+        f"not measured | 128 | {relative(docs['why'])} |", ""]
+    assert lines[9:19] == ["Routes chat:", "", "```", relative(chat["serve"]), "```", "",
+                           "Routes docs:", "", "```", relative(docs["serve"])]
+    assert not re.findall(r"(?<![\w.~/-])/[\w.-]+/", md)
+
+
+def _kl_cell(folder: Path, arm: str, max_kl: float, max_ppl: float) -> str:
+    """The plan's quality cell for a route's arm, from its report.json's engine numbers (independent of plan.py)."""
+    s = json.loads((folder / "report.json").read_text())["arms"][arm]["engine"]["summary"]
+    return (f"KL {s['max_bucket_kl']:.3g} {'<=' if s['max_bucket_kl'] <= max_kl else '>'} {max_kl:g}, Δppl "
+            f"{100 * s['ppl_rel']:+.2f}% {'<=' if s['ppl_rel'] <= max_ppl else '>'} +{100 * max_ppl:g}% (engine)")
+
+
+def test_plan_md_of_one_server_opens_with_its_command_and_reads_speed_under_load(tmp_path, monkeypatch):
+    """plan.md from hand-made documents: a BF16 model's route that keeps BF16 under load, one server."""
+    monkeypatch.chdir(tmp_path)
+    route = _route("chat", (512,))
+    d = plan.Decision("chat", plan.BF16, None, str(tmp_path / "m"), "auto", (), 512, "engine under load",
+                      "BF16 KV: FP8 KV buys nothing for this workload")
+    doc = plan.plan_doc(str(tmp_path / "m"), spec.Routes(tmp_path / "routes.yaml", (route,)), [d])
+    report = {"serving_dtype": "bfloat16", "reference": "fp32", "verdict": {"capacity": {"length": 512, "arms": [
+        {"arm": "fp32", "vs_reference": 1.0, "source": "bytes model"}]}}}
+    served = {"reference": "fp32", "decision": {"overall": {"goodput_vs_reference": {"fp32": 1.0, "default": 0.97}}}}
+    md = plan.markdown(doc, {"chat": {"eval": report, "validate": served}}).splitlines()
+    assert md[:11] == [
+        "# Serving plan: `m`", "", "**chat → keep BF16 KV**: 1 server, the whole command below.", "",
+        "| route | decision | arm | quality (worst-bucket KL, Δppl vs the route's bar) | KV capacity vs BF16 | "
+        "speed (goodput at the SLO vs BF16) | buckets | why |", "|---|---|---|---|---|---|---|---|",
+        "| chat | **keep BF16 KV** | BF16 KV (reference) | reference | 1.00x (bytes model) at 512 tokens | 1.00x | 512 | "
+        "BF16 KV: FP8 KV buys nothing for this workload |", "", "```", "vllm serve m --max-model-len 512", "```"]
+    assert shlex.split(d.serve)[2] == str(tmp_path / "m")           # plan.json keeps the whole path
+    assert "Routes file: `routes.yaml`. Each route's evaluation: `<route>/report.md` and its serving under load " \
+           "`<route>/validate.md`." in md
 
 
 def test_a_bad_route_stops_the_plan_before_any_model_loads(two_routes, tmp_path):
