@@ -85,24 +85,8 @@ class Report:
         return (declared_dtype(model) if model else None) or self.meta.get("model_dtype") or self.reference_name
 
     def serve_argv(self) -> list[str] | None:
-        """The whole command that serves the decision (calib.engine.command, the builder every command uses): the
-        shipped arm's checkpoint or the model with its KV dtype and skipped layers, else the model as it is; on
-        `--target`'s engine (vLLM without one). None where the decision is served otherwise (scales still to
-        calibrate) or the engine has no flag for it."""
-        v, model = self.verdict, str(self.meta["model"])
-        engine = self.meta.get("config", {}).get("target") or "vllm"
-        dtype, skip = None, []
-        if v.action in render.SHIPS and v.arm is not None:
-            info = self.arms[v.arm].info
-            if info.kind not in ("checkpoint", "default", "format"):
-                return None
-            model = str(info.source) if info.kind == "checkpoint" else model
-            dtype = info.dtype
-            skip = v.flag.split()[1:] if v.action == "ship_with_skip" and v.flag else [*info.serve_skip, *info.skip]
-        try:
-            return command.argv(engine, model, dtype, skip)
-        except KvcalibError:
-            return None
+        """The whole command that serves the decision (`serve_argv` below)."""
+        return serve_argv(self.verdict, self.arms, str(self.meta["model"]), self.meta.get("config", {}).get("target"))
 
     def within(self, name: str) -> bool:
         return self.arms[name].info.shippable and not self.misses(name)
@@ -134,6 +118,25 @@ class Report:
                "arms": {self.reference_name: self.reference.to_dict(), **arms}, "verdict": self.verdict.to_dict()}
         fmt = self.formats()
         return {**out, "formats": fmt.to_dict()} if fmt else out
+
+
+def serve_argv(v: Verdict, arms: Mapping[str, ArmMetrics], model: str, target: str | None) -> list[str] | None:
+    """The whole command that serves verdict `v` (calib.engine.command, the builder every command uses): the shipped
+    arm's checkpoint or the model with its KV dtype and skipped layers, else the model as it is; on `target`'s
+    engine (vLLM without one). None where the decision is served otherwise (scales still to calibrate) or the
+    engine has no flag for it."""
+    dtype, skip = None, []
+    if v.action in render.SHIPS and v.arm is not None:
+        info = arms[v.arm].info
+        if info.kind not in ("checkpoint", "default", "format"):
+            return None
+        model = str(info.source) if info.kind == "checkpoint" else model
+        dtype = info.dtype
+        skip = v.flag.split()[1:] if v.action == "ship_with_skip" and v.flag else [*info.serve_skip, *info.skip]
+    try:
+        return command.argv(target or "vllm", model, dtype, skip)
+    except KvcalibError:
+        return None
 
 
 def finite(x: Any) -> Any:
