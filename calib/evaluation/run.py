@@ -18,7 +18,7 @@ import torch
 
 from calib.ckpt.kvinfo import read_kv_info
 from calib.data import sources as data_mod
-from calib.evaluation import emulate, measurable, memory
+from calib.evaluation import emulate, markdown, measurable, memory
 from calib.evaluation import passkey
 from calib.evaluation import plan as plan_mod
 from calib.evaluation import report, served
@@ -105,7 +105,8 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             results.update(trials)
         bm = bytes_model(cfg, p)
         decided = verdict_mod.verdict(ref, results, cfg.thresholds, p.reference.name, bm,
-                                      (p.geo.kv_heads, p.geo.head_dim), cfg.target)
+                                      (p.geo.kv_heads, p.geo.head_dim), cfg.target,
+                                      markdown.dtype_title(serving_dtype(p.loaded)))
         seconds = time.perf_counter() - t_start
         ran = "" if not planned.parts.skip_trials else \
             f"; {duration(planned.with_trials(len(trials)))} for the {len(trials)} skip trial(s) that ran"

@@ -152,14 +152,16 @@ class Verdict:
 
 def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
             bytes_model: "memory.Model | None" = None, geometry: tuple[int, int] | None = None,
-            target: str | None = None) -> Verdict:
+            target: str | None = None, serving: str | None = None) -> Verdict:
     """The decision: ship an arm, ship it with layers skipped (measured), or keep the reference KV dtype.
     Raises measurable.CannotMeasure ("cannot measure", naming the arm, where and which number) when any
     measured quantity is NaN or infinite: a comparison with NaN is false, so such an arm would "miss" nothing.
     `bytes_model` (calib.evaluation.memory): on a hybrid model every measured skip is also weighed by the memory it
     gives back; the arms within the threshold are ranked by KV capacity (`calib.evaluation.capacity.by_capacity`: the
     engine's count where it ran the arm, else the bytes model's; eval measures no speed, and the text says so);
-    `target` (eval --target): the engine whose serve flags the advice names (None: vLLM)."""
+    `target` (eval --target): the engine whose serve flags the advice names (None: vLLM); `serving`: the dtype the
+    model is served in (its config.json's, as the report names it: BF16), which the advice names — on CPU the reference arm is measured in
+    float32, but the user keeps BF16 KV, not FP32 (None: the reference arm's name)."""
     measurable.check(ref, results, reference)
     plain = _plain(results)
     ok = sorted((n for n in plain if not failures(plain[n], ref, th)), key=lambda n: _kl(plain[n]))
@@ -186,7 +188,8 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
     ref_row = rows[0]
     candidates = [*ok, *shippable_skips]
     win = cap.recommended if cap.recommended is not None else (candidates[0] if candidates else None)
-    capacity_notes = capacity.notes(cap, reference, candidates) if candidates else []
+    said = serving or reference
+    capacity_notes = capacity.notes(cap, said, candidates) if candidates else []
     if win in ok:
         action, arm = "ship", win
         ok = [win, *(n for n in ok if n != win)]
@@ -200,12 +203,12 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
                "them costs little memory" if results[best].info.skip_kind else
                f"Those layers dominate the error (attention-output error {_errs(plain[arm], layers)})")
         action, text = "ship_with_skip", (
-            f"Ship `{arm}` with layers {layers} kept in {reference}: serve with `{flag}` (vLLM; recipe "
+            f"Ship `{arm}` with layers {layers} kept in {said}: serve with `{flag}` (vLLM; recipe "
             f"`skip_layers: {layers}`). {why[0].upper() + why[1:]}; measured with them unquantised: {kl(best)}, "
             "confirmed by the engine.")
     elif candidates:            # within the bar, but none holds more requests than the reference beyond noise
         action, text = "keep_reference", (
-            f"Keep {reference.upper()} KV: no arm within the threshold has a capacity gain over it beyond noise "
+            f"Keep {said.upper()} KV: no arm within the threshold has a capacity gain over it beyond noise "
             f"({'; '.join(f'`{n}` {capacity.ratio_text(cap, n)}' for n in candidates)}), so FP8 KV buys no room for "
             "more requests here.")
     elif confirmed:
@@ -213,17 +216,17 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
         layers, flag, arm = _skip_trial(results, best)
         row = capacity.capacity_row(ref, results[best], best, True, bytes_model, length)
         ratio, source = capacity.capacity_ratio(row, ref_row)
-        brings = (f"Keeping layers {layers} in {reference} brings `{arm}` within it ({kl(best)}; attention-output "
+        brings = (f"Keeping layers {layers} in {said} brings `{arm}` within it ({kl(best)}; attention-output "
                   f"error {_errs(plain[arm], layers)}), {why}")
         failed = f"(best: `{best_any}`, {'; '.join(failures(plain[best_any], ref, th))})"
         if ratio is None or capacity.capacity_gain(row, ref_row):
             action, text = "skip_unconfirmed", (
-                f"Keep {reference.upper()} KV for now: no arm is within the threshold {failed}. {brings}. Before "
+                f"Keep {said.upper()} KV for now: no arm is within the threshold {failed}. {brings}. Before "
                 f"serving with `{flag}`, measure it in the engine (`kvcalib eval --engine vllm`).")
         else:
             action, text = "keep_reference", (
-                f"Keep {reference.upper()} KV: no arm is within the threshold {failed}. {brings}, but it has no "
-                f"capacity gain over {reference.upper()} ({ratio:.2f}x its capacity at {length:,} tokens, "
+                f"Keep {said.upper()} KV: no arm is within the threshold {failed}. {brings}, but it has no "
+                f"capacity gain over {said.upper()} ({ratio:.2f}x its capacity at {length:,} tokens, "
                 f"{capacity.source_words(source)}), so serving it buys nothing.")
             layers, flag, arm = [], None, None
     else:
@@ -233,7 +236,7 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
                  f"({kl(tried[-1])})." if tried else
                  " No small set of layers dominates the error, so no layer skip was measured (whether one helps "
                  "is unknown).")
-        action, text = "keep_reference", (f"Keep {reference.upper()} KV for this model: no arm is within the threshold "
+        action, text = "keep_reference", (f"Keep {said.upper()} KV for this model: no arm is within the threshold "
                                           f"(best: `{best_any}`, {why}).{extra}")
     text = " ".join([text, *capacity_notes])
     noise, saturated, notes = _honest(arm, numbers, ref, results)

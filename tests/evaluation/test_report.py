@@ -84,6 +84,13 @@ def test_verdict_text_carries_the_deciding_numbers():
         "(vLLM: `--kv-cache-dtype fp8`); calibration is not needed.")
 
 
+def test_verdict_names_the_serving_dtype_not_the_cpu_reference():
+    """On CPU the reference arm is measured in float32; a BF16 model's user keeps BF16 KV, and the text says so."""
+    meta, ref, results = _known(ppl=10.2)
+    v = verdict(ref, results, Thresholds(), "fp32", serving="BF16")
+    assert v.action == "keep_reference" and v.text.startswith("Keep BF16 KV for this model: no arm is within the threshold") and "FP32" not in v.text
+
+
 def test_report_files_hold_the_known_numbers(tmp_path):
     meta, ref, results = _known(ppl=10.2)
     doc = report.write(tmp_path / "r", _report(meta, ref, results), force=False, plots=False)
