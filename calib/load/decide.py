@@ -115,7 +115,9 @@ def decide(arms: Sequence[Arm], floor: float = 0.03) -> Decision:
     missing = "; ".join(f"`{a.name}` {NOT_MEASURED}" + (f" ({a.why_not})" if a.why_not else "") for a in unserved)
     if not faster:
         best = max((a for a in cands if not a.reference), key=lambda a: a.goodput or 0.0, default=None)
-        if unserved:       # an arm within the bar that was never served may be the faster one: say so, claim nothing
+        if not any(not a.reference for a in cands) and not unserved:
+            why = "BF16 KV kept: no FP8 arm is within the quality bar, so its speed does not count"
+        elif unserved:     # an arm within the bar that was never served may be the faster one: say so, claim nothing
             why = (f"BF16 KV kept: no measured arm within the quality bar beats the reference's goodput by more than "
                    f"the run-to-run noise, but {missing}: this does not show that FP8 KV buys nothing")
         else:

@@ -43,6 +43,12 @@ def test_an_arm_whose_server_failed_is_named_and_fp8_is_not_said_to_buy_nothing(
     assert "buys nothing for this workload" in d.why and "not measured" not in d.why
 
 
+def test_every_fp8_arm_outside_the_bar_says_so_not_that_fp8_buys_nothing():
+    # measured on CPU vLLM: both FP8 arms failed the bar, and the decision read "FP8 KV buys nothing for this workload"
+    d = decide([ref(), Arm("fp8", False, 0.02, 20, 9.4), Arm("cal", False, 0.01, 20, 9.4)])
+    assert d.recommended == "bf16" and "no FP8 arm is within the quality bar" in d.why and "buys nothing" not in d.why
+
+
 def test_slower_fp8_at_short_context_keeps_bf16():
     d = decide([ref(goodput=30.0, capacity=400), Arm("fp8", True, 0.01, 800, 27.0)])
     assert d.recommended == "bf16"
