@@ -49,8 +49,11 @@ def _alive(pid: int) -> bool:
 def test_the_engine_process_under_the_server_dies_when_kvcalib_is_terminated(tmp_path, sig):
     pidfile = tmp_path / "engine.pid"
     env = {**os.environ, server.CLI_ENV: str(FAKE_CLI), "FAKE_ENGINE_PID": str(pidfile)}
+    # SIGINT at its default in the child: a job started in the background (CI's runner may be one) inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(VENV), str(tmp_path)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "up", proc.stderr.read()
         engine = int(pidfile.read_text())
