@@ -27,6 +27,7 @@ from calib.evaluation import plots as plots_mod
 from calib.evaluation.results import ArmMetrics, Reference
 from calib.engine import command
 from calib.errors import KvcalibError
+from calib.recipe.dtypes import MODEL_DTYPE_BYTES
 from calib.evaluation.verdict import Thresholds, Verdict, failures, passkey_decision
 from calib.safety import files
 
@@ -54,8 +55,10 @@ def declared_dtype(model: str | Path) -> str | None:
     if not isinstance(cfg, dict):
         return None
     for c in (cfg.get("text_config"), cfg):
-        if isinstance(c, dict) and isinstance(c.get("dtype") or c.get("torch_dtype"), str):
-            return c.get("dtype") or c.get("torch_dtype")
+        declared = (c.get("dtype") or c.get("torch_dtype")) if isinstance(c, dict) else None
+        if isinstance(declared, str):       # a model dtype kvcalib knows, else nothing (the file is the user's input)
+            name = declared.removeprefix("torch.")
+            return name if name in MODEL_DTYPE_BYTES else None
     return None
 
 

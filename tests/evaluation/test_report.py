@@ -105,3 +105,11 @@ def test_report_files_hold_the_known_numbers(tmp_path):
     assert written["arms"]["default"]["summary"] == pytest.approx(results["default"].summary.to_dict())
     assert written["verdict"]["text"] == doc["verdict"]["text"]
     assert report.finite({"a": [math.nan, -math.inf, 1.5], 2: math.inf}) == {"a": [None, None, 1.5], "2": None}
+
+
+@pytest.mark.parametrize("declared, read", [("bfloat16", "bfloat16"), ("torch.float16", "float16"),
+                                            ("<b>x</b>" * 1000, None), (7, None), ("float8_e4m3fn", None)])
+def test_a_config_dtype_is_read_only_when_it_is_a_model_dtype(tmp_path, declared, read):
+    """config.json is the user's file: a stale or hostile dtype never reaches a report's headline."""
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": declared}))
+    assert report.declared_dtype(tmp_path) == read
