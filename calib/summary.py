@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -80,17 +81,14 @@ def _line(engine: str, model: str, kv_dtype: str | None = None, skip: Any = ()) 
 
 def of_eval(result: Any, cfg: Any) -> dict[str, Any]:
     """eval: the verdict's action; its arm's deciding numbers (the engine's where it measured the arm)."""
+    from calib.evaluation.report import serve_argv
+
     v, doc = result.verdict, result.report
-    engine = cfg.target or "vllm"
     decision = SHIP if v.action in _SHIPPING_ACTIONS and v.arm is not None else KEEP
-    serve = _line(engine, str(cfg.model))
+    argv = serve_argv(v, result.arms, str(cfg.model), cfg.target)       # report.md's command, the same builder
+    serve = shlex.join(argv) if argv else None
     numbers: dict[str, Any] = {}
     if decision == SHIP:
-        info = result.arms[v.arm].info
-        model = str(info.source) if info.kind == "checkpoint" else str(cfg.model) if info.kind in ("default", "format") \
-            else None
-        skip = v.flag.split()[1:] if v.action == "ship_with_skip" and v.flag else [*info.serve_skip, *info.skip]
-        serve = _line(engine, model, info.dtype, skip) if model else None
         entry = doc["arms"][v.arm]
         eng = entry.get("engine") or {}
         source = v.numbers.get(v.arm, "emulation")
