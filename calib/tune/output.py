@@ -28,12 +28,12 @@ from calib.evaluation import markdown as render
 from calib.evaluation import report, verdict
 from calib.evaluation.capacity import CAPACITY_FLOOR
 from calib.model import load as model_mod
+from calib.recipe.dtypes import FP8_E4M3, MODEL_DTYPE_BYTES
 from calib.safety import files as new_file, outputs
 from calib.scales import fold as scales_mod
 from calib.tune import choose as choose_mod
 from calib.tune.search import BASELINE, Search, TuneConfig, ranking
 
-_REF_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 JSON, MD, SVG = "tune.json", "tune.md", "tune.svg"
 SCHEMA = "kvcalib.tune/1"          # tune.json's format: a key renamed, moved or retyped takes the next number
 
@@ -57,7 +57,7 @@ def _ranges(st: Any) -> dict[str, float]:
     stats = st.any().stats()
     return {"k_amax": max(float(s.k_amax.max()) for s in stats.values()),
             "v_amax": max(float(s.v_amax.max()) for s in stats.values()),
-            "layers_over_448": sorted(i for i, s in stats.items() if float(max(s.k_amax.max(), s.v_amax.max())) > 448)}
+            "layers_over_448": sorted(i for i, s in stats.items() if float(max(s.k_amax.max(), s.v_amax.max())) > FP8_E4M3.qmax)}
 
 
 def serve_command(target: str, out: Path, skip: list[int]) -> str:
@@ -88,7 +88,7 @@ def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any,
     th = cfg.thresholds
     layers = len(loaded.attention_layers)
     serving = _serving_dtype(source)
-    table = choose_mod.rows(found, th, layers, _REF_BYTES.get(serving, 2), BASELINE)
+    table = choose_mod.rows(found, th, layers, MODEL_DTYPE_BYTES.get(serving, 2), BASELINE)
     decision = choose_mod.decide(found, table)
     chosen = decision.row
     matter = choose_mod.scales_matter(found, table, _ranges(st), BASELINE)
@@ -98,7 +98,7 @@ def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any,
     return {
         "schema": SCHEMA, "producer": "kvcalib tune", "version": __version__, "argv": sys.argv[1:], "config": _config(cfg),
         "model": str(cfg.model), "model_dtype": str(loaded.dtype).removeprefix("torch."), "layers": layers,
-        "serving_dtype": serving, "kv_bytes_reference": _REF_BYTES.get(serving, 2), "target": cfg.target,
+        "serving_dtype": serving, "kv_bytes_reference": MODEL_DTYPE_BYTES.get(serving, 2), "target": cfg.target,
         "statistics": {**st.origin, "files": stats_info}, "held_out": held, "thresholds": th.to_dict(),
         "rule": choose_mod.__doc__.split("The rule", 1)[1].split("\n", 1)[1].strip(),
         "reference": None if found.ref is None else _pick(found.ref.to_dict(), ("buckets", "summary", "sample_tokens")),
