@@ -106,13 +106,14 @@ def parent_death_signal() -> Callable[[], None] | None:
     return preexec
 
 
-def _pump(stream: IO[bytes], tail: collections.deque, on_line: Callable[[str], Any] | None) -> None:
-    """Read a runner's stream to its end, MAX_LINE bytes at most per read: progress lines go to `on_line`,
-    the others' last lines into `tail`."""
+def _pump(stream: IO[bytes], tail: collections.deque, on_progress: Callable[[dict[str, int]], Any] | None) -> None:
+    """Read a runner's stream to its end, MAX_LINE bytes at most per read: progress lines go to `on_progress`
+    (parsed), the others' last lines into `tail`."""
     for raw in iter(lambda: stream.readline(MAX_LINE), b""):
         line = raw.decode("utf-8", "replace")
-        if on_line is not None and protocol.parse_progress(line) is not None:
-            on_line(line)
+        p = protocol.parse_progress(line) if on_progress is not None else None
+        if p is not None:
+            on_progress(p)
         else:
             tail.append(line[:1000])
 
@@ -160,12 +161,7 @@ def _spawn(argv: list[str], env: dict[str, str], on_progress: Callable[[dict[str
                             env=env, start_new_session=True, preexec_fn=parent_death_signal())
     out: collections.deque = collections.deque(maxlen=TAIL)
     err: collections.deque = collections.deque(maxlen=TAIL)
-
-    def progress(line: str) -> None:
-        p = protocol.parse_progress(line)
-        if p is not None and on_progress is not None:
-            on_progress(p)
-    readers = [threading.Thread(target=_pump, args=(proc.stdout, out, progress if on_progress else None), daemon=True),
+    readers = [threading.Thread(target=_pump, args=(proc.stdout, out, on_progress), daemon=True),
                threading.Thread(target=_pump, args=(proc.stderr, err, None), daemon=True)]
     for t in readers:
         t.start()
@@ -179,8 +175,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:      # another user's process
+        pass
     return True
 
 

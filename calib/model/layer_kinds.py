@@ -26,7 +26,7 @@ This module imports neither torch nor transformers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -289,17 +289,3 @@ def engine_requests_fit(groups: Mapping[str, Any], tokens: int) -> int | None:
         per_request += engine_held_tokens(LayerKind(kind, g.get("window")), tokens, in_flight or 0, block) // block
     return groups["num_blocks"] // per_request if per_request else None
 
-
-def memory_rows(layers: Layers, kv_heads: int, head_dim: int, lengths: Sequence[int],
-                arms: Mapping[str, Mapping[int, Storage]], reference: str) -> dict[str, dict[str, dict[str, float]]]:
-    """{arm: {length: {bytes, tokens_per_gib, saving}}}: `saving` is the share of the reference's bytes the arm
-    gives back (FP8 everywhere: ~0.5 from bf16)."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for name, st in arms.items():
-        rows = {}
-        for L in lengths:
-            b = kv_bytes(layers, kv_heads, head_dim, L, st)
-            ref = kv_bytes(layers, kv_heads, head_dim, L, arms[reference])
-            rows[str(L)] = {"bytes": float(b), "tokens_per_gib": L * 2 ** 30 / b, "saving": 1 - b / ref}
-        out[name] = rows
-    return out
