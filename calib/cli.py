@@ -16,9 +16,8 @@ from typing import Any
 
 import click
 
-from calib import __version__, resources
+from calib import __version__, errors, resources
 from calib import cli_options as opts
-from calib import errors
 from calib.errors import KvcalibError
 from calib.recipe import recipe as recipe_mod
 from calib.export import serve
@@ -124,8 +123,7 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
                           observer=observer, q_scale=q_scale, skip_layers=skip_layers, targets=target)
     from tqdm import tqdm
 
-    from calib import pipeline
-    from calib import summary
+    from calib import pipeline, summary
     from calib.capture import distributed
     from calib.model.load import Placement
     from calib.safety import options

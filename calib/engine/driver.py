@@ -139,6 +139,20 @@ class _Child:
     def why(self) -> str:
         return _last_line(self.err) or _last_line(self.out)
 
+    def exit_code(self, timeout: float) -> int | None:
+        """The runner's exit code, None past `timeout`; the runner is killed then, and on any interrupt (Ctrl-C,
+        SIGTERM): the engine is never left running."""
+        try:
+            code = _exited(self.proc, timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+        except BaseException:
+            self.kill()
+            raise
+        self.join()
+        return code
+
 
 def _exited(proc: subprocess.Popen, timeout: float) -> int:
     """Wait for the runner to exit, leaving it unreaped (a zombie still owns its process-group id, so killing
@@ -230,16 +244,9 @@ def check(spec: EngineSpec) -> str:
                           f"{spec.name} is installed (`make engine-venv` builds one)")
     with outputs.terminate_as_interrupt():
         child = _spawn([str(spec.python), str(spec.runner), "--probe"], dict(os.environ))
-        try:
-            code = _exited(child.proc, PROBE_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            raise EngineError(f"{spec.name} in {spec.venv}: `import {spec.name}` took over "
-                              f"{PROBE_TIMEOUT:.0f} s") from None
-        except BaseException:
-            child.kill()
-            raise
-        child.join()
+        code = child.exit_code(PROBE_TIMEOUT)
+    if code is None:
+        raise EngineError(f"{spec.name} in {spec.venv}: `import {spec.name}` took over {PROBE_TIMEOUT:.0f} s")
     line = next((ln for ln in child.out if ln.lstrip().startswith("{")), "")
     if code != 0 or not line:
         raise EngineError(f"{spec.name} in {spec.venv} cannot run: {child.why() or f'exit code {code}'}")
@@ -277,15 +284,9 @@ def run(spec: EngineSpec, request: dict[str, Any], on_progress: Callable[[dict[s
         child = _spawn([str(spec.python), str(spec.runner), str(req), str(resp)], env, on_progress)
         limit = spec.timeout * max(1, len(request["arms"]))     # the deadline is per arm; a start serves several
         start = time.monotonic()
-        try:
-            code = _exited(child.proc, limit)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        code = child.exit_code(limit)
+        if code is None:
             return protocol.not_run_all(f"timed out after {limit:.0f} s", request, spec.name, version, spec.kv_gib)
-        except BaseException:            # Ctrl-C / SIGTERM: never leave the engine running
-            child.kill()
-            raise
-        child.join()
         where = f"{spec.name} runner {spec.runner}"
         if resp.is_file():
             try:

@@ -52,9 +52,7 @@ class LayerKind:
 
     def held_tokens(self, length: int) -> int:
         """Tokens of KV this layer holds for one sequence of `length` tokens (the user's view)."""
-        if self.kind == SHARED:
-            return 0
-        return min(length, self.window) if self.window else length
+        return 0 if self.kind == SHARED else min(length, self.window) if self.window else length
 
 
 @dataclass(frozen=True)
@@ -198,8 +196,7 @@ def storage_for(n_layers: int, model_dtype: str, kv_dtype: str | None, quantised
     return {i: narrow if i in q else wide for i in range(n_layers)}
 
 
-def tokens_per_gib(layers: Layers, kv_heads: int, head_dim: int, length: int,
-                   storage: Mapping[int, Storage]) -> float:
+def tokens_per_gib(layers: Layers, kv_heads: int, head_dim: int, length: int, storage: Mapping[int, Storage]) -> float:
     """Context tokens a GiB of cache holds when every sequence is `length` tokens long."""
     return length * 2 ** 30 / kv_bytes(layers, kv_heads, head_dim, length, storage)
 
@@ -273,14 +270,12 @@ def engine_capacity_tokens(layers: Layers, kv_heads: int, head_dim: int, storage
 
 
 def engine_requests_fit(groups: Mapping[str, Any], tokens: int) -> int | None:
-    """Requests of `tokens` tokens (prompt and output) the engine's pool holds at once by its own count: its blocks
-    over the blocks one request reserves in every KV cache group (`engine_held_tokens`; vLLM's
-    get_max_concurrency_for_kv_cache_config at that length). `groups` is what the engine reported
-    (calib/engine/vllm_capacity.kv_groups). On a hybrid model this is far fewer than the pool's tokens over `tokens`:
-    the pool counts one group's blocks. It is the count vLLM logs as its maximum concurrency: each request held at
-    what its longest step needs (a whole prefill in flight); a decoding request's sliding layers keep about their
-    window, so more requests can decode at once than start together. None where a group's kind is not one vLLM's spec names here, or a windowed
-    group needs the tokens in flight and the engine did not say them."""
+    """Requests of `tokens` tokens (prompt and output) the engine's pool holds at once by its own count (vLLM's
+    get_max_concurrency_for_kv_cache_config, the maximum concurrency it logs): its blocks over the blocks one
+    request reserves in every KV cache group the engine reported (calib/engine/vllm_capacity.kv_groups). On a hybrid
+    model this is far fewer than the pool's tokens over `tokens`: the pool counts one group's blocks, and each request
+    is held at its longest step (a whole prefill in flight). None where a group's kind is not one vLLM's spec names
+    here, or a windowed group needs the tokens in flight and the engine did not say them."""
     per_request, in_flight = 0, groups.get("in_flight_tokens")
     for g in groups["groups"]:
         kind, block = ENGINE_SPEC_KINDS.get(g["spec"]), g["block_size"]
