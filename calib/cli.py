@@ -1,9 +1,8 @@
 """`kvcalib` command line: thin Click commands over the library functions.
 
 Importing this module must stay cheap (no torch): heavy modules are imported inside the commands.
-Every known failure surfaces as one line `Error: ...` and a non-zero exit, never a traceback: `Kvcalib.invoke` is
-the one place a `KvcalibError` becomes that line. Exit codes (calib/errors.py): 0 ship / go, 1 a kvcalib error,
-2 a usage error, 3 keep BF16 / no-go (eval, validate, tune, plan), 130 Ctrl-C.
+Every known failure surfaces as one line `Error: ...` and a non-zero exit (calib/errors.py), never a traceback:
+`Kvcalib.invoke` is the one place a `KvcalibError` becomes that line.
 """
 
 from __future__ import annotations
