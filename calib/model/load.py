@@ -367,12 +367,11 @@ def resolve_skip_layers(spec: tuple, config: Any, layers: list[int]) -> list[int
     out: set[int] = set()
     for item in spec:
         if item == "sliding_window":
-            from calib.model.geometry import GeometryError
             from calib.model.layer_kinds import layer_kinds
 
             try:
                 sliding = list(layer_kinds(config, "MODEL config.json").sliding)
-            except GeometryError as e:
+            except geometry.GeometryError as e:
                 raise ModelError(str(e)) from None
             if not sliding:
                 raise ModelError("recipe field 'skip_layers' has sliding_window, but the model has no "

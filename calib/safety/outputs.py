@@ -213,7 +213,7 @@ def check_room(out: Path, files: Iterable[Path] = (), *, copies: int = 1, extra_
 
 # ------------------------------------------------------------------------------------------- locks
 
-_held: dict[Path, int] = {}      # lock files this process holds -> nesting depth
+_held: set[Path] = set()         # lock files this process holds
 
 
 def _pid_in(lock: Path) -> str:
@@ -256,12 +256,8 @@ def lock(out: Path, option: str = "--out") -> Iterator[None]:
 
     out = _abs(out)
     path = lock_path(out)
-    if path in _held:
-        _held[path] += 1
-        try:
-            yield
-        finally:
-            _held[path] -= 1
+    if path in _held:               # an inner `lock` of the same output: the outer one releases it
+        yield
         return
     made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     try:
@@ -292,11 +288,11 @@ def lock(out: Path, option: str = "--out") -> Iterator[None]:
             fd = None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
-        _held[path] = 1
+        _held.add(path)
         cleanup_stale(out)
         yield
     finally:
-        _held.pop(path, None)
+        _held.discard(path)
         if fd is not None:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
