@@ -354,10 +354,9 @@ def verify(ckpt: Path, engine: str, engine_version: str | None) -> None:
         if o is not None and not o.refused:
             for line in o.lines() or [o.summary()]:
                 click.echo(f"APPLIES [{e}] {line}")
-    errors = [p for p in problems if p.severity == "error"]
-    warnings = len(problems) - len(errors)
-    click.echo(f"{ckpt}: {len(errors)} error(s), {warnings} warning(s)", err=True)
-    if errors:
+    failed = [p for p in problems if p.severity == "error"]
+    click.echo(f"{ckpt}: {len(failed)} error(s), {len(problems) - len(failed)} warning(s)", err=True)
+    if failed:
         sys.exit(errors.ERROR)
 
 
