@@ -1,9 +1,8 @@
 """`kvcalib` command line: thin Click commands over the library functions.
 
 Importing this module must stay cheap (no torch): heavy modules are imported inside the commands.
-Every known failure surfaces as one line `Error: ...` and a non-zero exit, never a traceback: `Kvcalib.invoke` is
-the one place a `KvcalibError` becomes that line. Exit codes (calib/errors.py): 0 ship / go, 1 a kvcalib error,
-2 a usage error, 3 keep BF16 / no-go (eval, validate, tune, plan), 130 Ctrl-C.
+Every known failure surfaces as one line `Error: ...` and a non-zero exit (calib/errors.py), never a traceback:
+`Kvcalib.invoke` is the one place a `KvcalibError` becomes that line.
 """
 
 from __future__ import annotations
@@ -16,9 +15,8 @@ from typing import Any
 
 import click
 
-from calib import __version__, resources
+from calib import __version__, errors, resources
 from calib import cli_options as opts
-from calib import errors
 from calib.errors import KvcalibError
 from calib.recipe import recipe as recipe_mod
 from calib.export import serve
@@ -50,15 +48,9 @@ class Kvcalib(click.Group):
             raise click.ClickException(str(e)) from None
         except KeyboardInterrupt as e:
             click.echo("\nAborted.", err=True)
-            ctx.exit(_interrupt_code(e))
-
-
-def _interrupt_code(e: KeyboardInterrupt) -> int:
-    """130 for Ctrl-C; 128 + N for signal N turned into an interrupt (calib.safety.outputs.terminate_as_interrupt)."""
-    text = str(e)
-    if text.startswith("signal ") and text[7:].isdigit():
-        return 128 + int(text[7:])
-    return errors.INTERRUPTED
+            # 130 for Ctrl-C; 128 + N for signal N turned into an interrupt (outputs.terminate_as_interrupt)
+            signum = str(e).removeprefix("signal ")
+            ctx.exit(128 + int(signum) if str(e).startswith("signal ") and signum.isdigit() else errors.INTERRUPTED)
 
 
 def _default_model() -> str:
@@ -68,17 +60,15 @@ def _default_model() -> str:
     return str(ensure_default_model(BUILD_DIR, log=lambda m: click.echo(m, err=True)))
 
 
-def _recipe_file(recipe_path: str | None) -> Path | None:
-    """The YAML file a --recipe names (an input outputs must never overwrite)."""
-    if not recipe_path:
-        return None
-    if _is_shipped(recipe_path):
-        return resources.shipped_recipe(recipe_path)
-    return Path(recipe_path)
-
-
 def _is_shipped(recipe_path: str | None) -> bool:
     return recipe_path is None or (not recipe_path.endswith((".yaml", ".yml")) and "/" not in recipe_path)
+
+
+def _recipe_file(recipe_path: str | None) -> Path | None:
+    """The YAML file a --recipe names, a shipped one by name (an input outputs must never overwrite)."""
+    if not recipe_path:
+        return None
+    return resources.shipped_recipe(recipe_path) if _is_shipped(recipe_path) else Path(recipe_path)
 
 
 def _load_recipe(recipe_path: str | None, **overrides) -> recipe_mod.Recipe:
@@ -132,8 +122,7 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
                           observer=observer, q_scale=q_scale, skip_layers=skip_layers, targets=target)
     from tqdm import tqdm
 
-    from calib import pipeline
-    from calib import summary
+    from calib import pipeline, summary
     from calib.capture import distributed
     from calib.model.load import Placement
     from calib.safety import options
@@ -154,13 +143,14 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
         data_src = data_src or str(DEFAULT_DATA)
         out = out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-kv-{recipe.dtype.split('_')[0]}"
         dist = distributed.from_env()
+        checkpoint = None if not (checkpoint_every or resume) else pipeline.Checkpointing(
+            path=outputs.resume_path(Path(out)), every=checkpoint_every or 0, resume=resume)
         placement = dataclasses.replace(placement, device=distributed.device_for(dist, device))
         with _LazyBar(tqdm, desc="calibrating", unit="tok", unit_scale=True, file=sys.stderr,
                       dynamic_ncols=True, disable=not dist.is_main) as bar:
             job = pipeline.CalibrateJob(
                 model_src, data_src, recipe, out, trust_remote_code=trust_remote_code, force=force,
-                options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist,
-                                            checkpoint=_checkpointing(out, checkpoint_every, resume, pipeline)),
+                options=pipeline.RunOptions(max_batch_tokens=max_batch_tokens, dist=dist, checkpoint=checkpoint),
                 placement=placement,
                 stats_out=stats_out, into=into, overwrite_kv=overwrite_kv_scales, allow_pickle=allow_pickle,
                 recipe_file=_recipe_file(recipe_path), engine_versions=versions)
@@ -189,15 +179,6 @@ class _LazyBar:
             self._bar.close()
 
 
-def _checkpointing(out: Path, every: int | None, resume: bool, pipeline):
-    if not every and not resume:
-        return None
-    from calib.safety.outputs import resume_path
-
-    path = resume_path(Path(out))
-    return pipeline.Checkpointing(path=path, every=every or 0, resume=resume)
-
-
 def _report(result, recipe: recipe_mod.Recipe, versions: dict[str, str]) -> None:
     d = result.data
     click.echo(f"\nsamples: {d.used} used, {d.skipped_short} skipped (shorter than {recipe.min_tokens} tokens); "
@@ -211,8 +192,7 @@ def _report(result, recipe: recipe_mod.Recipe, versions: dict[str, str]) -> None
     if result.scales:
         click.echo(f"{recipe.dtype} scales, granularity {recipe.granularity} (max over heads shown), "
                    f"observer {recipe.observer}:")
-        click.echo(_scale_table({i: (float(s.k_amax.max()), float(s.k_scale.max()), float(s.v_amax.max()),
-                                     float(s.v_scale.max())) for i, s in result.scales.items()}))
+        click.echo(_scale_table(_scale_rows(result.scales)))
     over = {i: (float(s.k_over), float(s.v_over)) for i, s in result.stats.items() if float(s.k_over) + float(s.v_over) > 0}
     if over:
         click.echo(f"layers {sorted(over)} reach |x| > 448: with the default scale 1.0 their FP8 cache saturates "
@@ -243,13 +223,18 @@ def _serve_report(recipe: recipe_mod.Recipe, out: Path, scales, skipped, version
             click.secho(f"warning: {line}", err=True, fg="yellow")
 
 
+def _scale_rows(scales) -> dict[int, tuple[float, float, float, float]]:
+    """Per layer (max|K|, k_scale, max|V|, v_scale), the largest over heads."""
+    return {i: (float(s.k_amax.max()), float(s.k_scale.max()), float(s.v_amax.max()), float(s.v_scale.max()))
+            for i, s in scales.items()}
+
+
 def _scale_table(rows: dict[int, tuple[float, float, float, float]]) -> str:
-    lines = [f"{'layer':>5}  {'max|K|':>10}  {'k_scale':>12}  {'max|V|':>10}  {'v_scale':>12}"]
     def num(x: float, width: int, fmt: str) -> str:
         return f"{'n/a':>{width}}" if x != x else f"{x:>{width}{fmt}}"
-    for i, (ka, ks, va, vs) in rows.items():
-        lines.append(f"{i:>5}  {num(ka, 10, '.4g')}  {num(ks, 12, '.6g')}  {num(va, 10, '.4g')}  {num(vs, 12, '.6g')}")
-    return "\n".join(lines)
+    return "\n".join([f"{'layer':>5}  {'max|K|':>10}  {'k_scale':>12}  {'max|V|':>10}  {'v_scale':>12}"] + [
+        f"{i:>5}  {num(ka, 10, '.4g')}  {num(ks, 12, '.6g')}  {num(va, 10, '.4g')}  {num(vs, 12, '.6g')}"
+        for i, (ka, ks, va, vs) in rows.items()])
 
 
 @main.command()
@@ -292,13 +277,10 @@ def _inspect_one(ckpt: Path) -> None:
     if not info.scales:
         click.echo("no KV scale tensors found")
         return
-    layers = (info.provenance or {}).get("layers", {})
-    rows = {}
-    for i, sc in info.scales.items():
-        amax = layers.get(str(i), {})
-        rows[i] = (amax.get("k_amax", float("nan")), max(sc.get("k", [float("nan")])),
-                   amax.get("v_amax", float("nan")), max(sc.get("v", [float("nan")])))
-    click.echo(_scale_table(rows))
+    layers, nan = (info.provenance or {}).get("layers", {}), float("nan")
+    click.echo(_scale_table({i: (layers.get(str(i), {}).get("k_amax", nan), max(sc.get("k", [nan])),
+                                 layers.get(str(i), {}).get("v_amax", nan), max(sc.get("v", [nan])))
+                             for i, sc in info.scales.items()}))
     if info.num_layers is not None and len(info.scales) != info.num_layers:
         click.echo(f"warning: scales for {len(info.scales)} of {info.num_layers} layers; "
                    "engines use 1.0 for the others", err=True)
@@ -339,8 +321,7 @@ def export_cmd(stats_path, model_src, recipe_path, kv_cache_dtype, granularity, 
     path, scales, skipped = pipeline.export_from_stats(stats_path, model_src, recipe, out, force=force,
                                                        recipe_file=_recipe_file(recipe_path),
                                                        engine_versions=versions)
-    click.echo(_scale_table({i: (float(s.k_amax.max()), float(s.k_scale.max()), float(s.v_amax.max()),
-                                 float(s.v_scale.max())) for i, s in scales.items()}))
+    click.echo(_scale_table(_scale_rows(scales)))
     click.echo(f"wrote {path}")
     _serve_report(recipe, path, scales, skipped, versions)
 
@@ -373,10 +354,9 @@ def verify(ckpt: Path, engine: str, engine_version: str | None) -> None:
         if o is not None and not o.refused:
             for line in o.lines() or [o.summary()]:
                 click.echo(f"APPLIES [{e}] {line}")
-    errors = [p for p in problems if p.severity == "error"]
-    warnings = len(problems) - len(errors)
-    click.echo(f"{ckpt}: {len(errors)} error(s), {warnings} warning(s)", err=True)
-    if errors:
+    failed = [p for p in problems if p.severity == "error"]
+    click.echo(f"{ckpt}: {len(failed)} error(s), {len(problems) - len(failed)} warning(s)", err=True)
+    if failed:
         sys.exit(errors.ERROR)
 
 
@@ -407,21 +387,14 @@ def recipes_show(name: str) -> None:
         click.echo(f"{key}: {json.dumps(value)}    # {docs[key]}")
 
 
-from calib.tune.cli import tune as _tune  # noqa: E402  (the command lives in its own module: cli.py stays short)
-
-main.add_command(_tune)
-
+# the deciding commands live in their own modules: cli.py stays short
+from calib.tune.cli import tune as _tune  # noqa: E402
 from calib.evaluation.cli import eval_cmd as _eval  # noqa: E402
-
-main.add_command(_eval)
-
 from calib.routes.cli import plan as _plan  # noqa: E402
-
-main.add_command(_plan)
-
 from calib.validate.cli import validate as _validate  # noqa: E402
 
-main.add_command(_validate)
+for _command in (_tune, _eval, _plan, _validate):
+    main.add_command(_command)
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,7 @@ naming the new option (`Command` resolves them before the command runs).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +49,6 @@ def echo_err(message: str) -> None:
 
 # ------------------------------------------------------------------------------------- defaults in help
 
-def _field(cls: type, name: str) -> Any:
-    f = cls.__dataclass_fields__[name]
-    return f.default_factory() if callable(f.default_factory) else f.default
-
-
 def _csv(values: Any) -> str:
     return ",".join(map(str, values))
 
@@ -66,7 +61,7 @@ def help_defaults() -> dict[str, Any]:
     from calib.evaluation.verdict import Thresholds
     from calib.tune.search import TuneConfig
 
-    base = _field(TuneConfig, "base")
+    base = TuneConfig.__dataclass_fields__["base"].default_factory()      # the calibration recipe tune starts from
     return {
         "eval_samples": EvalConfig.samples, "eval_buckets": _csv(EvalConfig.buckets),
         "passkey": EvalConfig.passkey_trials, "min_tokens": EvalConfig.min_tokens, "failures": EvalConfig.failures,
@@ -267,8 +262,7 @@ def use(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             decls, kw, *alias = TABLE[name]
             if alias:
                 dest = decls[-1] if not decls[-1].startswith("-") else name
-                command = click.option(alias[0], f"_deprecated_{dest}", cls=Alias, target=dest, new_flag=decls[0],
-                                       type=kw.get("type"))(command)
+                command = deprecated(alias[0], decls[0], dest, type=kw.get("type"))(command)
             command = click.option(*decls, cls=HelpOption, **kw)(command)
         return command
     return apply
@@ -363,8 +357,3 @@ def stats_one(stats: tuple[str, ...]) -> str | None:
     if len(stats) > 1:
         raise click.ClickException(f"--stats given {len(stats)} times: eval takes one statistics output")
     return stats[0] if stats else None
-
-
-def options_of(command: click.Command) -> Mapping[str, click.Option]:
-    """A command's visible options by their first name (the drift test's view)."""
-    return {p.opts[0]: p for p in command.params if isinstance(p, click.Option) and not p.hidden}

@@ -3,7 +3,7 @@ codes the command line ends with.
 
 Why a module of its own: each stage has its own error class (RecipeError, DataError, ModelError, ...) so a
 caller can tell them apart, and each keeps the builtin base it always had (ValueError, RuntimeError) so
-existing `except` clauses still hold. The command line catches `KvcalibError` once (calib/cli_base.py) and prints
+existing `except` clauses still hold. The command line catches `KvcalibError` once (calib/cli.py) and prints
 the message as one line; a new error class deriving from it needs no list kept anywhere else. Imports nothing.
 
 Exit codes, so a pipeline can gate on a command without reading its output:

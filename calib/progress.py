@@ -54,10 +54,6 @@ class Stage:
             elapsed, done = self.owner.clock() - self.start, self.tokens
         return done / elapsed if elapsed > 0 and done > 0 else None
 
-    def left(self) -> float | None:
-        r = self.rate()
-        return None if r is None else max(0.0, self.total - self.tokens) / r
-
     def line(self) -> str:
         parts = [f"{k} {d}/{t}" for k, (d, t) in self.counters.items()]
         parts += list(self.labels.values())
@@ -66,8 +62,8 @@ class Stage:
             parts.append(f"{r:,.0f} tok/s")
         if self.finished:
             parts.append(f"done in {duration(self.owner.clock() - self.start)}")
-        elif (left := self.left()) is not None:
-            parts.append(f"{duration(left)} left")
+        elif r is not None:
+            parts.append(f"{duration(max(0.0, self.total - self.tokens) / r)} left")
         return f"eval {self.name}: " + (" · ".join(parts) or "starting")
 
     def advance(self, tokens: int = 0, labels: dict[str, str] | None = None, **counters: int) -> None:

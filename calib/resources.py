@@ -45,14 +45,9 @@ def recipes_dir() -> Path:
     return _locate("recipes", "calib.recipes")
 
 
-def data_dir() -> Path:
-    """The sample data the project wrote (`sample_text.jsonl`, `sample_chat.jsonl`)."""
-    return _locate("data", "calib.sample_data")
-
-
 def default_data() -> Path:
-    """The calibration text used when no --data is given."""
-    return data_dir() / "sample_text.jsonl"
+    """The calibration text used when no --data is given (from the sample data the project wrote)."""
+    return _locate("data", "calib.sample_data") / "sample_text.jsonl"
 
 
 def build_dir() -> Path:

@@ -209,3 +209,14 @@ def test_short_samples_suggest_pack_in_calibrate_eval_and_tune(short_docs, token
     assert "samples average 21 tokens, 16% of --seq-len (128)" in line
     r = _run(*tu, "--out", tmp_path / "t2", "--pack")
     assert r.exit_code == 0 and not _hint(r.output), r.output
+
+
+def test_verify_with_errors_exits_1_without_a_traceback(tmp_path):
+    """A checkpoint that declares a quantized KV cache but carries no scales: one ERROR line, exit 1 (the exit code
+    once raised AttributeError: a local list named `errors` shadowed calib.errors)."""
+    scheme = {"type": "float", "num_bits": 8}
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "quantization_config": {
+        "kv_cache_scheme": scheme, "quant_method": "compressed-tensors"}}))
+    r = CliRunner().invoke(main, ["verify", str(tmp_path)])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "ERROR [vllm]" in r.output

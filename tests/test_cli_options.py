@@ -17,10 +17,15 @@ from calib.cli import main
 FAMILY = ("calibrate", "eval", "validate", "tune", "plan")
 
 
+def options_of(command: click.Command) -> dict[str, click.Option]:
+    """A command's visible options by their first name (the drift test's view)."""
+    return {p.opts[0]: p for p in command.params if isinstance(p, click.Option) and not p.hidden}
+
+
 def _shared() -> dict[str, dict[str, click.Option]]:
     by_name: dict[str, dict[str, click.Option]] = defaultdict(dict)
     for cmd in FAMILY:
-        for name, p in opts.options_of(main.commands[cmd]).items():
+        for name, p in options_of(main.commands[cmd]).items():
             by_name[name][cmd] = p
     return {n: c for n, c in by_name.items() if len(c) > 1}
 
@@ -63,7 +68,7 @@ def test_a_shared_option_takes_its_default_from_the_config(monkeypatch):
     ("--offload-folder", FAMILY), ("--kv-cache-dtype", ("calibrate", "eval")), ("--stats-out", ("calibrate",)),
 ])
 def test_options_that_had_drifted_are_on_every_command_that_needs_them(option, commands):
-    have = [c for c in FAMILY if option in opts.options_of(main.commands[c])]
+    have = [c for c in FAMILY if option in options_of(main.commands[c])]
     assert have == list(commands)
 
 
@@ -102,9 +107,9 @@ def test_kv_cache_dtype_takes_vllms_names_and_the_old_name_says_it_is_deprecated
 
 
 def test_stats_out_is_a_file_everywhere_and_tunes_folder_is_stats_dir(tmp_path):
-    assert isinstance(opts.options_of(main.commands["calibrate"])["--stats-out"].type, click.Path)
-    assert opts.options_of(main.commands["calibrate"])["--stats-out"].type.dir_okay is False
-    assert "--stats-out" not in opts.options_of(main.commands["tune"])          # hidden: the deprecated alias
+    assert isinstance(options_of(main.commands["calibrate"])["--stats-out"].type, click.Path)
+    assert options_of(main.commands["calibrate"])["--stats-out"].type.dir_okay is False
+    assert "--stats-out" not in options_of(main.commands["tune"])          # hidden: the deprecated alias
     r = CliRunner().invoke(main, ["tune", "--model", str(tmp_path / "m"), "--stats", "x.safetensors",
                                   "--stats-out", str(tmp_path / "s")])
     assert r.exit_code == 1, r.output

@@ -56,7 +56,7 @@ def test_provenance_of_a_calibrate_run_is_complete(tiny_llama_dir, token_data, t
     fields = {"producer", "created", "model", "data", "recipe", "skipped_layers", "calibration_dtype", "versions",
               "layers", "rotary_dim"}
     assert fields <= set(written) and "into" not in written and "selected_by" not in written
-    config = model_mod.source_config(tiny_llama_dir)
+    config = model_mod.read_config(tiny_llama_dir)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     assert written["rotary_dim"] == head_dim                   # the tiny Llama rotates the whole head
     assert written["recipe"] == recipe.to_dict() and written["data"]["tokens"] == res.data.tokens

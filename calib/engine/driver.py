@@ -106,13 +106,14 @@ def parent_death_signal() -> Callable[[], None] | None:
     return preexec
 
 
-def _pump(stream: IO[bytes], tail: collections.deque, on_line: Callable[[str], Any] | None) -> None:
-    """Read a runner's stream to its end, MAX_LINE bytes at most per read: progress lines go to `on_line`,
-    the others' last lines into `tail`."""
+def _pump(stream: IO[bytes], tail: collections.deque, on_progress: Callable[[dict[str, int]], Any] | None) -> None:
+    """Read a runner's stream to its end, MAX_LINE bytes at most per read: progress lines go to `on_progress`
+    (parsed), the others' last lines into `tail`."""
     for raw in iter(lambda: stream.readline(MAX_LINE), b""):
         line = raw.decode("utf-8", "replace")
-        if on_line is not None and protocol.parse_progress(line) is not None:
-            on_line(line)
+        p = protocol.parse_progress(line) if on_progress is not None else None
+        if p is not None:
+            on_progress(p)
         else:
             tail.append(line[:1000])
 
@@ -138,6 +139,20 @@ class _Child:
     def why(self) -> str:
         return _last_line(self.err) or _last_line(self.out)
 
+    def exit_code(self, timeout: float) -> int | None:
+        """The runner's exit code, None past `timeout`; the runner is killed then, and on any interrupt (Ctrl-C,
+        SIGTERM): the engine is never left running."""
+        try:
+            code = _exited(self.proc, timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+        except BaseException:
+            self.kill()
+            raise
+        self.join()
+        return code
+
 
 def _exited(proc: subprocess.Popen, timeout: float) -> int:
     """Wait for the runner to exit, leaving it unreaped (a zombie still owns its process-group id, so killing
@@ -160,12 +175,7 @@ def _spawn(argv: list[str], env: dict[str, str], on_progress: Callable[[dict[str
                             env=env, start_new_session=True, preexec_fn=parent_death_signal())
     out: collections.deque = collections.deque(maxlen=TAIL)
     err: collections.deque = collections.deque(maxlen=TAIL)
-
-    def progress(line: str) -> None:
-        p = protocol.parse_progress(line)
-        if p is not None and on_progress is not None:
-            on_progress(p)
-    readers = [threading.Thread(target=_pump, args=(proc.stdout, out, progress if on_progress else None), daemon=True),
+    readers = [threading.Thread(target=_pump, args=(proc.stdout, out, on_progress), daemon=True),
                threading.Thread(target=_pump, args=(proc.stderr, err, None), daemon=True)]
     for t in readers:
         t.start()
@@ -179,8 +189,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:      # another user's process
+        pass
     return True
 
 
@@ -234,16 +244,9 @@ def check(spec: EngineSpec) -> str:
                           f"{spec.name} is installed (`make engine-venv` builds one)")
     with outputs.terminate_as_interrupt():
         child = _spawn([str(spec.python), str(spec.runner), "--probe"], dict(os.environ))
-        try:
-            code = _exited(child.proc, PROBE_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            raise EngineError(f"{spec.name} in {spec.venv}: `import {spec.name}` took over "
-                              f"{PROBE_TIMEOUT:.0f} s") from None
-        except BaseException:
-            child.kill()
-            raise
-        child.join()
+        code = child.exit_code(PROBE_TIMEOUT)
+    if code is None:
+        raise EngineError(f"{spec.name} in {spec.venv}: `import {spec.name}` took over {PROBE_TIMEOUT:.0f} s")
     line = next((ln for ln in child.out if ln.lstrip().startswith("{")), "")
     if code != 0 or not line:
         raise EngineError(f"{spec.name} in {spec.venv} cannot run: {child.why() or f'exit code {code}'}")
@@ -281,15 +284,9 @@ def run(spec: EngineSpec, request: dict[str, Any], on_progress: Callable[[dict[s
         child = _spawn([str(spec.python), str(spec.runner), str(req), str(resp)], env, on_progress)
         limit = spec.timeout * max(1, len(request["arms"]))     # the deadline is per arm; a start serves several
         start = time.monotonic()
-        try:
-            code = _exited(child.proc, limit)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        code = child.exit_code(limit)
+        if code is None:
             return protocol.not_run_all(f"timed out after {limit:.0f} s", request, spec.name, version, spec.kv_gib)
-        except BaseException:            # Ctrl-C / SIGTERM: never leave the engine running
-            child.kill()
-            raise
-        child.join()
         where = f"{spec.name} runner {spec.runner}"
         if resp.is_file():
             try:

@@ -182,25 +182,20 @@ def table(ref: dict[str, Any], arm: dict[str, Any] | None, samples: Sequence[Seq
           buckets: Sequence[int], sample_buckets: Sequence[int]) -> dict[str, Any]:
     """An EngineNumbers' fields for one arm against the engine's reference run: per bucket and overall (the
     emulation's plus `kl_unresolved_mass`), per-sample NLL (for noise estimates) and greedy agreement."""
-    keys = ("tokens", "nll", "kl", "unresolved", "top1")
-    zero = dict.fromkeys(keys, 0.0)
-    by_b = {b: dict(zero) for b in buckets}
-    ref_b = {b: 0.0 for b in buckets}
-    count = {b: 0 for b in buckets}
+    keys = ("tokens", "nll", "kl", "unresolved", "top1", "ref_nll", "samples")
+    by_b = {b: dict.fromkeys(keys, 0.0) for b in buckets}
     nll_samples = []
     for i, ids in enumerate(samples):
-        b = sample_buckets[i]
         s = per_sample(ref["samples"][i], None if arm is None else arm["samples"][i], ids)
-        r_nll = -sum(ref["samples"][i]["target"])
+        s.update(ref_nll=-sum(ref["samples"][i]["target"]), samples=1)
         for k in keys:
-            by_b[b][k] += s[k]
-        ref_b[b] += r_nll
-        count[b] += 1
+            by_b[sample_buckets[i]][k] += s[k]
         nll_samples.append(s["nll"])
-    def row(s: dict[str, float], ref_nll: float, n: int) -> BucketRow:
-        return BucketRow.of(s["tokens"], s["kl"], s["top1"], s["nll"], ref_nll, n, s["unresolved"])
-    rows = {str(b): row(by_b[b], ref_b[b], count[b]) for b in buckets if by_b[b]["tokens"] > 0}
-    total = row({k: sum(by_b[b][k] for b in buckets) for k in keys}, sum(ref_b.values()), len(samples))
+
+    def row(s: dict[str, float]) -> BucketRow:
+        return BucketRow.of(s["tokens"], s["kl"], s["top1"], s["nll"], s["ref_nll"], int(s["samples"]), s["unresolved"])
+    rows = {str(b): row(by_b[b]) for b in buckets if by_b[b]["tokens"] > 0}
+    total = row({k: sum(by_b[b][k] for b in buckets) for k in keys})
     total = Summary(**{**asdict(total), "max_bucket_kl": max(r.kl for r in rows.values()),
                        "greedy": continuation_agreement(ref["continuations"], (arm or ref)["continuations"])})
     return {"buckets": rows, "summary": total, "sample_nll": tuple(nll_samples)}

@@ -49,12 +49,10 @@ def format_arm(arm: Any, model: str, offered: Sequence[str] | None = None) -> di
     name = served.names[0]
     if offered is not None and name not in offered:
         return f"this vLLM does not offer --kv-cache-dtype {name} (it offers: {', '.join(offered)})"
-    spec = {"name": arm.name, "model": model, "kv_cache_dtype": name,
-            "skip_layers": sorted(set(arm.skip) | set(arm.serve_skip)), "scales": None}
-    for key, backend in (("attention_backend", served.backend), ("cuda_attention_backend", served.cuda_backend)):
-        if backend:
-            spec[key] = backend
-    return spec
+    backends = {"attention_backend": served.backend, "cuda_attention_backend": served.cuda_backend}
+    return {"name": arm.name, "model": model, "kv_cache_dtype": name,
+            "skip_layers": sorted(set(arm.skip) | set(arm.serve_skip)), "scales": None,
+            **{key: backend for key, backend in backends.items() if backend}}
 
 
 def request_arm(arm: Any, model: str, offered: Sequence[str] | None = None) -> dict[str, Any] | str:
@@ -93,9 +91,7 @@ def served_skip(arm: Any) -> list[int | str]:
     """The engine's skip list of an arm: the skipped layer indices, with a skipped layer kind by its name instead
     of its layers (vLLM's "sliding_window", which covers exactly the layers the arm skips); `support.skip_order`."""
     kind = getattr(arm, "skip_kind", None)
-    if not kind:
-        return support.skip_order([*arm.skip, *arm.serve_skip])
-    return support.skip_order([kind, *arm.serve_skip])
+    return support.skip_order([*([kind] if kind else arm.skip), *arm.serve_skip])
 
 
 @dataclass
@@ -128,10 +124,8 @@ class EngineRun:
                 "max_model_len": min(need, self.context) if self.context else need, "dtype": self.model_dtype,
                 "seed": 0, "chunk": self.spec.chunk}
 
-    def _call(self, arm_specs: Sequence[dict[str, Any]], labels: Sequence[str],
-              request: dict[str, Any]) -> list[dict[str, Any]]:
-        """One engine start for `arm_specs` (one serve configuration, `request`): one response per arm, in
-        order."""
+    def _call(self, arm_specs: Sequence[dict[str, Any]], labels: Sequence[str]) -> list[dict[str, Any]]:
+        """One engine start for `arm_specs` (one serve configuration): one response per arm, in order."""
         cont, n = self.spec.continuation_tokens, len(arm_specs)
         per_arm = sum(len(s.ids) + cont for s in self.samples) + sum(len(p.ids) + self.passkey_tokens
                                                                      for p in self.prompts)
@@ -148,7 +142,7 @@ class EngineRun:
                               prompts=j * len(self.prompts) + p.get("passkey", 0))
                 done[0] = at
             self.starts += 1
-            resp = driver.run(self.spec, request, on_progress, self.version)["arms"]
+            resp = driver.run(self.spec, self._request(arm_specs), on_progress, self.version)["arms"]
             failed = [(labels[j], r["reason"]) for j, r in enumerate(resp) if r["status"] != protocol.OK]
             if failed:
                 said = [f"not run: {why}" if n == 1 else f"{lab} not run: {why}" for lab, why in failed]
@@ -190,7 +184,7 @@ class EngineRun:
                 runnable.append((arm, spec, f"arm {j + 1}/{len(todo)}"))
         if runnable and runnable[0][0] is reference:
             arm, spec, label = runnable.pop(0)
-            resp = self._call([spec], [label], self._request([spec]))[0]
+            resp = self._call([spec], [label])[0]
             if resp["status"] == protocol.OK:
                 self.reference = resp
             else:
@@ -204,7 +198,7 @@ class EngineRun:
             return out
         for idx in serve.group([spec for _, spec, _ in runnable]):
             part = [runnable[i] for i in idx]
-            answers = self._call([x[1] for x in part], [x[2] for x in part], self._request([x[1] for x in part]))
+            answers = self._call([x[1] for x in part], [x[2] for x in part])
             for (arm, spec, _), resp in zip(part, answers):
                 out[arm.name] = self._entry(resp, spec)
         return {a.name: out[a.name] for a in todo if a.name in out}

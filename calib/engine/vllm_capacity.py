@@ -54,12 +54,9 @@ def kv_groups(llm) -> dict | None:
     of one attention kind share a block table (v1/core/kv_cache_utils.py get_kv_cache_groups, 0.24 and 0.32),
     every block is drawn from one pool, and `kv_cache_size_tokens` = requests of max_model_len that fit x
     max_model_len (get_kv_cache_capacity, stored on the cache config by v1/engine/core.py, in this process).
-    `pool`'s blocks x block size counts one group's tokens, which is the context only when every layer is
-    global.
-
-    Each number is read on its own, so one attribute a vLLM version lacks costs that number, not the groups: the
-    capacity, the concurrency and the tokens in flight come back None where unreadable (the protocol allows it for
-    those three). None for the whole only when the groups, the block count or max_model_len cannot be read (the
+    `pool`'s blocks x block size counts one group's tokens: the context only when every layer is global.
+    The capacity, the concurrency and the tokens in flight come back None where unreadable (the protocol allows it
+    for those three); the whole is None only when the groups, the block count or max_model_len cannot be read (the
     engine core in another process)."""
     try:
         cfg = llm.llm_engine.vllm_config

@@ -16,9 +16,11 @@ This module imports neither torch nor transformers: it reads config.json as a di
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from calib.model.geometry import text_part
@@ -81,9 +83,6 @@ def declared(config: Mapping[str, Any], tokenizer_max: Any = None) -> Context | 
 def of_directory(path: Any) -> Context | None:
     """The context of a local model directory from its config.json (and tokenizer_config.json), read before any
     weight loads; None when the directory has no readable config (the model load reports that itself)."""
-    import json
-    from pathlib import Path
-
     src = Path(path)
     try:
         config = json.loads((src / "config.json").read_text())

@@ -43,15 +43,6 @@ def text_part(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return config, ""
 
 
-def _get(cfg: dict[str, Any], name: str) -> tuple[str, Any]:
-    """(the key actually used, value) for a field or its alias; value None when absent."""
-    aliases = SIZES[name][0] if name in SIZES else ()
-    for key in (name, *aliases):
-        if cfg.get(key) is not None:
-            return key, cfg[key]
-    return name, None
-
-
 def check(config: dict[str, Any], where: str) -> None:
     """Raise GeometryError for impossible sizes; `where` names the file (e.g. "MODEL m/config.json")."""
     if not isinstance(config, dict):
@@ -63,8 +54,9 @@ def check(config: dict[str, Any], where: str) -> None:
                              "use the model's original config.json")
 
     values: dict[str, int] = {}
-    for name, (_, top) in SIZES.items():
-        key, v = _get(cfg, name)
+    for name, (aliases, top) in SIZES.items():
+        # the key actually used (the field or its alias) and its value; None when absent
+        key, v = next(((k, cfg[k]) for k in (name, *aliases) if cfg.get(k) is not None), (name, None))
         if v is None:
             continue
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:

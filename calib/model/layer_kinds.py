@@ -7,26 +7,19 @@ that reads another layer's KV holds nothing. Counting every layer at the full co
 understates how cheap it is to keep the windowed layers at the model dtype (vLLM's
 `--kv-cache-dtype-skip-layers sliding_window`). Every memory number kvcalib prints comes from `kv_bytes` here.
 
-Where the kinds come from, first match wins: `layer_types` (transformers writes it for most hybrid
-architectures); Gemma 2's alternation (even layers sliding); `sliding_window_pattern` (Gemma 3: every n-th
-layer global); Qwen2's `use_sliding_window` with `max_window_layers`; Llama 4's `attention_chunk_size` (every
-4th layer global, or `no_rope_layers`); a bare `sliding_window` (Mistral: every layer); otherwise every layer is
-global. `num_kv_shared_layers` (Gemma 3n) marks the last layers as reading earlier layers' KV. A kind kvcalib
+The kinds come from the config fields each architecture writes (`layer_kinds`, first match wins). A kind kvcalib
 does not know (linear attention, Mamba state) is an error naming the field: its bytes are not tokens x heads.
 
-The engine's own reading of capacity (vLLM's hybrid cache manager, `engine_held_tokens`, `engine_capacity_tokens`)
-reserves more than the window for a sliding layer: v1/kv_cache_interface.py
-SlidingWindowSpec.max_admission_blocks_per_request holds window - 1 + the tokens in flight, rounded up to blocks, plus
-one block (vLLM 0.24: in flight = scheduler max_num_batched_tokens; 0.32: VllmConfig.max_in_flight_tokens), and it
-counts layers by groups, the last group of a kind padded to the group size (`engine_layout`). The user's view
-(`held_tokens`) is min(length, window). Both use the same per-token bytes.
+The engine's own reading of capacity (vLLM's hybrid cache manager: `engine_held_tokens`, `engine_layout`,
+`engine_capacity_tokens`) reserves more than the window for a sliding layer and counts layers by padded groups;
+the user's view (`held_tokens`) is min(length, window). Both use the same per-token bytes.
 
 This module imports neither torch nor transformers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +45,7 @@ class LayerKind:
 
     def held_tokens(self, length: int) -> int:
         """Tokens of KV this layer holds for one sequence of `length` tokens (the user's view)."""
-        if self.kind == SHARED:
-            return 0
-        return min(length, self.window) if self.window else length
+        return 0 if self.kind == SHARED else min(length, self.window) if self.window else length
 
 
 @dataclass(frozen=True)
@@ -106,7 +97,7 @@ def layer_kinds(config: Any, where: str = "config.json") -> Layers:
     chunk = _positive(cfg, "attention_chunk_size", prefix, where)
     model_type = str(cfg.get("model_type") or raw.get("model_type") or "")
     types = cfg.get("layer_types")
-    if types is not None:
+    if types is not None:           # transformers writes layer_types for most hybrid architectures
         if not isinstance(types, list) or len(types) != n or not all(isinstance(t, str) for t in types):
             raise GeometryError(f"{where}: field '{prefix}layer_types' must list one string per layer "
                                 f"({n} layers)")
@@ -118,24 +109,24 @@ def layer_kinds(config: Any, where: str = "config.json") -> Layers:
         why = f"{prefix}layer_types"
     elif model_type.startswith("gemma2") and window:
         kinds, why = [SLIDING if i % 2 == 0 else GLOBAL for i in range(n)], "Gemma 2 alternates (even layers sliding)"
-    elif _positive(cfg, "sliding_window_pattern", prefix, where) and window:
+    elif _positive(cfg, "sliding_window_pattern", prefix, where) and window:       # Gemma 3: every n-th layer global
         p = cfg["sliding_window_pattern"]
         kinds, why = [GLOBAL if (i + 1) % p == 0 else SLIDING for i in range(n)], f"{prefix}sliding_window_pattern"
-    elif "use_sliding_window" in cfg:
+    elif "use_sliding_window" in cfg:       # Qwen2: layers from max_window_layers on slide
         first = cfg.get("max_window_layers")
         on = bool(cfg["use_sliding_window"]) and window is not None
         if on and (not isinstance(first, int) or isinstance(first, bool) or first < 0):
             raise GeometryError(f"{where}: field '{prefix}max_window_layers' = {first!r} must be a layer count")
         kinds = [SLIDING if on and i >= first else GLOBAL for i in range(n)]
         why = f"{prefix}use_sliding_window / max_window_layers"
-    elif chunk:
+    elif chunk:                             # Llama 4: every 4th layer global, or no_rope_layers says which
         nope = cfg.get("no_rope_layers")
         if isinstance(nope, list) and len(nope) == n:
             kinds, why = [CHUNKED if x else GLOBAL for x in nope], f"{prefix}no_rope_layers"
         else:
             kinds = [GLOBAL if (i + 1) % LLAMA4_GLOBAL_EVERY == 0 else CHUNKED for i in range(n)]
             why = f"{prefix}attention_chunk_size (every {LLAMA4_GLOBAL_EVERY}th layer global)"
-    elif window:
+    elif window:                            # Mistral: every layer slides
         kinds, why = [SLIDING] * n, f"{prefix}sliding_window on every layer"
     else:
         kinds, why = [GLOBAL] * n, "no sliding_window, chunk or layer_types field"
@@ -146,7 +137,7 @@ def layer_kinds(config: Any, where: str = "config.json") -> Layers:
         raise GeometryError(f"{where}: field '{prefix}layer_types' names chunked layers but "
                             f"'{prefix}attention_chunk_size' is missing")
     out = [LayerKind(k, window if k == SLIDING else chunk if k == CHUNKED else None) for k in kinds]
-    shared = cfg.get("num_kv_shared_layers")
+    shared = cfg.get("num_kv_shared_layers")        # Gemma 3n: the last layers read earlier layers' KV
     if shared:
         if not isinstance(shared, int) or isinstance(shared, bool) or not 0 < shared < n:
             raise GeometryError(f"{where}: field '{prefix}num_kv_shared_layers' = {shared!r} must be between 1 and "
@@ -198,8 +189,7 @@ def storage_for(n_layers: int, model_dtype: str, kv_dtype: str | None, quantised
     return {i: narrow if i in q else wide for i in range(n_layers)}
 
 
-def tokens_per_gib(layers: Layers, kv_heads: int, head_dim: int, length: int,
-                   storage: Mapping[int, Storage]) -> float:
+def tokens_per_gib(layers: Layers, kv_heads: int, head_dim: int, length: int, storage: Mapping[int, Storage]) -> float:
     """Context tokens a GiB of cache holds when every sequence is `length` tokens long."""
     return length * 2 ** 30 / kv_bytes(layers, kv_heads, head_dim, length, storage)
 
@@ -273,14 +263,12 @@ def engine_capacity_tokens(layers: Layers, kv_heads: int, head_dim: int, storage
 
 
 def engine_requests_fit(groups: Mapping[str, Any], tokens: int) -> int | None:
-    """Requests of `tokens` tokens (prompt and output) the engine's pool holds at once by its own count: its blocks
-    over the blocks one request reserves in every KV cache group (`engine_held_tokens`; vLLM's
-    get_max_concurrency_for_kv_cache_config at that length). `groups` is what the engine reported
-    (calib/engine/vllm_capacity.kv_groups). On a hybrid model this is far fewer than the pool's tokens over `tokens`:
-    the pool counts one group's blocks. It is the count vLLM logs as its maximum concurrency: each request held at
-    what its longest step needs (a whole prefill in flight); a decoding request's sliding layers keep about their
-    window, so more requests can decode at once than start together. None where a group's kind is not one vLLM's spec names here, or a windowed
-    group needs the tokens in flight and the engine did not say them."""
+    """Requests of `tokens` tokens (prompt and output) the engine's pool holds at once by its own count (vLLM's
+    get_max_concurrency_for_kv_cache_config, the maximum concurrency it logs): its blocks over the blocks one
+    request reserves in every KV cache group the engine reported (calib/engine/vllm_capacity.kv_groups). On a hybrid
+    model this is far fewer than the pool's tokens over `tokens`: the pool counts one group's blocks, and each request
+    is held at its longest step (a whole prefill in flight). None where a group's kind is not one vLLM's spec names
+    here, or a windowed group needs the tokens in flight and the engine did not say them."""
     per_request, in_flight = 0, groups.get("in_flight_tokens")
     for g in groups["groups"]:
         kind, block = ENGINE_SPEC_KINDS.get(g["spec"]), g["block_size"]
@@ -289,17 +277,3 @@ def engine_requests_fit(groups: Mapping[str, Any], tokens: int) -> int | None:
         per_request += engine_held_tokens(LayerKind(kind, g.get("window")), tokens, in_flight or 0, block) // block
     return groups["num_blocks"] // per_request if per_request else None
 
-
-def memory_rows(layers: Layers, kv_heads: int, head_dim: int, lengths: Sequence[int],
-                arms: Mapping[str, Mapping[int, Storage]], reference: str) -> dict[str, dict[str, dict[str, float]]]:
-    """{arm: {length: {bytes, tokens_per_gib, saving}}}: `saving` is the share of the reference's bytes the arm
-    gives back (FP8 everywhere: ~0.5 from bf16)."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for name, st in arms.items():
-        rows = {}
-        for L in lengths:
-            b = kv_bytes(layers, kv_heads, head_dim, L, st)
-            ref = kv_bytes(layers, kv_heads, head_dim, L, arms[reference])
-            rows[str(L)] = {"bytes": float(b), "tokens_per_gib": L * 2 ** 30 / b, "saving": 1 - b / ref}
-        out[name] = rows
-    return out

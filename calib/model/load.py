@@ -14,6 +14,7 @@ bfloat16 reproduces the engines' arithmetic, at that cost.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,11 +124,12 @@ def read_config(src: Path) -> dict[str, Any]:
     return _read_config(src)[0]
 
 
-def _read_config(src: Path) -> tuple[dict[str, Any], str]:
-    """`read_config` and the digest of the bytes read (what a statistics file records of its model)."""
+def _read_config(src: Path, raw: dict[str, Any] | None = None) -> tuple[dict[str, Any], str | None]:
+    """`read_config` and the digest of the bytes read (what a statistics file records of its model); `raw`: the
+    config already read (no digest), checked only."""
     where = f"MODEL {src}/config.json"
     try:
-        raw, sha = integrity.read_json_digest(src / "config.json", where)
+        raw, sha = (raw, None) if raw is not None else integrity.read_json_digest(src / "config.json", where)
         geometry.check(raw, where)
     except (integrity.IntegrityError, geometry.GeometryError) as e:
         raise ModelError(str(e)) from None
@@ -169,15 +171,7 @@ def preflight(src: Path | SourceFiles, *, trust_remote_code: bool = False, allow
 
     files = src if isinstance(src, SourceFiles) else None
     src = Path(files.path if files is not None else src)
-    sha = None
-    if files is None:
-        raw, sha = _read_config(src)
-    else:
-        raw = files.config
-        try:
-            geometry.check(raw, f"MODEL {src}/config.json")
-        except geometry.GeometryError as e:
-            raise ModelError(str(e)) from None
+    raw, sha = _read_config(src, files.config if files is not None else None)
     try:
         config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code)
     except ValueError as e:
@@ -239,8 +233,8 @@ def load(model_id: str | Path | Preflight, *, device: str | None = None, trust_r
     dtype = torch.bfloat16 if on_gpu else getattr(torch, place.cpu_dtype) if place.cpu_dtype else "auto"
     kwargs: dict[str, Any] = {}
     if place.device_map:
-        kwargs = {"device_map": place.device_map, "max_memory": _max_memory(place.max_memory),
-                  "offload_folder": place.offload_folder}
+        mem = {int(k) if str(k).isdigit() else k: v for k, v in place.max_memory.items()} if place.max_memory else None
+        kwargs = {"device_map": place.device_map, "max_memory": mem, "offload_folder": place.offload_folder}
     auto = AutoModelForCausalLM if lm_head else AutoModel
     _check_size(auto, pre, trust_remote_code)
     try:
@@ -271,7 +265,7 @@ def load(model_id: str | Path | Preflight, *, device: str | None = None, trust_r
     if not layers:
         raise ModelError(f"MODEL {src}: {type(model).__name__} exposes no attention layers with a layer_idx, so "
                          "K/V cannot be captured through transformers' attention interface — not supported")
-    return LoadedModel(model=model, tokenizer=_load_tokenizer(src, trust_remote_code), source_dir=src,
+    return LoadedModel(model=model, tokenizer=load_tokenizer(src, trust_remote_code), source_dir=src,
                        config=config.get_text_config(), attention_layers=layers, device=dev)
 
 
@@ -320,24 +314,11 @@ def _check_size(auto: Any, pre: Preflight, trust_remote_code: bool) -> None:
     meta.tie_weights()  # built empty, tied embeddings are two tensors until tied; the files hold one
     need = sum(p.numel() for p in meta.parameters())
     ckpt = pre.weights
-    have = sum(_numel(ckpt.tensor(n).shape) for n in ckpt.weight_map)
+    have = sum(math.prod(ckpt.tensor(n).shape) for n in ckpt.weight_map)
     if need > have:
         raise ModelError(f"MODEL {src}: config.json describes {need:,} parameters but the weight files hold "
                          f"{have:,}; the config and the weights are not one model (check num_hidden_layers, "
                          "hidden_size and the shards)")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _max_memory(spec: dict[str, str] | None) -> dict[int | str, str] | None:
-    if not spec:
-        return None
-    return {int(k) if str(k).isdigit() else k: v for k, v in spec.items()}
 
 
 @contextlib.contextmanager
@@ -355,10 +336,7 @@ def quiet_transformers():
 def load_tokenizer(src: Path, trust_remote_code: bool = False) -> Any | None:
     """The model folder's tokenizer without its weights (None when it has no tokenizer files): what a command needs
     to check text data before any weight loads; ModelError (one line) on damaged files."""
-    return _load_tokenizer(Path(src), trust_remote_code)
-
-
-def _load_tokenizer(src: Path, trust_remote_code: bool) -> Any | None:
+    src = Path(src)
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
     if not any((src / n).is_file() for n in names):
         return None
@@ -389,12 +367,11 @@ def resolve_skip_layers(spec: tuple, config: Any, layers: list[int]) -> list[int
     out: set[int] = set()
     for item in spec:
         if item == "sliding_window":
-            from calib.model.geometry import GeometryError
             from calib.model.layer_kinds import layer_kinds
 
             try:
                 sliding = list(layer_kinds(config, "MODEL config.json").sliding)
-            except GeometryError as e:
+            except geometry.GeometryError as e:
                 raise ModelError(str(e)) from None
             if not sliding:
                 raise ModelError("recipe field 'skip_layers' has sliding_window, but the model has no "
@@ -406,7 +383,3 @@ def resolve_skip_layers(spec: tuple, config: Any, layers: list[int]) -> list[int
         else:
             out.add(item)
     return sorted(out)
-
-
-def source_config(src: Path) -> dict[str, Any]:
-    return read_config(src)

@@ -46,11 +46,11 @@ def whole(option: str, value: Any, minimum: int = 1, maximum: int | None = None)
     """`value` (None: not given) must be an int >= minimum (and <= maximum when one is given)."""
     if value is None:
         return
-    span = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
-    if isinstance(value, bool) or not isinstance(value, int):
+    ok = (not isinstance(value, bool) and isinstance(value, int) and value >= minimum
+          and (maximum is None or value <= maximum))
+    if not ok:
+        span = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
         raise OptionError(f"{option} {value!r}: give a whole number {span}")
-    if value < minimum or (maximum is not None and value > maximum):
-        raise OptionError(f"{option} {value}: give a whole number {span}")
 
 
 def number(option: str, value: Any, minimum: float = 0.0, maximum: float | None = None, *,

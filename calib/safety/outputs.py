@@ -76,17 +76,11 @@ def _real(p: str | Path, what: str = "") -> Path:
 
 # ------------------------------------------------------------------------------------------- checks
 
-def _blocking_file(path: Path) -> Path | None:
-    """The nearest existing ancestor of `path` when it is not a folder (nothing can be created below it)."""
-    existing = next((p for p in path.parents if p.exists()), None)
-    return existing if existing is not None and not existing.is_dir() else None
-
-
 def _check_parent(path: Path, option: str) -> None:
-    blocking = _blocking_file(_abs(path))
-    if blocking is not None:
-        raise OutputError(f"{option} {path}: {blocking} is a file, not a directory; choose another {option}")
+    """The nearest existing ancestor of `path` must be a writable folder (nothing can be created below a file)."""
     existing = next(p for p in _abs(path).parents if p.exists())
+    if not existing.is_dir():
+        raise OutputError(f"{option} {path}: {existing} is a file, not a directory; choose another {option}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputError(f"{option} {path}: folder {existing} is not writable; choose another {option}")
 
@@ -219,7 +213,7 @@ def check_room(out: Path, files: Iterable[Path] = (), *, copies: int = 1, extra_
 
 # ------------------------------------------------------------------------------------------- locks
 
-_held: dict[Path, int] = {}      # lock files this process holds -> nesting depth
+_held: set[Path] = set()         # lock files this process holds
 
 
 def _pid_in(lock: Path) -> str:
@@ -232,27 +226,18 @@ def _pid_in(lock: Path) -> str:
     return ""
 
 
-def cleanup_stale(out: Path) -> list[Path]:
+def cleanup_stale(out: Path) -> None:
     """Remove what dead runs left beside `out` (call with `out`'s lock held): their temporary folders or files,
-    after putting back a previous output one of them had moved aside. Returns what was removed."""
-    out, removed = _abs(out), []
-    if not out.parent.is_dir():
-        return removed
-    entries = sorted(out.parent.glob(f".{glob_escape(out.name)}{OLD_TAG}*"))
-    for old in entries:
+    after putting back a previous output one of them had moved aside."""
+    out = _abs(out)
+    name = "." + "".join(f"[{c}]" if c in "*?[]" else c for c in out.name)      # the name, glob-escaped
+    for old in sorted(out.parent.glob(f"{name}{OLD_TAG}*")):
         if not out.exists() and not out.is_symlink() and old.is_dir() and not old.is_symlink():
             os.rename(old, out)       # a run died between moving the old output aside and renaming the new one
-            continue
-        _remove(old)
-        removed.append(old)
-    for tmp in sorted(out.parent.glob(f".{glob_escape(out.name)}{TMP_TAG}*")):
+        else:
+            _remove(old)
+    for tmp in sorted(out.parent.glob(f"{name}{TMP_TAG}*")):
         _remove(tmp)
-        removed.append(tmp)
-    return removed
-
-
-def glob_escape(name: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
 def _remove(p: Path) -> None:
@@ -271,12 +256,8 @@ def lock(out: Path, option: str = "--out") -> Iterator[None]:
 
     out = _abs(out)
     path = lock_path(out)
-    if path in _held:
-        _held[path] += 1
-        try:
-            yield
-        finally:
-            _held[path] -= 1
+    if path in _held:               # an inner `lock` of the same output: the outer one releases it
+        yield
         return
     made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     try:
@@ -300,21 +281,18 @@ def lock(out: Path, option: str = "--out") -> Iterator[None]:
                     raise OutputError(f"another kvcalib run{_pid_in(path)} is writing {out}; wait for it to finish "
                                       f"or choose another {option}") from None
                 raise
-            try:   # the holder before us may have removed the file after we opened it: lock the current one
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
+            with contextlib.suppress(FileNotFoundError):   # the holder before us may have removed the file after
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:     # we opened it: lock the current one
+                    break
             os.close(fd)
             fd = None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
-        _held[path] = 1
+        _held.add(path)
         cleanup_stale(out)
         yield
     finally:
-        _held.pop(path, None)
+        _held.discard(path)
         if fd is not None:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -418,32 +396,20 @@ def _unwinding(tmp: Path, out: Path, option: str) -> Iterator[None]:
         yield
     except OSError as e:
         _remove(tmp)
-        raise OutputError(f"{option} {out}: writing failed ({_as_out(_why(e), tmp, out)}); nothing was "
+        why = e.strerror or str(e) or type(e).__name__
+        why = f"{e.filename}: {why}" if e.filename else why
+        raise OutputError(f"{option} {out}: writing failed ({why.replace(str(tmp), str(out))}); nothing was "
                           "written") from None
     except KvcalibError as e:
+        # the temporary folder is gone when the user reads the message, and a command nested inside another (a
+        # plan's route evaluation, a multi-target checkpoint's variants) would otherwise name
+        # `.OUT.kvcalib-tmp-PID/...` as its --out
         _remove(tmp)
-        _name_out(e, tmp, out)
+        e.args = tuple(a.replace(str(tmp), str(out)) if isinstance(a, str) else a for a in e.args)
         raise
     except BaseException:
         _remove(tmp)
         raise
-
-
-def _as_out(text: str, tmp: Path, out: Path) -> str:
-    """`text` with kvcalib's temporary folder named as the user's output it becomes."""
-    return text.replace(str(tmp), str(out))
-
-
-def _name_out(e: KvcalibError, tmp: Path, out: Path) -> None:
-    """An error raised while filling `tmp` names the user's `out` instead: the temporary folder is gone when the
-    user reads the message, and a command nested inside another (a plan's route evaluation, a multi-target
-    checkpoint's variants) would otherwise name `.OUT.kvcalib-tmp-PID/...` as its --out."""
-    e.args = tuple(_as_out(a, tmp, out) if isinstance(a, str) else a for a in e.args)
-
-
-def _why(e: OSError) -> str:
-    why = e.strerror or str(e) or type(e).__name__
-    return f"{e.filename}: {why}" if e.filename else why
 
 
 @contextlib.contextmanager
