@@ -98,8 +98,8 @@ def _passkey_cell(rows: Mapping[str, Any] | None) -> str:
 
 def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     """report.md from the typed report: the decision, its table and serve command (`lead`), then the verdict's
-    reasons and every table; `doc` (report.json's document) feeds the engine section, which
-    calib/evaluation/engine_report.py renders from the engine's own entries. Paths relative to the user's folder."""
+    reasons and every table; `doc` (report.json's document) feeds the engine section (`engine_lines`), from the
+    engine's own entries. Paths relative to the user's folder."""
     meta, ref, th, v = rep.meta, rep.reference, rep.thresholds, rep.verdict
     ref_name, quant = rep.reference_name, rep.arms
     d = meta["data"]
@@ -140,7 +140,7 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     lines += table(
         ["arm", "kind", "dtype", "granularity", "mean KL", "worst-bucket KL", "top-1", "ppl", "Δppl", "passkey",
          "within threshold", "seconds"], rows)
-    lines += engine_report.markdown(doc, table)
+    lines += engine_lines(doc)
     lines += memory_lines(meta.get("memory"))
     lines += ["## By context length", ""] + table(
         ["arm", "bucket <=", "samples", "tokens", "KL", "top-1", "ppl", f"{ref_name} ppl", "Δppl"],
@@ -336,6 +336,81 @@ def _format_lines(rep: Report) -> list[str]:
               "backends serve, then the lower KL.", ""]
     return lines + table(["arm", "format", "bytes/token/layer", "engine bytes/token/layer", "served by", "Δppl", "mean KL",
                           "numbers", "within the bar"], rows)
+
+
+def _passkey_shared(tables: Sequence[Mapping[str, Any] | None]) -> list[str]:
+    """Passkey correct/total of each report.json table over the buckets every table that ran has (the emulation may
+    have asked only the shorter buckets' prompts)."""
+    ran = [t for t in tables if t]
+    shared = [b for b in (ran[0] if ran else {}) if all(b in t for t in ran)]
+    return ["–" if not t else f"{sum(t[b]['correct'] for b in shared)}/{sum(t[b]['total'] for b in shared)}"
+            for t in tables]
+
+
+def engine_lines(doc: Mapping[str, Any]) -> list[str]:
+    """The '## Emulation vs engine' section (empty when no engine ran), from report.json's document: emulated and
+    engine numbers over the same samples (engine_report.side_by_side), then the engine's over all its samples where it
+    measured more, its KV capacity, and the arms it found implausible or did not run."""
+    if not engine_report.has_engine(doc):
+        return []
+    ref_name, numbers, eng = doc["reference"], doc["verdict"].get("numbers", {}), doc.get("engine") or {}
+    shared = engine_report.side_by_side(doc)
+
+    def num(x: float | None) -> str:
+        return "–" if x is None else f"{x:.5g}"
+
+    def rel(n: str, x: float | None) -> str:
+        return "–" if x is None or n == ref_name else f"{100 * x:+.3g}%"
+
+    rows, not_run, cap, implausible, whole = [], [], [], [], []
+    for n, e in doc["arms"].items():
+        g = e.get("engine") or {}
+        odd = [m for m in e.get("misses") or [] if m.startswith("engine output implausible")]
+        s, es = shared.arms[n][0] or {}, shared.arms[n][1] or {}
+        greedy = ((g.get("summary") or {}).get("greedy") or {}).get("prefix") if es else None
+        rows.append([n, numbers.get(n, "reference" if n == ref_name else "emulation"), num(s.get("ppl")),
+                     num(es.get("ppl")), rel(n, s.get("ppl_rel")), rel(n, es.get("ppl_rel")), s.get("kl"),
+                     es.get("kl"), es.get("kl_unresolved_mass"), _pct(s.get("top1")), _pct(es.get("top1")),
+                     _pct(greedy), *_passkey_shared([e.get("passkey"), g.get("passkey")]),
+                     "implausible" if odd else g.get("status", "–").replace("_", " ")])
+        if es:
+            a = g["summary"]
+            whole.append([n, a["samples"], num(a["ppl"]), rel(n, a["ppl_rel"]), a["kl"], _pct(a["top1"]),
+                          _passkey_shared([g.get("passkey")])[0]])
+        implausible += [f"- `{n}`: {odd[0]}"] if odd else []
+        if g.get("status") == "not_run":
+            not_run.append(f"- `{n}`: not run: {g['reason']}")
+        elif g.get("status") == "ok":
+            cap.append([n, g.get("kv_cache_dtype"), g.get("kv_capacity_tokens"), g.get("kv_gib"), g.get("tokens_per_gib"),
+                        engine_report.context_capacity(g.get("kv_groups"))])
+    more = any(r[1] > shared.samples for r in whole)
+    lines = ["## Emulation vs engine", "",
+             f"Engine: {eng.get('name')} {eng.get('version')} on exactly the evaluation's token ids (prompt "
+             f"log-probabilities, top-{eng.get('top_k')}). Emulated and engine numbers side by side are "
+             f"{engine_report.coverage(shared)}; passkey over the buckets both asked. Engine KL is a lower bound from "
+             f"the top-k (`unresolved`: the {ref_name} run's probability mass outside the tokens known in both runs); "
+             "perplexity and top-1 are exact. Greedy: share of greedy continuation tokens equal to the reference's "
+             "before the first difference (every sample the engine ran). `numbers`: what the verdict read"
+             + (", the engine's over all its samples (the table after this one)." if more else "."), ""]
+    lines += table(["arm", "numbers", "ppl emulated", "ppl engine", "Δppl emulated", "Δppl engine", "KL emulated",
+                    "KL engine (≥)", "unresolved", "top-1 emulated", "top-1 engine", "greedy engine",
+                    "passkey emulated", "passkey engine", "engine"], rows)
+    if more:
+        lines += [f"The engine over all the samples it measured (the emulation measured {shared.samples} of them): "
+                  "what the verdict reads where the engine ran the arm.", ""]
+        lines += table(["arm", "samples", "ppl engine", "Δppl engine", "KL engine (≥)", "top-1 engine",
+                        "passkey engine"], whole)
+    if cap:
+        lines += ["KV-cache capacity measured by the engine (same pool size for every arm). Pool: blocks x block "
+                  "size, which on a hybrid model counts one group's blocks; context: the engine's own capacity in "
+                  "context tokens (requests of max_model_len its pool holds x max_model_len), where it said.", ""]
+        lines += table(["arm", "KV cache dtype", "pool tokens", "GiB", "pool tokens/GiB", "context tokens"], cap)
+    if implausible:
+        lines += ["Engine numbers implausible for the arm's format (orders of magnitude off the reference while the "
+                  "emulation is not; never ranked):", ""] + implausible + [""]
+    if not_run:
+        lines += ["Arms the engine did not run:", ""] + not_run + [""]
+    return lines
 
 
 def _significance_lines(rep: Report) -> list[str]:

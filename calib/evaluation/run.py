@@ -103,10 +103,10 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             measurable.check(ref, results, p.reference.name)     # before skip trials are planned on the numbers
             trials = skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts)
             results.update(trials)
-        bm = bytes_model(cfg, p)
+        serving = report.declared_dtype(cfg.model) or str(p.loaded.dtype).removeprefix("torch.")   # report.md's
+        bm = bytes_model(cfg, p, serving)
         decided = verdict_mod.verdict(ref, results, cfg.thresholds, p.reference.name, bm,
-                                      (p.geo.kv_heads, p.geo.head_dim), cfg.target,
-                                      markdown.dtype_title(serving_dtype(p.loaded)))
+                                      (p.geo.kv_heads, p.geo.head_dim), cfg.target, markdown.dtype_title(serving))
         seconds = time.perf_counter() - t_start
         ran = "" if not planned.parts.skip_trials else \
             f"; {duration(planned.with_trials(len(trials)))} for the {len(trials)} skip trial(s) that ran"
@@ -184,21 +184,13 @@ def layer_kinds_of(config: Any, model: Any) -> layer_kinds.Layers | None:
         raise EvalError(str(e)) from None
 
 
-def bytes_model(cfg: EvalConfig, p: Prepared) -> memory.Model | None:
-    """The KV bytes model at the evaluation's lengths (calib.evaluation.memory); None without layer kinds. The
-    verdict ranks by its capacity where the engine did not count; its memory table is a hybrid model's."""
+def bytes_model(cfg: EvalConfig, p: Prepared, serving: str) -> memory.Model | None:
+    """The KV bytes model at the evaluation's lengths (calib.evaluation.memory), the reference KV and every skipped
+    layer in the `serving` dtype; None without layer kinds. The verdict ranks by its capacity where the engine did not
+    count; its memory table is a hybrid model's."""
     if p.kinds is None:
         return None
-    return memory.Model(p.kinds, p.geo.kv_heads, p.geo.head_dim, serving_dtype(p.loaded), tuple(p.buckets),
-                        str(cfg.model))
-
-
-def serving_dtype(loaded: model_mod.LoadedModel) -> str:
-    """The dtype an engine serves the model in (config.json's, which `auto` picks; kvcalib may load float32 on
-    CPU): the dtype of the reference KV cache and of every skipped layer."""
-    declared = getattr(loaded.config, "dtype", None) or getattr(loaded.config, "torch_dtype", None)
-    name = str(declared or loaded.dtype).removeprefix("torch.")
-    return name if name in layer_kinds.DTYPE_BYTES else str(loaded.dtype).removeprefix("torch.")
+    return memory.Model(p.kinds, p.geo.kv_heads, p.geo.head_dim, serving, tuple(p.buckets), str(cfg.model))
 
 
 def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Plan:
