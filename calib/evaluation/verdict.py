@@ -75,16 +75,6 @@ def passkey_decision(entry: ArmMetrics, ref: Reference, th: Thresholds) -> signi
     return significance.decide(ref.passkey, entry.passkey, th.passkey_drop)
 
 
-def _passkey_notes(ref: Reference, results: Results, th: Thresholds) -> list[str]:
-    """Sentences for arms whose passkey is lower than the reference's but within noise, or too few to conclude."""
-    out = []
-    for n, e in _plain(results).items():
-        pk = passkey_decision(e, ref, th)
-        if pk and pk.notes:
-            out.append(f"`{n}` " + "; ".join(pk.notes) + ".")
-    return out
-
-
 def dominant_layers(entry: ArmMetrics, th: Thresholds) -> list[int]:
     """Layers whose attention-output error is >= `dominance` x the median layer's, worst first (<= max_skip)."""
     errs = {int(i): row["attn_rel_error"] for i, row in entry.layers.items()}
@@ -238,23 +228,22 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
                  "is unknown).")
         action, text = "keep_reference", (f"Keep {said.upper()} KV for this model: no arm is within the threshold "
                                           f"(best: `{best_any}`, {why}).{extra}")
-    text = " ".join([text, *capacity_notes])
-    noise, saturated, notes = _honest(arm, numbers, ref, results)
-    notes = [*notes, *_passkey_notes(ref, results, th)]
-    notes += [f"`{n}`: {implausible(e)}." for n, e in results.items() if implausible(e)]
-    hybrid = bytes_model is not None and bytes_model.layers.hybrid       # skips weighed by memory: hybrid models
-    cands = memory.candidates(bytes_model, results, ref.engine, ref.sample_tokens) if hybrid else []
-    cands = [replace(c, capacity_gain=capacity.gains(
-        capacity.capacity_row(ref, results[c.arm], c.arm, True, bytes_model, length), ref_row)) for c in cands]
-    notes += memory.lines(cands, bytes_model.model) if hybrid else []
+    noise, saturated, notes = _honest(arm, numbers, ref, results, th)
+    cands = []
+    if bytes_model is not None and bytes_model.layers.hybrid:       # skips weighed by memory: hybrid models
+        cands = [replace(c, capacity_gain=capacity.gains(
+            capacity.capacity_row(ref, results[c.arm], c.arm, True, bytes_model, length), ref_row))
+            for c in memory.candidates(bytes_model, results, ref.engine, ref.sample_tokens)]
+        notes += memory.lines(cands, bytes_model.model)
     return Verdict(action, arm, tuple(layers), flag, tuple(ok), tuple(dominant), best_any, th, numbers,
-                   " ".join([text, *notes]), noise, saturated, tuple(c.to_dict() for c in cands), cap)
+                   " ".join([text, *capacity_notes, *notes]), noise, saturated, tuple(c.to_dict() for c in cands), cap)
 
 
-def _honest(arm: str | None, numbers: Mapping[str, str], ref: Reference,
-            results: Results) -> tuple[dict[str, Any] | None, dict[str, Any], list[str]]:
-    """What the numbers do not say by themselves: calibration within noise (and why), saturating layers, and
-    which numbers decided; (the noise finding, the saturated layers per arm, the sentences saying so)."""
+def _honest(arm: str | None, numbers: Mapping[str, str], ref: Reference, results: Results,
+            th: Thresholds) -> tuple[dict[str, Any] | None, dict[str, Any], list[str]]:
+    """What the numbers do not say by themselves: calibration within noise (and why), saturating layers, which
+    numbers decided, passkeys lower than the reference's but within noise (or too few to conclude), engine output
+    implausible for its format; (the noise finding, the saturated layers per arm, the sentences saying so)."""
     extra = []
     noise = scales_within_noise(ref, results, ref.sample_tokens)
     if noise:
@@ -276,7 +265,9 @@ def _honest(arm: str | None, numbers: Mapping[str, str], ref: Reference,
         extra.append("Decided on emulated numbers: the engine ran no quantised arm (see the engine table).")
     else:
         extra.append("Decided on emulated numbers (no engine run; `--engine vllm` measures the real engine).")
-    return noise, saturated, extra
+    pks = {n: passkey_decision(e, ref, th) for n, e in _plain(results).items()}
+    extra += [f"`{n}` " + "; ".join(pk.notes) + "." for n, pk in pks.items() if pk and pk.notes]
+    return noise, saturated, extra + [f"`{n}`: {implausible(e)}." for n, e in results.items() if implausible(e)]
 
 
 def _errs(entry: ArmMetrics, layers: Sequence[int]) -> str:
