@@ -144,21 +144,13 @@ def by_capacity(rows: Sequence[CapacityRow], length: int, floor: float = CAPACIT
     for r in rows:
         x, src = ratios[r.name], sources[r.name] or "unknown"
         said = f"{x:.2f}x the reference's capacity ({src})" if x is not None else "capacity not known"
-        if r.reference:
-            labels[r.name], why[r.name] = (RECOMMENDED if recommended == r.name else REFERENCE), "the reference"
-        elif not r.within_bar:
-            labels[r.name], why[r.name] = QUALITY, said
-        elif x is None:
-            labels[r.name], why[r.name] = NOT_MEASURED, said
-        elif r.name == recommended:
-            labels[r.name], why[r.name] = RECOMMENDED, said
-        elif r not in gain:
-            labels[r.name], why[r.name] = NO_CAPACITY_GAIN, f"{said}: within noise of the reference's"
-        elif r.name in dominated:
-            labels[r.name], why[r.name] = DOMINATED, (f"{said}; `{dominated[r.name]}` is as good or better on "
-                                                       "quality and capacity together")
-        else:
-            labels[r.name], why[r.name] = LESS_CAPACITY, f"{said}, less than `{recommended}`'s"
+        labels[r.name], why[r.name] = (
+            ((RECOMMENDED if recommended == r.name else REFERENCE), "the reference") if r.reference
+            else (QUALITY, said) if not r.within_bar else (NOT_MEASURED, said) if x is None
+            else (RECOMMENDED, said) if r.name == recommended
+            else (NO_CAPACITY_GAIN, f"{said}: within noise of the reference's") if r not in gain
+            else (DOMINATED, f"{said}; `{dominated[r.name]}` is as good or better on quality and capacity together")
+            if r.name in dominated else (LESS_CAPACITY, f"{said}, less than `{recommended}`'s"))
     return CapacityDecision(recommended, length, ratios, sources, labels, why, dominated)
 
 
