@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from calib.ckpt.kvinfo import KVInfo, read_kv_info
+from calib.ckpt.kvinfo import read_kv_info
 from calib.errors import KvcalibError
 from calib.evaluation.results import ArmInfo
 from calib.recipe import support
@@ -112,13 +112,6 @@ def default_arm(geo: Geometry, dtype: KVDtype) -> Arm:
                notes=("scale 1.0: what vLLM and TensorRT-LLM use when a checkpoint carries no KV scales",))
 
 
-def _checkpoint_dtype(info: KVInfo) -> KVDtype:
-    scheme = info.kv_scheme or {}
-    if scheme.get("type") == "int" or info.kv_cache_quant_algo == "INT8":
-        return INT8
-    return FP8_E4M3
-
-
 def checkpoint_arms(path: str, geo: Geometry, per_head_kv: bool = True) -> list[Arm]:
     """The arm of a checkpoint's K/V scales as stored, plus its per-tensor fold when the scales are per head
     (what vLLM applies outside its FlashAttention-3 backend)."""
@@ -136,7 +129,7 @@ def checkpoint_arms(path: str, geo: Geometry, per_head_kv: bool = True) -> list[
     if info.num_layers is not None and info.num_layers != len(geo.layers):
         raise EvalError(f"--scales {path} is for a model with {info.num_layers} layers; this model has "
                         f"{len(geo.layers)}")
-    dtype = _checkpoint_dtype(info)
+    dtype = INT8 if (info.kv_scheme or {}).get("type") == "int" or info.kv_cache_quant_algo == "INT8" else FP8_E4M3
     k, v, notes = {}, {}, []
     serve_skip = tuple(sorted(int(i) for i in (info.provenance or {}).get("skipped_layers") or []))
     if serve_skip:

@@ -274,16 +274,10 @@ def fit(w: Work, parts: Parts, cost: Cost, rates: Rates, budget_s: float | None)
     return Plan(parts, estimate(w, parts, cost, rates), tuple(dropped), budget_s)
 
 
-def engine_figures(device_type: str) -> tuple[float, float]:
-    """(seconds to start one engine arm, its prompt tokens/s): the measured defaults for this device."""
-    key = "cuda" if device_type == "cuda" else "cpu"
-    return ENGINE_START_S[key], ENGINE_TOKENS_PER_S[key]
-
-
 def default_rates(device_type: str, ref: float, arm: float, probed_at: int, step_ref: float = 0.0,
                   step_arm: float = 0.0) -> Rates:
     key = "cuda" if device_type == "cuda" else "cpu"
-    return Rates(ref, arm, *engine_figures(device_type), probed_at, ENGINE_FIRST_START_S[key],
+    return Rates(ref, arm, ENGINE_START_S[key], ENGINE_TOKENS_PER_S[key], probed_at, ENGINE_FIRST_START_S[key],
                  ENGINE_OVER_REFERENCE[key], step_ref, step_arm, ENGINE_PROMPT_TOKENS_PER_S[key])
 
 

@@ -270,9 +270,11 @@ def plan_notes(planned: plan_mod.Plan, buckets: Sequence[int], engine: bool) -> 
     return notes
 
 
-def _emulated_prompts(p: Prepared, parts: plan_mod.Parts) -> list[passkey.Prompt]:
-    return [x for x in p.prompts if x.depth in parts.depths
-            and (parts.emulate_up_to is None or x.bucket <= parts.emulate_up_to)]
+def _emulated(p: Prepared, parts: plan_mod.Parts) -> tuple[list[Sample], list[passkey.Prompt]]:
+    """The held-out samples and passkey prompts the emulation measures, as far as `parts` (the plan) says."""
+    up_to = parts.emulate_up_to
+    return ([x for x in p.samples if up_to is None or x.bucket <= up_to],
+            [x for x in p.prompts if x.depth in parts.depths and (up_to is None or x.bucket <= up_to)])
 
 
 def measure_arms(cfg: EvalConfig, p: Prepared, s: Session, progress: Progress,
@@ -280,8 +282,7 @@ def measure_arms(cfg: EvalConfig, p: Prepared, s: Session, progress: Progress,
     """(the reference's numbers, {arm: its numbers}, the engine run or None): metrics, passkey and the
     engine's numbers of the reference and every arm, as far as `parts` (the plan) says."""
     n = len(p.arms) + 1
-    emulated = [x for x in p.samples if parts.emulate_up_to is None or x.bucket <= parts.emulate_up_to]
-    prompts = _emulated_prompts(p, parts)
+    emulated, prompts = _emulated(p, parts)
     with _metrics_stage(progress, "emulation", emulated, n) as stage:
         ref, results = measure(s, p.arms, ranges=True, stage=stage, up_to=parts.emulate_up_to)
     if prompts:
@@ -318,8 +319,7 @@ def skip_trials(cfg: EvalConfig, p: Prepared, s: Session, ref: Reference, result
     if not parts.skip_trials:
         return {}
     by_name = {a.name: a for a in p.arms}
-    emulated = [x for x in p.samples if parts.emulate_up_to is None or x.bucket <= parts.emulate_up_to]
-    prompts = _emulated_prompts(p, parts)
+    emulated, prompts = _emulated(p, parts)
     out: dict[str, ArmMetrics] = {}
     candidates = verdict_mod.skip_plan(ref, results, cfg.thresholds)
     log("eval: skip trials: " + ("none needed (an arm passes, or no small set of layers dominates the error)"
