@@ -101,8 +101,7 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     reasons and every table; `doc` (report.json's document) feeds the engine section (`engine_lines`), from the
     engine's own entries. Paths relative to the user's folder."""
     meta, ref, th, v = rep.meta, rep.reference, rep.thresholds, rep.verdict
-    ref_name, quant = rep.reference_name, rep.arms
-    d = meta["data"]
+    ref_name, quant, d = rep.reference_name, rep.arms, meta["data"]
     held = d["held_out"]
     lines = [f"# KV-cache evaluation: `{meta['model']}`", ""]
     argv = rep.serve_argv()
@@ -114,17 +113,13 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
               f"Dominant layers: attention-output error >= {th.dominance:g}x the median layer's.", ""]
     if v.dominant_layers:
         lines += [f"Layers dominating the error of `{v.dominant_in}`: {list(v.dominant_layers)}.", ""]
-    if held.get("checked_against"):
-        held_txt = f"{held['excluded_samples']} calibration samples of `{held['checked_against']}` left out"
-        held_txt += "" if held.get("reproduced_exactly") else " (calibration stream not reproduced exactly)"
-    else:
-        held_txt = held.get("note", "")
+    held_txt = held.get("note", "") if not held.get("checked_against") else (
+        f"{held['excluded_samples']} calibration samples of `{held['checked_against']}` left out"
+        + ("" if held.get("reproduced_exactly") else " (calibration stream not reproduced exactly)"))
     lines += [f"Data: `{d['source']}`: {d['samples']} samples, {d['tokens']} tokens; {held_txt}. "
               f"Model dtype {meta['model_dtype']} on {meta['device']}; {len(meta['layers'])} layers, "
               f"{meta['kv_heads']} KV heads x {meta['head_dim']}.", ""]
-    emu = meta.get("emulation")
-    if emu:
-        lines += [f"Emulated engine: {emu['line']}.", ""]
+    lines += [f"Emulated engine: {meta['emulation']['line']}.", ""] if meta.get("emulation") else []
     lines += _format_lines(rep)
     s = ref.summary
     rows = [[ref_name, "reference", ref_name, "–", s.kl, s.max_bucket_kl, _pct(s.top1), s.ppl, "–",
@@ -160,9 +155,7 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     else:
         lines += ["Not run (see notes).", ""]
     head, failures = lines, _failure_lines(rep)   # relative paths in its headings; the samples' own text as it is
-    lines = []
-    if plots:
-        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    lines = ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""] if plots else []
     notes = list(meta.get("notes", [])) + [f"`{n}`: {x}" for n, e in quant.items() for x in e.info.notes]
     if notes:
         lines += ["## Notes", ""] + [f"- {x}" for x in notes] + [""]
@@ -287,13 +280,11 @@ def memory_lines(mem: Mapping[str, Any] | None) -> list[str]:
     if not mem:
         return []
     lengths = list(next(iter(mem["rows"].values()))["model"])
+
     def check(c: Mapping[str, Any] | None) -> str:
-        if not c:
-            return "–"
-        engine = "not reported" if c["engine"] is None else f"{c['engine']:,}"
-        if c["problems"]:
-            return f"{engine} ({'; '.join(c['problems'])})"
-        return f"{engine} vs {c['bytes_model']:,} at {c['max_model_len']:,}"
+        engine = "not reported" if not c or c["engine"] is None else f"{c['engine']:,}"
+        return "–" if not c else f"{engine} ({'; '.join(c['problems'])})" if c["problems"] else \
+            f"{engine} vs {c['bytes_model']:,} at {c['max_model_len']:,}"
     rows = [[n, *(f"{r['model'][L]['tokens_per_gib']:,.0f} ({_pct(r['model'][L]['saving'])})" for L in lengths),
              _cell(r.get("engine_tokens_per_gib"), ",.0f"), check(r.get("engine_check"))]
             for n, r in mem["rows"].items()]

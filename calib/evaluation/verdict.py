@@ -187,14 +187,13 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
         if len(ok) > 1:
             text += " Also within the threshold: " + "; ".join(f"`{n}` ({kl(n)})" for n in ok[1:]) + "."
     elif win in shippable_skips:
-        best = win
-        layers, flag, arm = _skip_trial(results, best)
-        why = (f"the {results[best].info.skip_kind.replace('_', '-')} layers hold only their window, so keeping "
-               "them costs little memory" if results[best].info.skip_kind else
+        layers, flag, arm = _skip_trial(results, win)
+        why = (f"the {results[win].info.skip_kind.replace('_', '-')} layers hold only their window, so keeping "
+               "them costs little memory" if results[win].info.skip_kind else
                f"Those layers dominate the error (attention-output error {_errs(plain[arm], layers)})")
         action, text = "ship_with_skip", (
             f"Ship `{arm}` with layers {layers} kept in {said}: serve with `{flag}` (vLLM; recipe "
-            f"`skip_layers: {layers}`). {why[0].upper() + why[1:]}; measured with them unquantised: {kl(best)}, "
+            f"`skip_layers: {layers}`). {why[0].upper() + why[1:]}; measured with them unquantised: {kl(win)}, "
             "confirmed by the engine.")
     elif candidates:            # within the bar, but none holds more requests than the reference beyond noise
         action, text = "keep_reference", (
@@ -254,17 +253,13 @@ def _honest(arm: str | None, numbers: Mapping[str, str], ref: Reference, results
         if text:
             saturated[name] = saturated_layers(results[name])
             extra.append(text)
-    used = sorted(set(numbers.values()))
-    if used == [ENGINE]:
-        extra.append("Decided on the engine's numbers.")
-    elif ENGINE in used:
-        emu = [n for n, s in numbers.items() if s == EMULATION]
-        extra.append(f"Decided on the engine's numbers where it ran; emulated numbers for {', '.join(f'`{n}`' for n in emu)} "
-                     "(engine: not run, see the engine table).")
-    elif any(e.engine is not None for e in results.values()):
-        extra.append("Decided on emulated numbers: the engine ran no quantised arm (see the engine table).")
-    else:
-        extra.append("Decided on emulated numbers (no engine run; `--engine vllm` measures the real engine).")
+    used, emu = set(numbers.values()), ", ".join(f"`{n}`" for n, s in numbers.items() if s == EMULATION)
+    extra.append("Decided on the engine's numbers." if used == {ENGINE} else
+                 f"Decided on the engine's numbers where it ran; emulated numbers for {emu} (engine: not run, see the "
+                 "engine table)." if ENGINE in used else
+                 "Decided on emulated numbers: the engine ran no quantised arm (see the engine table)."
+                 if any(e.engine is not None for e in results.values()) else
+                 "Decided on emulated numbers (no engine run; `--engine vllm` measures the real engine).")
     pks = {n: passkey_decision(e, ref, th) for n, e in _plain(results).items()}
     extra += [f"`{n}` " + "; ".join(pk.notes) + "." for n, pk in pks.items() if pk and pk.notes]
     return noise, saturated, extra + [f"`{n}`: {implausible(e)}." for n, e in results.items() if implausible(e)]
@@ -295,9 +290,9 @@ def int8_serving() -> str:
 def how_to_serve(info: ArmInfo, target: str | None = None) -> str:
     """How to serve an arm on `target` (None: vLLM, the engine eval measures), its flags from the one builder every
     command prints (calib.engine.command): never another engine's flag, never vLLM's for INT8."""
-    skip = support.skip_order([*info.serve_skip, *info.skip])
-    if getattr(info, "skip_kind", None):          # served by the kind's name, which covers exactly those layers
-        skip = support.skip_order([info.skip_kind, *info.serve_skip])
+    # a skip of a layer kind is served by the kind's name, which covers exactly those layers
+    kind = getattr(info, "skip_kind", None)
+    skip = support.skip_order([kind, *info.serve_skip] if kind else [*info.serve_skip, *info.skip])
     engine = target or "vllm"
     if info.kind == "format":
         return format_serving(info.dtype, skip, engine)
