@@ -289,47 +289,32 @@ def int8_serving() -> str:
 
 def how_to_serve(info: ArmInfo, target: str | None = None) -> str:
     """How to serve an arm on `target` (None: vLLM, the engine eval measures), its flags from the one builder every
-    command prints (calib.engine.command): never another engine's flag, never vLLM's for INT8."""
+    command prints (calib.engine.command): never another engine's flag, never vLLM's for INT8; for a whole KV format,
+    the attention backend that implements it (the support matrix, calib.recipe.support)."""
     # a skip of a layer kind is served by the kind's name, which covers exactly those layers
     kind = getattr(info, "skip_kind", None)
     skip = support.skip_order([kind, *info.serve_skip] if kind else [*info.serve_skip, *info.skip])
-    engine = target or "vllm"
-    if info.kind == "format":
-        return format_serving(info.dtype, skip, engine)
-    if info.dtype == "int8":
+    engine, title = target or "vllm", support.ENGINES[target or "vllm"].title
+    if info.dtype == "int8" and info.kind != "format":
         if info.kind == "stats":
             return f"calibrate with `granularity: {info.granularity}`, dtype int8, only for an engine that applies it: {int8_serving()}"
         where = f"`{info.source}`" if info.source else "INT8 KV with scale 1.0"
         return f"serve {where} only on an engine that applies its scales: {int8_serving()}"
-    how = _on(engine, info.dtype, skip)
+    try:
+        flags = " ".join(command.flags(engine, info.dtype, skip))
+    except support.SupportError as e:
+        if info.kind == "format":
+            return f"{title} cannot serve it: {e}"
+        flags, how = None, f"{title} cannot serve it as measured: {e}"
+    if info.kind == "format":       # a whole KV format, no kvcalib scales
+        how = ("scales are computed per token and head at the cache write, no calibration; only vLLM's Triton backend "
+               "implements it" if info.dtype in support.DYNAMIC_FORMATS else "no scales, no calibration")
+        return f"serve with `{flags}` ({title}; {how})"
+    if flags is not None:
+        how = (f"{title}: `{flags}`" if flags else
+               f"{title}: `{' '.join(command.argv(engine, 'CKPT'))}`, the KV dtype read from the checkpoint")
     if info.kind == "default":
         return f"serve with FP8 KV and no scales ({how}); calibration is not needed"
     if info.kind == "stats":
         return f"calibrate with `granularity: {info.granularity}` on this data and serve the result ({how})"
     return f"serve `{info.source}` ({how})"
-
-
-def _on(engine: str, dtype: str | None, skip: Sequence[int | str]) -> str:
-    """"vLLM: `--kv-cache-dtype fp8 ...`": the engine and its flags, or why it cannot take them."""
-    title = support.ENGINES[engine].title
-    try:
-        flags = command.flags(engine, dtype, skip)
-    except support.SupportError as e:
-        return f"{title} cannot serve it as measured: {e}"
-    if not flags:
-        return f"{title}: `{' '.join(command.argv(engine, 'CKPT'))}`, the KV dtype read from the checkpoint"
-    return f"{title}: `{' '.join(flags)}`"
-
-
-def format_serving(fmt: str, skip: Sequence[int | str] = (), engine: str = "vllm") -> str:
-    """How to serve a whole KV format (no kvcalib scales) on `engine`: its flags and, for the per-token-head caches,
-    the attention backend that implements them (the support matrix, calib.recipe.support)."""
-    title = support.ENGINES[engine].title
-    try:
-        flags = " ".join(command.flags(engine, fmt, skip))
-    except support.SupportError as e:
-        return f"{title} cannot serve it: {e}"
-    if fmt in support.DYNAMIC_FORMATS:
-        return (f"serve with `{flags}` ({title}; scales are computed per token and head at the cache write, no "
-                "calibration; only vLLM's Triton backend implements it)")
-    return f"serve with `{flags}` ({title}; no scales, no calibration)"
