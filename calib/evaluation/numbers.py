@@ -96,15 +96,10 @@ def scales_within_noise(ref: Reference, results: Mapping[str, ArmMetrics],
     for name, e in results.items():
         if e.info.kind != "checkpoint" or e.info.skip or e.info.dtype != default.info.dtype:
             continue
-        nd, na = decisive(default), decisive(e)
-        if nd.source != na.source or not nd.sample_nll or not na.sample_nll:
-            continue
-        r = paired(na.sample_nll, nd.sample_nll, sample_tokens)
-        if r is None:
-            continue
-        ratio, se = r
-        if abs(ratio) <= 2 * se:
-            same.append({"arm": name, "ppl_ratio": math.exp(ratio), "noise": 2 * se})
+        nd, na = decisive(default), decisive(e)       # `paired`: None without two samples measured alike
+        r = paired(na.sample_nll, nd.sample_nll, sample_tokens) if nd.source == na.source else None
+        if r is not None and abs(r[0]) <= 2 * r[1]:
+            same.append({"arm": name, "ppl_ratio": math.exp(r[0]), "noise": 2 * r[1]})
             source = na.source
     if not same:
         return None

@@ -110,12 +110,9 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """report.json: the description, every arm's numbers with whether it is within the threshold and why
         not, and the verdict."""
-        arms = {n: {**e.to_dict(), "within_threshold": self.within(n), "misses": self.misses(n)}
+        arms = {n: {**e.to_dict(), "within_threshold": self.within(n), "misses": self.misses(n),
+                    **({"passkey_significance": pk.to_dict()} if (pk := self.passkey(n)) is not None else {})}
                 for n, e in self.arms.items()}
-        for n, e in self.arms.items():
-            pk = self.passkey(n)
-            if pk is not None:
-                arms[n]["passkey_significance"] = pk.to_dict()
         out = {"schema": SCHEMA, **self.meta, "serving_dtype": self.serving_dtype,
                "thresholds": self.thresholds.to_dict(),
                "arms": {self.reference_name: self.reference.to_dict(), **arms}, "verdict": self.verdict.to_dict()}
