@@ -269,7 +269,6 @@ def format_arms(geo: Geometry, names: Sequence[str]) -> list[Arm]:
                            notes=(f"{d.name}: one float32 scale per token and KV head computed at the cache write "
                                   "(vLLM's Triton backend); no calibration",)))
         elif d is FP8_E5M2:
-            one = torch.tensor(1.0)
-            out.append(Arm(d.name, d, {i: one for i in geo.layers}, {i: one for i in geo.layers}, kind=FORMAT,
-                           notes=("fp8_e5m2: unscaled (scale 1.0), 2 mantissa bits, range to 57344",)))
+            out.append(replace(default_arm(geo, d), name=d.name, kind=FORMAT,
+                               notes=("fp8_e5m2: unscaled (scale 1.0), 2 mantissa bits, range to 57344",)))
     return out

@@ -127,13 +127,23 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
 def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     """The engine check, the model, its arms, the held-out samples and the passkey prompts, with notes."""
     emulation = emulate.by_name(cfg.emulate)     # checked by check_eval
-    engine_version = _engine_check(cfg)
+    engine_version = None
+    if cfg.engine is not None:          # the engine's version, checked before any long work
+        from calib.engine import driver
+
+        try:
+            engine_version = driver.check(cfg.engine)
+        except driver.EngineError as e:
+            raise EvalError(str(e)) from None
     loaded = load_causal_lm(cfg.model, cfg.placement(), cfg.trust_remote_code)
     tok, config = loaded.tokenizer, loaded.config
     geo = Geometry.of(config, loaded.attention_layers)
     arms, served_note = served.as_served(arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv),
                                          cfg.target, cfg.engine_version, emulation.name)
-    kinds = layer_kinds_of(config, cfg.model)
+    try:
+        kinds = layer_kinds.layer_kinds(config, f"MODEL {cfg.model}/config.json")
+    except GeometryError as e:        # an inconsistent config: one line naming the field
+        raise EvalError(str(e)) from None
     can_skip = not cfg.target or support.skip_by_kind(cfg.target) is None
     # every layer sliding (Mistral-style): skipping them all is the reference again, not an experiment
     sliding = kinds.sliding if kinds and can_skip and len(kinds.sliding) < len(kinds.kinds) else ()
@@ -174,14 +184,6 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     return Prepared(loaded, emulation, engine_version, geo, tuple(arms), reference_arm(loaded.dtype), buckets,
                     tuple(samples), used, {**held_out, "excluded_samples": excluded}, tuple(prompts), tuple(notes),
                     kinds)
-
-
-def layer_kinds_of(config: Any, model: Any) -> layer_kinds.Layers | None:
-    """The model's layer kinds (calib.model.layer_kinds); an inconsistent config is an EvalError naming the field."""
-    try:
-        return layer_kinds.layer_kinds(config, f"MODEL {model}/config.json")
-    except GeometryError as e:
-        raise EvalError(str(e)) from None
 
 
 def bytes_model(cfg: EvalConfig, p: Prepared, serving: str) -> memory.Model | None:
@@ -373,15 +375,3 @@ def _provenances(cfg: EvalConfig) -> list[tuple[str, dict | None]]:
 def _metrics_stage(progress: Progress, name: str, samples: Sequence[Sample], passes: int) -> Stage:
     """A stage of `passes` forward passes (reference + arms) over every sample."""
     return progress.stage(name, passes * sum(len(x.ids) for x in samples), samples=len(samples), arms=passes)
-
-
-def _engine_check(cfg: EvalConfig) -> str | None:
-    """The engine's version, checked before any long work; an unusable engine is an EvalError (one line)."""
-    if cfg.engine is None:
-        return None
-    from calib.engine import driver
-
-    try:
-        return driver.check(cfg.engine)
-    except driver.EngineError as e:
-        raise EvalError(str(e)) from None
