@@ -182,17 +182,12 @@ def sliding_skip_arms(arms: Sequence[Arm], sliding: Sequence[int]) -> list[Arm]:
     """For a model with sliding-window layers: the default arm and every checkpoint arm the engine serves as
     stored, again with those layers kept at the model dtype (vLLM: `--kv-cache-dtype-skip-layers sliding_window`).
     Emulated, a skipped layer is simply absent from the arm's scales, so the hook leaves its K/V untouched."""
-    if not sliding:
-        return []
-    out = []
-    for a in arms:
-        if a.kind not in ("default", "checkpoint") or a.name.endswith("@tensor") or a.skip:
-            continue
-        drop = set(sliding)
-        out.append(replace(a.skipping(drop), name=f"{a.name} skip {SLIDING_SKIP}", skip_kind=SLIDING_SKIP,
-                           notes=a.notes + (f"the {len(drop)} sliding-window layers {sorted(drop)} kept at the model "
-                                            f"dtype, as vLLM serves with --kv-cache-dtype-skip-layers {SLIDING_SKIP}",)))
-    return out
+    drop = set(sliding)
+    return [replace(a.skipping(drop), name=f"{a.name} skip {SLIDING_SKIP}", skip_kind=SLIDING_SKIP,
+                    notes=a.notes + (f"the {len(drop)} sliding-window layers {sorted(drop)} kept at the model dtype, "
+                                     f"as vLLM serves with --kv-cache-dtype-skip-layers {SLIDING_SKIP}",))
+            for a in arms if drop and a.kind in ("default", "checkpoint") and not a.name.endswith("@tensor")
+            and not a.skip]
 
 
 def read_stats(path: str) -> tuple[Stats, dict[str, Any] | None]:

@@ -101,11 +101,8 @@ def capacity_gain(row: CapacityRow, ref: CapacityRow, floor: float = CAPACITY_FL
     """Whether `row` holds more than the reference beyond noise: more than `floor` above it, and, where the engine
     counted both, more than CAPACITY_REQUESTS request more (module comment above)."""
     ratio, source = capacity_ratio(row, ref)
-    if ratio is None or row.reference:
-        return False
-    if source == ENGINE and (row.requests or 0) - (ref.requests or 0) <= CAPACITY_REQUESTS:
-        return False
-    return ratio > 1 + floor
+    within_rounding = source == ENGINE and (row.requests or 0) - (ref.requests or 0) <= CAPACITY_REQUESTS
+    return ratio is not None and not row.reference and not within_rounding and ratio > 1 + floor
 
 
 def by_capacity(rows: Sequence[CapacityRow], length: int, floor: float = CAPACITY_FLOOR) -> CapacityDecision:

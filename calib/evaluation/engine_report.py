@@ -27,7 +27,6 @@ def has_engine(doc: dict[str, Any]) -> bool:
 
 
 def _engine(entry: dict[str, Any]) -> dict[str, Any] | None:
-    """The arm's engine entry where the engine measured it, else None."""
     g = entry.get("engine") or {}
     return g if g.get("status") == "ok" else None
 

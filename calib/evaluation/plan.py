@@ -233,10 +233,8 @@ def batch_indices(prompts: Sequence[tuple[int, int]], size: int) -> list[list[in
     out: list[list[int]] = []
     tokens = 0
     for i, (n, b) in enumerate(prompts):
-        last = out[-1] if out else None
-        if (last is not None and prompts[last[0]][1] == b and len(last) < max(1, size)
-                and tokens + n <= PASSKEY_BATCH_TOKENS):
-            last.append(i)
+        if out and prompts[out[-1][0]][1] == b and len(out[-1]) < max(1, size) and tokens + n <= PASSKEY_BATCH_TOKENS:
+            out[-1].append(i)
             tokens += n
         else:
             out.append([i])
@@ -245,7 +243,6 @@ def batch_indices(prompts: Sequence[tuple[int, int]], size: int) -> list[list[in
 
 
 def prompt_batches(prompts: Sequence[tuple[int, int]], size: int) -> list[list[int]]:
-    """The lengths of each batch `batch_indices` makes."""
     return [[prompts[i][0] for i in group] for group in batch_indices(prompts, size)]
 
 
@@ -254,8 +251,7 @@ def fit(w: Work, parts: Parts, cost: Cost, rates: Rates, budget_s: float | None)
     if budget_s is None:
         return Plan(parts, estimate(w, parts, cost, rates), (), budget_s)
     buckets = sorted({b for _, b in w.samples} | {b for _, b, _ in w.prompts})
-    steps = []
-    have = len(parts.depths)
+    steps, have = [], len(parts.depths)
     for depths in DEPTH_STEPS if w.prompts else ():
         if len(depths) < have:
             steps.append((f"passkey depths {have} -> {len(depths)}", {"depths": depths}))

@@ -88,7 +88,6 @@ class Report:
         return (declared_dtype(model) if model else None) or self.meta.get("model_dtype") or self.reference_name
 
     def serve_argv(self) -> list[str] | None:
-        """The whole command that serves the decision (`serve_argv` below)."""
         return serve_argv(self.verdict, self.arms, str(self.meta["model"]), self.meta.get("config", {}).get("target"))
 
     def within(self, name: str) -> bool:
@@ -104,7 +103,6 @@ class Report:
                                  m["model_dtype"], m["kv_heads"], m["head_dim"], self.reference_name, len(m["layers"]))
 
     def passkey(self, name: str) -> significance.PasskeyDecision | None:
-        """Arm `name`'s passkey against the reference's (`passkey_decision`)."""
         return passkey_decision(self.arms[name], self.reference, self.thresholds)
 
     def to_dict(self) -> dict[str, Any]:
