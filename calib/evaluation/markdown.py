@@ -121,13 +121,11 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
               f"{meta['kv_heads']} KV heads x {meta['head_dim']}.", ""]
     lines += [f"Emulated engine: {meta['emulation']['line']}.", ""] if meta.get("emulation") else []
     lines += _format_lines(rep)
-    s = ref.summary
-    rows = [[ref_name, "reference", ref_name, "–", s.kl, s.max_bucket_kl, _pct(s.top1), s.ppl, "–",
-             _passkey_cell(ref.passkey), "reference", ref.seconds.total]]
-    for n, e in quant.items():
-        s = e.summary
-        rows.append([n, e.info.kind, e.info.dtype or ref_name, e.info.granularity, s.kl, s.max_bucket_kl, _pct(s.top1),
-                     s.ppl, _pct(s.ppl_rel), _passkey_cell(e.passkey), rep.within(n), e.seconds.total])
+    rows = [[ref_name, "reference", ref_name, "–", ref.summary.kl, ref.summary.max_bucket_kl, _pct(ref.summary.top1),
+             ref.summary.ppl, "–", _passkey_cell(ref.passkey), "reference", ref.seconds.total]]
+    rows += [[n, e.info.kind, e.info.dtype or ref_name, e.info.granularity, e.summary.kl, e.summary.max_bucket_kl,
+              _pct(e.summary.top1), e.summary.ppl, _pct(e.summary.ppl_rel), _passkey_cell(e.passkey), rep.within(n),
+              e.seconds.total] for n, e in quant.items()]
     lines += ["## Arms", ""]
     if engine_report.has_engine(doc):      # these are emulated; the engine's, over its own samples, follow
         lines += [f"Emulated numbers, over the {ref.summary.samples} samples the emulation measured; `within threshold` "
@@ -157,8 +155,7 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     head, failures = lines, _failure_lines(rep)   # relative paths in its headings; the samples' own text as it is
     lines = ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""] if plots else []
     notes = list(meta.get("notes", [])) + [f"`{n}`: {x}" for n, e in quant.items() for x in e.info.notes]
-    if notes:
-        lines += ["## Notes", ""] + [f"- {x}" for x in notes] + [""]
+    lines += ["## Notes", ""] + [f"- {x}" for x in notes] + [""] if notes else []
     lines += _layer_lines(rep)
     return "\n".join([relative("\n".join(head)), *failures, relative("\n".join(lines))])
 
@@ -169,11 +166,9 @@ def headline(rep: Report) -> str:
     v, dtype = rep.verdict, dtype_title(rep.serving_dtype)
     cap = v.capacity
     if v.action == "ship" and v.arm:
-        e = rep.arms[v.arm]
         ratio = cap.ratios.get(v.arm) if cap else None
-        gain = "" if ratio is None else (f", {ratio:.2f}x {dtype}'s KV capacity ("
-                                         f"{_source(cap.sources.get(v.arm))})")
-        return f"**Ship `{v.arm}`**: {e.info.dtype} KV within the quality bar{gain}."
+        gain = "" if ratio is None else f", {ratio:.2f}x {dtype}'s KV capacity ({_source(cap.sources.get(v.arm))})"
+        return f"**Ship `{v.arm}`**: {rep.arms[v.arm].info.dtype} KV within the quality bar{gain}."
     if v.action == "ship_with_skip":
         return (f"**Ship `{v.arm}` with layers {list(v.skip_layers)} kept in {dtype}**: within the quality bar, "
                 "confirmed by the engine.")
@@ -185,7 +180,7 @@ def headline(rep: Report) -> str:
         return (f"**Keep {dtype} KV**: no arm within the quality bar holds more requests than {dtype} beyond noise "
                 f"({', '.join(f'`{n}`' for n in within)}).")
     best = v.dominant_in
-    if best is None or best not in rep.arms:
+    if best not in rep.arms:
         return f"**Keep {dtype} KV**: no quantized arm was measured."
     return f"**Keep {dtype} KV**: no arm is within the quality bar (best: `{best}`, {'; '.join(rep.misses(best))})."
 
@@ -215,9 +210,8 @@ def decision_table(rep: Report) -> tuple[list[str], list[list[Any]]]:
     ref = rep.reference_name
     rows = [[f"{dtype} KV (reference)", "**recommended**" if chosen == ref else "reference", "reference",
              _capacity_cell(cap, ref), "not measured"]]
-    for n, e in rep.arms.items():
-        rows.append([f"`{n}`", "**recommended**" if n == chosen else _label(rep, n), _quality_cell(rep, n),
-                     _capacity_cell(cap, n), "not measured"])
+    rows += [[f"`{n}`", "**recommended**" if n == chosen else _label(rep, n), _quality_cell(rep, n),
+              _capacity_cell(cap, n), "not measured"] for n in rep.arms]
     return headers, sorted(rows, key=lambda r: r[1] != "**recommended**")      # the decision's row first
 
 
@@ -233,17 +227,12 @@ def quality_cell(kl: float, ppl_rel: float, max_kl: float, max_ppl_increase: flo
 
 
 def _label(rep: Report, name: str) -> str:
-    cap, e = rep.verdict.capacity, rep.arms[name]
+    cap, info = rep.verdict.capacity, rep.arms[name].info
     label = cap.labels.get(name) if cap else None
-    if label and label != RECOMMENDED:
-        return label
-    if rep.misses(name):
-        return QUALITY
-    if not e.info.shippable:
-        return "not served as measured"
-    if e.info.skip and rep.verdict.action == "skip_unconfirmed":
-        return "within the bar, not confirmed by the engine"
-    return "within the bar"
+    return (label if label and label != RECOMMENDED else QUALITY if rep.misses(name)
+            else "not served as measured" if not info.shippable
+            else "within the bar, not confirmed by the engine" if info.skip and rep.verdict.action == "skip_unconfirmed"
+            else "within the bar")
 
 
 def _quality_cell(rep: Report, name: str) -> str:
