@@ -377,20 +377,16 @@ def engine_lines(doc: Mapping[str, Any]) -> list[str]:
                     "passkey emulated", "passkey engine", "engine"], rows)
     if more:
         lines += [f"The engine over all the samples it measured (the emulation measured {shared.samples} of them): "
-                  "what the verdict reads where the engine ran the arm.", ""]
-        lines += table(["arm", "samples", "ppl engine", "Δppl engine", "KL engine (≥)", "top-1 engine",
-                        "passkey engine"], whole)
+                  "what the verdict reads where the engine ran the arm.", ""] + table(
+            ["arm", "samples", "ppl engine", "Δppl engine", "KL engine (≥)", "top-1 engine", "passkey engine"], whole)
     if cap:
         lines += ["KV-cache capacity measured by the engine (same pool size for every arm). Pool: blocks x block "
                   "size, which on a hybrid model counts one group's blocks; context: the engine's own capacity in "
-                  "context tokens (requests of max_model_len its pool holds x max_model_len), where it said.", ""]
-        lines += table(["arm", "KV cache dtype", "pool tokens", "GiB", "pool tokens/GiB", "context tokens"], cap)
-    if implausible:
-        lines += ["Engine numbers implausible for the arm's format (orders of magnitude off the reference while the "
-                  "emulation is not; never ranked):", ""] + implausible + [""]
-    if not_run:
-        lines += ["Arms the engine did not run:", ""] + not_run + [""]
-    return lines
+                  "context tokens (requests of max_model_len its pool holds x max_model_len), where it said.", ""] + \
+            table(["arm", "KV cache dtype", "pool tokens", "GiB", "pool tokens/GiB", "context tokens"], cap)
+    lines += ["Engine numbers implausible for the arm's format (orders of magnitude off the reference while the "
+              "emulation is not; never ranked):", ""] + implausible + [""] if implausible else []
+    return lines + (["Arms the engine did not run:", ""] + not_run + [""] if not_run else [])
 
 
 def _significance_lines(rep: Report) -> list[str]:
