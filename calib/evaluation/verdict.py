@@ -126,18 +126,14 @@ class Verdict:
 
     def to_dict(self) -> dict[str, Any]:
         """As report.json holds it (`scales_within_noise` only when found)."""
-        out = {"action": self.action, "arm": self.arm, "skip_layers": list(self.skip_layers), "flag": self.flag,
-               "within_threshold": list(self.within_threshold), "dominant_layers": list(self.dominant_layers),
-               "dominant_in": self.dominant_in, "thresholds": self.thresholds.to_dict(), "numbers": dict(self.numbers),
-               "text": self.text}
-        if self.scales_within_noise is not None:
-            out["scales_within_noise"] = self.scales_within_noise
-        out["saturated"] = {n: dict(v) for n, v in self.saturated.items()}
-        if self.skips_by_memory:
-            out["skips_by_memory"] = [dict(c) for c in self.skips_by_memory]
-        if self.capacity is not None:
-            out["capacity"] = self.capacity.to_dict()
-        return out
+        noise = self.scales_within_noise
+        return {"action": self.action, "arm": self.arm, "skip_layers": list(self.skip_layers), "flag": self.flag,
+                "within_threshold": list(self.within_threshold), "dominant_layers": list(self.dominant_layers),
+                "dominant_in": self.dominant_in, "thresholds": self.thresholds.to_dict(), "numbers": dict(self.numbers),
+                "text": self.text, **({"scales_within_noise": noise} if noise is not None else {}),
+                "saturated": {n: dict(v) for n, v in self.saturated.items()},
+                **({"skips_by_memory": [dict(c) for c in self.skips_by_memory]} if self.skips_by_memory else {}),
+                **({"capacity": self.capacity.to_dict()} if self.capacity is not None else {})}
 
 
 def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
