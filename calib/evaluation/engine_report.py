@@ -41,9 +41,8 @@ def over(rows: Mapping[str, Mapping[str, Any]], buckets: Sequence[str]) -> dict[
         return None
 
     def mean(key: str, of: Callable[[float], float] = float) -> float | None:
-        if any(r.get(key) is None for r in picked):      # report.json writes a non-finite number as null
-            return None
-        return sum(of(r[key]) * r["tokens"] for r in picked) / tokens
+        bad = any(r.get(key) is None for r in picked)      # report.json writes a non-finite number as null
+        return None if bad else sum(of(r[key]) * r["tokens"] for r in picked) / tokens
 
     nll, ref_nll = mean("ppl", math.log), mean("ppl_ref", math.log)
     ppl, ppl_ref = (None if x is None else exp(x) for x in (nll, ref_nll))
@@ -99,17 +98,12 @@ def plot(doc: dict[str, Any], out: Path) -> str | None:
         return None
 
     shared = side_by_side(doc)
-
-    def rel(numbers: dict[str, Any] | None) -> float:
-        return math.nan if numbers is None else 100 * numbers["ppl_rel"]
-
-    emu = [rel(shared.arms[n][0]) for n in names]
-    eng = [rel(shared.arms[n][1]) for n in names]
     fig = Figure(figsize=(max(6, 1.2 * len(names)), 4), layout="constrained")
     ax = fig.add_subplot(1, 1, 1)
     xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], emu, width=0.4, label="emulated")
-    ax.bar([x + 0.2 for x in xs], eng, width=0.4, label="engine (missing: not run)")
+    for j, (dx, label) in enumerate(((-0.2, "emulated"), (0.2, "engine (missing: not run)"))):
+        rel = [math.nan if shared.arms[n][j] is None else 100 * shared.arms[n][j]["ppl_rel"] for n in names]
+        ax.bar([x + dx for x in xs], rel, width=0.4, label=label)
     ax.axhline(0, color="black", linewidth=0.5)
     ax.set(xticks=list(xs), ylabel=f"perplexity change vs {ref_name} (%)",
            title=f"Emulation vs engine, {coverage(shared)}")
