@@ -304,11 +304,8 @@ def measure_arms(cfg: EvalConfig, p: Prepared, s: Session, progress: Progress,
                            p.samples, p.buckets, engine_prompts, passkey.MAX_NEW_TOKENS, p.loaded.tokenizer,
                            ctx.tokens if ctx else None, progress)
         measured = score_engine(engine.measure(p.reference, p.arms), engine_prompts, p.loaded.tokenizer)
-        for name, entry in measured.items():
-            if name == p.reference.name:
-                ref = replace(ref, engine=entry)
-            else:
-                results[name] = replace(results[name], engine=entry)
+        ref = replace(ref, engine=measured[p.reference.name]) if p.reference.name in measured else ref
+        results.update({n: replace(results[n], engine=g) for n, g in measured.items() if n != p.reference.name})
     return ref, results, engine
 
 

@@ -170,8 +170,7 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
     shippable_skips = [n for n, (c, _) in confirmed if c]
     length = capacity.longest(ref, bytes_model)
     rows = capacity.capacity_rows(ref, results, reference, plain, ok, shippable_skips, bytes_model, length)
-    cap = capacity.by_capacity(rows, length)
-    ref_row = rows[0]
+    ref_row, cap = rows[0], capacity.by_capacity(rows, length)
     candidates = [*ok, *shippable_skips]
     win = cap.recommended if cap.recommended is not None else (candidates[0] if candidates else None)
     said = serving or reference
@@ -180,8 +179,7 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
         action, arm = "ship", win
         ok = [win, *(n for n in ok if n != win)]
         text = f"Ship `{arm}` ({kl(arm)}): {how_to_serve(plain[arm].info, target)}."
-        if len(ok) > 1:
-            text += " Also within the threshold: " + "; ".join(f"`{n}` ({kl(n)})" for n in ok[1:]) + "."
+        text += " Also within the threshold: " + "; ".join(f"`{n}` ({kl(n)})" for n in ok[1:]) + "." if ok[1:] else ""
     elif win in shippable_skips:
         layers, flag, arm = _skip_trial(results, win)
         why = (f"the {results[win].info.skip_kind.replace('_', '-')} layers hold only their window, so keeping "
