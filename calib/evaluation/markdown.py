@@ -361,8 +361,8 @@ def engine_lines(doc: Mapping[str, Any]) -> list[str]:
         if g.get("status") == "not_run":
             not_run.append(f"- `{n}`: not run: {g['reason']}")
         elif g.get("status") == "ok":
-            cap.append([n, g.get("kv_cache_dtype"), g.get("kv_capacity_tokens"), g.get("kv_gib"), g.get("tokens_per_gib"),
-                        engine_report.context_capacity(g.get("kv_groups"))])
+            cap.append([n, g.get("kv_cache_dtype"), g.get("kv_capacity_tokens"), g.get("kv_gib"),
+                        g.get("tokens_per_gib"), engine_report.context_capacity(g.get("kv_groups"))])
     more = any(r[1] > shared.samples for r in whole)
     lines = ["## Emulation vs engine", "",
              f"Engine: {eng.get('name')} {eng.get('version')} on exactly the evaluation's token ids (prompt "
@@ -378,7 +378,8 @@ def engine_lines(doc: Mapping[str, Any]) -> list[str]:
     if more:
         lines += [f"The engine over all the samples it measured (the emulation measured {shared.samples} of them): "
                   "what the verdict reads where the engine ran the arm.", ""] + table(
-            ["arm", "samples", "ppl engine", "Δppl engine", "KL engine (≥)", "top-1 engine", "passkey engine"], whole)
+            ["arm", "samples", "ppl engine", "Δppl engine", "KL engine (≥)", "top-1 engine", "passkey engine"],
+            whole)
     if cap:
         lines += ["KV-cache capacity measured by the engine (same pool size for every arm). Pool: blocks x block "
                   "size, which on a hybrid model counts one group's blocks; context: the engine's own capacity in "
@@ -398,15 +399,13 @@ def _significance_lines(rep: Report) -> list[str]:
             depth = " ".join(f"{d.depth}:{d.losses}-/{d.gains}+" for d in pk.depths if d.bucket == t.bucket)
             rows.append([n, t.bucket, t.prompts, t.reference, t.arm, t.losses, t.gains, f"{t.p:.3g}",
                          f"{t.alpha:.3g}", t.conclusion(pk.allowed) + ("" if t.powered else " (underpowered)"), depth])
-    if not rows:
-        return []
     return ["### Paired with the reference", "",
             f"Exact McNemar test on the prompts each run answered (lost: reference right, arm wrong; gained: the "
             f"reverse); one-sided p of the drop against alpha {significance.ALPHA:g} / buckets. Underpowered: fewer "
             f"than {significance.DEFAULT_PROMPTS} prompts, the number that detects a "
             f"{100 * significance.DETECT_DROP:g}-point drop with power {significance.POWER:g}.", ""] + table(
         ["arm", "bucket <=", "prompts", "reference correct", "arm correct", "lost", "gained", "p (drop)", "alpha",
-         "conclusion", "by depth (lost-/gained+)"], rows)
+         "conclusion", "by depth (lost-/gained+)"], rows) if rows else []
 
 
 def _failure_lines(rep: Report) -> list[str]:

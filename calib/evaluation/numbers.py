@@ -49,10 +49,9 @@ def implausible(entry: Entry) -> str | None:
     g, s = entry.engine, entry.engine.summary
     ratio, emu = 1.0 + s.ppl_rel, 1.0 + entry.summary.ppl_rel
     bad = not math.isfinite(s.ppl) or ratio > MAX_PPL_RATIO or not math.isfinite(s.kl) or s.kl > MAX_KL
-    if not bad or emu > MAX_PPL_RATIO:
-        return None
     return (f"engine output implausible for {g.kv_cache_dtype or entry.info.dtype} on {g.engine} {g.version} (ppl "
-            f"x{ratio:.4g}, KL {s.kl:.3g} vs the reference; emulated x{emu:.4g}): not ranked")
+            f"x{ratio:.4g}, KL {s.kl:.3g} vs the reference; emulated x{emu:.4g}): not ranked"
+            if bad and emu <= MAX_PPL_RATIO else None)
 
 
 @dataclass(frozen=True)

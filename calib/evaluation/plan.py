@@ -287,6 +287,4 @@ def emulation_limit(requested: int | None, buckets: Sequence[int], engine: bool)
     """The largest bucket the emulation covers (None: all): `requested` (--emulate-up-to), else
     `SHORT_WINDOW` when an engine measures the long buckets, else all; never below the smallest bucket."""
     limit = requested if requested is not None else SHORT_WINDOW if engine else None
-    if limit is None or limit >= max(buckets):
-        return None
-    return max([b for b in buckets if b <= limit] or [min(buckets)])
+    return None if limit is None or limit >= max(buckets) else max([b for b in buckets if b <= limit] or [min(buckets)])

@@ -52,9 +52,7 @@ def declared_dtype(model: str | Path) -> str | None:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(cfg, dict):
-        return None
-    for c in (cfg.get("text_config"), cfg):
+    for c in (cfg.get("text_config"), cfg) if isinstance(cfg, dict) else ():
         declared = (c.get("dtype") or c.get("torch_dtype")) if isinstance(c, dict) else None
         if isinstance(declared, str):       # a model dtype kvcalib knows, else nothing (the file is the user's input)
             name = declared.removeprefix("torch.")

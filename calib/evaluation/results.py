@@ -56,9 +56,7 @@ def passkey_rows(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, PasskeyR
 
 def passkey_correct(rows: Mapping[str, PasskeyRow] | None) -> tuple[int, int] | None:
     """(correct, total) over every bucket (the emulation's rows or the engine's); None when not run."""
-    if not rows:
-        return None
-    return sum(r.correct for r in rows.values()), sum(r.total for r in rows.values())
+    return (sum(r.correct for r in rows.values()), sum(r.total for r in rows.values())) if rows else None
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ prompts each). Rows without per-prompt outcomes (older reports) fall back to com
 How many prompts (exact power by enumerating the multinomial of losses and gains: `prompts_needed` in
 tests/evaluation/test_significance.py): to detect a drop of 10 accuracy points with power 0.8 at ALPHA 0.05 / 3
 buckets, when the arm only loses keys, 66 prompts a bucket at alpha 0.05 and 78 at 0.05 / 3 are needed;
-DEFAULT_PROMPTS = 80 (16 per depth x 5 depths) has power 0.82 there. If, besides the drop, 2 % of prompts flip each way, power at 80 falls to 0.51
-(128 prompts for 0.8) — the report says which buckets are underpowered rather than claim more.
+DEFAULT_PROMPTS = 80 (16 per depth x 5 depths) has power 0.82 there. If, besides the drop, 2 % of prompts flip
+each way, power at 80 falls to 0.51 (128 prompts for 0.8) — the report says which buckets are underpowered rather
+than claim more.
 """
 
 from __future__ import annotations
