@@ -173,10 +173,9 @@ def capacity_rows(ref: Reference, results: Mapping[str, ArmMetrics], reference: 
                   ok: Sequence[str], skips: Sequence[str], bytes_model: Any, length: int) -> list[CapacityRow]:
     """The reference first, then every plain arm (a candidate when within the threshold) and every skip the engine
     confirmed within it (a candidate)."""
-    rows = [capacity_row(ref, None, reference, True, bytes_model, length)]
-    rows += [capacity_row(ref, e, n, n in ok, bytes_model, length) for n, e in plain.items()]
-    rows += [capacity_row(ref, results[n], n, True, bytes_model, length) for n in skips]
-    return rows
+    return [capacity_row(ref, None, reference, True, bytes_model, length),
+            *(capacity_row(ref, e, n, n in ok, bytes_model, length) for n, e in plain.items()),
+            *(capacity_row(ref, results[n], n, True, bytes_model, length) for n in skips)]
 
 
 def gains(row: CapacityRow, ref: CapacityRow) -> bool | None:
