@@ -109,11 +109,10 @@ class Report:
         arms = {n: {**e.to_dict(), "within_threshold": self.within(n), "misses": self.misses(n),
                     **({"passkey_significance": pk.to_dict()} if (pk := self.passkey(n)) is not None else {})}
                 for n, e in self.arms.items()}
-        out = {"schema": SCHEMA, **self.meta, "serving_dtype": self.serving_dtype,
-               "thresholds": self.thresholds.to_dict(),
-               "arms": {self.reference_name: self.reference.to_dict(), **arms}, "verdict": self.verdict.to_dict()}
         fmt = self.formats()
-        return {**out, "formats": fmt.to_dict()} if fmt else out
+        return {"schema": SCHEMA, **self.meta, "serving_dtype": self.serving_dtype,
+                "thresholds": self.thresholds.to_dict(), "arms": {self.reference_name: self.reference.to_dict(), **arms},
+                "verdict": self.verdict.to_dict(), **({"formats": fmt.to_dict()} if fmt else {})}
 
 
 def serve_argv(v: Verdict, arms: Mapping[str, ArmMetrics], model: str, target: str | None) -> list[str] | None:
