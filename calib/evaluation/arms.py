@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from calib.ckpt.kvinfo import KVInfo, read_kv_info
+from calib.ckpt.kvinfo import read_kv_info
 from calib.errors import KvcalibError
 from calib.evaluation.results import ArmInfo
 from calib.recipe import support
@@ -112,13 +112,6 @@ def default_arm(geo: Geometry, dtype: KVDtype) -> Arm:
                notes=("scale 1.0: what vLLM and TensorRT-LLM use when a checkpoint carries no KV scales",))
 
 
-def _checkpoint_dtype(info: KVInfo) -> KVDtype:
-    scheme = info.kv_scheme or {}
-    if scheme.get("type") == "int" or info.kv_cache_quant_algo == "INT8":
-        return INT8
-    return FP8_E4M3
-
-
 def checkpoint_arms(path: str, geo: Geometry, per_head_kv: bool = True) -> list[Arm]:
     """The arm of a checkpoint's K/V scales as stored, plus its per-tensor fold when the scales are per head
     (what vLLM applies outside its FlashAttention-3 backend)."""
@@ -136,7 +129,7 @@ def checkpoint_arms(path: str, geo: Geometry, per_head_kv: bool = True) -> list[
     if info.num_layers is not None and info.num_layers != len(geo.layers):
         raise EvalError(f"--scales {path} is for a model with {info.num_layers} layers; this model has "
                         f"{len(geo.layers)}")
-    dtype = _checkpoint_dtype(info)
+    dtype = INT8 if (info.kv_scheme or {}).get("type") == "int" or info.kv_cache_quant_algo == "INT8" else FP8_E4M3
     k, v, notes = {}, {}, []
     serve_skip = tuple(sorted(int(i) for i in (info.provenance or {}).get("skipped_layers") or []))
     if serve_skip:
@@ -189,17 +182,12 @@ def sliding_skip_arms(arms: Sequence[Arm], sliding: Sequence[int]) -> list[Arm]:
     """For a model with sliding-window layers: the default arm and every checkpoint arm the engine serves as
     stored, again with those layers kept at the model dtype (vLLM: `--kv-cache-dtype-skip-layers sliding_window`).
     Emulated, a skipped layer is simply absent from the arm's scales, so the hook leaves its K/V untouched."""
-    if not sliding:
-        return []
-    out = []
-    for a in arms:
-        if a.kind not in ("default", "checkpoint") or a.name.endswith("@tensor") or a.skip:
-            continue
-        drop = set(sliding)
-        out.append(replace(a.skipping(drop), name=f"{a.name} skip {SLIDING_SKIP}", skip_kind=SLIDING_SKIP,
-                           notes=a.notes + (f"the {len(drop)} sliding-window layers {sorted(drop)} kept at the model "
-                                            f"dtype, as vLLM serves with --kv-cache-dtype-skip-layers {SLIDING_SKIP}",)))
-    return out
+    drop = set(sliding)
+    return [replace(a.skipping(drop), name=f"{a.name} skip {SLIDING_SKIP}", skip_kind=SLIDING_SKIP,
+                    notes=a.notes + (f"the {len(drop)} sliding-window layers {sorted(drop)} kept at the model dtype, "
+                                     f"as vLLM serves with --kv-cache-dtype-skip-layers {SLIDING_SKIP}",))
+            for a in arms if drop and a.kind in ("default", "checkpoint") and not a.name.endswith("@tensor")
+            and not a.skip]
 
 
 def read_stats(path: str) -> tuple[Stats, dict[str, Any] | None]:
@@ -276,7 +264,6 @@ def format_arms(geo: Geometry, names: Sequence[str]) -> list[Arm]:
                            notes=(f"{d.name}: one float32 scale per token and KV head computed at the cache write "
                                   "(vLLM's Triton backend); no calibration",)))
         elif d is FP8_E5M2:
-            one = torch.tensor(1.0)
-            out.append(Arm(d.name, d, {i: one for i in geo.layers}, {i: one for i in geo.layers}, kind=FORMAT,
-                           notes=("fp8_e5m2: unscaled (scale 1.0), 2 mantissa bits, range to 57344",)))
+            out.append(replace(default_arm(geo, d), name=d.name, kind=FORMAT,
+                               notes=("fp8_e5m2: unscaled (scale 1.0), 2 mantissa bits, range to 57344",)))
     return out

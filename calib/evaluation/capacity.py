@@ -101,11 +101,8 @@ def capacity_gain(row: CapacityRow, ref: CapacityRow, floor: float = CAPACITY_FL
     """Whether `row` holds more than the reference beyond noise: more than `floor` above it, and, where the engine
     counted both, more than CAPACITY_REQUESTS request more (module comment above)."""
     ratio, source = capacity_ratio(row, ref)
-    if ratio is None or row.reference:
-        return False
-    if source == ENGINE and (row.requests or 0) - (ref.requests or 0) <= CAPACITY_REQUESTS:
-        return False
-    return ratio > 1 + floor
+    within_rounding = source == ENGINE and (row.requests or 0) - (ref.requests or 0) <= CAPACITY_REQUESTS
+    return ratio is not None and not row.reference and not within_rounding and ratio > 1 + floor
 
 
 def by_capacity(rows: Sequence[CapacityRow], length: int, floor: float = CAPACITY_FLOOR) -> CapacityDecision:
@@ -144,21 +141,13 @@ def by_capacity(rows: Sequence[CapacityRow], length: int, floor: float = CAPACIT
     for r in rows:
         x, src = ratios[r.name], sources[r.name] or "unknown"
         said = f"{x:.2f}x the reference's capacity ({src})" if x is not None else "capacity not known"
-        if r.reference:
-            labels[r.name], why[r.name] = (RECOMMENDED if recommended == r.name else REFERENCE), "the reference"
-        elif not r.within_bar:
-            labels[r.name], why[r.name] = QUALITY, said
-        elif x is None:
-            labels[r.name], why[r.name] = NOT_MEASURED, said
-        elif r.name == recommended:
-            labels[r.name], why[r.name] = RECOMMENDED, said
-        elif r not in gain:
-            labels[r.name], why[r.name] = NO_CAPACITY_GAIN, f"{said}: within noise of the reference's"
-        elif r.name in dominated:
-            labels[r.name], why[r.name] = DOMINATED, (f"{said}; `{dominated[r.name]}` is as good or better on "
-                                                       "quality and capacity together")
-        else:
-            labels[r.name], why[r.name] = LESS_CAPACITY, f"{said}, less than `{recommended}`'s"
+        labels[r.name], why[r.name] = (
+            ((RECOMMENDED if recommended == r.name else REFERENCE), "the reference") if r.reference
+            else (QUALITY, said) if not r.within_bar else (NOT_MEASURED, said) if x is None
+            else (RECOMMENDED, said) if r.name == recommended
+            else (NO_CAPACITY_GAIN, f"{said}: within noise of the reference's") if r not in gain
+            else (DOMINATED, f"{said}; `{dominated[r.name]}` is as good or better on quality and capacity together")
+            if r.name in dominated else (LESS_CAPACITY, f"{said}, less than `{recommended}`'s"))
     return CapacityDecision(recommended, length, ratios, sources, labels, why, dominated)
 
 
@@ -184,10 +173,9 @@ def capacity_rows(ref: Reference, results: Mapping[str, ArmMetrics], reference: 
                   ok: Sequence[str], skips: Sequence[str], bytes_model: Any, length: int) -> list[CapacityRow]:
     """The reference first, then every plain arm (a candidate when within the threshold) and every skip the engine
     confirmed within it (a candidate)."""
-    rows = [capacity_row(ref, None, reference, True, bytes_model, length)]
-    rows += [capacity_row(ref, e, n, n in ok, bytes_model, length) for n, e in plain.items()]
-    rows += [capacity_row(ref, results[n], n, True, bytes_model, length) for n in skips]
-    return rows
+    return [capacity_row(ref, None, reference, True, bytes_model, length),
+            *(capacity_row(ref, e, n, n in ok, bytes_model, length) for n, e in plain.items()),
+            *(capacity_row(ref, results[n], n, True, bytes_model, length) for n in skips)]
 
 
 def gains(row: CapacityRow, ref: CapacityRow) -> bool | None:

@@ -89,10 +89,8 @@ def rows(results: Mapping[str, Any], failures: Callable[[Any], list[str]], kv_he
             continue
         fmt = dtypes.kv_format(info.dtype)
         nums = decisive(e)
-        eng = None
-        if engine_ok(e) and not implausible(e):
-            tpg = e.engine.tokens_per_gib
-            eng = 2 ** 30 / tpg / max(layers, 1) if tpg else None
+        tpg = e.engine.tokens_per_gib if engine_ok(e) and not implausible(e) else None
+        eng = 2 ** 30 / tpg / max(layers, 1) if tpg else None
         out.append(FormatRow(name, fmt.name, info.kind, fmt.bytes_per_token(kv_heads, head_dim), eng,
                              served_by(fmt.name), nums.summary.ppl_rel, nums.summary.kl, nums.source,
                              tuple(failures(e))))

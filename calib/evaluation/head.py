@@ -63,7 +63,6 @@ class Head:
         return torch.log_softmax(z, dim=-1)
 
     def chunk(self, device: torch.device) -> int:
-        """Positions per chunk on `device` now (`rows` when set)."""
         return self.rows or chunk_rows(self.vocab, free_bytes(device))
 
     @torch.no_grad()

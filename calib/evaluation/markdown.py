@@ -98,11 +98,10 @@ def _passkey_cell(rows: Mapping[str, Any] | None) -> str:
 
 def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     """report.md from the typed report: the decision, its table and serve command (`lead`), then the verdict's
-    reasons and every table; `doc` (report.json's document) feeds the engine section, which
-    calib/evaluation/engine_report.py renders from the engine's own entries. Paths relative to the user's folder."""
+    reasons and every table; `doc` (report.json's document) feeds the engine section (`engine_lines`), from the
+    engine's own entries. Paths relative to the user's folder."""
     meta, ref, th, v = rep.meta, rep.reference, rep.thresholds, rep.verdict
-    ref_name, quant = rep.reference_name, rep.arms
-    d = meta["data"]
+    ref_name, quant, d = rep.reference_name, rep.arms, meta["data"]
     held = d["held_out"]
     lines = [f"# KV-cache evaluation: `{meta['model']}`", ""]
     argv = rep.serve_argv()
@@ -114,25 +113,19 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
               f"Dominant layers: attention-output error >= {th.dominance:g}x the median layer's.", ""]
     if v.dominant_layers:
         lines += [f"Layers dominating the error of `{v.dominant_in}`: {list(v.dominant_layers)}.", ""]
-    if held.get("checked_against"):
-        held_txt = f"{held['excluded_samples']} calibration samples of `{held['checked_against']}` left out"
-        held_txt += "" if held.get("reproduced_exactly") else " (calibration stream not reproduced exactly)"
-    else:
-        held_txt = held.get("note", "")
+    held_txt = held.get("note", "") if not held.get("checked_against") else (
+        f"{held['excluded_samples']} calibration samples of `{held['checked_against']}` left out"
+        + ("" if held.get("reproduced_exactly") else " (calibration stream not reproduced exactly)"))
     lines += [f"Data: `{d['source']}`: {d['samples']} samples, {d['tokens']} tokens; {held_txt}. "
               f"Model dtype {meta['model_dtype']} on {meta['device']}; {len(meta['layers'])} layers, "
               f"{meta['kv_heads']} KV heads x {meta['head_dim']}.", ""]
-    emu = meta.get("emulation")
-    if emu:
-        lines += [f"Emulated engine: {emu['line']}.", ""]
+    lines += [f"Emulated engine: {meta['emulation']['line']}.", ""] if meta.get("emulation") else []
     lines += _format_lines(rep)
-    s = ref.summary
-    rows = [[ref_name, "reference", ref_name, "–", s.kl, s.max_bucket_kl, _pct(s.top1), s.ppl, "–",
-             _passkey_cell(ref.passkey), "reference", ref.seconds.total]]
-    for n, e in quant.items():
-        s = e.summary
-        rows.append([n, e.info.kind, e.info.dtype or ref_name, e.info.granularity, s.kl, s.max_bucket_kl, _pct(s.top1),
-                     s.ppl, _pct(s.ppl_rel), _passkey_cell(e.passkey), rep.within(n), e.seconds.total])
+    rows = [[ref_name, "reference", ref_name, "–", ref.summary.kl, ref.summary.max_bucket_kl, _pct(ref.summary.top1),
+             ref.summary.ppl, "–", _passkey_cell(ref.passkey), "reference", ref.seconds.total]]
+    rows += [[n, e.info.kind, e.info.dtype or ref_name, e.info.granularity, e.summary.kl, e.summary.max_bucket_kl,
+              _pct(e.summary.top1), e.summary.ppl, _pct(e.summary.ppl_rel), _passkey_cell(e.passkey), rep.within(n),
+              e.seconds.total] for n, e in quant.items()]
     lines += ["## Arms", ""]
     if engine_report.has_engine(doc):      # these are emulated; the engine's, over its own samples, follow
         lines += [f"Emulated numbers, over the {ref.summary.samples} samples the emulation measured; `within threshold` "
@@ -140,7 +133,7 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     lines += table(
         ["arm", "kind", "dtype", "granularity", "mean KL", "worst-bucket KL", "top-1", "ppl", "Δppl", "passkey",
          "within threshold", "seconds"], rows)
-    lines += engine_report.markdown(doc, table)
+    lines += engine_lines(doc)
     lines += memory_lines(meta.get("memory"))
     lines += ["## By context length", ""] + table(
         ["arm", "bucket <=", "samples", "tokens", "KL", "top-1", "ppl", f"{ref_name} ppl", "Δppl"],
@@ -160,12 +153,9 @@ def markdown(rep: Report, doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     else:
         lines += ["Not run (see notes).", ""]
     head, failures = lines, _failure_lines(rep)   # relative paths in its headings; the samples' own text as it is
-    lines = []
-    if plots:
-        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    lines = ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""] if plots else []
     notes = list(meta.get("notes", [])) + [f"`{n}`: {x}" for n, e in quant.items() for x in e.info.notes]
-    if notes:
-        lines += ["## Notes", ""] + [f"- {x}" for x in notes] + [""]
+    lines += ["## Notes", ""] + [f"- {x}" for x in notes] + [""] if notes else []
     lines += _layer_lines(rep)
     return "\n".join([relative("\n".join(head)), *failures, relative("\n".join(lines))])
 
@@ -176,11 +166,9 @@ def headline(rep: Report) -> str:
     v, dtype = rep.verdict, dtype_title(rep.serving_dtype)
     cap = v.capacity
     if v.action == "ship" and v.arm:
-        e = rep.arms[v.arm]
         ratio = cap.ratios.get(v.arm) if cap else None
-        gain = "" if ratio is None else (f", {ratio:.2f}x {dtype}'s KV capacity ("
-                                         f"{_source(cap.sources.get(v.arm))})")
-        return f"**Ship `{v.arm}`**: {e.info.dtype} KV within the quality bar{gain}."
+        gain = "" if ratio is None else f", {ratio:.2f}x {dtype}'s KV capacity ({_source(cap.sources.get(v.arm))})"
+        return f"**Ship `{v.arm}`**: {rep.arms[v.arm].info.dtype} KV within the quality bar{gain}."
     if v.action == "ship_with_skip":
         return (f"**Ship `{v.arm}` with layers {list(v.skip_layers)} kept in {dtype}**: within the quality bar, "
                 "confirmed by the engine.")
@@ -192,7 +180,7 @@ def headline(rep: Report) -> str:
         return (f"**Keep {dtype} KV**: no arm within the quality bar holds more requests than {dtype} beyond noise "
                 f"({', '.join(f'`{n}`' for n in within)}).")
     best = v.dominant_in
-    if best is None or best not in rep.arms:
+    if best not in rep.arms:
         return f"**Keep {dtype} KV**: no quantized arm was measured."
     return f"**Keep {dtype} KV**: no arm is within the quality bar (best: `{best}`, {'; '.join(rep.misses(best))})."
 
@@ -222,9 +210,8 @@ def decision_table(rep: Report) -> tuple[list[str], list[list[Any]]]:
     ref = rep.reference_name
     rows = [[f"{dtype} KV (reference)", "**recommended**" if chosen == ref else "reference", "reference",
              _capacity_cell(cap, ref), "not measured"]]
-    for n, e in rep.arms.items():
-        rows.append([f"`{n}`", "**recommended**" if n == chosen else _label(rep, n), _quality_cell(rep, n),
-                     _capacity_cell(cap, n), "not measured"])
+    rows += [[f"`{n}`", "**recommended**" if n == chosen else _label(rep, n), _quality_cell(rep, n),
+              _capacity_cell(cap, n), "not measured"] for n in rep.arms]
     return headers, sorted(rows, key=lambda r: r[1] != "**recommended**")      # the decision's row first
 
 
@@ -240,17 +227,12 @@ def quality_cell(kl: float, ppl_rel: float, max_kl: float, max_ppl_increase: flo
 
 
 def _label(rep: Report, name: str) -> str:
-    cap, e = rep.verdict.capacity, rep.arms[name]
+    cap, info = rep.verdict.capacity, rep.arms[name].info
     label = cap.labels.get(name) if cap else None
-    if label and label != RECOMMENDED:
-        return label
-    if rep.misses(name):
-        return QUALITY
-    if not e.info.shippable:
-        return "not served as measured"
-    if e.info.skip and rep.verdict.action == "skip_unconfirmed":
-        return "within the bar, not confirmed by the engine"
-    return "within the bar"
+    return (label if label and label != RECOMMENDED else QUALITY if rep.misses(name)
+            else "not served as measured" if not info.shippable
+            else "within the bar, not confirmed by the engine" if info.skip and rep.verdict.action == "skip_unconfirmed"
+            else "within the bar")
 
 
 def _quality_cell(rep: Report, name: str) -> str:
@@ -287,13 +269,11 @@ def memory_lines(mem: Mapping[str, Any] | None) -> list[str]:
     if not mem:
         return []
     lengths = list(next(iter(mem["rows"].values()))["model"])
+
     def check(c: Mapping[str, Any] | None) -> str:
-        if not c:
-            return "–"
-        engine = "not reported" if c["engine"] is None else f"{c['engine']:,}"
-        if c["problems"]:
-            return f"{engine} ({'; '.join(c['problems'])})"
-        return f"{engine} vs {c['bytes_model']:,} at {c['max_model_len']:,}"
+        engine = "not reported" if not c or c["engine"] is None else f"{c['engine']:,}"
+        return "–" if not c else f"{engine} ({'; '.join(c['problems'])})" if c["problems"] else \
+            f"{engine} vs {c['bytes_model']:,} at {c['max_model_len']:,}"
     rows = [[n, *(f"{r['model'][L]['tokens_per_gib']:,.0f} ({_pct(r['model'][L]['saving'])})" for L in lengths),
              _cell(r.get("engine_tokens_per_gib"), ",.0f"), check(r.get("engine_check"))]
             for n, r in mem["rows"].items()]
@@ -338,6 +318,78 @@ def _format_lines(rep: Report) -> list[str]:
                           "numbers", "within the bar"], rows)
 
 
+def _passkey_shared(tables: Sequence[Mapping[str, Any] | None]) -> list[str]:
+    """Passkey correct/total of each report.json table over the buckets every table that ran has (the emulation may
+    have asked only the shorter buckets' prompts)."""
+    ran = [t for t in tables if t]
+    shared = [b for b in (ran[0] if ran else {}) if all(b in t for t in ran)]
+    return ["–" if not t else f"{sum(t[b]['correct'] for b in shared)}/{sum(t[b]['total'] for b in shared)}"
+            for t in tables]
+
+
+def engine_lines(doc: Mapping[str, Any]) -> list[str]:
+    """The '## Emulation vs engine' section (empty when no engine ran), from report.json's document: emulated and
+    engine numbers over the same samples (engine_report.side_by_side), then the engine's over all its samples where it
+    measured more, its KV capacity, and the arms it found implausible or did not run."""
+    if not engine_report.has_engine(doc):
+        return []
+    ref_name, numbers, eng = doc["reference"], doc["verdict"].get("numbers", {}), doc.get("engine") or {}
+    shared = engine_report.side_by_side(doc)
+
+    def num(x: float | None) -> str:
+        return "–" if x is None else f"{x:.5g}"
+
+    def rel(n: str, x: float | None) -> str:
+        return "–" if x is None or n == ref_name else f"{100 * x:+.3g}%"
+
+    rows, not_run, cap, implausible, whole = [], [], [], [], []
+    for n, e in doc["arms"].items():
+        g = e.get("engine") or {}
+        odd = [m for m in e.get("misses") or [] if m.startswith("engine output implausible")]
+        s, es = shared.arms[n][0] or {}, shared.arms[n][1] or {}
+        greedy = ((g.get("summary") or {}).get("greedy") or {}).get("prefix") if es else None
+        rows.append([n, numbers.get(n, "reference" if n == ref_name else "emulation"), num(s.get("ppl")),
+                     num(es.get("ppl")), rel(n, s.get("ppl_rel")), rel(n, es.get("ppl_rel")), s.get("kl"),
+                     es.get("kl"), es.get("kl_unresolved_mass"), _pct(s.get("top1")), _pct(es.get("top1")),
+                     _pct(greedy), *_passkey_shared([e.get("passkey"), g.get("passkey")]),
+                     "implausible" if odd else g.get("status", "–").replace("_", " ")])
+        if es:
+            a = g["summary"]
+            whole.append([n, a["samples"], num(a["ppl"]), rel(n, a["ppl_rel"]), a["kl"], _pct(a["top1"]),
+                          _passkey_shared([g.get("passkey")])[0]])
+        implausible += [f"- `{n}`: {odd[0]}"] if odd else []
+        if g.get("status") == "not_run":
+            not_run.append(f"- `{n}`: not run: {g['reason']}")
+        elif g.get("status") == "ok":
+            cap.append([n, g.get("kv_cache_dtype"), g.get("kv_capacity_tokens"), g.get("kv_gib"),
+                        g.get("tokens_per_gib"), engine_report.context_capacity(g.get("kv_groups"))])
+    more = any(r[1] > shared.samples for r in whole)
+    lines = ["## Emulation vs engine", "",
+             f"Engine: {eng.get('name')} {eng.get('version')} on exactly the evaluation's token ids (prompt "
+             f"log-probabilities, top-{eng.get('top_k')}). Emulated and engine numbers side by side are "
+             f"{engine_report.coverage(shared)}; passkey over the buckets both asked. Engine KL is a lower bound from "
+             f"the top-k (`unresolved`: the {ref_name} run's probability mass outside the tokens known in both runs); "
+             "perplexity and top-1 are exact. Greedy: share of greedy continuation tokens equal to the reference's "
+             "before the first difference (every sample the engine ran). `numbers`: what the verdict read"
+             + (", the engine's over all its samples (the table after this one)." if more else "."), ""]
+    lines += table(["arm", "numbers", "ppl emulated", "ppl engine", "Δppl emulated", "Δppl engine", "KL emulated",
+                    "KL engine (≥)", "unresolved", "top-1 emulated", "top-1 engine", "greedy engine",
+                    "passkey emulated", "passkey engine", "engine"], rows)
+    if more:
+        lines += [f"The engine over all the samples it measured (the emulation measured {shared.samples} of them): "
+                  "what the verdict reads where the engine ran the arm.", ""] + table(
+            ["arm", "samples", "ppl engine", "Δppl engine", "KL engine (≥)", "top-1 engine", "passkey engine"],
+            whole)
+    if cap:
+        lines += ["KV-cache capacity measured by the engine (same pool size for every arm). Pool: blocks x block "
+                  "size, which on a hybrid model counts one group's blocks; context: the engine's own capacity in "
+                  "context tokens (requests of max_model_len its pool holds x max_model_len), where it said.", ""] + \
+            table(["arm", "KV cache dtype", "pool tokens", "GiB", "pool tokens/GiB", "context tokens"], cap)
+    lines += ["Engine numbers implausible for the arm's format (orders of magnitude off the reference while the "
+              "emulation is not; never ranked):", ""] + implausible + [""] if implausible else []
+    return lines + (["Arms the engine did not run:", ""] + not_run + [""] if not_run else [])
+
+
 def _significance_lines(rep: Report) -> list[str]:
     """Each arm's passkey paired with the reference's, per bucket: the exact McNemar test and what it concludes."""
     rows = []
@@ -347,15 +399,13 @@ def _significance_lines(rep: Report) -> list[str]:
             depth = " ".join(f"{d.depth}:{d.losses}-/{d.gains}+" for d in pk.depths if d.bucket == t.bucket)
             rows.append([n, t.bucket, t.prompts, t.reference, t.arm, t.losses, t.gains, f"{t.p:.3g}",
                          f"{t.alpha:.3g}", t.conclusion(pk.allowed) + ("" if t.powered else " (underpowered)"), depth])
-    if not rows:
-        return []
     return ["### Paired with the reference", "",
             f"Exact McNemar test on the prompts each run answered (lost: reference right, arm wrong; gained: the "
             f"reverse); one-sided p of the drop against alpha {significance.ALPHA:g} / buckets. Underpowered: fewer "
             f"than {significance.DEFAULT_PROMPTS} prompts, the number that detects a "
             f"{100 * significance.DETECT_DROP:g}-point drop with power {significance.POWER:g}.", ""] + table(
         ["arm", "bucket <=", "prompts", "reference correct", "arm correct", "lost", "gained", "p (drop)", "alpha",
-         "conclusion", "by depth (lost-/gained+)"], rows)
+         "conclusion", "by depth (lost-/gained+)"], rows) if rows else []
 
 
 def _failure_lines(rep: Report) -> list[str]:

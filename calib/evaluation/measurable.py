@@ -17,7 +17,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from calib.engine.metrics import EngineNumbers
 from calib.errors import KvcalibError
 
 _BUCKET = ("kl", "top1", "ppl", "ppl_ref", "ppl_delta", "ppl_rel", "kl_unresolved_mass")     # the last: engine rows
@@ -50,73 +49,40 @@ def _bad(x: Any) -> bool:
 
 
 def _rows(arm: str, buckets: Mapping[str, Any], summary: Any, prefix: str = "") -> Iterator[Unmeasured]:
-    for b, row in buckets.items():
-        for q in _BUCKET:
-            v = getattr(row, q, None)
-            if _bad(v):
-                yield Unmeasured(arm, f"{prefix}bucket <= {b}", q, v)
-    for q in _SUMMARY:
-        v = getattr(summary, q, None)
-        if _bad(v):
-            yield Unmeasured(arm, f"{prefix}all buckets", q, v)
+    for where, row, names in [*((f"bucket <= {b}", r, _BUCKET) for b, r in buckets.items()),
+                              ("all buckets", summary, _SUMMARY)]:
+        yield from (Unmeasured(arm, prefix + where, q, v) for q in names if _bad(v := getattr(row, q, None)))
 
 
-def _samples(arm: str, values: Any, quantity: str, prefix: str = "") -> Iterator[Unmeasured]:
-    for j, v in enumerate(values or ()):
-        if _bad(v):
-            yield Unmeasured(arm, f"{prefix}sample {j}", quantity, v)
-
-
-def _passkey(arm: str, rows: Mapping[str, Any] | None, prefix: str = "") -> Iterator[Unmeasured]:
-    for b, r in (rows or {}).items():
-        v = r.accuracy
-        if _bad(v):
-            yield Unmeasured(arm, f"{prefix}passkey bucket <= {b}", "accuracy", v)
-
-
-def _engine(arm: str, entry: EngineNumbers | None) -> Iterator[Unmeasured]:
-    """The engine's own numbers, where it measured the arm (an entry that says "not run" holds none)."""
-    if entry is None or not entry.ok:
-        return
-    prefix = f"({entry.engine}) "
-    yield from _rows(arm, entry.buckets, entry.summary, prefix)
-    yield from _samples(arm, entry.sample_nll, "nll", prefix)
-    yield from _passkey(arm, entry.passkey, prefix)
-
-
-def reference_problems(name: str, ref: Any) -> Iterator[Unmeasured]:
-    """The reference pass's own numbers: perplexity per bucket, per-sample NLL, K/V ranges, passkey, engine."""
-    if ref is None:
-        return
-    yield from _rows(name, ref.buckets, ref.summary)
-    yield from _samples(name, ref.sample_nll, "nll")
-    for i, r in ref.ranges.items():
+def _problems(name: str, e: Any, prefix: str = "") -> Iterator[Unmeasured]:
+    """One run's numbers (the reference's, an arm's, or the engine's where it measured the run: an entry that says
+    "not run" holds none): per bucket and overall, per sample, the reference's K/V ranges or the arm's per-layer
+    rows, passkey."""
+    yield from _rows(name, e.buckets, e.summary, prefix)
+    for quantity, values in (("nll", e.sample_nll), ("kl", getattr(e, "sample_kl", ()))):
+        yield from (Unmeasured(name, f"{prefix}sample {j}", quantity, v) for j, v in enumerate(values) if _bad(v))
+    for i, r in getattr(e, "ranges", {}).items():
         for kind, values in (("max |K|", r.k_amax), ("max |V|", r.v_amax)):
             bad = [v for v in values if _bad(v)]
             if bad:
                 yield Unmeasured(name, f"layer {i}", kind, bad[0])
-    yield from _passkey(name, ref.passkey)
-    yield from _engine(name, ref.engine)
-
-
-def arm_problems(name: str, e: Any) -> Iterator[Unmeasured]:
-    """One arm's numbers: per bucket and overall, per sample, per layer, passkey, and the engine's."""
-    yield from _rows(name, e.buckets, e.summary)
-    yield from _samples(name, e.sample_nll, "nll")
-    yield from _samples(name, e.sample_kl, "kl")
-    for i, row in e.layers.items():
+    for i, row in getattr(e, "layers", {}).items():
         for q, v in row.items():
             if _bad(v) and not (q.endswith("_snr_db") and v == math.inf):
                 yield Unmeasured(name, f"layer {i}", q, v)
-    yield from _passkey(name, e.passkey)
-    yield from _engine(name, e.engine)
+    for b, r in (e.passkey or {}).items():
+        if _bad(r.accuracy):
+            yield Unmeasured(name, f"{prefix}passkey bucket <= {b}", "accuracy", r.accuracy)
+    g = None if prefix else e.engine
+    if g is not None and g.ok:
+        yield from _problems(name, g, f"({g.engine}) ")
 
 
 def problems(ref: Any, results: Mapping[str, Any], reference: str = "reference") -> list[Unmeasured]:
     """Every quantity that is not finite, the reference's first, then the arms' in order."""
-    out = [replace(u, reference=True) for u in reference_problems(reference, ref)]
+    out = [replace(u, reference=True) for u in (_problems(reference, ref) if ref is not None else ())]
     for name, e in results.items():
-        out.extend(arm_problems(name, e))
+        out.extend(_problems(name, e))
     return out
 
 

@@ -215,24 +215,21 @@ def candidates(m: Model, results: Mapping[str, ArmMetrics], ref_engine: EngineNu
     length - 1), which also give each sample's bucket."""
     out = []
     for name, e in results.items():
-        if not e.info.skip or e.info.dtype is None:
-            continue
         base_name = name.rsplit(" skip ", 1)[0]
         base = results.get(base_name)
-        if base is None:
+        if not e.info.skip or e.info.dtype is None or base is None:
             continue
         for L in sorted(m.lengths, reverse=True):
             a, b = _loss(e, L), _loss(base, L)
             if a is None or b is None or a[1] != b[1]:
                 continue
-            full, kept = m.bytes(None, L), m.bytes(base.info, L)
-            saving = full - kept
+            kept = m.bytes(base.info, L)
+            saving = m.bytes(None, L) - kept
             back = (m.bytes(e.info, L) - kept) / saving if saving > 0 else 0.0
-            if e.info.skip_kind:
-                label, flag = f"skip {e.info.skip_kind.replace('_', '-')} layers", f"{SKIP_FLAG} {e.info.skip_kind}"
-            else:
-                label = f"skip layer{'s' if len(e.info.skip) > 1 else ''} {', '.join(map(str, e.info.skip))}"
-                flag = f"{SKIP_FLAG} {' '.join(map(str, e.info.skip))}"
+            kind, skip = e.info.skip_kind, e.info.skip
+            label = f"skip {kind.replace('_', '-')} layers" if kind else \
+                f"skip layer{'s' if len(skip) > 1 else ''} {', '.join(map(str, skip))}"
+            flag = f"{SKIP_FLAG} {kind or ' '.join(map(str, skip))}"
             eng = _engine_share(_engine_bytes(ref_engine), _engine_bytes(base.engine), _engine_bytes(e.engine))
             change, noise, over = _paired_at(e, base, sample_tokens, m.lengths, L)
             out.append(Candidate(name, base_name, label, L, b[0], a[0], back, a[1], flag, *eng, change, noise, over))
@@ -242,10 +239,8 @@ def candidates(m: Model, results: Mapping[str, ArmMetrics], ref_engine: EngineNu
 
 def lines(cands: Sequence[Candidate], model: str) -> list[str]:
     """The verdict's sentences, best first; nothing when no skip was measured (no claim without an arm)."""
-    if not cands:
-        return []
     return ["Skips by quality regained per memory given back (measured): "
-            + "; ".join(c.line(model) for c in cands) + "."]
+            + "; ".join(c.line(model) for c in cands) + "."] if cands else []
 
 
 def engine_check(m: Model, info: ArmInfo | None, groups: Mapping[str, Any]) -> dict[str, Any]:

@@ -49,10 +49,9 @@ def implausible(entry: Entry) -> str | None:
     g, s = entry.engine, entry.engine.summary
     ratio, emu = 1.0 + s.ppl_rel, 1.0 + entry.summary.ppl_rel
     bad = not math.isfinite(s.ppl) or ratio > MAX_PPL_RATIO or not math.isfinite(s.kl) or s.kl > MAX_KL
-    if not bad or emu > MAX_PPL_RATIO:
-        return None
     return (f"engine output implausible for {g.kv_cache_dtype or entry.info.dtype} on {g.engine} {g.version} (ppl "
-            f"x{ratio:.4g}, KL {s.kl:.3g} vs the reference; emulated x{emu:.4g}): not ranked")
+            f"x{ratio:.4g}, KL {s.kl:.3g} vs the reference; emulated x{emu:.4g}): not ranked"
+            if bad and emu <= MAX_PPL_RATIO else None)
 
 
 @dataclass(frozen=True)
@@ -96,15 +95,10 @@ def scales_within_noise(ref: Reference, results: Mapping[str, ArmMetrics],
     for name, e in results.items():
         if e.info.kind != "checkpoint" or e.info.skip or e.info.dtype != default.info.dtype:
             continue
-        nd, na = decisive(default), decisive(e)
-        if nd.source != na.source or not nd.sample_nll or not na.sample_nll:
-            continue
-        r = paired(na.sample_nll, nd.sample_nll, sample_tokens)
-        if r is None:
-            continue
-        ratio, se = r
-        if abs(ratio) <= 2 * se:
-            same.append({"arm": name, "ppl_ratio": math.exp(ratio), "noise": 2 * se})
+        nd, na = decisive(default), decisive(e)       # `paired`: None without two samples measured alike
+        r = paired(na.sample_nll, nd.sample_nll, sample_tokens) if nd.source == na.source else None
+        if r is not None and abs(r[0]) <= 2 * r[1]:
+            same.append({"arm": name, "ppl_ratio": math.exp(r[0]), "noise": 2 * r[1]})
             source = na.source
     if not same:
         return None

@@ -233,10 +233,8 @@ def batch_indices(prompts: Sequence[tuple[int, int]], size: int) -> list[list[in
     out: list[list[int]] = []
     tokens = 0
     for i, (n, b) in enumerate(prompts):
-        last = out[-1] if out else None
-        if (last is not None and prompts[last[0]][1] == b and len(last) < max(1, size)
-                and tokens + n <= PASSKEY_BATCH_TOKENS):
-            last.append(i)
+        if out and prompts[out[-1][0]][1] == b and len(out[-1]) < max(1, size) and tokens + n <= PASSKEY_BATCH_TOKENS:
+            out[-1].append(i)
             tokens += n
         else:
             out.append([i])
@@ -245,7 +243,6 @@ def batch_indices(prompts: Sequence[tuple[int, int]], size: int) -> list[list[in
 
 
 def prompt_batches(prompts: Sequence[tuple[int, int]], size: int) -> list[list[int]]:
-    """The lengths of each batch `batch_indices` makes."""
     return [[prompts[i][0] for i in group] for group in batch_indices(prompts, size)]
 
 
@@ -254,8 +251,7 @@ def fit(w: Work, parts: Parts, cost: Cost, rates: Rates, budget_s: float | None)
     if budget_s is None:
         return Plan(parts, estimate(w, parts, cost, rates), (), budget_s)
     buckets = sorted({b for _, b in w.samples} | {b for _, b, _ in w.prompts})
-    steps = []
-    have = len(parts.depths)
+    steps, have = [], len(parts.depths)
     for depths in DEPTH_STEPS if w.prompts else ():
         if len(depths) < have:
             steps.append((f"passkey depths {have} -> {len(depths)}", {"depths": depths}))
@@ -274,16 +270,10 @@ def fit(w: Work, parts: Parts, cost: Cost, rates: Rates, budget_s: float | None)
     return Plan(parts, estimate(w, parts, cost, rates), tuple(dropped), budget_s)
 
 
-def engine_figures(device_type: str) -> tuple[float, float]:
-    """(seconds to start one engine arm, its prompt tokens/s): the measured defaults for this device."""
-    key = "cuda" if device_type == "cuda" else "cpu"
-    return ENGINE_START_S[key], ENGINE_TOKENS_PER_S[key]
-
-
 def default_rates(device_type: str, ref: float, arm: float, probed_at: int, step_ref: float = 0.0,
                   step_arm: float = 0.0) -> Rates:
     key = "cuda" if device_type == "cuda" else "cpu"
-    return Rates(ref, arm, *engine_figures(device_type), probed_at, ENGINE_FIRST_START_S[key],
+    return Rates(ref, arm, ENGINE_START_S[key], ENGINE_TOKENS_PER_S[key], probed_at, ENGINE_FIRST_START_S[key],
                  ENGINE_OVER_REFERENCE[key], step_ref, step_arm, ENGINE_PROMPT_TOKENS_PER_S[key])
 
 
@@ -297,6 +287,4 @@ def emulation_limit(requested: int | None, buckets: Sequence[int], engine: bool)
     """The largest bucket the emulation covers (None: all): `requested` (--emulate-up-to), else
     `SHORT_WINDOW` when an engine measures the long buckets, else all; never below the smallest bucket."""
     limit = requested if requested is not None else SHORT_WINDOW if engine else None
-    if limit is None or limit >= max(buckets):
-        return None
-    return max([b for b in buckets if b <= limit] or [min(buckets)])
+    return None if limit is None or limit >= max(buckets) else max([b for b in buckets if b <= limit] or [min(buckets)])

@@ -52,9 +52,7 @@ def declared_dtype(model: str | Path) -> str | None:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(cfg, dict):
-        return None
-    for c in (cfg.get("text_config"), cfg):
+    for c in (cfg.get("text_config"), cfg) if isinstance(cfg, dict) else ():
         declared = (c.get("dtype") or c.get("torch_dtype")) if isinstance(c, dict) else None
         if isinstance(declared, str):       # a model dtype kvcalib knows, else nothing (the file is the user's input)
             name = declared.removeprefix("torch.")
@@ -88,7 +86,6 @@ class Report:
         return (declared_dtype(model) if model else None) or self.meta.get("model_dtype") or self.reference_name
 
     def serve_argv(self) -> list[str] | None:
-        """The whole command that serves the decision (`serve_argv` below)."""
         return serve_argv(self.verdict, self.arms, str(self.meta["model"]), self.meta.get("config", {}).get("target"))
 
     def within(self, name: str) -> bool:
@@ -104,23 +101,18 @@ class Report:
                                  m["model_dtype"], m["kv_heads"], m["head_dim"], self.reference_name, len(m["layers"]))
 
     def passkey(self, name: str) -> significance.PasskeyDecision | None:
-        """Arm `name`'s passkey against the reference's (`passkey_decision`)."""
         return passkey_decision(self.arms[name], self.reference, self.thresholds)
 
     def to_dict(self) -> dict[str, Any]:
         """report.json: the description, every arm's numbers with whether it is within the threshold and why
         not, and the verdict."""
-        arms = {n: {**e.to_dict(), "within_threshold": self.within(n), "misses": self.misses(n)}
+        arms = {n: {**e.to_dict(), "within_threshold": self.within(n), "misses": self.misses(n),
+                    **({"passkey_significance": pk.to_dict()} if (pk := self.passkey(n)) is not None else {})}
                 for n, e in self.arms.items()}
-        for n, e in self.arms.items():
-            pk = self.passkey(n)
-            if pk is not None:
-                arms[n]["passkey_significance"] = pk.to_dict()
-        out = {"schema": SCHEMA, **self.meta, "serving_dtype": self.serving_dtype,
-               "thresholds": self.thresholds.to_dict(),
-               "arms": {self.reference_name: self.reference.to_dict(), **arms}, "verdict": self.verdict.to_dict()}
         fmt = self.formats()
-        return {**out, "formats": fmt.to_dict()} if fmt else out
+        return {"schema": SCHEMA, **self.meta, "serving_dtype": self.serving_dtype,
+                "thresholds": self.thresholds.to_dict(), "arms": {self.reference_name: self.reference.to_dict(), **arms},
+                "verdict": self.verdict.to_dict(), **({"formats": fmt.to_dict()} if fmt else {})}
 
 
 def serve_argv(v: Verdict, arms: Mapping[str, ArmMetrics], model: str, target: str | None) -> list[str] | None:

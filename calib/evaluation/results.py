@@ -56,9 +56,7 @@ def passkey_rows(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, PasskeyR
 
 def passkey_correct(rows: Mapping[str, PasskeyRow] | None) -> tuple[int, int] | None:
     """(correct, total) over every bucket (the emulation's rows or the engine's); None when not run."""
-    if not rows:
-        return None
-    return sum(r.correct for r in rows.values()), sum(r.total for r in rows.values())
+    return (sum(r.correct for r in rows.values()), sum(r.total for r in rows.values())) if rows else None
 
 
 @dataclass(frozen=True)
@@ -116,12 +114,10 @@ class ArmInfo:
     skip_kind: str | None = None      # the skip names a layer kind ("sliding_window"), served by that name
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"kind": self.kind, "dtype": self.dtype, "granularity": self.granularity, "shippable": self.shippable,
-               "source": self.source, "skip": list(self.skip), "serve_skip": list(self.serve_skip),
-               "notes": list(self.notes), "scales": {k: dict(v) for k, v in self.scales.items()}}
-        if self.skip_kind:
-            out["skip_kind"] = self.skip_kind
-        return out
+        return {"kind": self.kind, "dtype": self.dtype, "granularity": self.granularity, "shippable": self.shippable,
+                "source": self.source, "skip": list(self.skip), "serve_skip": list(self.serve_skip),
+                "notes": list(self.notes), "scales": {k: dict(v) for k, v in self.scales.items()},
+                **({"skip_kind": self.skip_kind} if self.skip_kind else {})}
 
 
 @dataclass(frozen=True)

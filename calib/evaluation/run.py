@@ -103,10 +103,10 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             measurable.check(ref, results, p.reference.name)     # before skip trials are planned on the numbers
             trials = skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts)
             results.update(trials)
-        bm = bytes_model(cfg, p)
+        serving = report.declared_dtype(cfg.model) or str(p.loaded.dtype).removeprefix("torch.")   # report.md's
+        bm = bytes_model(cfg, p, serving)
         decided = verdict_mod.verdict(ref, results, cfg.thresholds, p.reference.name, bm,
-                                      (p.geo.kv_heads, p.geo.head_dim), cfg.target,
-                                      markdown.dtype_title(serving_dtype(p.loaded)))
+                                      (p.geo.kv_heads, p.geo.head_dim), cfg.target, markdown.dtype_title(serving))
         seconds = time.perf_counter() - t_start
         ran = "" if not planned.parts.skip_trials else \
             f"; {duration(planned.with_trials(len(trials)))} for the {len(trials)} skip trial(s) that ran"
@@ -127,13 +127,23 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
 def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     """The engine check, the model, its arms, the held-out samples and the passkey prompts, with notes."""
     emulation = emulate.by_name(cfg.emulate)     # checked by check_eval
-    engine_version = _engine_check(cfg)
+    engine_version = None
+    if cfg.engine is not None:          # the engine's version, checked before any long work
+        from calib.engine import driver
+
+        try:
+            engine_version = driver.check(cfg.engine)
+        except driver.EngineError as e:
+            raise EvalError(str(e)) from None
     loaded = load_causal_lm(cfg.model, cfg.placement(), cfg.trust_remote_code)
     tok, config = loaded.tokenizer, loaded.config
     geo = Geometry.of(config, loaded.attention_layers)
     arms, served_note = served.as_served(arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv),
                                          cfg.target, cfg.engine_version, emulation.name)
-    kinds = layer_kinds_of(config, cfg.model)
+    try:
+        kinds = layer_kinds.layer_kinds(config, f"MODEL {cfg.model}/config.json")
+    except GeometryError as e:        # an inconsistent config: one line naming the field
+        raise EvalError(str(e)) from None
     can_skip = not cfg.target or support.skip_by_kind(cfg.target) is None
     # every layer sliding (Mistral-style): skipping them all is the reference again, not an experiment
     sliding = kinds.sliding if kinds and can_skip and len(kinds.sliding) < len(kinds.kinds) else ()
@@ -176,29 +186,13 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
                     kinds)
 
 
-def layer_kinds_of(config: Any, model: Any) -> layer_kinds.Layers | None:
-    """The model's layer kinds (calib.model.layer_kinds); an inconsistent config is an EvalError naming the field."""
-    try:
-        return layer_kinds.layer_kinds(config, f"MODEL {model}/config.json")
-    except GeometryError as e:
-        raise EvalError(str(e)) from None
-
-
-def bytes_model(cfg: EvalConfig, p: Prepared) -> memory.Model | None:
-    """The KV bytes model at the evaluation's lengths (calib.evaluation.memory); None without layer kinds. The
-    verdict ranks by its capacity where the engine did not count; its memory table is a hybrid model's."""
+def bytes_model(cfg: EvalConfig, p: Prepared, serving: str) -> memory.Model | None:
+    """The KV bytes model at the evaluation's lengths (calib.evaluation.memory), the reference KV and every skipped
+    layer in the `serving` dtype; None without layer kinds. The verdict ranks by its capacity where the engine did not
+    count; its memory table is a hybrid model's."""
     if p.kinds is None:
         return None
-    return memory.Model(p.kinds, p.geo.kv_heads, p.geo.head_dim, serving_dtype(p.loaded), tuple(p.buckets),
-                        str(cfg.model))
-
-
-def serving_dtype(loaded: model_mod.LoadedModel) -> str:
-    """The dtype an engine serves the model in (config.json's, which `auto` picks; kvcalib may load float32 on
-    CPU): the dtype of the reference KV cache and of every skipped layer."""
-    declared = getattr(loaded.config, "dtype", None) or getattr(loaded.config, "torch_dtype", None)
-    name = str(declared or loaded.dtype).removeprefix("torch.")
-    return name if name in layer_kinds.DTYPE_BYTES else str(loaded.dtype).removeprefix("torch.")
+    return memory.Model(p.kinds, p.geo.kv_heads, p.geo.head_dim, serving, tuple(p.buckets), str(cfg.model))
 
 
 def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Plan:
@@ -278,9 +272,11 @@ def plan_notes(planned: plan_mod.Plan, buckets: Sequence[int], engine: bool) -> 
     return notes
 
 
-def _emulated_prompts(p: Prepared, parts: plan_mod.Parts) -> list[passkey.Prompt]:
-    return [x for x in p.prompts if x.depth in parts.depths
-            and (parts.emulate_up_to is None or x.bucket <= parts.emulate_up_to)]
+def _emulated(p: Prepared, parts: plan_mod.Parts) -> tuple[list[Sample], list[passkey.Prompt]]:
+    """The held-out samples and passkey prompts the emulation measures, as far as `parts` (the plan) says."""
+    up_to = parts.emulate_up_to
+    return ([x for x in p.samples if up_to is None or x.bucket <= up_to],
+            [x for x in p.prompts if x.depth in parts.depths and (up_to is None or x.bucket <= up_to)])
 
 
 def measure_arms(cfg: EvalConfig, p: Prepared, s: Session, progress: Progress,
@@ -288,8 +284,7 @@ def measure_arms(cfg: EvalConfig, p: Prepared, s: Session, progress: Progress,
     """(the reference's numbers, {arm: its numbers}, the engine run or None): metrics, passkey and the
     engine's numbers of the reference and every arm, as far as `parts` (the plan) says."""
     n = len(p.arms) + 1
-    emulated = [x for x in p.samples if parts.emulate_up_to is None or x.bucket <= parts.emulate_up_to]
-    prompts = _emulated_prompts(p, parts)
+    emulated, prompts = _emulated(p, parts)
     with _metrics_stage(progress, "emulation", emulated, n) as stage:
         ref, results = measure(s, p.arms, ranges=True, stage=stage, up_to=parts.emulate_up_to)
     if prompts:
@@ -309,11 +304,8 @@ def measure_arms(cfg: EvalConfig, p: Prepared, s: Session, progress: Progress,
                            p.samples, p.buckets, engine_prompts, passkey.MAX_NEW_TOKENS, p.loaded.tokenizer,
                            ctx.tokens if ctx else None, progress)
         measured = score_engine(engine.measure(p.reference, p.arms), engine_prompts, p.loaded.tokenizer)
-        for name, entry in measured.items():
-            if name == p.reference.name:
-                ref = replace(ref, engine=entry)
-            else:
-                results[name] = replace(results[name], engine=entry)
+        ref = replace(ref, engine=measured[p.reference.name]) if p.reference.name in measured else ref
+        results.update({n: replace(results[n], engine=g) for n, g in measured.items() if n != p.reference.name})
     return ref, results, engine
 
 
@@ -326,8 +318,7 @@ def skip_trials(cfg: EvalConfig, p: Prepared, s: Session, ref: Reference, result
     if not parts.skip_trials:
         return {}
     by_name = {a.name: a for a in p.arms}
-    emulated = [x for x in p.samples if parts.emulate_up_to is None or x.bucket <= parts.emulate_up_to]
-    prompts = _emulated_prompts(p, parts)
+    emulated, prompts = _emulated(p, parts)
     out: dict[str, ArmMetrics] = {}
     candidates = verdict_mod.skip_plan(ref, results, cfg.thresholds)
     log("eval: skip trials: " + ("none needed (an arm passes, or no small set of layers dominates the error)"
@@ -381,15 +372,3 @@ def _provenances(cfg: EvalConfig) -> list[tuple[str, dict | None]]:
 def _metrics_stage(progress: Progress, name: str, samples: Sequence[Sample], passes: int) -> Stage:
     """A stage of `passes` forward passes (reference + arms) over every sample."""
     return progress.stage(name, passes * sum(len(x.ids) for x in samples), samples=len(samples), arms=passes)
-
-
-def _engine_check(cfg: EvalConfig) -> str | None:
-    """The engine's version, checked before any long work; an unusable engine is an EvalError (one line)."""
-    if cfg.engine is None:
-        return None
-    from calib.engine import driver
-
-    try:
-        return driver.check(cfg.engine)
-    except driver.EngineError as e:
-        raise EvalError(str(e)) from None

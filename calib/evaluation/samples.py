@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from calib.data import sources as data_mod
@@ -120,21 +119,16 @@ def check_emulated(cfg: EvalConfig, samples: Sequence[Sample], buckets: Sequence
                     f"{', '.join(map(str, held))}); give --emulate-up-to {held[0]} or more, or shorter held-out data")
 
 
-def padding_share(lengths: Sequence[int], batch_size: int) -> float:
-    """The share of padding positions when samples of these lengths are batched as a measuring pass does
-    (sorted by length, `batch_size` at a time, each batch as wide as its longest)."""
-    order = sorted(lengths)
-    computed = sum(len(g) * g[-1] for g in (order[i:i + batch_size] for i in range(0, len(order), batch_size)))
-    return 1.0 - sum(order) / computed if computed else 0.0
-
-
 def pack_warning(cfg: EvalConfig, samples: Sequence[Sample], buckets: Sequence[int]) -> str | None:
-    """`sources.pack_hint` for unpacked held-out samples against the largest bucket they could fill."""
+    """`sources.pack_hint` for unpacked held-out samples against the largest bucket they could fill, with the share
+    of padding positions when they are batched as a measuring pass does (sorted by length, `batch_size` at a time,
+    each batch as wide as its longest)."""
     if cfg.pack:
         return None
-    lengths = [len(x.ids) for x in samples]
-    return data_mod.pack_hint(len(lengths), sum(lengths), max(buckets), "the largest bucket",
-                              padding_share(lengths, cfg.batch_size))
+    order, size = sorted(len(x.ids) for x in samples), cfg.batch_size
+    computed = sum(len(g) * g[-1] for g in (order[i:i + size] for i in range(0, len(order), size)))
+    return data_mod.pack_hint(len(order), sum(order), max(buckets), "the largest bucket",
+                              1.0 - sum(order) / computed if computed else 0.0)
 
 
 def _pack(seqs: Iterable[list[int]], lengths: Sequence[int]) -> Iterator[list[int]]:

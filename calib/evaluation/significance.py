@@ -13,11 +13,12 @@ prompt could not reach it is "too few prompts to conclude"; one with fewer promp
 ("underpowered") can miss a 10-point drop. Per depth the same test is reported, never decided on (a few
 prompts each). Rows without per-prompt outcomes (older reports) fall back to comparing counts.
 
-How many prompts (`prompts_needed`, exact power by enumerating the multinomial of losses and gains): to
-detect a drop of 10 accuracy points with power 0.8 at ALPHA 0.05 / 3 buckets, when the arm only loses keys,
-66 prompts a bucket at alpha 0.05 and 78 at 0.05 / 3 are needed; DEFAULT_PROMPTS = 80 (16 per depth x 5
-depths) has power 0.82 there. If, besides the drop, 2 % of prompts flip each way, power at 80 falls to 0.51
-(128 prompts for 0.8) — the report says which buckets are underpowered rather than claim more.
+How many prompts (exact power by enumerating the multinomial of losses and gains: `prompts_needed` in
+tests/evaluation/test_significance.py): to detect a drop of 10 accuracy points with power 0.8 at ALPHA 0.05 / 3
+buckets, when the arm only loses keys, 66 prompts a bucket at alpha 0.05 and 78 at 0.05 / 3 are needed;
+DEFAULT_PROMPTS = 80 (16 per depth x 5 depths) has power 0.82 there. If, besides the drop, 2 % of prompts flip
+each way, power at 80 falls to 0.51 (128 prompts for 0.8) — the report says which buckets are underpowered rather
+than claim more.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from calib.evaluation.results import PasskeyRow, passkey_correct
 ALPHA = 0.05
 DETECT_DROP = 0.10          # accuracy points a default run should detect
 POWER = 0.80
-DEFAULT_PROMPTS = 80        # per bucket: prompts_needed(0.10, 0.05 / 3) = 78, rounded up to 16 per depth
+DEFAULT_PROMPTS = 80        # per bucket: 78 detect DETECT_DROP at ALPHA / 3 (docstring), rounded up to 16 per depth
 DEPTH_COUNT = 5             # calib.evaluation.passkey.DEPTHS (kept import-free of torch)
 DEFAULT_TRIALS = math.ceil(DEFAULT_PROMPTS / DEPTH_COUNT)
 
@@ -56,28 +57,6 @@ def mcnemar_p(losses: int, gains: int, alternative: str = "drop") -> float:
     if alternative == "two-sided":
         return float(min(Fraction(1), 2 * binomial_tail(max(losses, gains), n)))
     raise ValueError(f"alternative {alternative!r}: choose 'drop' or 'two-sided'")
-
-
-def power(prompts: int, p_loss: float, p_gain: float, alpha: float) -> float:
-    """Probability that the one-sided exact test rejects at `alpha` when each prompt is independently a loss
-    with probability p_loss, a gain with p_gain, concordant otherwise (exact sum over the multinomial)."""
-    tie = 1.0 - p_loss - p_gain
-    total = 0.0
-    for b in range(prompts + 1):
-        for c in range(prompts - b + 1):
-            if mcnemar_p(b, c) < alpha:
-                total += (math.comb(prompts, b) * math.comb(prompts - b, c) * p_loss ** b * p_gain ** c
-                          * tie ** (prompts - b - c))
-    return total
-
-
-def prompts_needed(drop: float = DETECT_DROP, alpha: float = ALPHA, target: float = POWER, flips: float = 0.0,
-                   most: int = 1000) -> int:
-    """The fewest prompts whose test detects `drop` (losses at drop + flips, gains at flips) with `target` power."""
-    for n in range(1, most + 1):
-        if power(n, drop + flips, flips, alpha) >= target:
-            return n
-    raise ValueError(f"more than {most} prompts needed to detect a drop of {drop} at alpha {alpha}")
 
 
 @dataclass(frozen=True)
@@ -181,7 +160,3 @@ def decide(ref_rows: Mapping[str, PasskeyRow] | None, arm_rows: Mapping[str, Pas
                          f"p < {t.alpha:.3g}; use --passkey-trials {DEFAULT_TRIALS} ({DEFAULT_PROMPTS} prompts a bucket)")
     return PasskeyDecision(tuple(tests), tuple(depths), tuple(failed), tuple(notes), allowed)
 
-
-def underpowered(decision: PasskeyDecision | None) -> list[str]:
-    """Buckets with fewer prompts than a 10-point drop needs (DEFAULT_PROMPTS)."""
-    return [t.bucket for t in (decision.buckets if decision else ()) if not t.powered]

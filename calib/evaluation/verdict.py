@@ -75,16 +75,6 @@ def passkey_decision(entry: ArmMetrics, ref: Reference, th: Thresholds) -> signi
     return significance.decide(ref.passkey, entry.passkey, th.passkey_drop)
 
 
-def _passkey_notes(ref: Reference, results: Results, th: Thresholds) -> list[str]:
-    """Sentences for arms whose passkey is lower than the reference's but within noise, or too few to conclude."""
-    out = []
-    for n, e in _plain(results).items():
-        pk = passkey_decision(e, ref, th)
-        if pk and pk.notes:
-            out.append(f"`{n}` " + "; ".join(pk.notes) + ".")
-    return out
-
-
 def dominant_layers(entry: ArmMetrics, th: Thresholds) -> list[int]:
     """Layers whose attention-output error is >= `dominance` x the median layer's, worst first (<= max_skip)."""
     errs = {int(i): row["attn_rel_error"] for i, row in entry.layers.items()}
@@ -136,18 +126,14 @@ class Verdict:
 
     def to_dict(self) -> dict[str, Any]:
         """As report.json holds it (`scales_within_noise` only when found)."""
-        out = {"action": self.action, "arm": self.arm, "skip_layers": list(self.skip_layers), "flag": self.flag,
-               "within_threshold": list(self.within_threshold), "dominant_layers": list(self.dominant_layers),
-               "dominant_in": self.dominant_in, "thresholds": self.thresholds.to_dict(), "numbers": dict(self.numbers),
-               "text": self.text}
-        if self.scales_within_noise is not None:
-            out["scales_within_noise"] = self.scales_within_noise
-        out["saturated"] = {n: dict(v) for n, v in self.saturated.items()}
-        if self.skips_by_memory:
-            out["skips_by_memory"] = [dict(c) for c in self.skips_by_memory]
-        if self.capacity is not None:
-            out["capacity"] = self.capacity.to_dict()
-        return out
+        noise = self.scales_within_noise
+        return {"action": self.action, "arm": self.arm, "skip_layers": list(self.skip_layers), "flag": self.flag,
+                "within_threshold": list(self.within_threshold), "dominant_layers": list(self.dominant_layers),
+                "dominant_in": self.dominant_in, "thresholds": self.thresholds.to_dict(), "numbers": dict(self.numbers),
+                "text": self.text, **({"scales_within_noise": noise} if noise is not None else {}),
+                "saturated": {n: dict(v) for n, v in self.saturated.items()},
+                **({"skips_by_memory": [dict(c) for c in self.skips_by_memory]} if self.skips_by_memory else {}),
+                **({"capacity": self.capacity.to_dict()} if self.capacity is not None else {})}
 
 
 def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
@@ -184,8 +170,7 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
     shippable_skips = [n for n, (c, _) in confirmed if c]
     length = capacity.longest(ref, bytes_model)
     rows = capacity.capacity_rows(ref, results, reference, plain, ok, shippable_skips, bytes_model, length)
-    cap = capacity.by_capacity(rows, length)
-    ref_row = rows[0]
+    ref_row, cap = rows[0], capacity.by_capacity(rows, length)
     candidates = [*ok, *shippable_skips]
     win = cap.recommended if cap.recommended is not None else (candidates[0] if candidates else None)
     said = serving or reference
@@ -194,17 +179,15 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
         action, arm = "ship", win
         ok = [win, *(n for n in ok if n != win)]
         text = f"Ship `{arm}` ({kl(arm)}): {how_to_serve(plain[arm].info, target)}."
-        if len(ok) > 1:
-            text += " Also within the threshold: " + "; ".join(f"`{n}` ({kl(n)})" for n in ok[1:]) + "."
+        text += " Also within the threshold: " + "; ".join(f"`{n}` ({kl(n)})" for n in ok[1:]) + "." if ok[1:] else ""
     elif win in shippable_skips:
-        best = win
-        layers, flag, arm = _skip_trial(results, best)
-        why = (f"the {results[best].info.skip_kind.replace('_', '-')} layers hold only their window, so keeping "
-               "them costs little memory" if results[best].info.skip_kind else
+        layers, flag, arm = _skip_trial(results, win)
+        why = (f"the {results[win].info.skip_kind.replace('_', '-')} layers hold only their window, so keeping "
+               "them costs little memory" if results[win].info.skip_kind else
                f"Those layers dominate the error (attention-output error {_errs(plain[arm], layers)})")
         action, text = "ship_with_skip", (
             f"Ship `{arm}` with layers {layers} kept in {said}: serve with `{flag}` (vLLM; recipe "
-            f"`skip_layers: {layers}`). {why[0].upper() + why[1:]}; measured with them unquantised: {kl(best)}, "
+            f"`skip_layers: {layers}`). {why[0].upper() + why[1:]}; measured with them unquantised: {kl(win)}, "
             "confirmed by the engine.")
     elif candidates:            # within the bar, but none holds more requests than the reference beyond noise
         action, text = "keep_reference", (
@@ -238,23 +221,22 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
                  "is unknown).")
         action, text = "keep_reference", (f"Keep {said.upper()} KV for this model: no arm is within the threshold "
                                           f"(best: `{best_any}`, {why}).{extra}")
-    text = " ".join([text, *capacity_notes])
-    noise, saturated, notes = _honest(arm, numbers, ref, results)
-    notes = [*notes, *_passkey_notes(ref, results, th)]
-    notes += [f"`{n}`: {implausible(e)}." for n, e in results.items() if implausible(e)]
-    hybrid = bytes_model is not None and bytes_model.layers.hybrid       # skips weighed by memory: hybrid models
-    cands = memory.candidates(bytes_model, results, ref.engine, ref.sample_tokens) if hybrid else []
-    cands = [replace(c, capacity_gain=capacity.gains(
-        capacity.capacity_row(ref, results[c.arm], c.arm, True, bytes_model, length), ref_row)) for c in cands]
-    notes += memory.lines(cands, bytes_model.model) if hybrid else []
+    noise, saturated, notes = _honest(arm, numbers, ref, results, th)
+    cands = []
+    if bytes_model is not None and bytes_model.layers.hybrid:       # skips weighed by memory: hybrid models
+        cands = [replace(c, capacity_gain=capacity.gains(
+            capacity.capacity_row(ref, results[c.arm], c.arm, True, bytes_model, length), ref_row))
+            for c in memory.candidates(bytes_model, results, ref.engine, ref.sample_tokens)]
+        notes += memory.lines(cands, bytes_model.model)
     return Verdict(action, arm, tuple(layers), flag, tuple(ok), tuple(dominant), best_any, th, numbers,
-                   " ".join([text, *notes]), noise, saturated, tuple(c.to_dict() for c in cands), cap)
+                   " ".join([text, *capacity_notes, *notes]), noise, saturated, tuple(c.to_dict() for c in cands), cap)
 
 
-def _honest(arm: str | None, numbers: Mapping[str, str], ref: Reference,
-            results: Results) -> tuple[dict[str, Any] | None, dict[str, Any], list[str]]:
-    """What the numbers do not say by themselves: calibration within noise (and why), saturating layers, and
-    which numbers decided; (the noise finding, the saturated layers per arm, the sentences saying so)."""
+def _honest(arm: str | None, numbers: Mapping[str, str], ref: Reference, results: Results,
+            th: Thresholds) -> tuple[dict[str, Any] | None, dict[str, Any], list[str]]:
+    """What the numbers do not say by themselves: calibration within noise (and why), saturating layers, which
+    numbers decided, passkeys lower than the reference's but within noise (or too few to conclude), engine output
+    implausible for its format; (the noise finding, the saturated layers per arm, the sentences saying so)."""
     extra = []
     noise = scales_within_noise(ref, results, ref.sample_tokens)
     if noise:
@@ -265,18 +247,16 @@ def _honest(arm: str | None, numbers: Mapping[str, str], ref: Reference,
         if text:
             saturated[name] = saturated_layers(results[name])
             extra.append(text)
-    used = sorted(set(numbers.values()))
-    if used == [ENGINE]:
-        extra.append("Decided on the engine's numbers.")
-    elif ENGINE in used:
-        emu = [n for n, s in numbers.items() if s == EMULATION]
-        extra.append(f"Decided on the engine's numbers where it ran; emulated numbers for {', '.join(f'`{n}`' for n in emu)} "
-                     "(engine: not run, see the engine table).")
-    elif any(e.engine is not None for e in results.values()):
-        extra.append("Decided on emulated numbers: the engine ran no quantised arm (see the engine table).")
-    else:
-        extra.append("Decided on emulated numbers (no engine run; `--engine vllm` measures the real engine).")
-    return noise, saturated, extra
+    used, emu = set(numbers.values()), ", ".join(f"`{n}`" for n, s in numbers.items() if s == EMULATION)
+    extra.append("Decided on the engine's numbers." if used == {ENGINE} else
+                 f"Decided on the engine's numbers where it ran; emulated numbers for {emu} (engine: not run, see the "
+                 "engine table)." if ENGINE in used else
+                 "Decided on emulated numbers: the engine ran no quantised arm (see the engine table)."
+                 if any(e.engine is not None for e in results.values()) else
+                 "Decided on emulated numbers (no engine run; `--engine vllm` measures the real engine).")
+    pks = {n: passkey_decision(e, ref, th) for n, e in _plain(results).items()}
+    extra += [f"`{n}` " + "; ".join(pk.notes) + "." for n, pk in pks.items() if pk and pk.notes]
+    return noise, saturated, extra + [f"`{n}`: {implausible(e)}." for n, e in results.items() if implausible(e)]
 
 
 def _errs(entry: ArmMetrics, layers: Sequence[int]) -> str:
@@ -303,47 +283,32 @@ def int8_serving() -> str:
 
 def how_to_serve(info: ArmInfo, target: str | None = None) -> str:
     """How to serve an arm on `target` (None: vLLM, the engine eval measures), its flags from the one builder every
-    command prints (calib.engine.command): never another engine's flag, never vLLM's for INT8."""
-    skip = support.skip_order([*info.serve_skip, *info.skip])
-    if getattr(info, "skip_kind", None):          # served by the kind's name, which covers exactly those layers
-        skip = support.skip_order([info.skip_kind, *info.serve_skip])
-    engine = target or "vllm"
-    if info.kind == "format":
-        return format_serving(info.dtype, skip, engine)
-    if info.dtype == "int8":
+    command prints (calib.engine.command): never another engine's flag, never vLLM's for INT8; for a whole KV format,
+    the attention backend that implements it (the support matrix, calib.recipe.support)."""
+    # a skip of a layer kind is served by the kind's name, which covers exactly those layers
+    kind = getattr(info, "skip_kind", None)
+    skip = support.skip_order([kind, *info.serve_skip] if kind else [*info.serve_skip, *info.skip])
+    engine, title = target or "vllm", support.ENGINES[target or "vllm"].title
+    if info.dtype == "int8" and info.kind != "format":
         if info.kind == "stats":
             return f"calibrate with `granularity: {info.granularity}`, dtype int8, only for an engine that applies it: {int8_serving()}"
         where = f"`{info.source}`" if info.source else "INT8 KV with scale 1.0"
         return f"serve {where} only on an engine that applies its scales: {int8_serving()}"
-    how = _on(engine, info.dtype, skip)
+    try:
+        flags = " ".join(command.flags(engine, info.dtype, skip))
+    except support.SupportError as e:
+        if info.kind == "format":
+            return f"{title} cannot serve it: {e}"
+        flags, how = None, f"{title} cannot serve it as measured: {e}"
+    if info.kind == "format":       # a whole KV format, no kvcalib scales
+        how = ("scales are computed per token and head at the cache write, no calibration; only vLLM's Triton backend "
+               "implements it" if info.dtype in support.DYNAMIC_FORMATS else "no scales, no calibration")
+        return f"serve with `{flags}` ({title}; {how})"
+    if flags is not None:
+        how = (f"{title}: `{flags}`" if flags else
+               f"{title}: `{' '.join(command.argv(engine, 'CKPT'))}`, the KV dtype read from the checkpoint")
     if info.kind == "default":
         return f"serve with FP8 KV and no scales ({how}); calibration is not needed"
     if info.kind == "stats":
         return f"calibrate with `granularity: {info.granularity}` on this data and serve the result ({how})"
     return f"serve `{info.source}` ({how})"
-
-
-def _on(engine: str, dtype: str | None, skip: Sequence[int | str]) -> str:
-    """"vLLM: `--kv-cache-dtype fp8 ...`": the engine and its flags, or why it cannot take them."""
-    title = support.ENGINES[engine].title
-    try:
-        flags = command.flags(engine, dtype, skip)
-    except support.SupportError as e:
-        return f"{title} cannot serve it as measured: {e}"
-    if not flags:
-        return f"{title}: `{' '.join(command.argv(engine, 'CKPT'))}`, the KV dtype read from the checkpoint"
-    return f"{title}: `{' '.join(flags)}`"
-
-
-def format_serving(fmt: str, skip: Sequence[int | str] = (), engine: str = "vllm") -> str:
-    """How to serve a whole KV format (no kvcalib scales) on `engine`: its flags and, for the per-token-head caches,
-    the attention backend that implements them (the support matrix, calib.recipe.support)."""
-    title = support.ENGINES[engine].title
-    try:
-        flags = " ".join(command.flags(engine, fmt, skip))
-    except support.SupportError as e:
-        return f"{title} cannot serve it: {e}"
-    if fmt in support.DYNAMIC_FORMATS:
-        return (f"serve with `{flags}` ({title}; scales are computed per token and head at the cache write, no "
-                "calibration; only vLLM's Triton backend implements it)")
-    return f"serve with `{flags}` ({title}; no scales, no calibration)"

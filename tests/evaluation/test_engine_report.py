@@ -8,8 +8,7 @@ import math
 
 import pytest
 
-from calib.evaluation import engine_report
-from calib.evaluation.markdown import table
+from calib.evaluation import engine_report, markdown
 
 # per sample: bucket, tokens, (reference NLL, arm NLL, arm KL, arm top-1 agreements) emulated, the same in the engine
 SAMPLES = [
@@ -83,7 +82,7 @@ def _pct(cell):
 
 
 def test_emulated_and_engine_numbers_side_by_side_are_over_the_samples_both_measured():
-    lines = engine_report.markdown(_doc(), table)
+    lines = markdown.engine_lines(_doc())
     emu, eng = _brute(2, EMULATED_UP_TO), _brute(3, EMULATED_UP_TO)
     assert _brute(3)["ppl"] > 1.2 * eng["ppl"]             # the engine over every sample is far from the shared ones
     ref = _cells(lines, "arm | numbers", "bf16")
@@ -118,7 +117,7 @@ def test_the_plot_compares_the_same_samples():
 
 
 def test_when_both_measured_every_sample_there_is_one_table():
-    lines = engine_report.markdown(_doc(up_to=None), table)
+    lines = markdown.engine_lines(_doc(up_to=None))
     every = _brute(3)
     assert not any(ln.startswith("| arm | samples") for ln in lines)
     assert f"over the {every['samples']} samples" in "\n".join(lines)

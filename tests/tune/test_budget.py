@@ -13,7 +13,7 @@ RATES = plan.default_rates("cpu", 1e-3, 1e-3, 16)         # 1 ms per unit: 5 s p
 GROUPS = ((), ("a1", "a2"), ("b",), ("c",))               # the default scale 1.0, then three measured arms
 PLANNER = Planner(COST, RATES, (1000,) * 5, (1000,) * 2, 8, 3, 2, True, GROUPS)
 FULL = Parts(4, True, False, 3)
-START, RATE = plan.engine_figures("cpu")
+START, RATE = plan.ENGINE_START_S["cpu"], plan.ENGINE_TOKENS_PER_S["cpu"]
 ENGINE_ARM = START + 5000 / RATE                          # a start and 5,000 tokens scored: 23.3 s
 
 
