@@ -391,6 +391,3 @@ def stats_for_recipe(sf: StatsFile, recipe: Recipe, where: str) -> Stats:
                                        v_over=s.v_over) for i, s in stats.items()}
     return stats
 
-
-def tensor_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

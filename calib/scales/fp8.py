@@ -61,7 +61,6 @@ class Format:
 
 E4M3 = Format("e4m3", 4, 3, 7, 448.0)      # OCP e4m3fn: no Inf, S.1111.111 is NaN, max 1.75 * 2^8
 E5M2 = Format("e5m2", 5, 2, 15, 57344.0)   # IEEE-like: max 1.75 * 2^15
-FORMATS = {E4M3.name: E4M3, E5M2.name: E5M2}
 
 
 def _pow2(exp: torch.Tensor) -> torch.Tensor:

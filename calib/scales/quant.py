@@ -37,14 +37,11 @@ def _rounder(dtype: KVDtype) -> Callable[[torch.Tensor], torch.Tensor]:
         raise ValueError(f"no rounding rule for KV dtype {dtype.name!r}; accepted: {sorted(_ROUND)}") from None
 
 
-def _scaled(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """x / scale in float32, as the engine's cache-write kernel computes it."""
-    return x.to(torch.float32) / torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-
-
 def quantize(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype) -> torch.Tensor:
-    """The stored codes (float32 values of the cache dtype): round(saturate(x / scale))."""
-    return _rounder(dtype)(_scaled(x, scale).clamp(-dtype.qmax, dtype.qmax))
+    """The stored codes (float32 values of the cache dtype): round(saturate(x / scale)), x / scale in float32 as
+    the engine's cache-write kernel computes it."""
+    scaled = x.to(torch.float32) / torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    return _rounder(dtype)(scaled.clamp(-dtype.qmax, dtype.qmax))
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype) -> torch.Tensor:
@@ -52,18 +49,3 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype) -> 
     scale32 = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     return (quantize(x, scale32, dtype) * scale32).to(x.dtype)
 
-
-def saturation_fraction(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype) -> torch.Tensor:
-    """Fraction (0-dim float32) of all elements with |x / scale| > qmax: those the cache clips."""
-    return (_scaled(x, scale).abs() > dtype.qmax).float().mean()
-
-
-def underflow_fraction(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype) -> torch.Tensor:
-    """Fraction (0-dim float32) of the *nonzero* elements that the cache stores as 0 (0 if none is nonzero).
-
-    Computed by quantising, so it counts exactly what the rounding flushes (FP8: |x / scale| <= 2^-10,
-    the tie at 2^-10 going to the even code 0; INT8: |x / scale| <= 0.5).
-    """
-    nonzero = x != 0
-    flushed = nonzero & (quantize(x, scale, dtype) == 0)
-    return flushed.sum().float() / nonzero.sum().clamp_min(1).float()
