@@ -61,37 +61,25 @@ def fake_quant_terms(x: torch.Tensor, scale: torch.Tensor | str, dtype: KVDtype,
     """(what the cache gives back for x, in `out_dtype` (default x's), and when `measure` the float64 sums
     `_TERMS` over real tokens: saturated values, nonzero values stored as 0, nonzero values, values, sum x^2,
     sum (x - x_hat)^2). `cast`: the engine's FP8 conversion (`cache_codes`)."""
-    if dtype.dynamic:               # the engine's own per-token-head cache: exactly its write and read
-        return _dynamic_terms(x, dtype, mask, measure, out_dtype)
-    dynamic = isinstance(scale, str)
-    if dynamic:
-        scale = x.detach().abs().amax(dim=-1, keepdim=True).float().div(dtype.qmax).clamp_min(MIN_SCALE)
-    codes = cache_codes(x, scale, dtype, cast)
-    x_hat = (codes * scale).to(out_dtype or x.dtype)
+    per_token = isinstance(scale, str)
+    if dtype.dynamic:   # the engine's own per-token-head cache (calib.evaluation.dynamic): exactly its write and read
+        codes = back = dynamic.read_back(x, dtype)
+    else:
+        if per_token:
+            scale = x.detach().abs().amax(dim=-1, keepdim=True).float().div(dtype.qmax).clamp_min(MIN_SCALE)
+        codes = cache_codes(x, scale, dtype, cast)
+        back = codes * scale
+    x_hat = back.to(out_dtype or x.dtype)
     if not measure:
         return x_hat, None
     w = torch.ones((), device=x.device) if mask is None else mask[:, None, :, None].to(torch.float32)
     xf = x.float()
-    # a token's own max maps to qmax; a 1-ulp overshoot of x / scale there is not saturation
-    sat = torch.zeros_like(xf, dtype=torch.bool) if dynamic else (xf / scale).abs() > dtype.qmax
+    # nothing saturates where each token's own max is the scale (a 1-ulp overshoot of x / scale there is not
+    # saturation); a nonzero value read back as 0 counts as flushed
+    clip = not (dtype.dynamic or per_token)
+    sat = (xf / scale).abs() > dtype.qmax if clip else torch.zeros_like(xf, dtype=torch.bool)
     nonzero = xf != 0
     parts = (sat, (codes == 0) & nonzero, nonzero, torch.ones_like(xf), xf * xf, (xf - x_hat.float()) ** 2)
-    return x_hat, torch.stack([(p * w).sum(dtype=torch.float64) for p in parts])
-
-
-def _dynamic_terms(x: torch.Tensor, dtype: KVDtype, mask: torch.Tensor | None, measure: bool,
-                   out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`fake_quant_terms` for a per-token-head cache (calib.evaluation.dynamic): nothing saturates (each
-    token's own range is the scale); a nonzero value read back as 0 counts as flushed."""
-    x_hat32 = dynamic.read_back(x, dtype)
-    x_hat = x_hat32.to(out_dtype or x.dtype)
-    if not measure:
-        return x_hat, None
-    w = torch.ones((), device=x.device) if mask is None else mask[:, None, :, None].to(torch.float32)
-    xf = x.float()
-    nonzero = xf != 0
-    parts = (torch.zeros_like(xf), (x_hat32 == 0) & nonzero, nonzero, torch.ones_like(xf), xf * xf,
-             (xf - x_hat.float()) ** 2)
     return x_hat, torch.stack([(p * w).sum(dtype=torch.float64) for p in parts])
 
 
