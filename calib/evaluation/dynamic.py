@@ -44,10 +44,6 @@ RHT_SEED = 0x9E3779B9       # int4_per_token_head._get_rht_signs, round 0
 INT4_LEVELS = 15.0
 
 
-def _f32(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float32)
-
-
 def _scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     return torch.clamp_min(amax / torch.tensor(qmax, dtype=torch.float32), SCALE_FLOOR)
 
@@ -59,7 +55,7 @@ def _half_away(v: torch.Tensor) -> torch.Tensor:
 
 def fp8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes as float32, per-token-head float32 scale [..., 1]) of `fp8_per_token_head` for x [..., d]."""
-    xf = _f32(x)
+    xf = x.to(torch.float32)
     scale = _scale(xf.abs().amax(dim=-1, keepdim=True), FP8_PER_TOKEN_HEAD.qmax)
     v = torch.clamp(xf * (1.0 / scale), -fp8.E4M3.max, fp8.E4M3.max)
     return fp8.round_fp8(v, fp8.E4M3, fp8.RNE), scale
@@ -67,17 +63,13 @@ def fp8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes as float32, per-token-head float32 scale [..., 1]) of `int8_per_token_head` for x [..., d]."""
-    xf = _f32(x)
+    xf = x.to(torch.float32)
     scale = _scale(xf.abs().amax(dim=-1, keepdim=True), INT8_PER_TOKEN_HEAD.qmax)
     v = _half_away(xf * (1.0 / scale))
     return torch.clamp(v, -128.0, 127.0), scale
 
 
 # ------------------------------------------------------------------------------------------- INT4
-
-def largest_power_of_2_divisor(n: int) -> int:
-    return n & -n
-
 
 def rht_signs(d: int) -> torch.Tensor:
     """vLLM's deterministic +-1 signs of length d (`_get_rht_signs(d, 0)`): a CPU generator seeded RHT_SEED."""
@@ -99,7 +91,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 def rht(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """`single_rht`: H D x (inverse: D H x), block-diagonal over b = the largest power-of-two divisor of d."""
     d = x.shape[-1]
-    b = largest_power_of_2_divisor(d)
+    b = d & -d                                   # the largest power-of-two divisor of d
     if b < d:
         lead = x.shape[:-1]
         return rht(x.reshape(*lead, d // b, b), inverse).reshape(*lead, d)
@@ -111,7 +103,7 @@ def int4_codes(x: torch.Tensor, fused: bool = True) -> tuple[torch.Tensor, torch
     """(codes 0..15, zero points, the scale attention reads) of `int4_per_token_head` for x [..., d] (already rotated).
     `fused`: `x * inv + zp` rounded once, as an FMA (Triton fuses it on GPUs: `enable_fp_fusion`); False rounds the
     product first, as Triton's CPU interpreter computes it (tests/engine/test_vllm_formats.py)."""
-    xf = _f32(x)
+    xf = x.to(torch.float32)
     lo, hi = xf.amin(dim=-1, keepdim=True), xf.amax(dim=-1, keepdim=True)
     scale = torch.clamp_min((hi - lo) / torch.tensor(INT4_LEVELS, dtype=torch.float32), SCALE_FLOOR)
     zp = torch.clamp(_half_away(-lo / scale), 0.0, INT4_LEVELS)
@@ -128,23 +120,13 @@ def int4_codes(x: torch.Tensor, fused: bool = True) -> tuple[torch.Tensor, torch
 def int4_per_token_head(x: torch.Tensor) -> torch.Tensor:
     """What attention effectively reads for x [..., d] in the original (unrotated) space, float32."""
     d = x.shape[-1]
-    rotated = rht(_f32(x)).to(x.dtype)               # single_rht(key.float()).to(key.dtype)
+    rotated = rht(x.to(torch.float32)).to(x.dtype)               # single_rht(key.float()).to(key.dtype)
     q, zp, read = int4_codes(rotated)
-    return rht((q - zp) * read, inverse=True) / largest_power_of_2_divisor(d)
+    return rht((q - zp) * read, inverse=True) / (d & -d)
 
 
-def fp8_per_token_head(x: torch.Tensor) -> torch.Tensor:
-    codes, scale = fp8_codes(x)
-    return codes * scale
-
-
-def int8_per_token_head(x: torch.Tensor) -> torch.Tensor:
-    codes, scale = int8_codes(x)
-    return codes * scale
-
-
-READ_BACK = {FP8_PER_TOKEN_HEAD.name: fp8_per_token_head, INT8_PER_TOKEN_HEAD.name: int8_per_token_head,
-             INT4_PER_TOKEN_HEAD.name: int4_per_token_head}
+READ_BACK = {FP8_PER_TOKEN_HEAD.name: lambda x: torch.mul(*fp8_codes(x)),      # codes * scale
+             INT8_PER_TOKEN_HEAD.name: lambda x: torch.mul(*int8_codes(x)), INT4_PER_TOKEN_HEAD.name: int4_per_token_head}
 
 
 def read_back(x: torch.Tensor, dtype: KVDtype) -> torch.Tensor:
