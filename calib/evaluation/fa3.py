@@ -42,6 +42,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -140,18 +141,22 @@ def log2_scale(scaling: float, softcap: float | None, qk: Tensor) -> tuple[Tenso
     return torch.tensor(scaling * LOG2E, dtype=torch.float32, device=qk.device) * qk, None
 
 
-# ------------------------------------------------------------------------------- float32 reference
-
-def blockwise_reference(q: Tensor, k: Tensor, v: Tensor, *, scaling: float, q_scale: Tensor | float = 1.0,
-                        k_scale: Tensor | float | None = None, v_scale: Tensor | float | None = None,
-                        mask: Tensor | None = None, causal: bool = True, window_left: int | None = None,
-                        quant_q: bool = True, quant_p: bool = True, softcap: float | None = None,
-                        block_n: int | None = None, chunk: int = 256) -> Tensor:
-    """FA3's FP8 forward in float32 torch ops (module docstring), `chunk` queries at a time (memory
-    O(chunk x block_n) beyond the inputs). Arguments as `fa3_attention`. Returns [b, s, h, dv] float32."""
+def _args(q: Tensor, k: Tensor, v: Tensor, *, scaling: float, q_scale: Tensor | float = 1.0,
+          k_scale: Tensor | float | None = None, v_scale: Tensor | float | None = None, mask: Tensor | None = None,
+          causal: bool = True, window_left: int | None = None, quant_q: bool = True, quant_p: bool = True,
+          softcap: float | None = None, block_n: int | None = None) -> tuple:
+    """The arguments of `fa3_attention` (its docstring) as `_reference` and `_kernel` take them."""
     x = prepare(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, mask=mask, quant_q=quant_q)
     bn = block_n or fa3_block_n(q.shape[-1], local=window_left is not None, softcap=bool(softcap))
-    return _reference(x, scaling, causal, window_left, quant_p, softcap, bn, chunk)
+    return x, scaling, causal, window_left, quant_p, softcap, bn
+
+
+# ------------------------------------------------------------------------------- float32 reference
+
+def blockwise_reference(q: Tensor, k: Tensor, v: Tensor, *, chunk: int = 256, **kw: Any) -> Tensor:
+    """FA3's FP8 forward in float32 torch ops (module docstring), `chunk` queries at a time (memory
+    O(chunk x block_n) beyond the inputs). Arguments as `fa3_attention`. Returns [b, s, h, dv] float32."""
+    return _reference(*_args(q, k, v, **kw), chunk)
 
 
 def _reference(x: Inputs, scaling: float, causal: bool, window_left: int | None, quant_p: bool,
@@ -205,17 +210,11 @@ def _reference(x: Inputs, scaling: float, causal: bool, window_left: int | None,
 
 # ------------------------------------------------------------------------------- Triton kernel
 
-def fa3_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, scaling: float, q_scale: Tensor | float = 1.0,
-                         k_scale: Tensor | float | None = None, v_scale: Tensor | float | None = None,
-                         mask: Tensor | None = None, causal: bool = True, window_left: int | None = None,
-                         quant_q: bool = True, quant_p: bool = True, softcap: float | None = None,
-                         block_n: int | None = None, block_m: int | None = None) -> Tensor:
+def fa3_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, block_m: int | None = None, **kw: Any) -> Tensor:
     """The same computation as `blockwise_reference` in `fa3_kernel`'s Triton kernel, one program per (block_m
-    queries, head); block_m None: autotuned on CUDA, 64 under the interpreter.
+    queries, head); block_m None: autotuned on CUDA, 64 under the interpreter. Arguments as `fa3_attention`.
     Raises whatever Triton raises (the dispatcher falls back). Returns [b, s, h, dv] float32."""
-    x = prepare(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, mask=mask, quant_q=quant_q)
-    bn = block_n or fa3_block_n(q.shape[-1], local=window_left is not None, softcap=bool(softcap))
-    return _kernel(x, scaling, causal, window_left, quant_p, softcap, bn, block_m)
+    return _kernel(*_args(q, k, v, **kw), block_m)
 
 
 def _kernel(x: Inputs, scaling: float, causal: bool, window_left: int | None, quant_p: bool,
@@ -231,22 +230,18 @@ def fused(q: Tensor) -> bool:
             and os.environ.get("KVCALIB_FUSED", "1") != "0")
 
 
-def fa3_attention(q: Tensor, k: Tensor, v: Tensor, *, scaling: float, q_scale: Tensor | float = 1.0,
-                  k_scale: Tensor | float | None = None, v_scale: Tensor | float | None = None,
-                  mask: Tensor | None = None, causal: bool = True, window_left: int | None = None,
-                  quant_q: bool = True, quant_p: bool = True, softcap: float | None = None,
-                  block_n: int | None = None) -> Tensor:
+def fa3_attention(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Tensor:
     """FlashAttention-3's FP8 attention: the Triton kernel on CUDA, the float32 reference elsewhere (or when
     Triton cannot build the kernel here; same numbers up to float32 rounding).
 
     `q` [b, h, s, d] in the model's dtype; `k`, `v` [b, kv_h, t, d]: what the cache gives back, codes times
     `k_scale` / `v_scale` (one per tensor or per KV head; None: k, v are taken as they are, descale 1);
-    `q_scale`: vLLM's Q scale (`quant_q`); `mask`: bool (True = attend) or additive, broadcastable to
-    [b, h, s, t], ANDed with `causal`; `window_left`: FA3's local window; `block_n`: FA3's kBlockN (None:
+    `scaling`: the softmax scale; `q_scale`: vLLM's Q scale (`quant_q`); `quant_p`: P rounded to e4m3;
+    `mask`: bool (True = attend) or additive, broadcastable to [b, h, s, t], ANDed with `causal`;
+    `window_left`: FA3's local window; `softcap`: the logit softcap; `block_n`: FA3's kBlockN (None:
     `fa3_block_n`). Returns [b, s, h, dv] float32 (transformers' attention-function layout)."""
-    x = prepare(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, mask=mask, quant_q=quant_q)
-    bn = block_n or fa3_block_n(q.shape[-1], local=window_left is not None, softcap=bool(softcap))
-    args = (x, scaling, causal, window_left, quant_p, softcap, bn)
+    args = _args(q, k, v, **kw)
+    x, *_, softcap, bn = args
     config = (x.bf16_exact, x.q.shape[-1], x.v.shape[-1], bn, softcap is not None)
     if fused(q) and config not in _failed:
         try:
