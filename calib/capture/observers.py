@@ -21,13 +21,13 @@ Histogram-based observers keep bounded memory: 16 bytes per bin and head (2048 b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any
 
 import torch
 
 from calib.capture import kernels
 from calib.errors import KvcalibError
-from calib.recipe.dtypes import HISTOGRAM_BINS, OBSERVERS, ObserverSpec, observer as observer_spec
+from calib.recipe.dtypes import HISTOGRAM_BINS, OBSERVERS, observer as observer_spec
 from calib.recipe.dtypes import KVDtype
 from calib.scales.quant import fake_quant
 
@@ -36,22 +36,6 @@ Tensor = torch.Tensor
 
 class EmptyObserverError(KvcalibError, RuntimeError):
     """amax() of an observer that has seen no data."""
-
-
-class Observer(Protocol):
-    """A range observer. `spec` is its entry of calib.recipe.dtypes.OBSERVERS (name, the parameters a recipe
-    may set, what it needs from the capture); `build` makes one from checked parameters."""
-    spec: ClassVar[ObserverSpec]
-
-    @classmethod
-    def build(cls, params: dict[str, Any], dtype: KVDtype, rotary: RotaryLayout | None) -> Observer: ...
-    @property
-    def seen(self) -> bool: ...
-    def update(self, x: Tensor, mask: Tensor | None, amax: Tensor | None = None) -> None: ...
-    def merge(self, other: "Observer") -> None: ...
-    def amax(self) -> Tensor: ...
-    def state_dict(self) -> dict[str, Tensor]: ...
-    def load_state_dict(self, state: dict[str, Tensor]) -> None: ...
 
 
 def _masked_abs(x: Tensor, mask: Tensor | None) -> Tensor:
@@ -77,8 +61,10 @@ def _shapes(state: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state.items()}
 
 
-class _MaxState:
-    """Elementwise running maxima of named tensors; the shared core of the exact observers."""
+class _State:
+    """Named state tensors, empty until the first batch: what every observer keeps, merges and checkpoints.
+    `_fold` adds a batch (or another observer's state) of the same layout: elementwise maxima for the exact
+    observers; `_layout` names what two observers must share to be merged, beyond their class."""
 
     KEYS: tuple[str, ...] = ()
 
@@ -89,35 +75,41 @@ class _MaxState:
     def seen(self) -> bool:
         return bool(self._state)
 
-    def _fold(self, batch: dict[str, Tensor]) -> None:
-        if self._state:
-            _check_like(type(self).__name__, batch, self._state)
-            batch = {k: torch.maximum(self._state[k], v.to(self._state[k].device)) for k, v in batch.items()}
-        self._state = batch
+    def _layout(self) -> str:
+        return ""
 
-    def merge(self, other: "_MaxState") -> None:
-        if type(other) is not type(self):
-            raise ValueError(f"cannot merge {type(other).__name__} into {type(self).__name__}")
+    def _fits(self, state: dict[str, Tensor]) -> bool:
+        return True
+
+    def merge(self, other: "_State") -> None:
+        if type(other) is not type(self) or other._layout() != self._layout():
+            raise ValueError(f"cannot merge {type(other).__name__}{getattr(other, '_layout', str)()} into "
+                             f"{type(self).__name__}{self._layout()}")
         if other.seen:
-            self._fold({k: v.clone() for k, v in other._state.items()})
+            self._fold(other.state_dict())
 
     def state_dict(self) -> dict[str, Tensor]:
         return {k: v.clone() for k, v in self._state.items()}
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        if state and set(state) != set(self.KEYS):
-            raise ValueError(f"{type(self).__name__} state needs keys {list(self.KEYS)}, got {list(state)}")
-        self._state = {}
-        if state:
-            self._fold({k: v.clone() for k, v in state.items()})
+        if state and (set(state) != set(self.KEYS) or not self._fits(state)):
+            raise ValueError(f"{type(self).__name__}{self._layout()} state needs keys {list(self.KEYS)}, "
+                             f"got {_shapes(state)}")
+        self._state = {k: v.clone() for k, v in state.items()}
 
     def _read(self) -> dict[str, Tensor]:
         if not self._state:
             raise EmptyObserverError(f"{type(self).__name__} has seen no data")
         return self._state
 
+    def _fold(self, batch: dict[str, Tensor]) -> None:
+        if self._state:
+            _check_like(type(self).__name__, batch, self._state)
+            batch = {k: torch.maximum(self._state[k], v.to(self._state[k].device)) for k, v in batch.items()}
+        self._state = batch
 
-class AbsMaxObserver(_MaxState):
+
+class AbsMaxObserver(_State):
     """Exact running max of |x| per KV head over real tokens. State: {'amax': [h] float32}."""
 
     KEYS = ("amax",)
@@ -164,7 +156,7 @@ class RotaryLayout:
         return kernels.rotary_pairs(x, self.rotary_dim, self.interleaved)
 
 
-class RopeBoundObserver(_MaxState):
+class RopeBoundObserver(_State):
     """Position-independent range of post-RoPE K.
 
     RoPE rotates each channel pair (a, b) by an angle that depends on the position only, so the pair's
@@ -199,11 +191,8 @@ class RopeBoundObserver(_MaxState):
             raise ValueError(f"RopeBoundObserver: x has {h} heads of {d} channels, state {_shapes(s)}")
         kernels.pair_max_(x, mask, rot, self.rotary.interleaved, s["pair_max"], s["pass_max"])
 
-    def merge(self, other: "RopeBoundObserver") -> None:
-        if getattr(other, "rotary", None) != self.rotary:
-            raise ValueError(f"cannot merge an observer with rotary layout {getattr(other, 'rotary', None)} "
-                             f"into one with {self.rotary}")
-        super().merge(other)
+    def _layout(self) -> str:
+        return f" (rotary layout {self.rotary})"
 
     def amax(self) -> Tensor:
         s = self._read()
@@ -236,7 +225,7 @@ def _rebin(counts: Tensor, shift: Tensor) -> Tensor:
     return torch.zeros_like(counts).scatter_add_(1, i.clamp_(0, n - 1), counts)
 
 
-class _HistogramObserver:
+class _HistogramObserver(_State):
     """Per-head histogram of |x| with float-like bins: 2^SUB_BITS = 128 bins per octave (each at most
     2^-7 = 0.8% wide relative to the values it holds), `bins` / 128 octaves (16 with 2048 bins) below
     2^e_h, where amax < 2^e_h ≤ 2·amax. Bin 0 also holds everything below the lowest octave (< amax·2^-15).
@@ -251,15 +240,19 @@ class _HistogramObserver:
     bin), 'amax': [h] float32 (exact max |x|)} — 16 bytes per bin, 32 KiB per head with 2048 bins.
     """
 
+    KEYS = ("exponent", "counts", "sums", "amax")
+
     def __init__(self, bins: int = HISTOGRAM_BINS) -> None:
         if not 2 << SUB_BITS <= bins <= 2**15 or bins & (bins - 1):      # 2^15 bins: all float32 octaves
             raise ValueError(f"bins must be a power of two in [{2 << SUB_BITS}, {2**15}], got {bins}")
+        super().__init__()
         self.bins = bins
-        self._state: dict[str, Tensor] = {}
 
-    @property
-    def seen(self) -> bool:
-        return bool(self._state)
+    def _layout(self) -> str:
+        return f" ({self.bins}-bin histogram)"
+
+    def _fits(self, state: dict[str, Tensor]) -> bool:
+        return state["counts"].shape[-1] == self.bins
 
     def _base(self, e: Tensor) -> Tensor:
         """Key of bin 0 for range exponent e: the top bin ends at 2^e."""
@@ -323,26 +316,9 @@ class _HistogramObserver:
                        "sums": _rebin(s["sums"], shift_s) + _rebin(b["sums"], shift_b),
                        "amax": torch.maximum(s["amax"], b["amax"])}
 
-    def merge(self, other: "_HistogramObserver") -> None:
-        if type(other) is not type(self) or other.bins != self.bins:
-            raise ValueError(f"cannot merge {type(other).__name__}(bins={getattr(other, 'bins', None)}) "
-                             f"into {type(self).__name__}(bins={self.bins})")
-        if other.seen:
-            self._fold(other.state_dict())
-
-    def state_dict(self) -> dict[str, Tensor]:
-        return {k: v.clone() for k, v in self._state.items()}
-
-    def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        if state and (set(state) != {"exponent", "counts", "sums", "amax"} or state["counts"].shape[-1] != self.bins):
-            raise ValueError(f"not a {self.bins}-bin histogram state: {_shapes(state)}")
-        self._state = {k: v.clone() for k, v in state.items()}
-
     def _read(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(counts [h, bins], bin starts [h, bins], bin ends [h, bins], exact amax [h, 1]), float64."""
-        if not self._state:
-            raise EmptyObserverError(f"{type(self).__name__} has seen no data")
-        s = self._state
+        s = super()._read()
         keys = self._base(s["exponent"])[:, None] + torch.arange(self.bins, device=s["counts"].device)
         starts = _key_value(keys).double()
         starts[:, 0] = 0.0
@@ -442,13 +418,13 @@ def _coerce(observer: str, key: str, value: object, kind: type) -> int | float:
 # The one registry: recipe name -> observer class. Names, parameters and bounds are declared once, in
 # calib.recipe.dtypes.OBSERVERS (the recipe validates against it without importing torch); each class names its
 # entry (`spec`), and the registry is keyed by it, so a name without a class (or the reverse) fails on import.
-REGISTRY: dict[str, type[Observer]] = {c.spec.name: c for c in (AbsMaxObserver, PercentileObserver, MSEObserver,
+REGISTRY: dict[str, type[_State]] = {c.spec.name: c for c in (AbsMaxObserver, PercentileObserver, MSEObserver,
                                                                RopeBoundObserver)}
 if set(REGISTRY) != set(OBSERVERS):
     raise ImportError(f"observers declared {sorted(OBSERVERS)} but implemented {sorted(REGISTRY)}")
 
 
-def make_observer(name: str, params: dict, dtype: KVDtype, rotary: RotaryLayout | None) -> Observer:
+def make_observer(name: str, params: dict, dtype: KVDtype, rotary: RotaryLayout | None) -> _State:
     """A fresh observer by recipe name, its parameters checked against its spec. `dtype` matters for `mse`;
     `rotary` is required by `rope_bound` (`bins` is accepted here but not in a recipe: see calib.recipe.dtypes)."""
     spec = observer_spec(name)
