@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from calib.capture import kernels
-from calib.capture.observers import AbsMaxObserver
+from calib.capture.observers import AbsMaxObserver, StateObserver
 from calib.errors import KvcalibError
 from calib.model.attention import route_attention
 from calib.recipe.dtypes import FP8_E4M3
@@ -49,31 +49,19 @@ class CaptureSpec:
     token_observer: Callable[[float], Any] | None = None
 
 
-class ChannelMaxObserver:
-    """Exact running max of |x| per head and channel: state [heads, head_dim]."""
+class ChannelMaxObserver(StateObserver):
+    """Exact running max of |x| per head and channel: state {'amax': [heads, head_dim]}."""
 
-    def __init__(self) -> None:
-        self._amax: torch.Tensor | None = None
+    KEYS = ("amax",)
 
     def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
         a = x.detach().abs()
         if mask is not None:
             a = a.masked_fill(~mask[:, None, :, None], 0)
-        batch = a.amax(dim=(0, 2)).float()
-        self._amax = batch if self._amax is None else torch.maximum(self._amax, batch)
-
-    def merge(self, other: "ChannelMaxObserver") -> None:
-        if other._amax is not None:
-            self._amax = other._amax.clone() if self._amax is None else torch.maximum(self._amax, other._amax)
+        self._fold({"amax": a.amax(dim=(0, 2)).float()})
 
     def amax(self) -> torch.Tensor:
-        return self._amax.detach().cpu().clone()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {} if self._amax is None else {"amax": self._amax}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._amax = state.get("amax")
+        return self._read()["amax"].detach().cpu().clone()
 
 
 class OverflowCounter:

@@ -61,7 +61,7 @@ def _shapes(state: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state.items()}
 
 
-class _State:
+class StateObserver:
     """Named state tensors, empty until the first batch: what every observer keeps, merges and checkpoints.
     `_fold` adds a batch (or another observer's state) of the same layout: elementwise maxima for the exact
     observers; `_layout` names what two observers must share to be merged, beyond their class."""
@@ -81,7 +81,7 @@ class _State:
     def _fits(self, state: dict[str, Tensor]) -> bool:
         return True
 
-    def merge(self, other: "_State") -> None:
+    def merge(self, other: "StateObserver") -> None:
         if type(other) is not type(self) or other._layout() != self._layout():
             raise ValueError(f"cannot merge {type(other).__name__}{getattr(other, '_layout', str)()} into "
                              f"{type(self).__name__}{self._layout()}")
@@ -109,7 +109,7 @@ class _State:
         self._state = batch
 
 
-class AbsMaxObserver(_State):
+class AbsMaxObserver(StateObserver):
     """Exact running max of |x| per KV head over real tokens. State: {'amax': [h] float32}."""
 
     KEYS = ("amax",)
@@ -156,7 +156,7 @@ class RotaryLayout:
         return kernels.rotary_pairs(x, self.rotary_dim, self.interleaved)
 
 
-class RopeBoundObserver(_State):
+class RopeBoundObserver(StateObserver):
     """Position-independent range of post-RoPE K.
 
     RoPE rotates each channel pair (a, b) by an angle that depends on the position only, so the pair's
@@ -225,7 +225,7 @@ def _rebin(counts: Tensor, shift: Tensor) -> Tensor:
     return torch.zeros_like(counts).scatter_add_(1, i.clamp_(0, n - 1), counts)
 
 
-class _HistogramObserver(_State):
+class _HistogramObserver(StateObserver):
     """Per-head histogram of |x| with float-like bins: 2^SUB_BITS = 128 bins per octave (each at most
     2^-7 = 0.8% wide relative to the values it holds), `bins` / 128 octaves (16 with 2048 bins) below
     2^e_h, where amax < 2^e_h ≤ 2·amax. Bin 0 also holds everything below the lowest octave (< amax·2^-15).
@@ -418,13 +418,13 @@ def _coerce(observer: str, key: str, value: object, kind: type) -> int | float:
 # The one registry: recipe name -> observer class. Names, parameters and bounds are declared once, in
 # calib.recipe.dtypes.OBSERVERS (the recipe validates against it without importing torch); each class names its
 # entry (`spec`), and the registry is keyed by it, so a name without a class (or the reverse) fails on import.
-REGISTRY: dict[str, type[_State]] = {c.spec.name: c for c in (AbsMaxObserver, PercentileObserver, MSEObserver,
+REGISTRY: dict[str, type[StateObserver]] = {c.spec.name: c for c in (AbsMaxObserver, PercentileObserver, MSEObserver,
                                                                RopeBoundObserver)}
 if set(REGISTRY) != set(OBSERVERS):
     raise ImportError(f"observers declared {sorted(OBSERVERS)} but implemented {sorted(REGISTRY)}")
 
 
-def make_observer(name: str, params: dict, dtype: KVDtype, rotary: RotaryLayout | None) -> _State:
+def make_observer(name: str, params: dict, dtype: KVDtype, rotary: RotaryLayout | None) -> StateObserver:
     """A fresh observer by recipe name, its parameters checked against its spec. `dtype` matters for `mse`;
     `rotary` is required by `rope_bound` (`bins` is accepted here but not in a recipe: see calib.recipe.dtypes)."""
     spec = observer_spec(name)
