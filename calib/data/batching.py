@@ -10,6 +10,7 @@ not depend on order.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -58,24 +59,12 @@ def batches(seqs: Iterable[list[int]], batch_size: int, pad_id: int = 0, *, max_
             padding.total += mask.numel()
         return ids, mask
 
-    if max_batch_tokens is None:
-        group: list[list[int]] = []
-        for s in seqs:
-            group.append(s)
-            if len(group) == batch_size:
-                yield emit(group)
-                group = []
-        if group:
+    it = iter(seqs)
+    while group := list(itertools.islice(it, batch_size if max_batch_tokens is None else window)):
+        if max_batch_tokens is None:
             yield emit(group)
-        return
-    buf: list[list[int]] = []
-    for s in seqs:
-        buf.append(s)
-        if len(buf) >= window:
-            yield from (emit(g) for g in _budget_groups(buf, batch_size, max_batch_tokens))
-            buf = []
-    if buf:
-        yield from (emit(g) for g in _budget_groups(buf, batch_size, max_batch_tokens))
+        else:
+            yield from (emit(g) for g in _budget_groups(group, batch_size, max_batch_tokens))
 
 
 def _budget_groups(buf: list[list[int]], batch_size: int, budget: int) -> Iterator[list[list[int]]]:

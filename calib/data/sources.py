@@ -143,17 +143,13 @@ def _read_csv(path: Path) -> Iterator[Record]:
         reader = csv.DictReader(f)
         try:
             for n, row in enumerate(reader, 1):
-                if isinstance(row.get("input_ids"), str):
-                    try:
-                        row["input_ids"] = json.loads(row["input_ids"])
-                    except json.JSONDecodeError:
-                        raise DataError(f"{path} row {n}: input_ids must be a JSON list like [1, 2, 3]") from None
-                if isinstance(row.get("messages"), str):
-                    try:
-                        row["messages"] = json.loads(row["messages"])
-                    except json.JSONDecodeError:
-                        raise DataError(f"{path} row {n}: messages must be a JSON list of "
-                                        "{role, content} objects") from None
+                for col, want in (("input_ids", "a JSON list like [1, 2, 3]"),
+                                  ("messages", "a JSON list of {role, content} objects")):
+                    if isinstance(row.get(col), str):
+                        try:
+                            row[col] = json.loads(row[col])
+                        except json.JSONDecodeError:
+                            raise DataError(f"{path} row {n}: {col} must be {want}") from None
                 yield Record(row, f"{path} row {n}")
         except csv.Error as e:  # malformed quoting, a field over csv.field_size_limit(), ...
             raise DataError(f"{path} after line {reader.line_num}: not readable as CSV ({e}); "
@@ -196,17 +192,10 @@ def is_stream(path: Path) -> bool:
 def _read_stream(path: Path) -> Iterator[Record]:
     """One pass over a pipe. Without a known suffix the first non-blank line decides: `{` → JSON lines,
     anything else → text paragraphs."""
-    suffix = path.suffix.lower()
-    if suffix == ".csv":
-        yield from _read_csv(path)
+    if path.suffix:                     # .jsonl, .txt, .csv (`_local_files` refuses any other)
+        yield from _READERS[path.suffix.lower()](path)
         return
     with path.open("r", encoding="utf-8") as f:
-        if suffix == ".jsonl":
-            yield from _jsonl_lines(f, path)
-            return
-        if suffix == ".txt":
-            yield from _txt_paragraphs(f, path)
-            return
         head: list[str] = []
         for line in f:
             head.append(line)
