@@ -64,41 +64,32 @@ class ChannelMaxObserver(StateObserver):
         return self._read()["amax"].detach().cpu().clone()
 
 
-class OverflowCounter:
-    """Fraction of real values with |x| > limit — what an FP8 cache with scale 1.0 clips (limit 448)."""
+class OverflowCounter(StateObserver):
+    """Fraction of real values with |x| > limit — what an FP8 cache with scale 1.0 clips (limit 448).
+    State: {'over': [] int64, 'total': [] int64}."""
+
+    KEYS = ("over", "total")
 
     def __init__(self, limit: float = FP8_E4M3.qmax) -> None:
+        super().__init__()
         self.limit = limit
-        self._over: torch.Tensor | None = None
-        self._total: torch.Tensor | None = None
 
     def running(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(over, total) int64 counters that `calib.capture.kernels` adds batches of x into, in place."""
-        if self._over is None:
-            self._over = torch.zeros((), dtype=torch.int64, device=x.device)
-            self._total = torch.zeros((), dtype=torch.int64, device=x.device)
-        elif self._over.device != x.device:           # loaded from a file (resume): follow the batches
-            self._over, self._total = self._over.to(x.device), self._total.to(x.device)
-        return self._over, self._total
+        s = self._running(x.device, lambda: {k: torch.zeros((), dtype=torch.int64, device=x.device) for k in self.KEYS})
+        return s["over"], s["total"]
 
     def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
         scratch = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
         kernels.absmax_(x, mask, scratch, *self.running(x), limit=self.limit)
 
-    def merge(self, other: "OverflowCounter") -> None:
-        if other._over is not None:
-            self._over = other._over if self._over is None else self._over + other._over.to(self._over.device)
-            self._total = other._total if self._total is None else self._total + other._total.to(self._total.device)
+    def _fold(self, batch: dict[str, torch.Tensor]) -> None:
+        self._state = {k: v + batch[k].to(v.device) for k, v in self._state.items()} if self._state else batch
 
     def fraction(self) -> torch.Tensor:
         """The fraction (0-dim float32, on the CPU) of the values seen with |x| > limit."""
-        return (self._over.double() / self._total.clamp_min(1).double()).float().cpu()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {} if self._over is None else {"over": self._over, "total": self._total}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._over, self._total = state.get("over"), state.get("total")
+        s = self._state
+        return (s["over"].double() / s["total"].clamp_min(1).double()).float().cpu()
 
 
 class _TokenMax:

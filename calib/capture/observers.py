@@ -20,6 +20,7 @@ Histogram-based observers keep bounded memory: 16 bytes per bin and head (2048 b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,14 +48,6 @@ def _masked_abs(x: Tensor, mask: Tensor | None) -> Tensor:
 def _check_like(name: str, have: dict[str, Tensor], want: dict[str, Tensor]) -> None:
     if have.keys() != want.keys() or any(have[k].shape != want[k].shape for k in want):
         raise ValueError(f"{name}: state {_shapes(have)} does not match {_shapes(want)}")
-
-
-def _on(state: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    """The state on `device`: a state loaded from a file (resume) sits on the CPU while batches arrive on
-    the GPU, and calib.capture.kernels folds into the state in place."""
-    if all(v.device == device for v in state.values()):
-        return state
-    return {k: v.to(device) for k, v in state.items()}
 
 
 def _shapes(state: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
@@ -97,6 +90,15 @@ class StateObserver:
                              f"got {_shapes(state)}")
         self._state = {k: v.clone() for k, v in state.items()}
 
+    def _running(self, device: torch.device, fresh: Callable[[], dict[str, Tensor]]) -> dict[str, Tensor]:
+        """The state on `device` (`fresh()` before any data), which calib.capture.kernels folds batches into in
+        place; a state loaded from a file (resume) sits on the CPU while batches arrive on the GPU."""
+        if not self._state:
+            self._state = fresh()
+        elif any(v.device != device for v in self._state.values()):
+            self._state = {k: v.to(device) for k, v in self._state.items()}
+        return self._state
+
     def _read(self) -> dict[str, Tensor]:
         if not self._state:
             raise EmptyObserverError(f"{type(self).__name__} has seen no data")
@@ -122,10 +124,8 @@ class AbsMaxObserver(StateObserver):
     def running(self, x: Tensor) -> Tensor:
         """The state tensor that `calib.capture.kernels` folds batches of x into, in place (zeros before any data:
         |x| >= 0, and padding adds 0)."""
-        if not self._state:
-            self._state = {"amax": torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)}
-        self._state = _on(self._state, x.device)
-        return self._state["amax"]
+        zeros = lambda: {"amax": torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)}   # noqa: E731
+        return self._running(x.device, zeros)["amax"]
 
     def update(self, x: Tensor, mask: Tensor | None, amax: Tensor | None = None) -> None:
         state = self.running(x)                      # (amax is for the histogram observers: this is the max)
@@ -183,10 +183,8 @@ class RopeBoundObserver(StateObserver):
         rot, (h, d) = self.rotary.rotary_dim, (x.shape[1], x.shape[-1])
         if rot > d:
             raise ValueError(f"rotary_dim {rot} exceeds head_dim {d}")
-        if not self._state:   # zeros before any data: norms are >= 0, and padding adds 0
-            self._state = {"pair_max": torch.zeros(h, rot // 2, device=x.device),
-                           "pass_max": torch.zeros(h, d - rot, device=x.device)}
-        s = self._state = _on(self._state, x.device)
+        s = self._running(x.device, lambda: {"pair_max": torch.zeros(h, rot // 2, device=x.device),  # norms >= 0,
+                                             "pass_max": torch.zeros(h, d - rot, device=x.device)})  # padding adds 0
         if s["pair_max"].shape != (h, rot // 2) or s["pass_max"].shape != (h, d - rot):
             raise ValueError(f"RopeBoundObserver: x has {h} heads of {d} channels, state {_shapes(s)}")
         kernels.pair_max_(x, mask, rot, self.rotary.interleaved, s["pair_max"], s["pass_max"])
@@ -286,14 +284,13 @@ class _HistogramObserver(StateObserver):
     def _update_fused(self, x: Tensor, mask: Tensor | None, amax: Tensor | None) -> None:
         """calib.capture.kernels's one-pass histogram: same counts and sums (the bin of a bf16 value holds only it)."""
         h = x.shape[1]
-        if not self._state:   # an empty histogram at the lowest range: the fold moves it up exactly
-            self._state = {"exponent": torch.full((h,), E_MIN, dtype=torch.int64, device=x.device),
-                           "counts": torch.zeros(h, self.bins, dtype=torch.int64, device=x.device),
-                           "sums": torch.zeros(h, self.bins, dtype=torch.float64, device=x.device),
-                           "amax": torch.zeros(h, dtype=torch.float32, device=x.device)}
-        if self._state["counts"].shape[0] != h:
-            raise ValueError(f"histogram: x has {h} heads, state {_shapes(self._state)}")
-        self._state = _on(self._state, x.device)
+        dev = x.device          # before any data: an empty histogram at the lowest range, the fold moves it up exactly
+        state = self._running(dev, lambda: {"exponent": torch.full((h,), E_MIN, dtype=torch.int64, device=dev),
+                                            "counts": torch.zeros(h, self.bins, dtype=torch.int64, device=dev),
+                                            "sums": torch.zeros(h, self.bins, dtype=torch.float64, device=dev),
+                                            "amax": torch.zeros(h, dtype=torch.float32, device=dev)})
+        if state["counts"].shape[0] != h:
+            raise ValueError(f"histogram: x has {h} heads, state {_shapes(state)}")
         scratch = kernels.scratch_for(x.device, h, self.bins)
         new = kernels.histogram_(x, mask, self._state, scratch, E_MIN, E_MAX, amax)
         if new is None:                          # no working Triton here: the torch path, same result

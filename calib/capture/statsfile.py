@@ -128,12 +128,9 @@ def read(path: Path, what: str = "statistics file") -> RawFile:
         raise StatsError(f"{where} not found")
     try:
         shard = integrity.read_header(path, where)
-    except integrity.IntegrityError as e:
-        raise StatsError(str(e)) from None
-    if "kvcalib" not in shard.metadata:
-        raise StatsError(f"{where} is not a kvcalib statistics file (no kvcalib header); "
-                         "write one with `kvcalib calibrate --stats-out FILE`")
-    try:
+        if "kvcalib" not in shard.metadata:
+            raise StatsError(f"{where} is not a kvcalib statistics file (no kvcalib header); "
+                             "write one with `kvcalib calibrate --stats-out FILE`")
         header = integrity.parse_json(shard.metadata["kvcalib"].encode(), f"{where}: its kvcalib header")
     except integrity.IntegrityError as e:
         raise StatsError(str(e)) from None

@@ -126,7 +126,8 @@ def int4_per_token_head(x: torch.Tensor) -> torch.Tensor:
 
 
 READ_BACK = {FP8_PER_TOKEN_HEAD.name: lambda x: torch.mul(*fp8_codes(x)),      # codes * scale
-             INT8_PER_TOKEN_HEAD.name: lambda x: torch.mul(*int8_codes(x)), INT4_PER_TOKEN_HEAD.name: int4_per_token_head}
+             INT8_PER_TOKEN_HEAD.name: lambda x: torch.mul(*int8_codes(x)),
+             INT4_PER_TOKEN_HEAD.name: int4_per_token_head}
 
 
 def read_back(x: torch.Tensor, dtype: KVDtype) -> torch.Tensor:

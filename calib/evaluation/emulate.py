@@ -58,8 +58,7 @@ class Emulation:
         """The report's `emulation` entry."""
         d = asdict(self)
         d["mode"] = d.pop("name")
-        d["description"] = self.summary
-        d.pop("summary")
+        d["description"] = d.pop("summary")
         for part in ("q", "k", "v", "p"):
             cast = getattr(self, part)
             d[part] = cast.text() if cast else "unchanged (model dtype)" if part == "q" else "unchanged (float32)"
