@@ -7,15 +7,12 @@ request can push a channel beyond anything a short calibration text produced. Th
 - `mse`: the clip minimising the cache's own quantisation error (fake_quant of `calib.scales.quant`),
 - `rope_bound`: for K, the position-independent bound — the norm of each rotary pair.
 
-All share one interface: `update(x [b, h, s, d], mask [b, s] | None)` folds a batch in (padding
-ignored, state stays on x's device, no host sync), `merge(other)` adds an observer of disjoint data,
-`update` may be handed `amax`, the caller's running max |x| per head over the same data including this
-batch, which the histogram observers then need not compute again; `amax()` is a pure read of the clip
-per head (`[h]` float32 on the CPU), and `state_dict()` / `load_state_dict()` carry plain tensors (for checkpointing
-and cross-process reduction). Each class names its recipe entry (`spec`, from calib.recipe.dtypes.OBSERVERS, which
-declares the names and the parameters a recipe may set) and builds itself from them (`build`); `REGISTRY` maps
-recipe names to classes and `make_observer` is the one way a recipe's observer is made.
-Histogram-based observers keep bounded memory: 16 bytes per bin and head (2048 bins → 32 KiB per head).
+All share one interface (`StateObserver`): `update(x [b, h, s, d], mask [b, s] | None, amax=None)` folds a
+batch in on x's device without a host sync (`amax`: the caller's running max |x| per head, which the histogram
+observers then need not compute again), `merge(other)` adds an observer of disjoint data, `amax()` reads the
+clip per head (`[h]` float32, CPU), `state_dict()` / `load_state_dict()` carry plain tensors (checkpoints,
+cross-process reduction). Each class names its recipe entry (`spec`, calib.recipe.dtypes.OBSERVERS) and
+builds itself from its parameters (`build`); `make_observer` is the one way a recipe's observer is made.
 """
 
 from __future__ import annotations
@@ -63,6 +60,11 @@ class StateObserver:
 
     def __init__(self) -> None:
         self._state: dict[str, Tensor] = {}
+
+    @classmethod
+    def build(cls, params: dict[str, Any], dtype: KVDtype, rotary: RotaryLayout | None) -> StateObserver:
+        """One from a recipe's checked parameters (`dtype`, `rotary`: for the observers that need them)."""
+        return cls(**params)
 
     @property
     def seen(self) -> bool:
@@ -117,10 +119,6 @@ class AbsMaxObserver(StateObserver):
     KEYS = ("amax",)
     spec = observer_spec("absmax")
 
-    @classmethod
-    def build(cls, params: dict[str, Any], dtype: KVDtype, rotary: RotaryLayout | None) -> AbsMaxObserver:
-        return cls()
-
     def running(self, x: Tensor) -> Tensor:
         """The state tensor that `calib.capture.kernels` folds batches of x into, in place (zeros before any data:
         |x| >= 0, and padding adds 0)."""
@@ -157,14 +155,11 @@ class RotaryLayout:
 
 
 class RopeBoundObserver(StateObserver):
-    """Position-independent range of post-RoPE K.
-
-    RoPE rotates each channel pair (a, b) by an angle that depends on the position only, so the pair's
-    norm sqrt(a² + b²) is the same at every position, and no single channel of the pair can exceed it
-    at any position — including positions far beyond the calibration text. The bound per head is the
-    max over pairs of the largest pair norm seen, and over pass-through channels of |x| (exact, like
-    absmax). Feed it K only: V is not rotated. State: {'pair_max': [h, rot/2], 'pass_max': [h, d-rot]}.
-    """
+    """Position-independent range of post-RoPE K: RoPE rotates each channel pair (a, b) by an angle that
+    depends on the position only, so no channel of the pair exceeds its norm sqrt(a² + b²) at any position,
+    including positions far beyond the calibration text. Per head: the max over pairs of the largest pair norm
+    seen, and over pass-through channels of |x|. K only (V is not rotated). State: {'pair_max': [h, rot/2],
+    'pass_max': [h, d-rot]}."""
 
     KEYS = ("pair_max", "pass_max")
     spec = observer_spec("rope_bound")
@@ -235,7 +230,7 @@ class _HistogramObserver(StateObserver):
     at the final range, for any batch order and any merge tree (counts exactly; the float64 per-bin sums
     up to summation order). Sums give each bin's mean, exact for the sparse bins of the largest values.
     State: {'exponent': [h] int64, 'counts': [h, bins] int64, 'sums': [h, bins] float64 (sum of |x| per
-    bin), 'amax': [h] float32 (exact max |x|)} — 16 bytes per bin, 32 KiB per head with 2048 bins.
+    bin), 'amax': [h] float32 (exact max |x|)} — 16 bytes per bin: bounded memory, 32 KiB per head.
     """
 
     KEYS = ("exponent", "counts", "sums", "amax")
@@ -341,10 +336,6 @@ class PercentileObserver(_HistogramObserver):
         super().__init__(bins)
         self.p = p
 
-    @classmethod
-    def build(cls, params: dict[str, Any], dtype: KVDtype, rotary: RotaryLayout | None) -> PercentileObserver:
-        return cls(**params)
-
     def amax(self) -> Tensor:
         counts, starts, ends, amax = self._read()
         cum = counts.cumsum(-1)
@@ -398,8 +389,8 @@ class MSEObserver(_HistogramObserver):
         return clips.gather(1, best[:, None]).squeeze(1).float().cpu()
 
     def _best(self, values: Tensor, counts: Tensor, scales: Tensor) -> Tensor:
-        """Per head, the index of the scale with the least count-weighted squared error ([heads, grid, bins]
-        at a time: 8 heads of 100 x 2048 candidates are 6.5 MB of float32)."""
+        """Per head, the index of the scale with the least count-weighted squared error (8 heads of 100 x 2048
+        candidates at a time: 6.5 MB of float32)."""
         v = values.float()[:, None, :]
         err = (fake_quant(v, scales[:, :, None], self.dtype) - v).double().square()
         return (err * counts[:, None, :]).sum(-1).argmin(-1)

@@ -107,8 +107,7 @@ def launch(x, c: Tensor, cap: Tensor | None, causal: bool, window_left: int | No
     kvh, t, dv = x.k.shape[1], x.k.shape[2], x.v.shape[-1]
     t1, t2, t3 = _tiles(bn)
     bf16 = x.bf16_exact and not _INTERPRET
-    qc, kc, vc = (x.q, x.k, x.v) if not bf16 else (x.q.to(torch.bfloat16), x.k.to(torch.bfloat16),
-                                                   x.v.to(torch.bfloat16))
+    qc, kc, vc = (t.to(torch.bfloat16) if bf16 else t for t in (x.q, x.k, x.v))
     hw = (HW_P_CAST if HW_P_CAST is not None else x.q.is_cuda and hw_cast_agrees(x.q.device)) and quant_p
     out = torch.empty(b, s, h, dv, dtype=torch.float32, device=x.q.device)
     o4 = out.transpose(1, 2)
@@ -261,8 +260,7 @@ if triton is not None:
                  sqb, sqh, sqs, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sos, sod,
                  smb, smh, smm, smt, H, KVH, REP, S, T, D, DV, window, LEN_BUCKET,
                  BM: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr, T1: tl.constexpr,
-                 T2: tl.constexpr,
-                 T3: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr,
+                 T2: tl.constexpr, T3: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr,
                  SOFTCAP: tl.constexpr, QUANT_P: tl.constexpr, BF16: tl.constexpr, HW_CAST: tl.constexpr,
                  EVEN_D: tl.constexpr, LOOP_N: tl.constexpr):
         pid_m = tl.program_id(0)

@@ -211,8 +211,7 @@ def _reference_output(delegate: Callable, module: Any, query: torch.Tensor, key:
     if attention_mask is None:
         rows = torch.arange(t - w, t, device=query.device)[:, None]
         cols = torch.arange(t, device=query.device)[None, :]
-        sub = (cols <= rows) & (cols > rows - int(window))
-        sub = sub[None, None]
+        sub = ((cols <= rows) & (cols > rows - int(window)))[None, None]
     else:
         sub = attention_mask[:, :, -w:, :]
     ref = delegate(module, query[:, :, -w:], key, value, sub, **kwargs)[0]

@@ -165,8 +165,7 @@ def greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_n
         cache = out.get("past_key_values", None) if cache is None else cache
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
-            extra = {"attention_mask": mask,
-                     "position_ids": first_new + step}
+            extra = {"attention_mask": mask, "position_ids": first_new + step}
         out = model(input_ids=torch.tensor([[t] for t in toks], device=device), use_cache=True, logits_to_keep=1,
                     **{kw: cache}, **extra)
     return new
