@@ -1,28 +1,22 @@
 """What vLLM's dynamic per-token-head KV caches give back for K and V: the cache write, bit for bit, and its read.
 
 Why exact: these caches need no calibration, so the question a user asks is whether they lose less than static
-calibrated FP8 on their model and data (issue 25). An emulation that rounds differently from the kernel answers
-a different question. Each function below follows vLLM's Triton cache-write kernel step by step, in float32 as
-the kernel computes, and returns the dequantised values the attention reads (float32). Read in vLLM 0.32's
-source (the same kernels serve 0.24's FP8/INT8 modes on CUDA):
+calibrated FP8 on their model and data (issue 25); an emulation that rounds differently from the kernel answers
+a different question. Each function follows vLLM's Triton cache-write kernel step by step, in float32 as the
+kernel computes, and returns the dequantised values attention reads (float32). Read in vLLM 0.32's source (the
+same kernels serve 0.24's FP8/INT8 modes on CUDA):
 
-- `vllm/v1/attention/ops/triton_reshape_and_cache_flash.py` `_reshape_cache_per_token_head` (FP8 and INT8):
-  per (token, KV head), `scale = max(max|x| / QUANT_MAX, 1e-6)` in float32, stored as float32 beside the
-  values; `q = x * (1.0 / scale)`; INT8 rounds half away from zero by adding +-0.5 before the store truncates
-  (float -> int8 is a truncation), and clamps to [-128, 127] first; FP8 clamps to +-448 (`FP8_MAX` of
-  `float8_e4m3fn`; ROCm's e4m3fnuz would be 224, not emulated) and the store converts to e4m3 rounding to
-  nearest even. Attention reads `code * scale` (the scale folded into the scores and P, float32).
-- `vllm/v1/attention/ops/int4_per_token_head.py` `reshape_and_cache_int4` / `_reshape_cache_int4_kernel`:
-  K and V are first rotated by a randomized Hadamard transform (`single_rht`: signs D from a CPU torch
-  generator seeded 0x9E3779B9, then the unnormalised Walsh-Hadamard H, block-diagonal over the largest
-  power-of-two divisor b of head_dim), computed in float32 and rounded to the model's dtype. Then per (token,
-  head) an asymmetric 4-bit code: `scale = max((max - min) / 15, 1e-6)`, zero point `zp = clamp(round_half_away(
-  -min / scale), 0, 15)`, `q = clamp(round_half_away(x * (1 / scale) + zp), 0, 15)`, two codes per byte. The
-  zero point is hidden in the 4 low mantissa bits of the stored float32 scale, so the attention
-  (`_attn_packed`) reads `scale' = bits(scale) & ~0xF` and computes with `(q - zp) * scale'`. It rotates Q the
-  same way and divides the scores by b, and un-rotates the output (`unified_attention_int4`); since
-  D H H D = b I, that equals attention on `D H ((q - zp) * scale') / b` in the original space, which is what
-  `int4_per_token_head` returns.
+- `vllm/v1/attention/ops/triton_reshape_and_cache_flash.py` `_reshape_cache_per_token_head` (FP8, INT8): per
+  (token, KV head) a float32 scale stored beside the values; INT8 rounds half away from zero by adding +-0.5
+  before the store truncates; FP8 clamps to +-448 (`float8_e4m3fn`; ROCm's e4m3fnuz, 224, is not emulated) and
+  the store rounds to nearest even. Attention reads `code * scale`.
+- `vllm/v1/attention/ops/int4_per_token_head.py` `reshape_and_cache_int4` / `_reshape_cache_int4_kernel`: K
+  and V are first rotated by a randomized Hadamard transform (`single_rht`, block-diagonal over the largest
+  power-of-two divisor b of head_dim) in float32, rounded to the model's dtype; then per (token, head) an
+  asymmetric 4-bit code with a zero point hidden in the 4 low mantissa bits of the stored float32 scale
+  (`_attn_packed` reads `bits(scale) & ~0xF`). Attention rotates Q the same way, divides the scores by b and
+  un-rotates the output (`unified_attention_int4`); since D H H D = b I, that is attention on
+  `D H ((q - zp) * scale') / b` in the original space, which `int4_per_token_head` returns.
 
 What is not reproduced bit for bit: the Triton compiler may fuse `x * inv + zp` into one FMA (computed here in
 float64, then rounded once to float32, which agrees except at rare double-rounding ties); Triton's float32

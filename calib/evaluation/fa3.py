@@ -1,11 +1,11 @@
 """FlashAttention-3's FP8 forward, block by block: a float32 torch reference and a fused Triton kernel.
 
 Why: `fp8.fp8_attention` multiplies each query chunk with all keys in float32 and rounds P against one
-global row max. That is quadratic traffic without tensor cores (the long-context evaluation of issue 30
-ran at 5.5K tokens/s at 32K) and it is not FA3's arithmetic: FA3 rounds P per key block against the
-*running* row max and rescales the accumulator afterwards, and rounding then rescaling by a factor that is
-not a power of two is not rounding the rescaled value. This module computes what the Hopper kernel computes,
-in O(length) memory, the same way on CPU (reference) and GPU (kernel).
+global row max: quadratic traffic without tensor cores (issue 30: 5.5K tokens/s at 32K), and not FA3's
+arithmetic, which rounds P per key block against the *running* row max and rescales the accumulator
+afterwards (rounding then rescaling by a non-power-of-two is not rounding the rescaled value). This module
+computes what the Hopper kernel computes, in O(length) memory, the same way on CPU (reference) and GPU
+(the kernel in `calib/evaluation/fa3_kernel.py`).
 
 The algorithm, as read from flash-attention's hopper/ sources:
 - Q, K, V enter as e4m3 codes with one descale factor each per (batch, KV head): `flash_fwd_kernel_sm90.h`
@@ -32,8 +32,6 @@ mask * log2(e) to x), ANDed with `causal` (bottom-right aligned, as FA3) and `wi
 keys row - window_left .. row; transformers' sliding window W is window_left = W - 1). Unlike
 `fp8.fp8_attention`, `causal` still applies when a mask is given: identical for transformers' causal-LM
 masks, which are causal already.
-
-The fused Triton kernel that computes the same on CUDA is `calib/evaluation/fa3_kernel.py`.
 """
 
 from __future__ import annotations
@@ -154,8 +152,8 @@ def _args(q: Tensor, k: Tensor, v: Tensor, *, scaling: float, q_scale: Tensor | 
 # ------------------------------------------------------------------------------- float32 reference
 
 def blockwise_reference(q: Tensor, k: Tensor, v: Tensor, *, chunk: int = 256, **kw: Any) -> Tensor:
-    """FA3's FP8 forward in float32 torch ops (module docstring), `chunk` queries at a time (memory
-    O(chunk x block_n) beyond the inputs). Arguments as `fa3_attention`. Returns [b, s, h, dv] float32."""
+    """FA3's FP8 forward in float32 torch ops, `chunk` queries at a time (memory O(chunk x block_n) beyond the
+    inputs). Arguments and result as `fa3_attention`."""
     return _reference(*_args(q, k, v, **kw), chunk)
 
 
@@ -211,9 +209,8 @@ def _reference(x: Inputs, scaling: float, causal: bool, window_left: int | None,
 # ------------------------------------------------------------------------------- Triton kernel
 
 def fa3_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, block_m: int | None = None, **kw: Any) -> Tensor:
-    """The same computation as `blockwise_reference` in `fa3_kernel`'s Triton kernel, one program per (block_m
-    queries, head); block_m None: autotuned on CUDA, 64 under the interpreter. Arguments as `fa3_attention`.
-    Raises whatever Triton raises (the dispatcher falls back). Returns [b, s, h, dv] float32."""
+    """`blockwise_reference`'s computation in `fa3_kernel`'s Triton kernel, one program per (block_m queries,
+    head; None: autotuned on CUDA, 64 under the interpreter). Raises whatever Triton raises."""
     return _kernel(*_args(q, k, v, **kw), block_m)
 
 
@@ -224,8 +221,7 @@ def _kernel(x: Inputs, scaling: float, causal: bool, window_left: int | None, qu
 
 
 def fused(q: Tensor) -> bool:
-    """Whether `fa3_attention` takes the Triton kernel for q (CUDA or the interpreter, Triton working,
-    KVCALIB_FUSED not 0)."""
+    """Whether `fa3_attention` takes the Triton kernel for q (CUDA or the interpreter, KVCALIB_FUSED not 0)."""
     return (fa3_kernel.triton is not None and (q.is_cuda or fa3_kernel.KERNELS_ON_CPU)
             and os.environ.get("KVCALIB_FUSED", "1") != "0")
 

@@ -7,16 +7,13 @@ replaces K and V by what the cache would give back (`fake_quant`: divide by the 
 multiply back) for every token attention reads, prompt included, and then calls the model's own attention.
 Perplexity measured with full-precision prompt K/V would hide exactly the damage we look for.
 
-Which engine's arithmetic: `calib/evaluation/emulate.py` names what each engine does to Q, K, V and the softmax
-probabilities (the hook's `emulation`); the conversions are `calib/scales/fp8.py`'s, exact to the bit. For
-FlashAttention-3's FP8 path (Q and P in FP8 too) the hook runs `calib/evaluation/fa3.py` instead of the
-model's attention function: FA3's blockwise arithmetic, a Triton kernel on CUDA and its float32 reference
-elsewhere.
+Which engine's arithmetic: `calib/evaluation/emulate.py` names what each engine does to Q, K, V and P (the
+hook's `emulation`), with `calib/scales/fp8.py`'s bit-exact conversions; for FlashAttention-3's FP8 path (Q and
+P in FP8 too) the hook runs `calib/evaluation/fa3.py` instead of the model's attention function.
 
-Why a module of its own: how the cache would store an arm's K/V is independent of what the arms are and where
-their scales come from (`calib/evaluation/arms.py`), and of how an evaluation picks its samples and scores
-logits (`calib/evaluation/measure.py`, which drives this hook, and `calib/tune/`). The hook's switches change
-only through `FakeQuantKV.applying`, one `with` per batch or generation.
+Why a module of its own: how the cache would store an arm's K/V is independent of what the arms are
+(`calib/evaluation/arms.py`) and of how an evaluation picks samples and scores logits
+(`calib/evaluation/measure.py`, `calib/tune/`). The switches change only through `FakeQuantKV.applying`.
 """
 
 from __future__ import annotations
@@ -128,11 +125,8 @@ Ranges = dict[int, tuple[observe.AbsMaxObserver, observe.AbsMaxObserver]]
 
 
 class FakeQuantKV:
-    """Switches of the installed hook. `arm` None: pass K/V through untouched (bit-identical outputs).
-    `token_mask` ([batch, seq], True = real token) keeps padding out of every metric; `meter` receives the
-    per-layer sums (None: do not measure, e.g. during generation); `ranges` records per-head max |K|, |V|;
-    `emulation` is the engine whose arithmetic quantised arms follow (`calib/evaluation/emulate.py`). The switches are
-    set for one batch (or one generation) by `applying` and are all off outside it."""
+    """Switches of the installed hook, set for one batch (or one generation) by `applying` and all off outside
+    it; `emulation` is the engine whose arithmetic quantised arms follow (`calib/evaluation/emulate.py`)."""
 
     def __init__(self, emulation: emulate.Emulation | None = None) -> None:
         self.emulation = emulation or emulate.by_name(emulate.DEFAULT)
@@ -145,9 +139,9 @@ class FakeQuantKV:
     @contextlib.contextmanager
     def applying(self, arm: Arm | None = None, *, meter: Meter | None = None, token_mask: torch.Tensor | None = None,
                  ranges: Ranges | None = None) -> Iterator["FakeQuantKV"]:
-        """Every attention call inside stores K/V as `arm` would (None: untouched), measured into `meter`
-        over the real tokens of `token_mask`, recording K/V ranges into `ranges`; all switches off after,
-        whatever happens inside."""
+        """Every attention call inside stores K/V as `arm` would (None: untouched, bit-identical outputs),
+        measured into `meter` (None: not measured, e.g. generation) over the real tokens of `token_mask`
+        ([batch, seq]), recording per-head max |K|, |V| into `ranges`; all switches off after."""
         self.arm, self.meter, self.token_mask, self.ranges = arm, meter, token_mask, ranges
         self.right_padded = token_mask is not None and _right_padded(token_mask)
         try:

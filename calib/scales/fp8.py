@@ -83,13 +83,10 @@ def round_fp8(x: torch.Tensor, fmt: Format = E4M3, rounding: str = RNE) -> torch
 
 def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: Format = E4M3, rounding: str = RNE,
              scale_op: str = "divide", work_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The codes an engine stores for `x` with dequantisation scale `scale` (float32 grid values).
-
-    `scale_op`: how the kernel applies the scale before converting —
-    `divide` (x / scale, float32; vLLM CUDA cache write), `reciprocal` (x * (1 / scale), float32; vLLM CPU,
-    vLLM's static FP8 quantisation of Q), `reciprocal-model` (x * (1 / scale) in `work_dtype`, the model's
-    dtype, rounded there; TensorRT-LLM's cache write for bf16/fp16 models).
-    """
+    """The codes (float32 grid values) an engine stores for `x` with dequantisation scale `scale`; `scale_op`:
+    `divide` (x / scale, float32: vLLM's CUDA cache write), `reciprocal` (x * (1 / scale), float32: vLLM CPU and
+    its static FP8 Q quantisation), `reciprocal-model` (x * (1 / scale) rounded in `work_dtype`, the model's
+    dtype: TensorRT-LLM's cache write for bf16/fp16 models)."""
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     if scale_op == "divide":
         v = x.to(torch.float32) / s
@@ -132,19 +129,15 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling:
                   q_scale: torch.Tensor | float = 1.0, mask: torch.Tensor | None = None, causal: bool = True,
                   quant_q: bool = True, quant_p: bool = True, softcap: float | None = None,
                   fmt: Format = E4M3, chunk: int = 512) -> torch.Tensor:
-    """FlashAttention-3's FP8 forward with one global row max (the emulation before calib/evaluation/fa3.py), in float32.
+    """FlashAttention-3's FP8 forward with one global row max, in float32: the emulation before
+    calib/evaluation/fa3.py, kept as the simpler reference its tests and bench/gpu/longctx.py bound it against.
 
-    `q` [b, h, s, d] in the model's dtype; `k`, `v` [b, kv_h, t, d]: what the cache gives back (codes times
-    their scales, float32). Q is quantised with `q_scale` (x * (1 / q_scale), RNE, saturating) and multiplied
-    back; S = Q . K * scaling in float32; P = exp(S - rowmax) * 256 cast to e4m3 (RNE); the row sum is taken
-    over the unquantised P (as FA3 does); O = (Pq @ V) / rowsum. The kernel multiplies the descales into
-    the float32 logits and output instead of into Q, K, V: the same numbers up to float32 rounding order.
-    `mask`: boolean (True = attend) or additive, broadcastable to [b, h, s, t] (transformers' 4-D mask);
-    None with `causal` builds the causal mask (bottom-right aligned). One global row max stands in for FA3's
-    running, per-block max: not FA3's numbers (P rounded against a block's max and rescaled afterwards lands
-    on other e4m3 values: 7.2e-2 at max |o| 3.16 on tests/evaluation/test_fa3.py's inputs, blocks of 16). The
-    emulation uses `calib/evaluation/fa3.py`; this stays as the simpler reference that test bounds against.
-    Returns [b, s, h, d] float32 (transformers' attention-function layout).
+    `q` [b, h, s, d] in the model's dtype, quantised with `q_scale` (x * (1 / q_scale), RNE) and multiplied
+    back; `k`, `v` [b, kv_h, t, d]: what the cache gives back (float32). P = exp(S - rowmax) * 256 cast to e4m3,
+    the row sum over the unquantised P (as FA3); O = (Pq @ V) / rowsum. `mask`: bool (True = attend) or
+    additive, broadcastable to [b, h, s, t]; None with `causal`: bottom-right causal. Not FA3's numbers (FA3
+    rounds P against a running block max: 7.2e-2 apart at max |o| 3.16 on tests/evaluation/test_fa3.py's
+    inputs, blocks of 16). Returns [b, s, h, d] float32 (transformers' attention-function layout).
     """
     b, h, s, d = q.shape
     kvh, t = k.shape[1], k.shape[2]
