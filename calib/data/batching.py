@@ -47,11 +47,8 @@ def pad(group: list[list[int]], pad_id: int = 0) -> Batch:
 
 def batches(seqs: Iterable[list[int]], batch_size: int, pad_id: int = 0, *, max_batch_tokens: int | None = None,
             window: int = 256, padding: PaddingStats | None = None) -> Iterator[Batch]:
-    """Batches of at most `batch_size` sequences, in stream order.
-
-    With `max_batch_tokens`, sequences are collected into windows of `window`, sorted by length, and cut
-    into batches whose padded size (rows × longest) stays within the budget — similar lengths share a batch.
-    """
+    """Batches of at most `batch_size` sequences, in stream order; with `max_batch_tokens`, windows of `window`
+    sequences sorted by length and cut into batches whose padded size (rows × longest) stays within it."""
     def emit(group: list[list[int]]) -> Batch:
         ids, mask = pad(group, pad_id)
         if padding is not None:

@@ -42,11 +42,6 @@ class Format:
         """Exponent of the smallest normal number."""
         return 1 - self.bias
 
-    @property
-    def quantum(self) -> float:
-        """Spacing of the subnormals (the smallest positive value)."""
-        return 2.0 ** (self.emin - self.man_bits)
-
     def grid(self) -> torch.Tensor:
         """Every finite non-negative value of the format, sorted (decoded from the bit patterns)."""
         vals = set()

@@ -2,12 +2,9 @@
 the same numbers the cache will hold.
 
 The engine stores `q = saturate(x / scale)` rounded to the cache dtype and reads back `q * scale`
-(`scale` is the dequantisation multiplier, see docs/design.md §4). We emulate that in float32:
-- FP8 e4m3: clamp to ±448 *explicitly*, then round through `torch.float8_e4m3fn` (round-to-nearest,
-  ties-to-even; values below half the smallest subnormal 2^-9 flush to 0). The explicit clamp matters:
-  whether a cast saturates or produces NaN for out-of-range values differs between versions/backends.
-- INT8 symmetric: round half to even (`torch.round`) and clamp to ±127.
-`scale` broadcasts against `x`: a scalar, per-head `[h, 1, 1]` for `[b, h, s, d]`, per-channel, ...
+(docs/design.md §4); emulated in float32, FP8 through the torch float type (round to nearest even) and INT8
+with `torch.round`, both clamped *explicitly* first: whether a cast saturates or produces NaN out of range
+differs between versions/backends. `scale` broadcasts against `x` (scalar, per head `[h, 1, 1]`, ...).
 """
 
 from __future__ import annotations

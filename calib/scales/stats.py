@@ -1,9 +1,8 @@
 """What a capture hands on: one layer's ranges (`LayerStats`), a model's (`Stats`), and their flat tensor form.
 
-Why a module of its own: the statistics are read by more stages than the one that records them (scales fold
-them, statistics files store them, evaluation and tune read them back), and none of those readers needs the
-attention hook that produced them. It lives with the scales because it is their input: the capture, a later
-stage, fills it (calib.capture.hook) and the scales never import the capture.
+Why a module of its own: the statistics are read by more stages than the one that records them (scales,
+statistics files, evaluation, tune), none of which needs the attention hook (calib.capture.hook) that fills
+them; it lives with the scales, their input, so the scales never import the capture.
 """
 
 from __future__ import annotations
