@@ -92,32 +92,43 @@ class OverflowCounter(StateObserver):
         return (s["over"].double() / s["total"].clamp_min(1).double()).float().cpu()
 
 
-class _TokenMax:
+class _Group:
+    """Observers under names (`_members()`; None: not kept), merged, checkpointed (`name.key` tensors) and
+    loaded as one."""
+
+    def merge(self, other: "_Group") -> None:
+        theirs = other._members()
+        for name, mine in self._members().items():
+            if mine is not None and theirs[name] is not None:
+                mine.merge(theirs[name])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{name}.{k}": v.detach().cpu() for name, obs in self._members().items() if obs is not None
+                for k, v in obs.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, obs in self._members().items():
+            part = {k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == name}
+            if obs is not None and part:
+                obs.load_state_dict(part)
+
+
+class _TokenMax(_Group):
     """Feeds each token's max |x| (per head) into quantile observers: the ranges a per-token scheme sees."""
 
     def __init__(self, quantiles: tuple[float, ...], make: Callable[[float], Any]) -> None:
         self.observers = [make(q) for q in quantiles]
+
+    def _members(self) -> dict[str, Any]:
+        return {str(j): o for j, o in enumerate(self.observers)}
 
     def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
         per_token = x.detach().abs().amax(dim=-1, keepdim=True)     # [b, h, s, 1]
         for o in self.observers:
             o.update(per_token, mask)
 
-    def merge(self, other: "_TokenMax") -> None:
-        for mine, theirs in zip(self.observers, other.observers):
-            mine.merge(theirs)
-
     def amax(self) -> torch.Tensor:
         return torch.stack([o.amax() for o in self.observers])
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"{j}.{k}": v for j, o in enumerate(self.observers) for k, v in o.state_dict().items()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for j, o in enumerate(self.observers):
-            part = {k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == str(j)}
-            if part:
-                o.load_state_dict(part)
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -138,7 +149,7 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-class _LayerObservers:
+class _LayerObservers(_Group):
     def __init__(self, spec: CaptureSpec) -> None:
         self.k, self.v = AbsMaxObserver(), AbsMaxObserver()
         self.k_clip = spec.k_observer() if spec.k_observer else None
@@ -161,39 +172,17 @@ class _LayerObservers:
             if obs is not None:
                 obs.update(x, mask)
 
-    _FIELDS = ("k", "v", "k_clip", "v_clip", "q", "k_ch", "v_ch", "k_tok", "v_tok", "k_over", "v_over")
-
-    def merge(self, other: "_LayerObservers") -> None:
-        for name in self._FIELDS:
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if mine is not None and theirs is not None:
-                mine.merge(theirs)
+    def _members(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ("k", "v", "k_clip", "v_clip", "q", "k_ch", "v_ch", "k_tok",
+                                                       "v_tok", "k_over", "v_over")}
 
     def to_cpu(self) -> "_LayerObservers":
         return _to_cpu(self)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every observer's state as flat `field.key` tensors (what a statistics file stores)."""
-        out = {}
-        for name in self._FIELDS:
-            obs = getattr(self, name)
-            if obs is not None:
-                out.update({f"{name}.{k}": v.detach().cpu() for k, v in obs.state_dict().items()})
-        return out
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for name in self._FIELDS:
-            obs = getattr(self, name)
-            part = {k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == name}
-            if obs is not None and part:
-                obs.load_state_dict(part)
-
     def read(self) -> LayerStats:
-        def get(o):
-            return None if o is None else o.amax()
-        return LayerStats(self.k.amax(), self.v.amax(), get(self.k_clip), get(self.v_clip), get(self.q),
-                          get(self.k_ch), get(self.v_ch), get(self.k_tok), get(self.v_tok), self.k_over.fraction(),
-                          self.v_over.fraction())
+        """The members in LayerStats' field order: ranges, and the overflow fractions last."""
+        return LayerStats(*(None if o is None else o.fraction() if isinstance(o, OverflowCounter) else o.amax()
+                            for o in self._members().values()))
 
 
 class KVCapture:
