@@ -9,8 +9,8 @@ arguments, so outputs are bit-identical. This does not depend on the cache class
 argument (hooks on the cache's `update` silently stop firing when those change), and forward hooks on
 `k_proj` would see K before RoPE — the wrong tensor.
 
-Padding: the caller sets `capture.token_mask` (`[batch, seq]`, True for real tokens) before each forward;
-padded positions never reach a statistic. Statistics stay on the model's device: no host sync per batch.
+Padding (`KVCapture.masking`) never reaches a statistic; statistics stay on the model's device: no host sync
+per batch.
 """
 
 from __future__ import annotations
@@ -196,8 +196,7 @@ class KVCapture:
     @contextlib.contextmanager
     def masking(self, token_mask: torch.Tensor | None) -> Iterator["KVCapture"]:
         """Record the attention calls inside over the real tokens of `token_mask` ([batch, seq], True = real);
-        the mask is cleared after, whatever happens inside, so it never leaks into the next pass (like the
-        evaluation hook's `FakeQuantKV.applying`)."""
+        cleared after, whatever happens inside, so it never leaks into the next pass."""
         self.token_mask = token_mask
         try:
             yield self

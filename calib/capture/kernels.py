@@ -42,8 +42,7 @@ _failed: list[str] = []    # why Triton could not build a kernel here, once it f
 
 
 def fused(x: Tensor) -> bool:
-    """Whether `x`'s reductions run as Triton kernels (CUDA tensor, Triton importable and working, not
-    switched off with KVCALIB_FUSED=0)."""
+    """Whether `x`'s reductions run as Triton kernels (a working Triton, a CUDA tensor, KVCALIB_FUSED not 0)."""
     return (triton is not None and not _failed and (x.is_cuda or KERNELS_ON_CPU)
             and os.environ.get("KVCALIB_FUSED", "1") != "0" and x.dim() == 4 and x.numel() < 2**31)
 
@@ -167,8 +166,8 @@ def pair_max_(x: Tensor, mask: Tensor | None, rotary_dim: int, interleaved: bool
 
 
 def rotary_pairs(x: Tensor, rot: int, interleaved: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(first, second) channels of every rotary pair and the pass-through channels of x [..., d]:
-    pairs (i, i + rot/2) — transformers' rotate_half layout — or (2i, 2i+1) when interleaved (GPT-J)."""
+    """(first, second) channels of every rotary pair and the pass-through channels of x [..., d] (the layout of
+    calib.capture.observers.RotaryLayout)."""
     if interleaved:
         return x[..., 0:rot:2], x[..., 1:rot:2], x[..., rot:]
     return x[..., : rot // 2], x[..., rot // 2: rot], x[..., rot:]
@@ -228,9 +227,8 @@ def histogram_ok(x: Tensor, bins: int) -> bool:
 
 
 class HistScratch:
-    """Scratch the fused histogram adds a batch into and the fold empties again: counts
-    [HIST_LANES, h, bins] int32 and the underflow bin's sum [h] float64. Empty between calls, so one per
-    device and shape serves every observer (kernels run in stream order); see `scratch_for`."""
+    """Scratch the fused histogram adds a batch into and the fold empties again (counts [HIST_LANES, h, bins]
+    int32, the underflow bin's sum [h] float64): one per device and shape serves every observer."""
 
     def __init__(self, heads: int, bins: int, device: torch.device) -> None:
         self.counts = torch.zeros(HIST_LANES, heads, bins, dtype=torch.int32, device=device)

@@ -137,9 +137,8 @@ class AbsMaxObserver(StateObserver):
 
 @dataclass(frozen=True)
 class RotaryLayout:
-    """Which K channels RoPE rotates together: the first `rotary_dim` channels, paired as
-    (i, i + rotary_dim/2) — transformers' `rotate_half` (neox) layout — or (2i, 2i+1) if `interleaved`
-    (GPT-J). Channels from `rotary_dim` on pass through unrotated (partial rotary)."""
+    """Which K channels RoPE rotates together: of the first `rotary_dim`, (i, i + rotary_dim/2) — transformers'
+    `rotate_half` layout — or (2i, 2i+1) if `interleaved` (GPT-J); the rest pass through (partial rotary)."""
     rotary_dim: int
     interleaved: bool = False
 

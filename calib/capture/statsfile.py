@@ -115,9 +115,8 @@ class RawFile:
 
 
 def read(path: Path, what: str = "statistics file") -> RawFile:
-    """The one reader of kvcalib statistics files (`--stats-out`, merge, export --stats, eval --stats and the
-    resume file). Every problem is a StatsError naming the file: not safetensors, no kvcalib header, a
-    header field of the wrong kind, a recipe out of bounds, tensors of layers the header does not list."""
+    """The one reader of kvcalib statistics files (`--stats-out`, merge, export --stats, eval --stats, the
+    resume file): every problem is a StatsError naming the file (module docstring)."""
     from safetensors import safe_open
 
     from calib.ckpt import integrity
@@ -281,9 +280,8 @@ class Resumed:
 
 
 def resume_into(capture: observe.KVCapture, path: Path, run: Provenance) -> Resumed:
-    """Load the resume file at `path` into `capture` (checked like any statistics file, and against `run`, the
-    run resuming: recipe, model config and weights, data source); returns the batches it covers, whose token
-    stream the caller checks as it replays them (`Resumed.check_stream`)."""
+    """Load the resume file at `path` into `capture`, checked like any statistics file and against `run` (recipe,
+    model config and weights, data source); the caller checks the batches it replays (`Resumed.check_stream`)."""
     from calib.ckpt import fingerprint
 
     if not Path(path).is_file():

@@ -80,9 +80,8 @@ SHORT_SHARE = 0.5          # unpacked samples averaging under this share of the 
 
 
 def pack_hint(samples: int, tokens: int, length: int, what: str, padding: float | None = None) -> str | None:
-    """One warning line when unpacked samples average under `SHORT_SHARE` of `length` tokens (`what` names
-    that length: "--seq-len", "the largest bucket") and the data holds enough tokens to fill one sample of
-    it; `padding`: the share of computed positions that were (or will be) padding. None otherwise."""
+    """One warning line when unpacked samples average under `SHORT_SHARE` of `length` tokens (named `what`) and
+    the data could fill one sample of it (`padding`: the share of positions that are padding); else None."""
     if samples <= 0 or tokens < length or tokens / samples >= SHORT_SHARE * length:
         return None
     mean = tokens / samples

@@ -40,9 +40,8 @@ _TERMS = ("sat", "flush", "nonzero", "n", "signal", "noise")
 
 def cache_codes(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype,
                 cast: emulate.Cast | None = None) -> torch.Tensor:
-    """The codes (float32 grid values) the engine's cache write stores for x: `cast` says how an FP8 cache
-    rounds and applies the scale (None: `quant.quantize`, x / scale rounded to nearest). INT8 always rounds
-    to nearest: every engine serving INT8 KV does."""
+    """The codes (float32 grid values) the engine's cache write stores for x; `cast`: how an FP8 cache rounds and
+    applies the scale (None: `quant.quantize`). INT8 rounds to nearest, as every engine serving INT8 KV does."""
     if dtype is FP8_E5M2:           # vLLM's CPU write truncates e5m2 as it does e4m3; CUDA rounds to nearest
         rounding = fp8.RZ if cast is not None and cast.rounding.startswith("rz") else fp8.RNE
         op = cast.scale_op if cast is not None and cast.scale_op != "reciprocal-model" else "divide"

@@ -182,9 +182,8 @@ class Outcome:
 
 def run(model: torch.nn.Module, tokenizer: Any, items: Sequence[Prompt],
         on_done: Callable[[Prompt], Any] | None = None, batch_size: int = 1, pad_id: int = 0) -> list[Outcome]:
-    """Generate and score every prompt under whatever K/V treatment is currently installed, up to `batch_size`
-    prompts of one bucket at a time (`greedy_batch`); outcomes in the order of `items`. `on_done` is called
-    after each prompt (progress)."""
+    """Outcomes of every prompt, in order, under the K/V treatment installed now, up to `batch_size` prompts of
+    one bucket at a time (`greedy_batch`); `on_done` is called after each prompt (progress)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     out = []
     for group in _groups(items, max(1, batch_size)):

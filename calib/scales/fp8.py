@@ -106,9 +106,8 @@ def vllm_cpu_e4m3(v: torch.Tensor) -> torch.Tensor:
 
 
 def cache_write(x: torch.Tensor, scale: torch.Tensor | float, rounding: str, scale_op: str) -> torch.Tensor:
-    """The e4m3 codes an engine's cache write stores for `x` (`calib/evaluation/emulate.py`'s Cast vocabulary):
-    `rounding` rne | rz | rz-cpu (vLLM CPU's truncation with its subnormal double rounding), `scale_op`
-    divide | reciprocal | reciprocal-model (the model dtype is x's)."""
+    """The e4m3 codes an engine's cache write stores for `x`, in `calib/evaluation/emulate.py`'s Cast vocabulary
+    (`reciprocal-model`: in x's dtype)."""
     if rounding == "rz-cpu":
         s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
         return vllm_cpu_e4m3(x.to(torch.float32) * (1.0 / s))
