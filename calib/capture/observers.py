@@ -36,12 +36,6 @@ class EmptyObserverError(KvcalibError, RuntimeError):
     """amax() of an observer that has seen no data."""
 
 
-def _masked_abs(x: Tensor, mask: Tensor | None) -> Tensor:
-    """|x| in float32 with padded tokens set to 0 (0 never raises a max and is what padding adds)."""
-    a = x.detach().to(torch.float32).abs()
-    return a if mask is None else a.masked_fill(~mask.to(x.device, torch.bool)[:, None, :, None], 0)
-
-
 def _check_like(name: str, have: dict[str, Tensor], want: dict[str, Tensor]) -> None:
     if have.keys() != want.keys() or any(have[k].shape != want[k].shape for k in want):
         raise ValueError(f"{name}: state {_shapes(have)} does not match {_shapes(want)}")
@@ -199,11 +193,6 @@ _GPU_LANES = 32               # copies of every bin, picked by element position:
                               # on the CPU, where adds are serial, the copies only cost memory traffic)
 
 
-def _key(a: Tensor) -> Tensor:
-    """Monotone integer key of a >= 0 (float32): exponent and top SUB_BITS mantissa bits of its bit pattern."""
-    return a.view(torch.int32) >> _SHIFT
-
-
 def _key_value(key: Tensor) -> Tensor:
     """The float32 at which bin `key` starts (0 for keys below any float)."""
     return (key.clamp_min(0) << _SHIFT).to(torch.int32).view(torch.float32)
@@ -253,12 +242,15 @@ class _HistogramObserver(StateObserver):
     def update(self, x: Tensor, mask: Tensor | None, amax: Tensor | None = None) -> None:
         if kernels.histogram_ok(x, self.bins):
             return self._update_fused(x, mask, amax)
-        a = _masked_abs(x, mask)                                          # [b, h, s, d]
+        a = x.detach().to(torch.float32).abs()                            # [b, h, s, d], padding 0: what it adds
+        if mask is not None:
+            a = a.masked_fill(~mask.to(x.device, torch.bool)[:, None, :, None], 0)
         h = a.shape[1]
         amax = a.amax(dim=(0, 2, 3))
         e = torch.frexp(amax).exponent.to(torch.int64)
         e = torch.where(amax > 0, e, E_MIN).clamp(E_MIN, E_MAX)
-        idx = (_key(a) - self._base(e).to(torch.int32)[None, :, None, None]).clamp_(0, self.bins - 1)
+        key = a.view(torch.int32) >> _SHIFT         # monotone in a >= 0: exponent and top SUB_BITS mantissa bits
+        idx = (key - self._base(e).to(torch.int32)[None, :, None, None]).clamp_(0, self.bins - 1)
         idx += (torch.arange(h, device=a.device, dtype=torch.int32) * self.bins)[None, :, None, None]
         if mask is not None:
             dump = ~mask.to(a.device, torch.bool)[:, None, :, None]

@@ -363,11 +363,6 @@ def _check_unicode(value: Any, origin: str) -> None:
                         "which is not Unicode text; fix the source's encoding or remove the record")
 
 
-def _check_vocab(ids: list[int], vocab_size: int | None, origin: str) -> None:
-    if vocab_size is not None and ids and (min(ids) < 0 or max(ids) >= vocab_size):
-        raise DataError(f"{origin}: token id out of range [0, {vocab_size}); was the data tokenized for another model?")
-
-
 def samples(source: str | Path, tokenizer: Any, *, seq_len: int, max_samples: int, min_tokens: int,
             pack: bool, seed: int, vocab_size: int | None, report: DataReport) -> Iterator[list[int]]:
     """Yield at most `max_samples` token sequences of at most `seq_len` ids; counts go into `report`.
@@ -383,7 +378,9 @@ def samples(source: str | Path, tokenizer: Any, *, seq_len: int, max_samples: in
         if report.column is None:
             report.column = _detect_column(rec)
         ids = _to_ids(rec, report.column, tokenizer, None if pack else seq_len)
-        _check_vocab(ids, vocab_size, rec.origin)
+        if vocab_size is not None and ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise DataError(f"{rec.origin}: token id out of range [0, {vocab_size}); was the data tokenized for "
+                            "another model?")
         if not pack:
             if len(ids) < min_tokens:
                 report.skipped_short += 1

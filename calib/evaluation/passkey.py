@@ -106,24 +106,11 @@ def correct(text: str, key: str) -> bool:
     return answer(text) == key
 
 
-def _cache_kw(model: torch.nn.Module) -> str:
-    """transformers renamed `past_key_values` to `cache` (5.2x); pass whichever the model takes."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def greedy(model: torch.nn.Module, ids: Sequence[int], max_new_tokens: int = MAX_NEW_TOKENS,
            eos_id: int | None = None) -> list[int]:
     """Greedy continuation of one prompt with the model's KV cache (whatever attention hook is installed
     sees the whole cached K/V at every step, so fake quantisation covers the prompt too)."""
     return greedy_batch(model, [ids], max_new_tokens, eos_id)[0]
-
-
-def _chunked(model: torch.nn.Module) -> bool:
-    """Whether the model has chunked-local attention layers (Llama 4's `attention_chunk_size`)."""
-    cfg = getattr(model, "config", None)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return bool(getattr(cfg, "attention_chunk_size", None))
 
 
 @torch.inference_mode()
@@ -136,12 +123,15 @@ def greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_n
     model costs its kernel launches, and the emulation's hook adds its own per layer; one step for the batch
     instead of one per prompt divides that by the batch size. A row stops at `eos_id` (kept)."""
     device = next(model.parameters()).device
-    kw = _cache_kw(model)
+    # transformers renamed `past_key_values` to `cache` (5.2x): pass whichever the model takes
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     lengths = [len(p) for p in prompts]
     width = max(lengths)
     padded = min(lengths) < width
-    if padded and _chunked(model):
-        # chunked-local attention cuts chunks by cache index: left padding would move every chunk boundary
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if padded and getattr(cfg, "attention_chunk_size", None):
+        # chunked-local attention (Llama 4) cuts chunks by cache index: left padding would move every boundary
         return [greedy_batch(model, [p], max_new_tokens, eos_id, pad_id)[0] for p in prompts]
     x = torch.tensor([[pad_id] * (width - n) + list(p) for p, n in zip(prompts, lengths)], device=device)
     extra: dict[str, torch.Tensor] = {}
@@ -186,18 +176,15 @@ def run(model: torch.nn.Module, tokenizer: Any, items: Sequence[Prompt],
     one bucket at a time (`greedy_batch`); `on_done` is called after each prompt (progress)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     out = []
-    for group in _groups(items, max(1, batch_size)):
+    # the batches `calib.evaluation.plan.batch_indices` makes (one bucket each, at most `batch_size` prompts and
+    # PASSKEY_BATCH_TOKENS tokens): the plan costs the same batches the run decodes
+    for batch in batch_indices([(len(p.ids), p.bucket) for p in items], max(1, batch_size)):
+        group = [items[i] for i in batch]
         for p, new in zip(group, greedy_batch(model, [p.ids for p in group], eos_id=eos, pad_id=pad_id)):
             out.append(score(p, tokenizer.decode(new, skip_special_tokens=True)))
             if on_done is not None:
                 on_done(p)
     return out
-
-
-def _groups(items: Sequence[Prompt], size: int) -> list[list[Prompt]]:
-    """The batches `calib.evaluation.plan.batch_indices` makes (one bucket each, at most `size` prompts and
-    PASSKEY_BATCH_TOKENS tokens): the plan costs the same batches the run decodes."""
-    return [[items[i] for i in group] for group in batch_indices([(len(p.ids), p.bucket) for p in items], size)]
 
 
 def score(p: Prompt, generated: str) -> Outcome:
