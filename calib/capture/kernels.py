@@ -1,12 +1,10 @@
 """One pass per tensor: the capture's per-batch reductions fused into single kernels on CUDA.
 
-Why: the capture runs inside every attention call of every batch. Written as ordinary torch ops, one
-layer's statistics were about 25 small kernels (abs, max, mask, compare, sum, fold ...), each reading or
-writing a tensor of the size of K; on one H200 that cost 3-5 % over the forward pass for absmax and 22 %
-for the histogram observers, where the forward pass itself is the floor. Here each tensor is read once
-by one Triton kernel that folds its result straight into the observer's running state with atomics (max
-of non-negative floats, integer counts): no temporaries, no host synchronisation, two or three launches
-per layer. Atomics are relaxed: nothing reads the state until the stream reaches a later kernel.
+Why: the capture runs inside every attention call of every batch. As ordinary torch ops one layer's
+statistics were about 25 small kernels, each reading or writing a tensor of the size of K: on one H200 3-5 %
+over the forward pass for absmax, 22 % for the histogram observers. Here each tensor is read once by one
+Triton kernel that folds its result straight into the observer's running state with (relaxed) atomics: no
+temporaries, no host synchronisation, two or three launches per layer.
 
 Everything has a torch reference beside it, used on the CPU, without Triton, or with KVCALIB_FUSED=0 —
 and the results are the same bit for bit: maxima select an element, counts are integers, and a bf16

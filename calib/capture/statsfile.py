@@ -1,21 +1,18 @@
 """Statistics as a file: calibrate once, merge runs, try recipes without running the model again.
 
-Why: the forward pass is the expensive part; folding statistics into scales is not. A statistics file
-holds every observer's full state (exact maxima, histograms, counts), not just the final ranges, so
-  - `merge` combines runs over different data (domains, shards, days) exactly as one run over all of it
-    would have (maxima and histogram counts merge exactly);
-  - `export --stats` forms scales for another dtype, granularity, headroom or target from the same pass.
+Why: the forward pass is the expensive part; folding statistics into scales is not. A statistics file holds
+every observer's full state (exact maxima, histograms, counts), not just the final ranges, so `merge` combines
+runs over different data exactly as one run over all of it would have, and `export --stats` forms scales for
+another dtype, granularity, headroom or target from the same pass.
 
-Layout (safetensors): `stats.layers.{i}.{field}` — the readable ranges (`capture.hook.LayerStats` fields) —
-and `state.layers.{i}.{observer}.{key}` — the observer states; metadata `kvcalib` holds a JSON header
-(recipe, rotary_dim, layers, model, model_config_sha256, data report) and `kvcalib_sha256` a checksum over
-the header and every tensor.
+Layout (safetensors): `stats.layers.{i}.{field}` (the readable ranges, `LayerStats` fields) and
+`state.layers.{i}.{observer}.{key}` (the observer states); metadata `kvcalib` holds a JSON header (the run's
+provenance, `layers`) and `kvcalib_sha256` a checksum over the header and every tensor.
 
 Reading (`read`, `load`, `build_capture`) is the one way in for statistics files, the resume file and
-eval --stats: the safetensors header is checked (calib.ckpt.integrity), the kvcalib header field by field (its
-recipe with the recipe's own bounds), the checksum, every tensor's name against the layers listed, and the
-observer states against the readable ranges stored beside them. A damaged or edited file is one StatsError
-naming it — never a traceback, never statistics that differ from what was saved.
+eval --stats: the safetensors header, the kvcalib header field by field (its recipe with the recipe's own
+bounds), the checksum, every tensor's name and the observer states against the ranges stored beside them are
+checked. A damaged or edited file is one StatsError naming it — never a traceback, never other statistics.
 """
 
 from __future__ import annotations

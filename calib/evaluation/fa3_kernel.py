@@ -1,12 +1,10 @@
 """The fused Triton kernel for `calib/evaluation/fa3.py`'s FP8 attention (CUDA; the interpreter in tests).
 
-Why a kernel: the float32 reference is exact to the algorithm but runs without tensor cores; at 32K-128K
-the emulated arms have to cost about what the model's own forward does. An e4m3 code is exact in bf16,
-so Q . K and P . V run on bf16 tensor cores with float32 accumulation; a kBlockN that is not a power of two
-(160, 224) is covered by up to three power-of-two tiles sharing one block max. K/V values that are not codes
-times a per-head scale (per-channel or per-token arms, `k_scale=None`) use float32 (IEEE) dots instead.
-Under Triton's interpreter (tests) the dots run in float32 on the same codes (its bf16 dot is broken), and P
-is rounded arithmetically (its FP8 cast is not round-to-nearest).
+Why a kernel: the float32 reference runs without tensor cores; at 32K-128K the emulated arms have to cost
+about what the model's own forward does. An e4m3 code is exact in bf16, so Q . K and P . V run on bf16 tensor
+cores with float32 accumulation (IEEE float32 dots for K/V that are not codes times a per-head scale); a
+kBlockN that is not a power of two (160, 224) is up to three power-of-two tiles sharing one block max. Under
+Triton's interpreter (tests) the dots run in float32 (its bf16 dot is broken) and P is rounded arithmetically.
 
 Speed, as FA3 gets it: key blocks that every query of a tile sees whole (behind the diagonal, inside the
 window, no mask tensor) skip the mask; P is rounded by the GPU's float32 -> e4m3 conversion where
