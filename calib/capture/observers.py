@@ -140,12 +140,6 @@ class RotaryLayout:
         if self.rotary_dim <= 0 or self.rotary_dim % 2:
             raise ValueError(f"rotary_dim must be a positive even number, got {self.rotary_dim}")
 
-    def pairs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(first, second) channels of every rotary pair, and the pass-through channels, of x [..., d]."""
-        if self.rotary_dim > x.shape[-1]:
-            raise ValueError(f"rotary_dim {self.rotary_dim} exceeds head_dim {x.shape[-1]}")
-        return kernels.rotary_pairs(x, self.rotary_dim, self.interleaved)
-
 
 class RopeBoundObserver(StateObserver):
     """Position-independent range of post-RoPE K: RoPE rotates each channel pair (a, b) by an angle that

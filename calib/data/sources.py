@@ -330,12 +330,11 @@ def _to_ids(rec: Record, column: str, tokenizer: Any, max_len: int | None) -> li
         raise DataError(f"{rec.origin}: the model has no tokenizer, so '{column}' data cannot be used; "
                         "give pre-tokenized data with an input_ids column")
     if column == "messages":
-        messages = value
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(f"{rec.origin}: the tokenizer has no chat template to render 'messages'; "
                             "use a 'text' column or a tokenizer with a chat_template")
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            text = tokenizer.apply_chat_template(value, tokenize=False)
         except Exception as e:  # templates raise their own errors (roles out of order, missing fields)
             raise DataError(f"{rec.origin}: the model's chat template refused this conversation "
                             f"({type(e).__name__}: {first_line(e)})") from None

@@ -38,8 +38,11 @@ RHT_SEED = 0x9E3779B9       # int4_per_token_head._get_rht_signs, round 0
 INT4_LEVELS = 15.0
 
 
-def _scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    return torch.clamp_min(amax / torch.tensor(qmax, dtype=torch.float32), SCALE_FLOOR)
+def _scaled(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x * (1 / scale), scale) in float32 with the per-(token, head) scale max(max |x| / qmax, 1e-6)."""
+    xf = x.to(torch.float32)
+    scale = torch.clamp_min(xf.abs().amax(dim=-1, keepdim=True) / torch.tensor(qmax, dtype=torch.float32), SCALE_FLOOR)
+    return xf * (1.0 / scale), scale
 
 
 def _half_away(v: torch.Tensor) -> torch.Tensor:
@@ -49,18 +52,14 @@ def _half_away(v: torch.Tensor) -> torch.Tensor:
 
 def fp8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes as float32, per-token-head float32 scale [..., 1]) of `fp8_per_token_head` for x [..., d]."""
-    xf = x.to(torch.float32)
-    scale = _scale(xf.abs().amax(dim=-1, keepdim=True), FP8_PER_TOKEN_HEAD.qmax)
-    v = torch.clamp(xf * (1.0 / scale), -fp8.E4M3.max, fp8.E4M3.max)
-    return fp8.round_fp8(v, fp8.E4M3, fp8.RNE), scale
+    v, scale = _scaled(x, FP8_PER_TOKEN_HEAD.qmax)
+    return fp8.round_fp8(torch.clamp(v, -fp8.E4M3.max, fp8.E4M3.max), fp8.E4M3, fp8.RNE), scale
 
 
 def int8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes as float32, per-token-head float32 scale [..., 1]) of `int8_per_token_head` for x [..., d]."""
-    xf = x.to(torch.float32)
-    scale = _scale(xf.abs().amax(dim=-1, keepdim=True), INT8_PER_TOKEN_HEAD.qmax)
-    v = _half_away(xf * (1.0 / scale))
-    return torch.clamp(v, -128.0, 127.0), scale
+    v, scale = _scaled(x, INT8_PER_TOKEN_HEAD.qmax)
+    return torch.clamp(_half_away(v), -128.0, 127.0), scale
 
 
 # ------------------------------------------------------------------------------------------- INT4
