@@ -112,6 +112,13 @@ class _Group:
             if obs is not None and part:
                 obs.load_state_dict(part)
 
+    def to_cpu(self) -> "_Group":
+        """The same observers, their state on the CPU (for gathering across processes)."""
+        for obs in self._members().values():
+            if obs is not None:
+                obs.to_cpu()
+        return self
+
 
 class _TokenMax(_Group):
     """Feeds each token's max |x| (per head) into quantile observers: the ranges a per-token scheme sees."""
@@ -129,24 +136,6 @@ class _TokenMax(_Group):
 
     def amax(self) -> torch.Tensor:
         return torch.stack([o.amax() for o in self.observers])
-
-
-def _to_cpu(obj: Any) -> Any:
-    """The same observer with every tensor it holds moved to the CPU (for gathering across processes)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, list):
-        moved = [_to_cpu(o) for o in obj]
-        return obj if all(a is b for a, b in zip(moved, obj)) else moved
-    if isinstance(obj, dict):
-        moved_d = {k: _to_cpu(v) for k, v in obj.items()}
-        return obj if all(moved_d[k] is v for k, v in obj.items()) else moved_d
-    if hasattr(obj, "__dict__"):
-        for k, v in list(vars(obj).items()):
-            new = _to_cpu(v)
-            if new is not v:
-                setattr(obj, k, new)
-    return obj
 
 
 class _LayerObservers(_Group):
@@ -175,9 +164,6 @@ class _LayerObservers(_Group):
     def _members(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in ("k", "v", "k_clip", "v_clip", "q", "k_ch", "v_ch", "k_tok",
                                                        "v_tok", "k_over", "v_over")}
-
-    def to_cpu(self) -> "_LayerObservers":
-        return _to_cpu(self)
 
     def read(self) -> LayerStats:
         """The members in LayerStats' field order: ranges, and the overflow fractions last."""

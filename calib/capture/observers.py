@@ -80,6 +80,11 @@ class StateObserver:
     def state_dict(self) -> dict[str, Tensor]:
         return {k: v.clone() for k, v in self._state.items()}
 
+    def to_cpu(self) -> StateObserver:
+        """The same observer, its state on the CPU (for gathering across processes)."""
+        self._state = {k: v.detach().cpu() for k, v in self._state.items()}
+        return self
+
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         if state and (set(state) != set(self.KEYS) or not self._fits(state)):
             raise ValueError(f"{type(self).__name__}{self._layout()} state needs keys {list(self.KEYS)}, "
