@@ -108,7 +108,7 @@ class _Group:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, obs in self._members().items():
-            part = {k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == name}
+            part = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
             if obs is not None and part:
                 obs.load_state_dict(part)
 
@@ -171,8 +171,8 @@ class _LayerObservers(_Group):
                             for o in self._members().values()))
 
 
-class KVCapture:
-    """Receives Q/K/V from the attention wrapper and keeps one set of observers per layer."""
+class KVCapture(_Group):
+    """Receives Q/K/V from the attention wrapper and keeps one set of observers per layer (`layers.{i}`)."""
 
     def __init__(self, layers: list[int], spec: CaptureSpec | None = None) -> None:
         self.layers = list(layers)
@@ -198,17 +198,8 @@ class KVCapture:
                                f"is {tuple(mask.shape)}; run with use_cache=False and no past K/V")
         self._obs[layer].update(query, key, value, mask)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"layers.{i}.{k}": v for i, o in self._obs.items() for k, v in o.state_dict().items()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for i, o in self._obs.items():
-            prefix = f"layers.{i}."
-            o.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-
-    def merge_from(self, other: "KVCapture") -> None:
-        for i, o in self._obs.items():
-            o.merge(other._obs[i])
+    def _members(self) -> dict[str, Any]:
+        return {f"layers.{i}": o for i, o in self._obs.items()}
 
     def merge_across(self, merge: Callable[[dict[int, Any]], dict[int, Any]]) -> None:
         """Replace the per-layer observers by `merge(observers)` (e.g. the merge over all ranks)."""

@@ -357,7 +357,7 @@ def _merge(paths: list[Path], out: Path) -> Path:
         if diff:
             raise StatsError(f"{p}: recipe field(s) {diff} differ from {paths[0]}; runs must record the same "
                              "statistics to be merged")
-        first.capture.merge_from(f.capture)
+        first.capture.merge(f.capture)
     datas = [f.provenance.data for f in files]
     joined = hashlib.sha256("".join(str(d.get("fingerprint")) for d in datas).encode()).hexdigest()
     data = {"sources": [d.get("source") for d in datas],
