@@ -223,9 +223,7 @@ class KVCapture(_Group):
 
 @contextlib.contextmanager
 def capture_kv(model: torch.nn.Module, layers: list[int], spec: CaptureSpec | None = None) -> Iterator[KVCapture]:
-    """Route every attention call of `model` through a recording wrapper; always restores the model.
-
-    Usage:
+    """Route every attention call of `model` through a recording wrapper; always restores the model. Usage:
         with capture_kv(model, layers) as cap, torch.inference_mode(), cap.masking(attention_mask.bool()):
             model(input_ids=ids, attention_mask=attention_mask, use_cache=False)
         stats = cap.stats()

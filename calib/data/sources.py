@@ -364,12 +364,9 @@ def _check_unicode(value: Any, origin: str) -> None:
 
 def samples(source: str | Path, tokenizer: Any, *, seq_len: int, max_samples: int, min_tokens: int,
             pack: bool, seed: int, vocab_size: int | None, report: DataReport) -> Iterator[list[int]]:
-    """Yield at most `max_samples` token sequences of at most `seq_len` ids; counts go into `report`.
-
-    Unpacked (default): one record → one sequence, truncated; shorter than `min_tokens` → skipped.
-    Packed: records are concatenated and cut into full `seq_len` chunks; a final tail is kept only when it
-    has at least `min_tokens` ids.
-    """
+    """At most `max_samples` token sequences of at most `seq_len` ids (counts into `report`): one per record,
+    truncated, those under `min_tokens` skipped; or, `pack`ed, the records concatenated and cut into full
+    `seq_len` chunks, a final tail kept when it has at least `min_tokens` ids."""
     buffer: list[int] = []
     for rec in shuffled(read_records(source), seed):
         if report.used >= max_samples:

@@ -66,8 +66,7 @@ def int8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def rht_signs(d: int) -> torch.Tensor:
     """vLLM's deterministic +-1 signs of length d (`_get_rht_signs(d, 0)`): a CPU generator seeded RHT_SEED."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(RHT_SEED)
+    gen = torch.Generator(device="cpu").manual_seed(RHT_SEED)
     return 2.0 * torch.bernoulli(torch.full((d,), 0.5), generator=gen) - 1.0
 
 

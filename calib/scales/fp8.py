@@ -1,13 +1,10 @@
 """Exact FP8 arithmetic as the engines' kernels do it: the two formats, both roundings, and FA3-style attention.
 
 Why a module of its own: an FP8 KV cache is not "round K and V to the nearest FP8 value". vLLM's CPU cache
-write truncates toward zero, its CUDA cache write and Q quantisation round to nearest even, and its Hopper
-attention (FlashAttention-3) also casts Q and the softmax probabilities P to FP8 (docs/engine-emulation.md
-cites each kernel). `calib/evaluation/emulate.py` says which engine does what; this module does the arithmetic, on the
-exact grid, so an emulated cache holds bit for bit what the engine's cache holds.
-
-Everything works on float32 values: `round_fp8` returns float32 numbers that lie on the FP8 grid (the
-"codes" times 1), which is what the engines read back before multiplying by the scale.
+write truncates toward zero, its CUDA cache write and Q quantisation round to nearest even, and FlashAttention-3
+also casts Q and P to FP8 (docs/engine-emulation.md cites each kernel). `calib/evaluation/emulate.py` says which
+engine does what; this module does the arithmetic on the exact grid, in float32 values that lie on it (the codes
+the engines read back before multiplying by the scale), so an emulated cache holds bit for bit what theirs does.
 - Saturating: inputs beyond the largest finite value become +-max (448 for e4m3fn, 57344 for e5m2), as the
   engines' `__NV_SATFINITE` / explicit clamps do; no NaN or Inf is produced from a finite input.
 - Subnormals: kept (quantum 2^-9 for e4m3fn, 2^-16 for e5m2); RNE flushes |x| <= quantum / 2 to 0, RZ
@@ -44,14 +41,10 @@ class Format:
 
     def grid(self) -> torch.Tensor:
         """Every finite non-negative value of the format, sorted (decoded from the bit patterns)."""
-        vals = set()
-        for e in range(2 ** self.exp_bits):
-            for m in range(2 ** self.man_bits):
-                v = (m / 2 ** self.man_bits) * 2.0 ** self.emin if e == 0 else \
-                    (1 + m / 2 ** self.man_bits) * 2.0 ** (e - self.bias)
-                if v <= self.max:
-                    vals.add(v)
-        return torch.tensor(sorted(vals), dtype=torch.float32)
+        vals = {(m / 2 ** self.man_bits) * 2.0 ** self.emin if e == 0 else
+                (1 + m / 2 ** self.man_bits) * 2.0 ** (e - self.bias)
+                for e in range(2 ** self.exp_bits) for m in range(2 ** self.man_bits)}
+        return torch.tensor(sorted(v for v in vals if v <= self.max), dtype=torch.float32)
 
 
 E4M3 = Format("e4m3", 4, 3, 7, 448.0)      # OCP e4m3fn: no Inf, S.1111.111 is NaN, max 1.75 * 2^8
