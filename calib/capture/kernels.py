@@ -109,24 +109,23 @@ def _absmax_torch(x: Tensor, mask: Tensor | None, amax: Tensor, over: Tensor | N
 
 if triton is not None:
     @triton.jit
-    def _rows(m_ptr, b, offs_s, S, smb, sms, HAS_MASK: tl.constexpr):
-        """Which of these token positions hold a real token of batch row b."""
+    def _tile(m_ptr, S, H, smb, sms, HAS_MASK: tl.constexpr, BS: tl.constexpr):
+        """This program's batch row and head, its BS token offsets and which of them hold a real token."""
+        b = tl.program_id(0) // H
+        offs_s = tl.program_id(1) * BS + tl.arange(0, BS)
         rows = offs_s < S
         if HAS_MASK:
             rows = rows & (tl.load(m_ptr + b * smb + offs_s * sms, mask=offs_s < S, other=0) != 0)
-        return rows
+        return b, tl.program_id(0) % H, offs_s, rows
 
     @triton.jit
     def _abs_tile(x_ptr, m_ptr, S, D, H, sxb, sxh, sxs, sxd, smb, sms,
                   HAS_MASK: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
         """This program's tile: |x| in float32 for BS tokens of one (batch, head) — 0 outside the tensor and
         on padding — with the tile's validity, its head, token and channel offsets."""
-        bh = tl.program_id(0)
-        b = bh // H
-        h = bh % H
-        offs_s = tl.program_id(1) * BS + tl.arange(0, BS)
+        b, h, offs_s, rows = _tile(m_ptr, S, H, smb, sms, HAS_MASK, BS)
         offs_d = tl.arange(0, BD)
-        valid = _rows(m_ptr, b, offs_s, S, smb, sms, HAS_MASK)[:, None] & (offs_d[None, :] < D)
+        valid = rows[:, None] & (offs_d[None, :] < D)
         ptrs = x_ptr + b * sxb + h * sxh + offs_s[:, None] * sxs + offs_d[None, :] * sxd
         a = tl.abs(tl.load(ptrs, mask=valid, other=0.0).to(tl.float32))
         return a, valid, h, offs_s, offs_d
@@ -189,11 +188,7 @@ if triton is not None:
     def _pair_kernel(x_ptr, m_ptr, pair_ptr, pass_ptr, S, H, HALF, REST, ROT, sxb, sxh, sxs, sxd, smb, sms,
                      HAS_MASK: tl.constexpr, INTERLEAVED: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr,
                      BR: tl.constexpr, EXACT_HYPOT: tl.constexpr):
-        bh = tl.program_id(0)
-        b = bh // H
-        h = bh % H
-        offs_s = tl.program_id(1) * BS + tl.arange(0, BS)
-        rows = _rows(m_ptr, b, offs_s, S, smb, sms, HAS_MASK)
+        b, h, offs_s, rows = _tile(m_ptr, S, H, smb, sms, HAS_MASK, BS)
         base = x_ptr + b * sxb + h * sxh + offs_s[:, None] * sxs
         p = tl.arange(0, BP)
         if INTERLEAVED:

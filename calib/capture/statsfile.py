@@ -352,8 +352,7 @@ def _merge(paths: list[Path], out: Path) -> Path:
                                   ("layers", first.header["layers"], f.header["layers"])):
             if mine != theirs:
                 raise StatsError(f"{p}: {key} differs from {paths[0]}; only runs of the same model can be merged")
-        mine, theirs = a.recipe, b.recipe
-        diff = [k for k in OBSERVED if mine.get(k) != theirs.get(k)]
+        diff = [k for k in OBSERVED if a.recipe.get(k) != b.recipe.get(k)]
         if diff:
             raise StatsError(f"{p}: recipe field(s) {diff} differ from {paths[0]}; runs must record the same "
                              "statistics to be merged")
