@@ -212,10 +212,9 @@ class _HistogramObserver(StateObserver):
 
     Why float-like rather than equal-width bins: KV activations are heavy-tailed and FP8 error is relative
     to |x|; equal-width bins sized by one outlier put the whole bulk into a few bins. Bins are aligned to
-    float32 bit patterns, so e_h depends only on the data's max, and growing the range by k octaves moves
-    counts down by k·128 bins exactly (_rebin). The histogram therefore equals one built in a single pass
-    at the final range, for any batch order and any merge tree (counts exactly; the float64 per-bin sums
-    up to summation order). Sums give each bin's mean, exact for the sparse bins of the largest values.
+    float32 bit patterns, so growing the range by k octaves moves counts down by k·128 bins exactly (_rebin):
+    the histogram equals one built in a single pass at the final range, for any batch order and merge tree
+    (the float64 per-bin sums up to summation order). Sums give each bin's mean.
     State: {'exponent': [h] int64, 'counts': [h, bins] int64, 'sums': [h, bins] float64 (sum of |x| per
     bin), 'amax': [h] float32 (exact max |x|)} — 16 bytes per bin: bounded memory, 32 KiB per head.
     """

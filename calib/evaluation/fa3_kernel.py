@@ -45,11 +45,10 @@ SMEM_BUDGET = 200 * 1024       # bytes of shared memory a program may plan for (
 
 
 def pipeline(block_m: int, bn: int, bd: int, bdv: int, elem: int, stages: int) -> tuple[int, int]:
-    """(block_m, stages) whose estimated shared memory fits SMEM_BUDGET: `stages` copies of a key block's K and V
-    tiles plus the Q tile. On the H200 the kernel compiled and matched the reference at d 64 and d 128 with
-    kBlockN 160 (estimate 80 / 176 KB) and failed at d 128 with kBlockN 224 and d 256 with kBlockN 128 (245 /
-    288 KB at two stages): one stage, then fewer queries, bring those under the budget. The estimate ignores
-    Triton's own scratch, hence the margin."""
+    """(block_m, stages) whose estimated shared memory (`_need`) fits SMEM_BUDGET. On the H200 the kernel
+    compiled at d 64 and d 128 with kBlockN 160 (estimate 80 / 176 KB) and failed at d 128 with kBlockN 224 and
+    d 256 with kBlockN 128 (245 / 288 KB at two stages): one stage, then fewer queries, bring those under the
+    budget. The estimate ignores Triton's own scratch, hence the margin."""
     while stages > 1 and _need(block_m, bn, bd, bdv, elem, stages) > SMEM_BUDGET:
         stages -= 1
     while block_m > 16 and _need(block_m, bn, bd, bdv, elem, stages) > SMEM_BUDGET:
@@ -67,9 +66,8 @@ _hw_ok: dict[int, bool] = {}
 def hw_cast_agrees(device: torch.device) -> bool:
     """Whether this GPU's float32 -> e4m3 conversion gives `_round_e4m3`'s result on every case that can differ:
     each e4m3 value, the midpoint between each pair of neighbours (ties to even), the float32 values either
-    side of each midpoint, and random values from the subnormals to 2^9. Checked once per device. The cast is
-    one instruction where the arithmetic rounding is about fifteen per score: the kernel uses it only where
-    this holds."""
+    side of each midpoint, and random values from the subnormals to 2^9; once per device. The cast is one
+    instruction where the arithmetic rounding is about fifteen per score."""
     idx = torch.device(device).index or 0
     if idx not in _hw_ok:
         g = fp8.E4M3.grid().to(device)

@@ -228,13 +228,10 @@ def _descale(scale: torch.Tensor | str, kv_heads: int) -> torch.Tensor | None:
 def _fa3(module: Any, query: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor, attention_mask: Any,
          arm: Arm, layer: int, emu: emulate.Emulation, kwargs: dict[str, Any], plain: bool) -> torch.Tensor:
     """FlashAttention-3's FP8 attention (`fa3.fa3_attention`) in place of the model's own, same layout/dtype.
-
-    The layer's sliding window and logit softcap come from what the model hands its attention function
-    (`sliding_window`, `softcap`), as vLLM hands them to FA3; a window reaching past every key is no window
-    (flash-attention hopper/flash_api.cpp mha_fwd: window_size_left >= max_seqlen_k - 1 becomes -1, which
-    also picks the non-local kBlockN). `plain`: the batch is right-padded and this is a full forward, so a
-    causal mask (plus the window) gives every real token what transformers' 4-D mask gives it; the dense
-    mask is then not read (padding rows differ, and no metric reads them)."""
+    Window and softcap as the model hands them to its attention function (and vLLM to FA3); a window past every
+    key is none (flash_api.cpp mha_fwd: window_size_left >= max_seqlen_k - 1 becomes -1, the non-local kBlockN).
+    `plain`: a right-padded full forward, where a causal mask (plus the window) gives every real token what
+    transformers' 4-D mask gives it, so the dense mask is not read (padding rows differ; no metric reads them)."""
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise EvalError("--emulate vllm-fa3 does not model attention sinks; use --emulate kv-only for this model")
     scaling = kwargs.get("scaling")
