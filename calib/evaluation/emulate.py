@@ -67,9 +67,7 @@ class Emulation:
 
     def line(self) -> str:
         """One line for report.md."""
-        parts = [f"K/V {self.k.text()}"]
-        parts += [f"Q {self.q.text()}"] if self.q else []
-        parts += [f"P {self.p.text()}"] if self.p else []
+        parts = [f"K/V {self.k.text()}"] + [f"{n} {c.text()}" for n, c in (("Q", self.q), ("P", self.p)) if c]
         return f"`{self.name}` ({self.engine}): " + "; ".join(parts) + f"; {self.accumulate} accumulation"
 
 

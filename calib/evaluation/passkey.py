@@ -1,9 +1,8 @@
 """Passkey retrieval: can the model still find one fact deep in a long context when its KV cache is FP8?
 
-Why it is in the evaluation: next-token KL averages over every position, and most positions need only the
-last few tokens. Retrieval needs one key stored thousands of positions earlier to survive quantisation
-of its K and V (a saturated or flushed key head changes which token attention finds). So it catches
-long-context damage that the averages dilute.
+Why it is in the evaluation: next-token KL averages over every position, most of which need only the last few
+tokens; retrieval needs one key stored thousands of positions earlier to survive quantisation of its K and V,
+so it catches long-context damage that the averages dilute.
 
 The generator is ours (no dataset needed): filler sentences repeated to a target token length, one line
 "The pass key is NNNNN. Remember it." at a chosen depth of the filler (0 = first line, 1 = last line), then
@@ -116,12 +115,11 @@ def greedy(model: torch.nn.Module, ids: Sequence[int], max_new_tokens: int = MAX
 @torch.inference_mode()
 def greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int = MAX_NEW_TOKENS,
                  eos_id: int | None = None, pad_id: int = 0) -> list[list[int]]:
-    """Greedy continuations of several prompts decoded together, each as if alone: prompts of unequal length are
-    left-padded (pads masked out, positions counted from each prompt's first real token, as batched generation
-    does), so every prompt ends at the same cache index and its new tokens follow it directly (a sliding window
-    then covers the same real tokens as for the prompt alone). Why batched: on a GPU a decode step of a small
-    model costs its kernel launches, and the emulation's hook adds its own per layer; one step for the batch
-    instead of one per prompt divides that by the batch size. A row stops at `eos_id` (kept)."""
+    """Greedy continuations of several prompts decoded together, each as if alone: unequal prompts are left-padded
+    (pads masked out, positions counted from each prompt's first real token), so every prompt ends at the same
+    cache index and a sliding window covers the same real tokens as for the prompt alone. Why batched: a small
+    model's decode step costs its kernel launches plus the emulation hook's; one step per batch divides that by
+    the batch size. A row stops at `eos_id` (kept)."""
     device = next(model.parameters()).device
     # transformers renamed `past_key_values` to `cache` (5.2x): pass whichever the model takes
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
