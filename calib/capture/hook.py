@@ -144,11 +144,9 @@ class _LayerObservers(_Group):
         self.k_clip = spec.k_observer() if spec.k_observer else None
         self.v_clip = spec.v_observer() if spec.v_observer else None
         self.q = AbsMaxObserver() if spec.q else None
-        self.k_ch = ChannelMaxObserver() if spec.channels else None
-        self.v_ch = ChannelMaxObserver() if spec.channels else None
+        self.k_ch, self.v_ch = (ChannelMaxObserver() if spec.channels else None for _ in "kv")
         tok = spec.token_quantiles and spec.token_observer
-        self.k_tok = _TokenMax(spec.token_quantiles, spec.token_observer) if tok else None
-        self.v_tok = _TokenMax(spec.token_quantiles, spec.token_observer) if tok else None
+        self.k_tok, self.v_tok = (_TokenMax(spec.token_quantiles, spec.token_observer) if tok else None for _ in "kv")
         self.k_over, self.v_over = OverflowCounter(), OverflowCounter()
 
     def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:

@@ -10,12 +10,10 @@ Columns, decided by the first record and then required of every record:
   `input_ids` — pre-tokenized; used exactly as given (no BOS added), so no tokenizer is needed;
   `messages`  — a chat, rendered with the tokenizer's chat template;
   `text`      — plain text, tokenized with the tokenizer's own special tokens (BOS where the model adds it).
-`.txt` files give one sample per paragraph (blank-line separated).
-A FIFO or a process substitution (`--data <(zcat data.jsonl.gz)`) is read once, as a stream: JSON lines or
-`.txt` paragraphs (by its suffix, or, without one, JSON lines when it starts with `{`). It is never stat-ed
-for size, seeked or opened twice; formats that need a seekable file (parquet, a JSON array) say so.
-Chat records go through `calib.data.chat`: OpenAI-style content parts, null contents and empty conversations
-become text or a one-line error.
+`.txt` files give one sample per paragraph (blank-line separated). A FIFO or a process substitution
+(`--data <(zcat data.jsonl.gz)`) is read once, as a stream, by its suffix (none: JSON lines when it starts with
+`{`, else text); formats that need a seekable file (parquet, a JSON array) say so. Chat records go through
+`calib.data.chat`.
 """
 
 from __future__ import annotations
@@ -130,11 +128,9 @@ def _read_parquet(path: Path) -> Iterator[Record]:
         pf = pq.ParquetFile(path)
     except Exception as e:
         raise DataError(f"{path}: not a readable parquet file ({first_line(e)})") from None
-    n = 0
-    for batch in pf.iter_batches(batch_size=256):
-        for row in batch.to_pylist():
-            yield Record(row, f"{path} row {n}")
-            n += 1
+    rows = (row for batch in pf.iter_batches(batch_size=256) for row in batch.to_pylist())
+    for n, row in enumerate(rows):
+        yield Record(row, f"{path} row {n}")
 
 
 def _read_csv(path: Path) -> Iterator[Record]:

@@ -18,12 +18,10 @@ same kernels serve 0.24's FP8/INT8 modes on CUDA):
   un-rotates the output (`unified_attention_int4`); since D H H D = b I, that is attention on
   `D H ((q - zp) * scale') / b` in the original space, which `int4_per_token_head` returns.
 
-What is not reproduced bit for bit: the Triton compiler may fuse `x * inv + zp` into one FMA (computed here in
-float64, then rounded once to float32, which agrees except at rare double-rounding ties); Triton's float32
-division may differ from IEEE by an ulp on CUDA; on CUDA the INT4 rotation runs in vLLM's hadacore kernel
-(bf16 arithmetic) where this follows the PyTorch butterfly (vLLM's CPU tier); INT4 also rotates Q and the output
-in the model's dtype, which a rotation-free emulation does not round. Each of these is at most one unit in the
-last place of a float32 (or bf16) value, far below the 4- and 8-bit steps.
+Not reproduced bit for bit, each at most one unit in the last place of a float32 (or bf16) value, far below
+the 4- and 8-bit steps: Triton's fused `x * inv + zp` (here in float64, rounded once: rare double-rounding
+ties), its float32 division on CUDA, vLLM's hadacore INT4 rotation on CUDA (bf16; here the PyTorch butterfly
+of its CPU tier), and INT4's rotation of Q and the output in the model's dtype.
 """
 
 from __future__ import annotations
