@@ -3,11 +3,10 @@
 Where: every modern transformers attention module calls the function registered in
 `ALL_ATTENTION_FUNCTIONS` under `config._attn_implementation` with `(module, query, key, value, mask)`,
 right after RoPE (and q/k-norm) and before grouped-query expansion — K/V of shape
-`[batch, kv_heads, seq, head_dim]`, the tensors the cache holds. We register a wrapper under a fresh name,
-switch the model to it, record statistics, and call the model's *own* implementation with the same
-arguments, so outputs are bit-identical. This does not depend on the cache class or the name of the cache
-argument (hooks on the cache's `update` silently stop firing when those change), and forward hooks on
-`k_proj` would see K before RoPE — the wrong tensor.
+`[batch, kv_heads, seq, head_dim]`, the tensors the cache holds. A wrapper registered under a fresh name records
+statistics and calls the model's *own* implementation with the same arguments: bit-identical outputs, whatever
+the cache class or the name of its argument (hooks on the cache's `update` silently stop firing when those
+change); forward hooks on `k_proj` would see K before RoPE — the wrong tensor.
 
 Padding (`KVCapture.masking`) never reaches a statistic; statistics stay on the model's device: no host sync
 per batch.

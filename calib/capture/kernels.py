@@ -6,12 +6,10 @@ over the forward pass for absmax, 22 % for the histogram observers. Here each te
 Triton kernel that folds its result straight into the observer's running state with (relaxed) atomics: no
 temporaries, no host synchronisation, two or three launches per layer.
 
-Everything has a torch reference beside it, used on the CPU, without Triton, or with KVCALIB_FUSED=0 —
-and the results are the same bit for bit: maxima select an element, counts are integers, and a bf16
-value's histogram bin holds that value alone, so the bin's sum is its count times the value. The one
-exception is the histogram's underflow bin (values below amax·2^-15), whose float64 sum is added in
-another order. The tests run the kernels under Triton's interpreter (TRITON_INTERPRET=1, set before Triton
-is imported) on CPU tensors, in a copy of this module whose KERNELS_ON_CPU is True.
+Everything has a torch reference beside it (CPU, no Triton, or KVCALIB_FUSED=0) with the same results bit for
+bit: maxima select an element, counts are integers, and a bf16 value's histogram bin holds that value alone;
+only the underflow bin's (values below amax·2^-15) float64 sum is added in another order. The tests run the
+kernels under Triton's interpreter on CPU tensors, in a copy of this module whose KERNELS_ON_CPU is True.
 """
 
 from __future__ import annotations

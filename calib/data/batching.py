@@ -1,11 +1,9 @@
 """Turn a stream of token sequences into padded batches, cheaply and ahead of the model.
 
-Why: calibration should cost one forward pass over the real tokens. Two things inflate it — padding
-(a batch is as wide as its longest sequence, so mixed lengths waste compute) and waiting for the CPU to
-read and tokenize the next batch while the accelerator idles. Length bucketing within a bounded window
-keeps padding small without holding the dataset in memory; a background thread prepares the next
-batches while the current one runs. Neither changes a statistic: padding is masked out and absmax does
-not depend on order.
+Why: calibration should cost one forward pass over the real tokens. Padding (a batch is as wide as its longest
+sequence) and waiting for the CPU to tokenize the next batch inflate it: length bucketing within a bounded
+window keeps padding small without holding the dataset in memory, and a background thread prepares the next
+batches. Neither changes a statistic: padding is masked out and absmax does not depend on order.
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@ writes `fp8 = saturate(x / scale)` and reads `x ≈ fp8 * scale`, so `scale = am
 largest observed |x| onto FP8 e4m3's largest finite value (448). A scale of 1.0 — what the engines use
 when a checkpoint carries none — saturates every |x| > 448 and flushes every |x| < 2^-9 to zero.
 
-Scales are float32: a bf16 scale keeps only ~3 significant digits.
-A layer whose range is exactly zero (all-zero K or V) gets the smallest normal float32 as its scale:
-any scale represents zeros exactly, and a zero or infinite scale would break the engine's division.
+Scales are float32 (a bf16 scale keeps only ~3 significant digits). An all-zero range gets the smallest normal
+float32: any scale represents zeros exactly, and a zero or infinite scale would break the engine's division.
 """
 
 from __future__ import annotations
