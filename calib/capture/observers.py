@@ -187,9 +187,8 @@ class RopeBoundObserver(StateObserver):
 SUB_BITS = 7                  # mantissa bits a histogram bin keeps: 128 bins per octave
 _SHIFT = 23 - SUB_BITS        # float32 has 23 mantissa bits
 E_MIN, E_MAX = -126, 127      # range exponents: all-zero heads sit at the bottom, absurd values clamp at the top
-_GPU_LANES = 32               # copies of every bin, picked by element position: neighbouring GPU threads that
-                              # hit one bin add to different copies (3x faster than contended atomics on an H200;
-                              # on the CPU, where adds are serial, the copies only cost memory traffic)
+_GPU_LANES = 32               # copies of every bin, picked by element position, so that neighbouring GPU threads
+                              # add to different copies (3x faster than contended atomics on an H200)
 
 
 def _key_value(key: Tensor) -> Tensor:

@@ -77,11 +77,9 @@ def save(path: Path, capture: observe.KVCapture, header: dict[str, Any], option:
 
 def write(path: Path, capture: observe.KVCapture, header: dict[str, Any]) -> None:
     """The statistics file as a new file at `path` (a caller's temporary name: `save` or a larger atomic step)."""
-    stats = capture.stats()
-    tensors = {f"stats.{k}": v for k, v in stats_to_tensors(stats).items()}
+    tensors = {f"stats.{k}": v for k, v in stats_to_tensors(capture.stats()).items()}
     tensors.update({f"state.{k}": v.contiguous() for k, v in capture.state_dict().items()})
-    header = {**header, "layers": capture.layers}
-    text = json.dumps(header)
+    text = json.dumps({**header, "layers": capture.layers})
     files.save_tensors(path, tensors, {"kvcalib": text, CHECKSUM: _checksum(text, tensors)})
 
 

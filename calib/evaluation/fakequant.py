@@ -3,9 +3,8 @@
 Why at the capture point: the engine quantises K and V when it writes them to the cache, after RoPE and
 k-norm and before grouped-query expansion — exactly what transformers hands the function registered in
 `ALL_ATTENTION_FUNCTIONS` (docs/design.md §3). So the hook here is the calibration hook's twin: it
-replaces K and V by what the cache would give back (`fake_quant`: divide by the scale, saturate, round,
-multiply back) for every token attention reads, prompt included, and then calls the model's own attention.
-Perplexity measured with full-precision prompt K/V would hide exactly the damage we look for.
+replaces K and V by what the cache would give back for every token attention reads, prompt included, then
+calls the model's own attention: full-precision prompt K/V would hide exactly the damage we look for.
 
 Which engine's arithmetic: `calib/evaluation/emulate.py` names what each engine does to Q, K, V and P (the
 hook's `emulation`), with `calib/scales/fp8.py`'s bit-exact conversions; for FlashAttention-3's FP8 path (Q and
@@ -182,11 +181,10 @@ DIAG_QUERIES = 4096     # a longer sequence's attention error is read on its las
 
 def _reference_output(delegate: Callable, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Any, kwargs: dict[str, Any], out: torch.Tensor, mask: torch.Tensor | None):
-    """(reference output, arm output, token mask) for the attention-error diagnostic. Over DIAG_QUERIES queries of
-    a prefill through SDPA, only the last DIAG_QUERIES queries (which see the most keys) against every key: the
-    model's own attention over all queries again would cost as much as the reference pass's attention, a
-    quarter of the arm's time at 128K. Plain causal goes in as a bottom-right causal bias (no mask tensor);
-    a sliding window or the model's 4-D mask goes in as a sliced mask."""
+    """(reference output, arm output, token mask) for the attention-error diagnostic. Beyond DIAG_QUERIES queries
+    of an SDPA prefill, only the last DIAG_QUERIES (which see the most keys): all queries again would cost a
+    quarter of the arm's time at 128K. Plain causal goes in as a bottom-right causal bias (no mask tensor), a
+    sliding window or the model's 4-D mask as a sliced mask."""
     n, t = query.shape[2], key.shape[2]
     sdpa = getattr(delegate, "__name__", "") == "sdpa_attention_forward"
     if n <= DIAG_QUERIES or n != t or not sdpa or not (attention_mask is None or attention_mask.dim() == 4):
