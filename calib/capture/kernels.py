@@ -239,12 +239,10 @@ def scratch_for(device: torch.device, heads: int, bins: int) -> HistScratch:
 
 def histogram_(x: Tensor, mask: Tensor | None, state: dict[str, Tensor], scratch: HistScratch,
                e_min: int, e_max: int, amax: Tensor | None = None) -> dict[str, Tensor] | None:
-    """Fold bf16 x into a histogram state {'exponent','counts','sums','amax'} (calib.capture.observers'
-    _HistogramObserver layout): the batch's max first, then its values binned directly on the grown range,
-    then the old counts moved onto that range and added. Returns the new state (the old tensors are left
-    as they were: the fold writes fresh ones). `amax`, when given, is the running max |x| per head over the
-    same data including this batch (the capture's exact K/V maximum): it spares a second read of x.
-    None (state untouched but for its exact max) when Triton cannot build the kernel here."""
+    """The histogram state (calib.capture.observers' _HistogramObserver layout) with bf16 x folded in, as fresh
+    tensors: the batch's max first (`amax`, the capture's running max |x| including this batch, spares reading x
+    again), its values binned on the grown range, the old counts moved onto that range and added. None (state
+    untouched but for its exact max) when Triton cannot build the kernel here."""
     m, smb, sms = _mask_args(x, mask)
     b, h, s, d = x.shape
     bins = state["counts"].shape[-1]

@@ -345,9 +345,8 @@ class MSEObserver(_HistogramObserver):
     """The clip c per head minimising the mean squared error of fake_quant(|x|, c / qmax) over the
     observed values, searched over `grid` candidates evenly spaced in [min_ratio·amax, amax].
 
-    Values are the histogram's bin means weighted by counts, so memory is bounded; each value moves by
-    at most one bin (2^-7 relative), and the few largest values, alone in their bins, stay exact — they
-    dominate the error, and their rounding at each candidate scale decides between near-equal clips.
+    Values are the histogram's bin means weighted by counts (bounded memory), each at most one bin (2^-7
+    relative) off; the few largest, alone in their bins, stay exact, and they dominate the error.
     For FP8 (a float format, error proportional to |x|) the optimum is usually amax or close to it; for
     INT8 (uniform steps) a large bulk below a few outliers pulls it down.
     """

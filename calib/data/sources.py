@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import json
 import random
+import stat
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -176,8 +177,6 @@ STREAMABLE = (".jsonl", ".txt", ".csv", "")
 
 def is_stream(path: Path) -> bool:
     """A FIFO or pipe (`mkfifo`, `<(...)`): readable once, front to back."""
-    import stat
-
     try:
         return stat.S_ISFIFO(path.stat().st_mode)
     except OSError:

@@ -97,8 +97,7 @@ def _prune(configs, named_args, **kwargs):
 def launch(x, c: Tensor, cap: Tensor | None, causal: bool, window_left: int | None, quant_p: bool,
            softcap: float | None, bn: int, block_m: int | None = None) -> Tensor:
     """Launch `_fa3_fwd` on `fa3.Inputs` x with the log2-domain scale `c` (and softcap multiplier `cap`) per
-    (batch, KV head). `block_m` None on CUDA: the autotuned configuration for this shape and length bucket;
-    given (or under the interpreter): that many queries per program, `pipeline`'s stages."""
+    (batch, KV head); `block_m` None on CUDA: autotuned, else that many queries per program (`pipeline`)."""
     b, h, s, d = x.q.shape
     kvh, t, dv = x.k.shape[1], x.k.shape[2], x.v.shape[-1]
     t1, t2, t3 = _tiles(bn)
