@@ -1,12 +1,9 @@
 """Data-parallel calibration under `torchrun`: each rank runs its share of the batches, ranks merge observers.
 
-Why batches and not samples are sharded: every rank builds the same batch sequence (same order, same
-padding) and runs batches `i` with `i % world == rank`. Each batch is then computed exactly as a single
-process would compute it, so the merged maxima are bit-identical to a one-process run — sharding samples
-would regroup them into other batches, and float GEMMs round differently for other batch shapes.
-
-Observers merge exactly (max) or by histogram sums; the merged statistics exist on every rank, and only
-rank 0 writes the checkpoint.
+Why batches and not samples are sharded: every rank builds the same batch sequence and runs batches `i` with
+`i % world == rank`, each computed exactly as one process would, so the merged maxima are bit-identical to a
+one-process run (sharded samples would regroup into other batches, and GEMMs round differently for other
+shapes). The merged statistics exist on every rank; only rank 0 writes the checkpoint.
 
     torchrun --nproc-per-node 8 -m calib.cli calibrate --model M --data D --out OUT
     torchrun --nnodes 2 --node-rank R --master-addr HOST --nproc-per-node 8 -m calib.cli calibrate ...

@@ -3,14 +3,13 @@
 Where: every modern transformers attention module calls the function registered in
 `ALL_ATTENTION_FUNCTIONS` under `config._attn_implementation` with `(module, query, key, value, mask)`,
 right after RoPE (and q/k-norm) and before grouped-query expansion — K/V of shape
-`[batch, kv_heads, seq, head_dim]`, the tensors the cache holds. We register a wrapper under a fresh name,
-switch the model to it, record statistics, and call the model's *own* implementation with the same
-arguments, so outputs are bit-identical. This does not depend on the cache class or the name of the cache
-argument (hooks on the cache's `update` silently stop firing when those change), and forward hooks on
-`k_proj` would see K before RoPE — the wrong tensor.
+`[batch, kv_heads, seq, head_dim]`, the tensors the cache holds. A wrapper registered under a fresh name records
+statistics and calls the model's *own* implementation with the same arguments: bit-identical outputs, whatever
+the cache class or the name of its argument (hooks on the cache's `update` silently stop firing when those
+change); forward hooks on `k_proj` would see K before RoPE — the wrong tensor.
 
-Padding: the caller sets `capture.token_mask` (`[batch, seq]`, True for real tokens) before each forward;
-padded positions never reach a statistic. Statistics stay on the model's device: no host sync per batch.
+Padding (`KVCapture.masking`) never reaches a statistic; statistics stay on the model's device: no host sync
+per batch.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 
 from calib.capture import kernels
-from calib.capture.observers import AbsMaxObserver
+from calib.capture.observers import AbsMaxObserver, StateObserver
 from calib.errors import KvcalibError
 from calib.model.attention import route_attention
 from calib.recipe.dtypes import FP8_E4M3
@@ -49,127 +48,104 @@ class CaptureSpec:
     token_observer: Callable[[float], Any] | None = None
 
 
-class ChannelMaxObserver:
-    """Exact running max of |x| per head and channel: state [heads, head_dim]."""
+class ChannelMaxObserver(StateObserver):
+    """Exact running max of |x| per head and channel: state {'amax': [heads, head_dim]}."""
 
-    def __init__(self) -> None:
-        self._amax: torch.Tensor | None = None
+    KEYS = ("amax",)
 
     def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
         a = x.detach().abs()
         if mask is not None:
             a = a.masked_fill(~mask[:, None, :, None], 0)
-        batch = a.amax(dim=(0, 2)).float()
-        self._amax = batch if self._amax is None else torch.maximum(self._amax, batch)
-
-    def merge(self, other: "ChannelMaxObserver") -> None:
-        if other._amax is not None:
-            self._amax = other._amax.clone() if self._amax is None else torch.maximum(self._amax, other._amax)
+        self._fold({"amax": a.amax(dim=(0, 2)).float()})
 
     def amax(self) -> torch.Tensor:
-        return self._amax.detach().cpu().clone()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {} if self._amax is None else {"amax": self._amax}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._amax = state.get("amax")
+        return self._read()["amax"].detach().cpu().clone()
 
 
-class OverflowCounter:
-    """Fraction of real values with |x| > limit — what an FP8 cache with scale 1.0 clips (limit 448)."""
+class OverflowCounter(StateObserver):
+    """Fraction of real values with |x| > limit — what an FP8 cache with scale 1.0 clips (limit 448).
+    State: {'over': [] int64, 'total': [] int64}."""
+
+    KEYS = ("over", "total")
 
     def __init__(self, limit: float = FP8_E4M3.qmax) -> None:
+        super().__init__()
         self.limit = limit
-        self._over: torch.Tensor | None = None
-        self._total: torch.Tensor | None = None
 
     def running(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(over, total) int64 counters that `calib.capture.kernels` adds batches of x into, in place."""
-        if self._over is None:
-            self._over = torch.zeros((), dtype=torch.int64, device=x.device)
-            self._total = torch.zeros((), dtype=torch.int64, device=x.device)
-        elif self._over.device != x.device:           # loaded from a file (resume): follow the batches
-            self._over, self._total = self._over.to(x.device), self._total.to(x.device)
-        return self._over, self._total
+        s = self._running(x.device, lambda: {k: torch.zeros((), dtype=torch.int64, device=x.device) for k in self.KEYS})
+        return s["over"], s["total"]
 
     def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
         scratch = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
         kernels.absmax_(x, mask, scratch, *self.running(x), limit=self.limit)
 
-    def merge(self, other: "OverflowCounter") -> None:
-        if other._over is not None:
-            self._over = other._over if self._over is None else self._over + other._over.to(self._over.device)
-            self._total = other._total if self._total is None else self._total + other._total.to(self._total.device)
+    def _fold(self, batch: dict[str, torch.Tensor]) -> None:
+        self._state = {k: v + batch[k].to(v.device) for k, v in self._state.items()} if self._state else batch
 
     def fraction(self) -> torch.Tensor:
         """The fraction (0-dim float32, on the CPU) of the values seen with |x| > limit."""
-        return (self._over.double() / self._total.clamp_min(1).double()).float().cpu()
+        s = self._state
+        return (s["over"].double() / s["total"].clamp_min(1).double()).float().cpu()
+
+
+class _Group:
+    """Observers under names (`_members()`; None: not kept), merged, checkpointed (`name.key` tensors) and
+    loaded as one."""
+
+    def merge(self, other: "_Group") -> None:
+        theirs = other._members()
+        for name, mine in self._members().items():
+            if mine is not None and theirs[name] is not None:
+                mine.merge(theirs[name])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {} if self._over is None else {"over": self._over, "total": self._total}
+        return {f"{name}.{k}": v.detach().cpu() for name, obs in self._members().items() if obs is not None
+                for k, v in obs.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._over, self._total = state.get("over"), state.get("total")
+        for name, obs in self._members().items():
+            part = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
+            if obs is not None and part:
+                obs.load_state_dict(part)
+
+    def to_cpu(self) -> "_Group":
+        """The same observers, their state on the CPU (for gathering across processes)."""
+        for obs in self._members().values():
+            if obs is not None:
+                obs.to_cpu()
+        return self
 
 
-class _TokenMax:
+class _TokenMax(_Group):
     """Feeds each token's max |x| (per head) into quantile observers: the ranges a per-token scheme sees."""
 
     def __init__(self, quantiles: tuple[float, ...], make: Callable[[float], Any]) -> None:
         self.observers = [make(q) for q in quantiles]
+
+    def _members(self) -> dict[str, Any]:
+        return {str(j): o for j, o in enumerate(self.observers)}
 
     def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
         per_token = x.detach().abs().amax(dim=-1, keepdim=True)     # [b, h, s, 1]
         for o in self.observers:
             o.update(per_token, mask)
 
-    def merge(self, other: "_TokenMax") -> None:
-        for mine, theirs in zip(self.observers, other.observers):
-            mine.merge(theirs)
-
     def amax(self) -> torch.Tensor:
         return torch.stack([o.amax() for o in self.observers])
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"{j}.{k}": v for j, o in enumerate(self.observers) for k, v in o.state_dict().items()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for j, o in enumerate(self.observers):
-            part = {k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == str(j)}
-            if part:
-                o.load_state_dict(part)
-
-
-def _to_cpu(obj: Any) -> Any:
-    """The same observer with every tensor it holds moved to the CPU (for gathering across processes)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, list):
-        moved = [_to_cpu(o) for o in obj]
-        return obj if all(a is b for a, b in zip(moved, obj)) else moved
-    if isinstance(obj, dict):
-        moved_d = {k: _to_cpu(v) for k, v in obj.items()}
-        return obj if all(moved_d[k] is v for k, v in obj.items()) else moved_d
-    if hasattr(obj, "__dict__"):
-        for k, v in list(vars(obj).items()):
-            new = _to_cpu(v)
-            if new is not v:
-                setattr(obj, k, new)
-    return obj
-
-
-class _LayerObservers:
+class _LayerObservers(_Group):
     def __init__(self, spec: CaptureSpec) -> None:
         self.k, self.v = AbsMaxObserver(), AbsMaxObserver()
         self.k_clip = spec.k_observer() if spec.k_observer else None
         self.v_clip = spec.v_observer() if spec.v_observer else None
         self.q = AbsMaxObserver() if spec.q else None
-        self.k_ch = ChannelMaxObserver() if spec.channels else None
-        self.v_ch = ChannelMaxObserver() if spec.channels else None
+        self.k_ch, self.v_ch = (ChannelMaxObserver() if spec.channels else None for _ in "kv")
         tok = spec.token_quantiles and spec.token_observer
-        self.k_tok = _TokenMax(spec.token_quantiles, spec.token_observer) if tok else None
-        self.v_tok = _TokenMax(spec.token_quantiles, spec.token_observer) if tok else None
+        self.k_tok, self.v_tok = (_TokenMax(spec.token_quantiles, spec.token_observer) if tok else None for _ in "kv")
         self.k_over, self.v_over = OverflowCounter(), OverflowCounter()
 
     def update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:
@@ -182,43 +158,18 @@ class _LayerObservers:
             if obs is not None:
                 obs.update(x, mask)
 
-    _FIELDS = ("k", "v", "k_clip", "v_clip", "q", "k_ch", "v_ch", "k_tok", "v_tok", "k_over", "v_over")
-
-    def merge(self, other: "_LayerObservers") -> None:
-        for name in self._FIELDS:
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if mine is not None and theirs is not None:
-                mine.merge(theirs)
-
-    def to_cpu(self) -> "_LayerObservers":
-        return _to_cpu(self)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every observer's state as flat `field.key` tensors (what a statistics file stores)."""
-        out = {}
-        for name in self._FIELDS:
-            obs = getattr(self, name)
-            if obs is not None:
-                out.update({f"{name}.{k}": v.detach().cpu() for k, v in obs.state_dict().items()})
-        return out
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for name in self._FIELDS:
-            obs = getattr(self, name)
-            part = {k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == name}
-            if obs is not None and part:
-                obs.load_state_dict(part)
+    def _members(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ("k", "v", "k_clip", "v_clip", "q", "k_ch", "v_ch", "k_tok",
+                                                       "v_tok", "k_over", "v_over")}
 
     def read(self) -> LayerStats:
-        def get(o):
-            return None if o is None else o.amax()
-        return LayerStats(self.k.amax(), self.v.amax(), get(self.k_clip), get(self.v_clip), get(self.q),
-                          get(self.k_ch), get(self.v_ch), get(self.k_tok), get(self.v_tok), self.k_over.fraction(),
-                          self.v_over.fraction())
+        """The members in LayerStats' field order: ranges, and the overflow fractions last."""
+        return LayerStats(*(None if o is None else o.fraction() if isinstance(o, OverflowCounter) else o.amax()
+                            for o in self._members().values()))
 
 
-class KVCapture:
-    """Receives Q/K/V from the attention wrapper and keeps one set of observers per layer."""
+class KVCapture(_Group):
+    """Receives Q/K/V from the attention wrapper and keeps one set of observers per layer (`layers.{i}`)."""
 
     def __init__(self, layers: list[int], spec: CaptureSpec | None = None) -> None:
         self.layers = list(layers)
@@ -228,8 +179,7 @@ class KVCapture:
     @contextlib.contextmanager
     def masking(self, token_mask: torch.Tensor | None) -> Iterator["KVCapture"]:
         """Record the attention calls inside over the real tokens of `token_mask` ([batch, seq], True = real);
-        the mask is cleared after, whatever happens inside, so it never leaks into the next pass (like the
-        evaluation hook's `FakeQuantKV.applying`)."""
+        cleared after, whatever happens inside, so it never leaks into the next pass."""
         self.token_mask = token_mask
         try:
             yield self
@@ -245,17 +195,8 @@ class KVCapture:
                                f"is {tuple(mask.shape)}; run with use_cache=False and no past K/V")
         self._obs[layer].update(query, key, value, mask)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"layers.{i}.{k}": v for i, o in self._obs.items() for k, v in o.state_dict().items()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for i, o in self._obs.items():
-            prefix = f"layers.{i}."
-            o.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-
-    def merge_from(self, other: "KVCapture") -> None:
-        for i, o in self._obs.items():
-            o.merge(other._obs[i])
+    def _members(self) -> dict[str, Any]:
+        return {f"layers.{i}": o for i, o in self._obs.items()}
 
     def merge_across(self, merge: Callable[[dict[int, Any]], dict[int, Any]]) -> None:
         """Replace the per-layer observers by `merge(observers)` (e.g. the merge over all ranks)."""
@@ -279,9 +220,7 @@ class KVCapture:
 
 @contextlib.contextmanager
 def capture_kv(model: torch.nn.Module, layers: list[int], spec: CaptureSpec | None = None) -> Iterator[KVCapture]:
-    """Route every attention call of `model` through a recording wrapper; always restores the model.
-
-    Usage:
+    """Route every attention call of `model` through a recording wrapper; always restores the model. Usage:
         with capture_kv(model, layers) as cap, torch.inference_mode(), cap.masking(attention_mask.bool()):
             model(input_ids=ids, attention_mask=attention_mask, use_cache=False)
         stats = cap.stats()

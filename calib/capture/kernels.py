@@ -1,19 +1,15 @@
 """One pass per tensor: the capture's per-batch reductions fused into single kernels on CUDA.
 
-Why: the capture runs inside every attention call of every batch. Written as ordinary torch ops, one
-layer's statistics were about 25 small kernels (abs, max, mask, compare, sum, fold ...), each reading or
-writing a tensor of the size of K; on one H200 that cost 3-5 % over the forward pass for absmax and 22 %
-for the histogram observers, where the forward pass itself is the floor. Here each tensor is read once
-by one Triton kernel that folds its result straight into the observer's running state with atomics (max
-of non-negative floats, integer counts): no temporaries, no host synchronisation, two or three launches
-per layer. Atomics are relaxed: nothing reads the state until the stream reaches a later kernel.
+Why: the capture runs inside every attention call of every batch. As ordinary torch ops one layer's
+statistics were about 25 small kernels, each reading or writing a tensor of the size of K: on one H200 3-5 %
+over the forward pass for absmax, 22 % for the histogram observers. Here each tensor is read once by one
+Triton kernel that folds its result straight into the observer's running state with (relaxed) atomics: no
+temporaries, no host synchronisation, two or three launches per layer.
 
-Everything has a torch reference beside it, used on the CPU, without Triton, or with KVCALIB_FUSED=0 —
-and the results are the same bit for bit: maxima select an element, counts are integers, and a bf16
-value's histogram bin holds that value alone, so the bin's sum is its count times the value. The one
-exception is the histogram's underflow bin (values below amax·2^-15), whose float64 sum is added in
-another order. The tests run the kernels under Triton's interpreter (TRITON_INTERPRET=1, set before Triton
-is imported) on CPU tensors, in a copy of this module whose KERNELS_ON_CPU is True.
+Everything has a torch reference beside it (CPU, no Triton, or KVCALIB_FUSED=0) with the same results bit for
+bit: maxima select an element, counts are integers, and a bf16 value's histogram bin holds that value alone;
+only the underflow bin's (values below amax·2^-15) float64 sum is added in another order. The tests run the
+kernels under Triton's interpreter on CPU tensors, in a copy of this module whose KERNELS_ON_CPU is True.
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ _failed: list[str] = []    # why Triton could not build a kernel here, once it f
 
 
 def fused(x: Tensor) -> bool:
-    """Whether `x`'s reductions run as Triton kernels (CUDA tensor, Triton importable and working, not
-    switched off with KVCALIB_FUSED=0)."""
+    """Whether `x`'s reductions run as Triton kernels (a working Triton, a CUDA tensor, KVCALIB_FUSED not 0)."""
     return (triton is not None and not _failed and (x.is_cuda or KERNELS_ON_CPU)
             and os.environ.get("KVCALIB_FUSED", "1") != "0" and x.dim() == 4 and x.numel() < 2**31)
 
@@ -112,24 +107,23 @@ def _absmax_torch(x: Tensor, mask: Tensor | None, amax: Tensor, over: Tensor | N
 
 if triton is not None:
     @triton.jit
-    def _rows(m_ptr, b, offs_s, S, smb, sms, HAS_MASK: tl.constexpr):
-        """Which of these token positions hold a real token of batch row b."""
+    def _tile(m_ptr, S, H, smb, sms, HAS_MASK: tl.constexpr, BS: tl.constexpr):
+        """This program's batch row and head, its BS token offsets and which of them hold a real token."""
+        b = tl.program_id(0) // H
+        offs_s = tl.program_id(1) * BS + tl.arange(0, BS)
         rows = offs_s < S
         if HAS_MASK:
             rows = rows & (tl.load(m_ptr + b * smb + offs_s * sms, mask=offs_s < S, other=0) != 0)
-        return rows
+        return b, tl.program_id(0) % H, offs_s, rows
 
     @triton.jit
     def _abs_tile(x_ptr, m_ptr, S, D, H, sxb, sxh, sxs, sxd, smb, sms,
                   HAS_MASK: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
         """This program's tile: |x| in float32 for BS tokens of one (batch, head) — 0 outside the tensor and
         on padding — with the tile's validity, its head, token and channel offsets."""
-        bh = tl.program_id(0)
-        b = bh // H
-        h = bh % H
-        offs_s = tl.program_id(1) * BS + tl.arange(0, BS)
+        b, h, offs_s, rows = _tile(m_ptr, S, H, smb, sms, HAS_MASK, BS)
         offs_d = tl.arange(0, BD)
-        valid = _rows(m_ptr, b, offs_s, S, smb, sms, HAS_MASK)[:, None] & (offs_d[None, :] < D)
+        valid = rows[:, None] & (offs_d[None, :] < D)
         ptrs = x_ptr + b * sxb + h * sxh + offs_s[:, None] * sxs + offs_d[None, :] * sxd
         a = tl.abs(tl.load(ptrs, mask=valid, other=0.0).to(tl.float32))
         return a, valid, h, offs_s, offs_d
@@ -167,8 +161,8 @@ def pair_max_(x: Tensor, mask: Tensor | None, rotary_dim: int, interleaved: bool
 
 
 def rotary_pairs(x: Tensor, rot: int, interleaved: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(first, second) channels of every rotary pair and the pass-through channels of x [..., d]:
-    pairs (i, i + rot/2) — transformers' rotate_half layout — or (2i, 2i+1) when interleaved (GPT-J)."""
+    """(first, second) channels of every rotary pair and the pass-through channels of x [..., d] (the layout of
+    calib.capture.observers.RotaryLayout)."""
     if interleaved:
         return x[..., 0:rot:2], x[..., 1:rot:2], x[..., rot:]
     return x[..., : rot // 2], x[..., rot // 2: rot], x[..., rot:]
@@ -192,11 +186,7 @@ if triton is not None:
     def _pair_kernel(x_ptr, m_ptr, pair_ptr, pass_ptr, S, H, HALF, REST, ROT, sxb, sxh, sxs, sxd, smb, sms,
                      HAS_MASK: tl.constexpr, INTERLEAVED: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr,
                      BR: tl.constexpr, EXACT_HYPOT: tl.constexpr):
-        bh = tl.program_id(0)
-        b = bh // H
-        h = bh % H
-        offs_s = tl.program_id(1) * BS + tl.arange(0, BS)
-        rows = _rows(m_ptr, b, offs_s, S, smb, sms, HAS_MASK)
+        b, h, offs_s, rows = _tile(m_ptr, S, H, smb, sms, HAS_MASK, BS)
         base = x_ptr + b * sxb + h * sxh + offs_s[:, None] * sxs
         p = tl.arange(0, BP)
         if INTERLEAVED:
@@ -228,9 +218,8 @@ def histogram_ok(x: Tensor, bins: int) -> bool:
 
 
 class HistScratch:
-    """Scratch the fused histogram adds a batch into and the fold empties again: counts
-    [HIST_LANES, h, bins] int32 and the underflow bin's sum [h] float64. Empty between calls, so one per
-    device and shape serves every observer (kernels run in stream order); see `scratch_for`."""
+    """Scratch the fused histogram adds a batch into and the fold empties again (counts [HIST_LANES, h, bins]
+    int32, the underflow bin's sum [h] float64): one per device and shape serves every observer."""
 
     def __init__(self, heads: int, bins: int, device: torch.device) -> None:
         self.counts = torch.zeros(HIST_LANES, heads, bins, dtype=torch.int32, device=device)
@@ -250,12 +239,10 @@ def scratch_for(device: torch.device, heads: int, bins: int) -> HistScratch:
 
 def histogram_(x: Tensor, mask: Tensor | None, state: dict[str, Tensor], scratch: HistScratch,
                e_min: int, e_max: int, amax: Tensor | None = None) -> dict[str, Tensor] | None:
-    """Fold bf16 x into a histogram state {'exponent','counts','sums','amax'} (calib.capture.observers'
-    _HistogramObserver layout): the batch's max first, then its values binned directly on the grown range,
-    then the old counts moved onto that range and added. Returns the new state (the old tensors are left
-    as they were: the fold writes fresh ones). `amax`, when given, is the running max |x| per head over the
-    same data including this batch (the capture's exact K/V maximum): it spares a second read of x.
-    None (state untouched but for its exact max) when Triton cannot build the kernel here."""
+    """The histogram state (calib.capture.observers' _HistogramObserver layout) with bf16 x folded in, as fresh
+    tensors: the batch's max first (`amax`, the capture's running max |x| including this batch, spares reading x
+    again), its values binned on the grown range, the old counts moved onto that range and added. None (state
+    untouched but for its exact max) when Triton cannot build the kernel here."""
     m, smb, sms = _mask_args(x, mask)
     b, h, s, d = x.shape
     bins = state["counts"].shape[-1]

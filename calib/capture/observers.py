@@ -7,27 +7,25 @@ request can push a channel beyond anything a short calibration text produced. Th
 - `mse`: the clip minimising the cache's own quantisation error (fake_quant of `calib.scales.quant`),
 - `rope_bound`: for K, the position-independent bound — the norm of each rotary pair.
 
-All share one interface: `update(x [b, h, s, d], mask [b, s] | None)` folds a batch in (padding
-ignored, state stays on x's device, no host sync), `merge(other)` adds an observer of disjoint data,
-`update` may be handed `amax`, the caller's running max |x| per head over the same data including this
-batch, which the histogram observers then need not compute again; `amax()` is a pure read of the clip
-per head (`[h]` float32 on the CPU), and `state_dict()` / `load_state_dict()` carry plain tensors (for checkpointing
-and cross-process reduction). Each class names its recipe entry (`spec`, from calib.recipe.dtypes.OBSERVERS, which
-declares the names and the parameters a recipe may set) and builds itself from them (`build`); `REGISTRY` maps
-recipe names to classes and `make_observer` is the one way a recipe's observer is made.
-Histogram-based observers keep bounded memory: 16 bytes per bin and head (2048 bins → 32 KiB per head).
+All share one interface (`StateObserver`): `update(x [b, h, s, d], mask [b, s] | None, amax=None)` folds a
+batch in on x's device without a host sync (`amax`: the caller's running max |x| per head, which the histogram
+observers then need not compute again), `merge(other)` adds an observer of disjoint data, `amax()` reads the
+clip per head (`[h]` float32, CPU), `state_dict()` / `load_state_dict()` carry plain tensors (checkpoints,
+cross-process reduction). Each class names its recipe entry (`spec`, calib.recipe.dtypes.OBSERVERS) and
+builds itself from its parameters (`build`); `make_observer` is the one way a recipe's observer is made.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any
 
 import torch
 
 from calib.capture import kernels
 from calib.errors import KvcalibError
-from calib.recipe.dtypes import HISTOGRAM_BINS, OBSERVERS, ObserverSpec, observer as observer_spec
+from calib.recipe.dtypes import HISTOGRAM_BINS, OBSERVERS, observer as observer_spec
 from calib.recipe.dtypes import KVDtype
 from calib.scales.quant import fake_quant
 
@@ -38,56 +36,74 @@ class EmptyObserverError(KvcalibError, RuntimeError):
     """amax() of an observer that has seen no data."""
 
 
-class Observer(Protocol):
-    """A range observer. `spec` is its entry of calib.recipe.dtypes.OBSERVERS (name, the parameters a recipe
-    may set, what it needs from the capture); `build` makes one from checked parameters."""
-    spec: ClassVar[ObserverSpec]
-
-    @classmethod
-    def build(cls, params: dict[str, Any], dtype: KVDtype, rotary: RotaryLayout | None) -> Observer: ...
-    @property
-    def seen(self) -> bool: ...
-    def update(self, x: Tensor, mask: Tensor | None, amax: Tensor | None = None) -> None: ...
-    def merge(self, other: "Observer") -> None: ...
-    def amax(self) -> Tensor: ...
-    def state_dict(self) -> dict[str, Tensor]: ...
-    def load_state_dict(self, state: dict[str, Tensor]) -> None: ...
-
-
-def _masked_abs(x: Tensor, mask: Tensor | None) -> Tensor:
-    """|x| in float32 with padded tokens set to 0 (0 never raises a max and is what padding adds)."""
-    a = x.detach().to(torch.float32).abs()
-    return a if mask is None else a.masked_fill(~mask.to(x.device, torch.bool)[:, None, :, None], 0)
-
-
 def _check_like(name: str, have: dict[str, Tensor], want: dict[str, Tensor]) -> None:
     if have.keys() != want.keys() or any(have[k].shape != want[k].shape for k in want):
         raise ValueError(f"{name}: state {_shapes(have)} does not match {_shapes(want)}")
-
-
-def _on(state: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    """The state on `device`: a state loaded from a file (resume) sits on the CPU while batches arrive on
-    the GPU, and calib.capture.kernels folds into the state in place."""
-    if all(v.device == device for v in state.values()):
-        return state
-    return {k: v.to(device) for k, v in state.items()}
 
 
 def _shapes(state: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state.items()}
 
 
-class _MaxState:
-    """Elementwise running maxima of named tensors; the shared core of the exact observers."""
+class StateObserver:
+    """Named state tensors, empty until the first batch: what every observer keeps, merges and checkpoints.
+    `_fold` adds a batch (or another observer's state) of the same layout: elementwise maxima for the exact
+    observers; `_layout` names what two observers must share to be merged, beyond their class."""
 
     KEYS: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self._state: dict[str, Tensor] = {}
 
+    @classmethod
+    def build(cls, params: dict[str, Any], dtype: KVDtype, rotary: RotaryLayout | None) -> StateObserver:
+        """One from a recipe's checked parameters (`dtype`, `rotary`: for the observers that need them)."""
+        return cls(**params)
+
     @property
     def seen(self) -> bool:
         return bool(self._state)
+
+    def _layout(self) -> str:
+        return ""
+
+    def _fits(self, state: dict[str, Tensor]) -> bool:
+        return True
+
+    def merge(self, other: "StateObserver") -> None:
+        if type(other) is not type(self) or other._layout() != self._layout():
+            raise ValueError(f"cannot merge {type(other).__name__}{getattr(other, '_layout', str)()} into "
+                             f"{type(self).__name__}{self._layout()}")
+        if other.seen:
+            self._fold(other.state_dict())
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {k: v.clone() for k, v in self._state.items()}
+
+    def to_cpu(self) -> StateObserver:
+        """The same observer, its state on the CPU (for gathering across processes)."""
+        self._state = {k: v.detach().cpu() for k, v in self._state.items()}
+        return self
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        if state and (set(state) != set(self.KEYS) or not self._fits(state)):
+            raise ValueError(f"{type(self).__name__}{self._layout()} state needs keys {list(self.KEYS)}, "
+                             f"got {_shapes(state)}")
+        self._state = {k: v.clone() for k, v in state.items()}
+
+    def _running(self, device: torch.device, fresh: Callable[[], dict[str, Tensor]]) -> dict[str, Tensor]:
+        """The state on `device` (`fresh()` before any data), which calib.capture.kernels folds batches into in
+        place; a state loaded from a file (resume) sits on the CPU while batches arrive on the GPU."""
+        if not self._state:
+            self._state = fresh()
+        elif any(v.device != device for v in self._state.values()):
+            self._state = {k: v.to(device) for k, v in self._state.items()}
+        return self._state
+
+    def _read(self) -> dict[str, Tensor]:
+        if not self._state:
+            raise EmptyObserverError(f"{type(self).__name__} has seen no data")
+        return self._state
 
     def _fold(self, batch: dict[str, Tensor]) -> None:
         if self._state:
@@ -95,45 +111,18 @@ class _MaxState:
             batch = {k: torch.maximum(self._state[k], v.to(self._state[k].device)) for k, v in batch.items()}
         self._state = batch
 
-    def merge(self, other: "_MaxState") -> None:
-        if type(other) is not type(self):
-            raise ValueError(f"cannot merge {type(other).__name__} into {type(self).__name__}")
-        if other.seen:
-            self._fold({k: v.clone() for k, v in other._state.items()})
 
-    def state_dict(self) -> dict[str, Tensor]:
-        return {k: v.clone() for k, v in self._state.items()}
-
-    def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        if state and set(state) != set(self.KEYS):
-            raise ValueError(f"{type(self).__name__} state needs keys {list(self.KEYS)}, got {list(state)}")
-        self._state = {}
-        if state:
-            self._fold({k: v.clone() for k, v in state.items()})
-
-    def _read(self) -> dict[str, Tensor]:
-        if not self._state:
-            raise EmptyObserverError(f"{type(self).__name__} has seen no data")
-        return self._state
-
-
-class AbsMaxObserver(_MaxState):
+class AbsMaxObserver(StateObserver):
     """Exact running max of |x| per KV head over real tokens. State: {'amax': [h] float32}."""
 
     KEYS = ("amax",)
     spec = observer_spec("absmax")
 
-    @classmethod
-    def build(cls, params: dict[str, Any], dtype: KVDtype, rotary: RotaryLayout | None) -> AbsMaxObserver:
-        return cls()
-
     def running(self, x: Tensor) -> Tensor:
         """The state tensor that `calib.capture.kernels` folds batches of x into, in place (zeros before any data:
         |x| >= 0, and padding adds 0)."""
-        if not self._state:
-            self._state = {"amax": torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)}
-        self._state = _on(self._state, x.device)
-        return self._state["amax"]
+        zeros = lambda: {"amax": torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)}   # noqa: E731
+        return self._running(x.device, zeros)["amax"]
 
     def update(self, x: Tensor, mask: Tensor | None, amax: Tensor | None = None) -> None:
         state = self.running(x)                      # (amax is for the histogram observers: this is the max)
@@ -147,9 +136,8 @@ class AbsMaxObserver(_MaxState):
 
 @dataclass(frozen=True)
 class RotaryLayout:
-    """Which K channels RoPE rotates together: the first `rotary_dim` channels, paired as
-    (i, i + rotary_dim/2) — transformers' `rotate_half` (neox) layout — or (2i, 2i+1) if `interleaved`
-    (GPT-J). Channels from `rotary_dim` on pass through unrotated (partial rotary)."""
+    """Which K channels RoPE rotates together: of the first `rotary_dim`, (i, i + rotary_dim/2) — transformers'
+    `rotate_half` layout — or (2i, 2i+1) if `interleaved` (GPT-J); the rest pass through (partial rotary)."""
     rotary_dim: int
     interleaved: bool = False
 
@@ -157,22 +145,13 @@ class RotaryLayout:
         if self.rotary_dim <= 0 or self.rotary_dim % 2:
             raise ValueError(f"rotary_dim must be a positive even number, got {self.rotary_dim}")
 
-    def pairs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(first, second) channels of every rotary pair, and the pass-through channels, of x [..., d]."""
-        if self.rotary_dim > x.shape[-1]:
-            raise ValueError(f"rotary_dim {self.rotary_dim} exceeds head_dim {x.shape[-1]}")
-        return kernels.rotary_pairs(x, self.rotary_dim, self.interleaved)
 
-
-class RopeBoundObserver(_MaxState):
-    """Position-independent range of post-RoPE K.
-
-    RoPE rotates each channel pair (a, b) by an angle that depends on the position only, so the pair's
-    norm sqrt(a² + b²) is the same at every position, and no single channel of the pair can exceed it
-    at any position — including positions far beyond the calibration text. The bound per head is the
-    max over pairs of the largest pair norm seen, and over pass-through channels of |x| (exact, like
-    absmax). Feed it K only: V is not rotated. State: {'pair_max': [h, rot/2], 'pass_max': [h, d-rot]}.
-    """
+class RopeBoundObserver(StateObserver):
+    """Position-independent range of post-RoPE K: RoPE rotates each channel pair (a, b) by an angle that
+    depends on the position only, so no channel of the pair exceeds its norm sqrt(a² + b²) at any position,
+    including positions far beyond the calibration text. Per head: the max over pairs of the largest pair norm
+    seen, and over pass-through channels of |x|. K only (V is not rotated). State: {'pair_max': [h, rot/2],
+    'pass_max': [h, d-rot]}."""
 
     KEYS = ("pair_max", "pass_max")
     spec = observer_spec("rope_bound")
@@ -191,19 +170,14 @@ class RopeBoundObserver(_MaxState):
         rot, (h, d) = self.rotary.rotary_dim, (x.shape[1], x.shape[-1])
         if rot > d:
             raise ValueError(f"rotary_dim {rot} exceeds head_dim {d}")
-        if not self._state:   # zeros before any data: norms are >= 0, and padding adds 0
-            self._state = {"pair_max": torch.zeros(h, rot // 2, device=x.device),
-                           "pass_max": torch.zeros(h, d - rot, device=x.device)}
-        s = self._state = _on(self._state, x.device)
+        s = self._running(x.device, lambda: {"pair_max": torch.zeros(h, rot // 2, device=x.device),  # norms >= 0,
+                                             "pass_max": torch.zeros(h, d - rot, device=x.device)})  # padding adds 0
         if s["pair_max"].shape != (h, rot // 2) or s["pass_max"].shape != (h, d - rot):
             raise ValueError(f"RopeBoundObserver: x has {h} heads of {d} channels, state {_shapes(s)}")
         kernels.pair_max_(x, mask, rot, self.rotary.interleaved, s["pair_max"], s["pass_max"])
 
-    def merge(self, other: "RopeBoundObserver") -> None:
-        if getattr(other, "rotary", None) != self.rotary:
-            raise ValueError(f"cannot merge an observer with rotary layout {getattr(other, 'rotary', None)} "
-                             f"into one with {self.rotary}")
-        super().merge(other)
+    def _layout(self) -> str:
+        return f" (rotary layout {self.rotary})"
 
     def amax(self) -> Tensor:
         s = self._read()
@@ -213,14 +187,8 @@ class RopeBoundObserver(_MaxState):
 SUB_BITS = 7                  # mantissa bits a histogram bin keeps: 128 bins per octave
 _SHIFT = 23 - SUB_BITS        # float32 has 23 mantissa bits
 E_MIN, E_MAX = -126, 127      # range exponents: all-zero heads sit at the bottom, absurd values clamp at the top
-_GPU_LANES = 32               # copies of every bin, picked by element position: neighbouring GPU threads that
-                              # hit one bin add to different copies (3x faster than contended atomics on an H200;
-                              # on the CPU, where adds are serial, the copies only cost memory traffic)
-
-
-def _key(a: Tensor) -> Tensor:
-    """Monotone integer key of a >= 0 (float32): exponent and top SUB_BITS mantissa bits of its bit pattern."""
-    return a.view(torch.int32) >> _SHIFT
+_GPU_LANES = 32               # copies of every bin, picked by element position, so that neighbouring GPU threads
+                              # add to different copies (3x faster than contended atomics on an H200)
 
 
 def _key_value(key: Tensor) -> Tensor:
@@ -236,30 +204,33 @@ def _rebin(counts: Tensor, shift: Tensor) -> Tensor:
     return torch.zeros_like(counts).scatter_add_(1, i.clamp_(0, n - 1), counts)
 
 
-class _HistogramObserver:
+class _HistogramObserver(StateObserver):
     """Per-head histogram of |x| with float-like bins: 2^SUB_BITS = 128 bins per octave (each at most
     2^-7 = 0.8% wide relative to the values it holds), `bins` / 128 octaves (16 with 2048 bins) below
     2^e_h, where amax < 2^e_h ≤ 2·amax. Bin 0 also holds everything below the lowest octave (< amax·2^-15).
 
     Why float-like rather than equal-width bins: KV activations are heavy-tailed and FP8 error is relative
     to |x|; equal-width bins sized by one outlier put the whole bulk into a few bins. Bins are aligned to
-    float32 bit patterns, so e_h depends only on the data's max, and growing the range by k octaves moves
-    counts down by k·128 bins exactly (_rebin). The histogram therefore equals one built in a single pass
-    at the final range, for any batch order and any merge tree (counts exactly; the float64 per-bin sums
-    up to summation order). Sums give each bin's mean, exact for the sparse bins of the largest values.
+    float32 bit patterns, so growing the range by k octaves moves counts down by k·128 bins exactly (_rebin):
+    the histogram equals one built in a single pass at the final range, for any batch order and merge tree
+    (the float64 per-bin sums up to summation order). Sums give each bin's mean.
     State: {'exponent': [h] int64, 'counts': [h, bins] int64, 'sums': [h, bins] float64 (sum of |x| per
-    bin), 'amax': [h] float32 (exact max |x|)} — 16 bytes per bin, 32 KiB per head with 2048 bins.
+    bin), 'amax': [h] float32 (exact max |x|)} — 16 bytes per bin: bounded memory, 32 KiB per head.
     """
+
+    KEYS = ("exponent", "counts", "sums", "amax")
 
     def __init__(self, bins: int = HISTOGRAM_BINS) -> None:
         if not 2 << SUB_BITS <= bins <= 2**15 or bins & (bins - 1):      # 2^15 bins: all float32 octaves
             raise ValueError(f"bins must be a power of two in [{2 << SUB_BITS}, {2**15}], got {bins}")
+        super().__init__()
         self.bins = bins
-        self._state: dict[str, Tensor] = {}
 
-    @property
-    def seen(self) -> bool:
-        return bool(self._state)
+    def _layout(self) -> str:
+        return f" ({self.bins}-bin histogram)"
+
+    def _fits(self, state: dict[str, Tensor]) -> bool:
+        return state["counts"].shape[-1] == self.bins
 
     def _base(self, e: Tensor) -> Tensor:
         """Key of bin 0 for range exponent e: the top bin ends at 2^e."""
@@ -268,12 +239,15 @@ class _HistogramObserver:
     def update(self, x: Tensor, mask: Tensor | None, amax: Tensor | None = None) -> None:
         if kernels.histogram_ok(x, self.bins):
             return self._update_fused(x, mask, amax)
-        a = _masked_abs(x, mask)                                          # [b, h, s, d]
+        a = x.detach().to(torch.float32).abs()                            # [b, h, s, d], padding 0: what it adds
+        if mask is not None:
+            a = a.masked_fill(~mask.to(x.device, torch.bool)[:, None, :, None], 0)
         h = a.shape[1]
         amax = a.amax(dim=(0, 2, 3))
         e = torch.frexp(amax).exponent.to(torch.int64)
         e = torch.where(amax > 0, e, E_MIN).clamp(E_MIN, E_MAX)
-        idx = (_key(a) - self._base(e).to(torch.int32)[None, :, None, None]).clamp_(0, self.bins - 1)
+        key = a.view(torch.int32) >> _SHIFT         # monotone in a >= 0: exponent and top SUB_BITS mantissa bits
+        idx = (key - self._base(e).to(torch.int32)[None, :, None, None]).clamp_(0, self.bins - 1)
         idx += (torch.arange(h, device=a.device, dtype=torch.int32) * self.bins)[None, :, None, None]
         if mask is not None:
             dump = ~mask.to(a.device, torch.bool)[:, None, :, None]
@@ -293,14 +267,13 @@ class _HistogramObserver:
     def _update_fused(self, x: Tensor, mask: Tensor | None, amax: Tensor | None) -> None:
         """calib.capture.kernels's one-pass histogram: same counts and sums (the bin of a bf16 value holds only it)."""
         h = x.shape[1]
-        if not self._state:   # an empty histogram at the lowest range: the fold moves it up exactly
-            self._state = {"exponent": torch.full((h,), E_MIN, dtype=torch.int64, device=x.device),
-                           "counts": torch.zeros(h, self.bins, dtype=torch.int64, device=x.device),
-                           "sums": torch.zeros(h, self.bins, dtype=torch.float64, device=x.device),
-                           "amax": torch.zeros(h, dtype=torch.float32, device=x.device)}
-        if self._state["counts"].shape[0] != h:
-            raise ValueError(f"histogram: x has {h} heads, state {_shapes(self._state)}")
-        self._state = _on(self._state, x.device)
+        dev = x.device          # before any data: an empty histogram at the lowest range, the fold moves it up exactly
+        state = self._running(dev, lambda: {"exponent": torch.full((h,), E_MIN, dtype=torch.int64, device=dev),
+                                            "counts": torch.zeros(h, self.bins, dtype=torch.int64, device=dev),
+                                            "sums": torch.zeros(h, self.bins, dtype=torch.float64, device=dev),
+                                            "amax": torch.zeros(h, dtype=torch.float32, device=dev)})
+        if state["counts"].shape[0] != h:
+            raise ValueError(f"histogram: x has {h} heads, state {_shapes(state)}")
         scratch = kernels.scratch_for(x.device, h, self.bins)
         new = kernels.histogram_(x, mask, self._state, scratch, E_MIN, E_MAX, amax)
         if new is None:                          # no working Triton here: the torch path, same result
@@ -323,26 +296,9 @@ class _HistogramObserver:
                        "sums": _rebin(s["sums"], shift_s) + _rebin(b["sums"], shift_b),
                        "amax": torch.maximum(s["amax"], b["amax"])}
 
-    def merge(self, other: "_HistogramObserver") -> None:
-        if type(other) is not type(self) or other.bins != self.bins:
-            raise ValueError(f"cannot merge {type(other).__name__}(bins={getattr(other, 'bins', None)}) "
-                             f"into {type(self).__name__}(bins={self.bins})")
-        if other.seen:
-            self._fold(other.state_dict())
-
-    def state_dict(self) -> dict[str, Tensor]:
-        return {k: v.clone() for k, v in self._state.items()}
-
-    def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        if state and (set(state) != {"exponent", "counts", "sums", "amax"} or state["counts"].shape[-1] != self.bins):
-            raise ValueError(f"not a {self.bins}-bin histogram state: {_shapes(state)}")
-        self._state = {k: v.clone() for k, v in state.items()}
-
     def _read(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(counts [h, bins], bin starts [h, bins], bin ends [h, bins], exact amax [h, 1]), float64."""
-        if not self._state:
-            raise EmptyObserverError(f"{type(self).__name__} has seen no data")
-        s = self._state
+        s = super()._read()
         keys = self._base(s["exponent"])[:, None] + torch.arange(self.bins, device=s["counts"].device)
         starts = _key_value(keys).double()
         starts[:, 0] = 0.0
@@ -368,10 +324,6 @@ class PercentileObserver(_HistogramObserver):
         super().__init__(bins)
         self.p = p
 
-    @classmethod
-    def build(cls, params: dict[str, Any], dtype: KVDtype, rotary: RotaryLayout | None) -> PercentileObserver:
-        return cls(**params)
-
     def amax(self) -> Tensor:
         counts, starts, ends, amax = self._read()
         cum = counts.cumsum(-1)
@@ -393,9 +345,8 @@ class MSEObserver(_HistogramObserver):
     """The clip c per head minimising the mean squared error of fake_quant(|x|, c / qmax) over the
     observed values, searched over `grid` candidates evenly spaced in [min_ratio·amax, amax].
 
-    Values are the histogram's bin means weighted by counts, so memory is bounded; each value moves by
-    at most one bin (2^-7 relative), and the few largest values, alone in their bins, stay exact — they
-    dominate the error, and their rounding at each candidate scale decides between near-equal clips.
+    Values are the histogram's bin means weighted by counts (bounded memory), each at most one bin (2^-7
+    relative) off; the few largest, alone in their bins, stay exact, and they dominate the error.
     For FP8 (a float format, error proportional to |x|) the optimum is usually amax or close to it; for
     INT8 (uniform steps) a large bulk below a few outliers pulls it down.
     """
@@ -425,8 +376,8 @@ class MSEObserver(_HistogramObserver):
         return clips.gather(1, best[:, None]).squeeze(1).float().cpu()
 
     def _best(self, values: Tensor, counts: Tensor, scales: Tensor) -> Tensor:
-        """Per head, the index of the scale with the least count-weighted squared error ([heads, grid, bins]
-        at a time: 8 heads of 100 x 2048 candidates are 6.5 MB of float32)."""
+        """Per head, the index of the scale with the least count-weighted squared error (8 heads of 100 x 2048
+        candidates at a time: 6.5 MB of float32)."""
         v = values.float()[:, None, :]
         err = (fake_quant(v, scales[:, :, None], self.dtype) - v).double().square()
         return (err * counts[:, None, :]).sum(-1).argmin(-1)
@@ -442,13 +393,13 @@ def _coerce(observer: str, key: str, value: object, kind: type) -> int | float:
 # The one registry: recipe name -> observer class. Names, parameters and bounds are declared once, in
 # calib.recipe.dtypes.OBSERVERS (the recipe validates against it without importing torch); each class names its
 # entry (`spec`), and the registry is keyed by it, so a name without a class (or the reverse) fails on import.
-REGISTRY: dict[str, type[Observer]] = {c.spec.name: c for c in (AbsMaxObserver, PercentileObserver, MSEObserver,
+REGISTRY: dict[str, type[StateObserver]] = {c.spec.name: c for c in (AbsMaxObserver, PercentileObserver, MSEObserver,
                                                                RopeBoundObserver)}
 if set(REGISTRY) != set(OBSERVERS):
     raise ImportError(f"observers declared {sorted(OBSERVERS)} but implemented {sorted(REGISTRY)}")
 
 
-def make_observer(name: str, params: dict, dtype: KVDtype, rotary: RotaryLayout | None) -> Observer:
+def make_observer(name: str, params: dict, dtype: KVDtype, rotary: RotaryLayout | None) -> StateObserver:
     """A fresh observer by recipe name, its parameters checked against its spec. `dtype` matters for `mse`;
     `rotary` is required by `rope_bound` (`bins` is accepted here but not in a recipe: see calib.recipe.dtypes)."""
     spec = observer_spec(name)

@@ -1,8 +1,7 @@
 """Which observers a recipe asks for: the one place a Recipe becomes an `capture.hook.CaptureSpec`.
 
-Why a module of its own: the calibration loop (calib.pipeline) and the statistics-file reader
-(calib.capture.statsfile, which rebuilds a run's observers to load their saved state) both need it; living in
-either made the two import each other.
+Why a module of its own: the calibration loop (calib.pipeline) and the statistics-file reader (which rebuilds
+a run's observers to load their state) both need it; living in either made the two import each other.
 """
 
 from __future__ import annotations

@@ -1,21 +1,18 @@
 """Statistics as a file: calibrate once, merge runs, try recipes without running the model again.
 
-Why: the forward pass is the expensive part; folding statistics into scales is not. A statistics file
-holds every observer's full state (exact maxima, histograms, counts), not just the final ranges, so
-  - `merge` combines runs over different data (domains, shards, days) exactly as one run over all of it
-    would have (maxima and histogram counts merge exactly);
-  - `export --stats` forms scales for another dtype, granularity, headroom or target from the same pass.
+Why: the forward pass is the expensive part; folding statistics into scales is not. A statistics file holds
+every observer's full state (exact maxima, histograms, counts), not just the final ranges, so `merge` combines
+runs over different data exactly as one run over all of it would have, and `export --stats` forms scales for
+another dtype, granularity, headroom or target from the same pass.
 
-Layout (safetensors): `stats.layers.{i}.{field}` — the readable ranges (`capture.hook.LayerStats` fields) —
-and `state.layers.{i}.{observer}.{key}` — the observer states; metadata `kvcalib` holds a JSON header
-(recipe, rotary_dim, layers, model, model_config_sha256, data report) and `kvcalib_sha256` a checksum over
-the header and every tensor.
+Layout (safetensors): `stats.layers.{i}.{field}` (the readable ranges, `LayerStats` fields) and
+`state.layers.{i}.{observer}.{key}` (the observer states); metadata `kvcalib` holds a JSON header (the run's
+provenance, `layers`) and `kvcalib_sha256` a checksum over the header and every tensor.
 
 Reading (`read`, `load`, `build_capture`) is the one way in for statistics files, the resume file and
-eval --stats: the safetensors header is checked (calib.ckpt.integrity), the kvcalib header field by field (its
-recipe with the recipe's own bounds), the checksum, every tensor's name against the layers listed, and the
-observer states against the readable ranges stored beside them. A damaged or edited file is one StatsError
-naming it — never a traceback, never statistics that differ from what was saved.
+eval --stats: the safetensors header, the kvcalib header field by field (its recipe with the recipe's own
+bounds), the checksum, every tensor's name and the observer states against the ranges stored beside them are
+checked. A damaged or edited file is one StatsError naming it — never a traceback, never other statistics.
 """
 
 from __future__ import annotations
@@ -80,11 +77,9 @@ def save(path: Path, capture: observe.KVCapture, header: dict[str, Any], option:
 
 def write(path: Path, capture: observe.KVCapture, header: dict[str, Any]) -> None:
     """The statistics file as a new file at `path` (a caller's temporary name: `save` or a larger atomic step)."""
-    stats = capture.stats()
-    tensors = {f"stats.{k}": v for k, v in stats_to_tensors(stats).items()}
+    tensors = {f"stats.{k}": v for k, v in stats_to_tensors(capture.stats()).items()}
     tensors.update({f"state.{k}": v.contiguous() for k, v in capture.state_dict().items()})
-    header = {**header, "layers": capture.layers}
-    text = json.dumps(header)
+    text = json.dumps({**header, "layers": capture.layers})
     files.save_tensors(path, tensors, {"kvcalib": text, CHECKSUM: _checksum(text, tensors)})
 
 
@@ -115,9 +110,8 @@ class RawFile:
 
 
 def read(path: Path, what: str = "statistics file") -> RawFile:
-    """The one reader of kvcalib statistics files (`--stats-out`, merge, export --stats, eval --stats and the
-    resume file). Every problem is a StatsError naming the file: not safetensors, no kvcalib header, a
-    header field of the wrong kind, a recipe out of bounds, tensors of layers the header does not list."""
+    """The one reader of kvcalib statistics files (`--stats-out`, merge, export --stats, eval --stats, the
+    resume file): every problem is a StatsError naming the file (module docstring)."""
     from safetensors import safe_open
 
     from calib.ckpt import integrity
@@ -128,12 +122,9 @@ def read(path: Path, what: str = "statistics file") -> RawFile:
         raise StatsError(f"{where} not found")
     try:
         shard = integrity.read_header(path, where)
-    except integrity.IntegrityError as e:
-        raise StatsError(str(e)) from None
-    if "kvcalib" not in shard.metadata:
-        raise StatsError(f"{where} is not a kvcalib statistics file (no kvcalib header); "
-                         "write one with `kvcalib calibrate --stats-out FILE`")
-    try:
+        if "kvcalib" not in shard.metadata:
+            raise StatsError(f"{where} is not a kvcalib statistics file (no kvcalib header); "
+                             "write one with `kvcalib calibrate --stats-out FILE`")
         header = integrity.parse_json(shard.metadata["kvcalib"].encode(), f"{where}: its kvcalib header")
     except integrity.IntegrityError as e:
         raise StatsError(str(e)) from None
@@ -284,9 +275,8 @@ class Resumed:
 
 
 def resume_into(capture: observe.KVCapture, path: Path, run: Provenance) -> Resumed:
-    """Load the resume file at `path` into `capture` (checked like any statistics file, and against `run`, the
-    run resuming: recipe, model config and weights, data source); returns the batches it covers, whose token
-    stream the caller checks as it replays them (`Resumed.check_stream`)."""
+    """Load the resume file at `path` into `capture`, checked like any statistics file and against `run` (recipe,
+    model config and weights, data source); the caller checks the batches it replays (`Resumed.check_stream`)."""
     from calib.ckpt import fingerprint
 
     if not Path(path).is_file():
@@ -360,12 +350,11 @@ def _merge(paths: list[Path], out: Path) -> Path:
                                   ("layers", first.header["layers"], f.header["layers"])):
             if mine != theirs:
                 raise StatsError(f"{p}: {key} differs from {paths[0]}; only runs of the same model can be merged")
-        mine, theirs = a.recipe, b.recipe
-        diff = [k for k in OBSERVED if mine.get(k) != theirs.get(k)]
+        diff = [k for k in OBSERVED if a.recipe.get(k) != b.recipe.get(k)]
         if diff:
             raise StatsError(f"{p}: recipe field(s) {diff} differ from {paths[0]}; runs must record the same "
                              "statistics to be merged")
-        first.capture.merge_from(f.capture)
+        first.capture.merge(f.capture)
     datas = [f.provenance.data for f in files]
     joined = hashlib.sha256("".join(str(d.get("fingerprint")) for d in datas).encode()).hexdigest()
     data = {"sources": [d.get("source") for d in datas],
@@ -391,6 +380,3 @@ def stats_for_recipe(sf: StatsFile, recipe: Recipe, where: str) -> Stats:
                                        v_over=s.v_over) for i, s in stats.items()}
     return stats
 
-
-def tensor_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,15 +1,14 @@
 """Turn a stream of token sequences into padded batches, cheaply and ahead of the model.
 
-Why: calibration should cost one forward pass over the real tokens. Two things inflate it — padding
-(a batch is as wide as its longest sequence, so mixed lengths waste compute) and waiting for the CPU to
-read and tokenize the next batch while the accelerator idles. Length bucketing within a bounded window
-keeps padding small without holding the dataset in memory; a background thread prepares the next
-batches while the current one runs. Neither changes a statistic: padding is masked out and absmax does
-not depend on order.
+Why: calibration should cost one forward pass over the real tokens. Padding (a batch is as wide as its longest
+sequence) and waiting for the CPU to tokenize the next batch inflate it: length bucketing within a bounded
+window keeps padding small without holding the dataset in memory, and a background thread prepares the next
+batches. Neither changes a statistic: padding is masked out and absmax does not depend on order.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -46,11 +45,8 @@ def pad(group: list[list[int]], pad_id: int = 0) -> Batch:
 
 def batches(seqs: Iterable[list[int]], batch_size: int, pad_id: int = 0, *, max_batch_tokens: int | None = None,
             window: int = 256, padding: PaddingStats | None = None) -> Iterator[Batch]:
-    """Batches of at most `batch_size` sequences, in stream order.
-
-    With `max_batch_tokens`, sequences are collected into windows of `window`, sorted by length, and cut
-    into batches whose padded size (rows × longest) stays within the budget — similar lengths share a batch.
-    """
+    """Batches of at most `batch_size` sequences, in stream order; with `max_batch_tokens`, windows of `window`
+    sequences sorted by length and cut into batches whose padded size (rows × longest) stays within it."""
     def emit(group: list[list[int]]) -> Batch:
         ids, mask = pad(group, pad_id)
         if padding is not None:
@@ -58,24 +54,12 @@ def batches(seqs: Iterable[list[int]], batch_size: int, pad_id: int = 0, *, max_
             padding.total += mask.numel()
         return ids, mask
 
-    if max_batch_tokens is None:
-        group: list[list[int]] = []
-        for s in seqs:
-            group.append(s)
-            if len(group) == batch_size:
-                yield emit(group)
-                group = []
-        if group:
+    it = iter(seqs)
+    while group := list(itertools.islice(it, batch_size if max_batch_tokens is None else window)):
+        if max_batch_tokens is None:
             yield emit(group)
-        return
-    buf: list[list[int]] = []
-    for s in seqs:
-        buf.append(s)
-        if len(buf) >= window:
-            yield from (emit(g) for g in _budget_groups(buf, batch_size, max_batch_tokens))
-            buf = []
-    if buf:
-        yield from (emit(g) for g in _budget_groups(buf, batch_size, max_batch_tokens))
+        else:
+            yield from (emit(g) for g in _budget_groups(group, batch_size, max_batch_tokens))
 
 
 def _budget_groups(buf: list[list[int]], batch_size: int, budget: int) -> Iterator[list[list[int]]]:

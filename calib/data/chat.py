@@ -1,12 +1,10 @@
 """Chat records as users actually have them, turned into what a chat template expects: string contents.
 
-Why: exported chat logs are not the tidy `[{role, content: str}]` the templates were written for. OpenAI-style
-logs carry `content` as a list of parts (`{"type": "text", "text": ...}`, image parts beside them), assistant
-turns that only call tools have `content: null`, columnar formats (parquet, hub datasets) fill absent part
-fields with null, and some exports hold empty conversations. A template that meets a list prints its Python
-repr into the calibration text — `[{'type': 'text', ...}]` — and the scales are then computed on that.
-Here every message either becomes a string content, joined from its text parts with newlines (image, audio
-and file parts are dropped when text is present), or the record fails with one line naming the message.
+Why: exported chat logs are not the tidy `[{role, content: str}]` the templates were written for: OpenAI-style
+`content` is a list of parts (text, images), tool-only assistant turns have `content: null`, columnar formats
+fill absent fields with null, some exports hold empty conversations. A template that meets a list prints its
+Python repr into the calibration text, and the scales are computed on that. Here every message becomes a string
+(its text parts joined with newlines, media parts dropped when text is present) or one line naming it.
 """
 
 from __future__ import annotations

@@ -10,12 +10,10 @@ Columns, decided by the first record and then required of every record:
   `input_ids` — pre-tokenized; used exactly as given (no BOS added), so no tokenizer is needed;
   `messages`  — a chat, rendered with the tokenizer's chat template;
   `text`      — plain text, tokenized with the tokenizer's own special tokens (BOS where the model adds it).
-`.txt` files give one sample per paragraph (blank-line separated).
-A FIFO or a process substitution (`--data <(zcat data.jsonl.gz)`) is read once, as a stream: JSON lines or
-`.txt` paragraphs (by its suffix, or, without one, JSON lines when it starts with `{`). It is never stat-ed
-for size, seeked or opened twice; formats that need a seekable file (parquet, a JSON array) say so.
-Chat records go through `calib.data.chat`: OpenAI-style content parts, null contents and empty conversations
-become text or a one-line error.
+`.txt` files give one sample per paragraph (blank-line separated). A FIFO or a process substitution
+(`--data <(zcat data.jsonl.gz)`) is read once, as a stream, by its suffix (none: JSON lines when it starts with
+`{`, else text); formats that need a seekable file (parquet, a JSON array) say so. Chat records go through
+`calib.data.chat`.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ import hashlib
 import itertools
 import json
 import random
+import stat
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -80,9 +79,8 @@ SHORT_SHARE = 0.5          # unpacked samples averaging under this share of the 
 
 
 def pack_hint(samples: int, tokens: int, length: int, what: str, padding: float | None = None) -> str | None:
-    """One warning line when unpacked samples average under `SHORT_SHARE` of `length` tokens (`what` names
-    that length: "--seq-len", "the largest bucket") and the data holds enough tokens to fill one sample of
-    it; `padding`: the share of computed positions that were (or will be) padding. None otherwise."""
+    """One warning line when unpacked samples average under `SHORT_SHARE` of `length` tokens (named `what`) and
+    the data could fill one sample of it (`padding`: the share of positions that are padding); else None."""
     if samples <= 0 or tokens < length or tokens / samples >= SHORT_SHARE * length:
         return None
     mean = tokens / samples
@@ -131,11 +129,9 @@ def _read_parquet(path: Path) -> Iterator[Record]:
         pf = pq.ParquetFile(path)
     except Exception as e:
         raise DataError(f"{path}: not a readable parquet file ({first_line(e)})") from None
-    n = 0
-    for batch in pf.iter_batches(batch_size=256):
-        for row in batch.to_pylist():
-            yield Record(row, f"{path} row {n}")
-            n += 1
+    rows = (row for batch in pf.iter_batches(batch_size=256) for row in batch.to_pylist())
+    for n, row in enumerate(rows):
+        yield Record(row, f"{path} row {n}")
 
 
 def _read_csv(path: Path) -> Iterator[Record]:
@@ -143,17 +139,13 @@ def _read_csv(path: Path) -> Iterator[Record]:
         reader = csv.DictReader(f)
         try:
             for n, row in enumerate(reader, 1):
-                if isinstance(row.get("input_ids"), str):
-                    try:
-                        row["input_ids"] = json.loads(row["input_ids"])
-                    except json.JSONDecodeError:
-                        raise DataError(f"{path} row {n}: input_ids must be a JSON list like [1, 2, 3]") from None
-                if isinstance(row.get("messages"), str):
-                    try:
-                        row["messages"] = json.loads(row["messages"])
-                    except json.JSONDecodeError:
-                        raise DataError(f"{path} row {n}: messages must be a JSON list of "
-                                        "{role, content} objects") from None
+                for col, want in (("input_ids", "a JSON list like [1, 2, 3]"),
+                                  ("messages", "a JSON list of {role, content} objects")):
+                    if isinstance(row.get(col), str):
+                        try:
+                            row[col] = json.loads(row[col])
+                        except json.JSONDecodeError:
+                            raise DataError(f"{path} row {n}: {col} must be {want}") from None
                 yield Record(row, f"{path} row {n}")
         except csv.Error as e:  # malformed quoting, a field over csv.field_size_limit(), ...
             raise DataError(f"{path} after line {reader.line_num}: not readable as CSV ({e}); "
@@ -185,8 +177,6 @@ STREAMABLE = (".jsonl", ".txt", ".csv", "")
 
 def is_stream(path: Path) -> bool:
     """A FIFO or pipe (`mkfifo`, `<(...)`): readable once, front to back."""
-    import stat
-
     try:
         return stat.S_ISFIFO(path.stat().st_mode)
     except OSError:
@@ -196,17 +186,10 @@ def is_stream(path: Path) -> bool:
 def _read_stream(path: Path) -> Iterator[Record]:
     """One pass over a pipe. Without a known suffix the first non-blank line decides: `{` → JSON lines,
     anything else → text paragraphs."""
-    suffix = path.suffix.lower()
-    if suffix == ".csv":
-        yield from _read_csv(path)
+    if path.suffix:                     # .jsonl, .txt, .csv (`_local_files` refuses any other)
+        yield from _READERS[path.suffix.lower()](path)
         return
     with path.open("r", encoding="utf-8") as f:
-        if suffix == ".jsonl":
-            yield from _jsonl_lines(f, path)
-            return
-        if suffix == ".txt":
-            yield from _txt_paragraphs(f, path)
-            return
         head: list[str] = []
         for line in f:
             head.append(line)
@@ -342,12 +325,11 @@ def _to_ids(rec: Record, column: str, tokenizer: Any, max_len: int | None) -> li
         raise DataError(f"{rec.origin}: the model has no tokenizer, so '{column}' data cannot be used; "
                         "give pre-tokenized data with an input_ids column")
     if column == "messages":
-        messages = value
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(f"{rec.origin}: the tokenizer has no chat template to render 'messages'; "
                             "use a 'text' column or a tokenizer with a chat_template")
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            text = tokenizer.apply_chat_template(value, tokenize=False)
         except Exception as e:  # templates raise their own errors (roles out of order, missing fields)
             raise DataError(f"{rec.origin}: the model's chat template refused this conversation "
                             f"({type(e).__name__}: {first_line(e)})") from None
@@ -375,19 +357,11 @@ def _check_unicode(value: Any, origin: str) -> None:
                         "which is not Unicode text; fix the source's encoding or remove the record")
 
 
-def _check_vocab(ids: list[int], vocab_size: int | None, origin: str) -> None:
-    if vocab_size is not None and ids and (min(ids) < 0 or max(ids) >= vocab_size):
-        raise DataError(f"{origin}: token id out of range [0, {vocab_size}); was the data tokenized for another model?")
-
-
 def samples(source: str | Path, tokenizer: Any, *, seq_len: int, max_samples: int, min_tokens: int,
             pack: bool, seed: int, vocab_size: int | None, report: DataReport) -> Iterator[list[int]]:
-    """Yield at most `max_samples` token sequences of at most `seq_len` ids; counts go into `report`.
-
-    Unpacked (default): one record → one sequence, truncated; shorter than `min_tokens` → skipped.
-    Packed: records are concatenated and cut into full `seq_len` chunks; a final tail is kept only when it
-    has at least `min_tokens` ids.
-    """
+    """At most `max_samples` token sequences of at most `seq_len` ids (counts into `report`): one per record,
+    truncated, those under `min_tokens` skipped; or, `pack`ed, the records concatenated and cut into full
+    `seq_len` chunks, a final tail kept when it has at least `min_tokens` ids."""
     buffer: list[int] = []
     for rec in shuffled(read_records(source), seed):
         if report.used >= max_samples:
@@ -395,7 +369,9 @@ def samples(source: str | Path, tokenizer: Any, *, seq_len: int, max_samples: in
         if report.column is None:
             report.column = _detect_column(rec)
         ids = _to_ids(rec, report.column, tokenizer, None if pack else seq_len)
-        _check_vocab(ids, vocab_size, rec.origin)
+        if vocab_size is not None and ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise DataError(f"{rec.origin}: token id out of range [0, {vocab_size}); was the data tokenized for "
+                            "another model?")
         if not pack:
             if len(ids) < min_tokens:
                 report.skipped_short += 1

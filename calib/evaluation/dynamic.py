@@ -1,35 +1,27 @@
 """What vLLM's dynamic per-token-head KV caches give back for K and V: the cache write, bit for bit, and its read.
 
 Why exact: these caches need no calibration, so the question a user asks is whether they lose less than static
-calibrated FP8 on their model and data (issue 25). An emulation that rounds differently from the kernel answers
-a different question. Each function below follows vLLM's Triton cache-write kernel step by step, in float32 as
-the kernel computes, and returns the dequantised values the attention reads (float32). Read in vLLM 0.32's
-source (the same kernels serve 0.24's FP8/INT8 modes on CUDA):
+calibrated FP8 on their model and data (issue 25); an emulation that rounds differently from the kernel answers
+a different question. Each function follows vLLM's Triton cache-write kernel step by step, in float32 as the
+kernel computes, and returns the dequantised values attention reads (float32). Read in vLLM 0.32's source (the
+same kernels serve 0.24's FP8/INT8 modes on CUDA):
 
-- `vllm/v1/attention/ops/triton_reshape_and_cache_flash.py` `_reshape_cache_per_token_head` (FP8 and INT8):
-  per (token, KV head), `scale = max(max|x| / QUANT_MAX, 1e-6)` in float32, stored as float32 beside the
-  values; `q = x * (1.0 / scale)`; INT8 rounds half away from zero by adding +-0.5 before the store truncates
-  (float -> int8 is a truncation), and clamps to [-128, 127] first; FP8 clamps to +-448 (`FP8_MAX` of
-  `float8_e4m3fn`; ROCm's e4m3fnuz would be 224, not emulated) and the store converts to e4m3 rounding to
-  nearest even. Attention reads `code * scale` (the scale folded into the scores and P, float32).
-- `vllm/v1/attention/ops/int4_per_token_head.py` `reshape_and_cache_int4` / `_reshape_cache_int4_kernel`:
-  K and V are first rotated by a randomized Hadamard transform (`single_rht`: signs D from a CPU torch
-  generator seeded 0x9E3779B9, then the unnormalised Walsh-Hadamard H, block-diagonal over the largest
-  power-of-two divisor b of head_dim), computed in float32 and rounded to the model's dtype. Then per (token,
-  head) an asymmetric 4-bit code: `scale = max((max - min) / 15, 1e-6)`, zero point `zp = clamp(round_half_away(
-  -min / scale), 0, 15)`, `q = clamp(round_half_away(x * (1 / scale) + zp), 0, 15)`, two codes per byte. The
-  zero point is hidden in the 4 low mantissa bits of the stored float32 scale, so the attention
-  (`_attn_packed`) reads `scale' = bits(scale) & ~0xF` and computes with `(q - zp) * scale'`. It rotates Q the
-  same way and divides the scores by b, and un-rotates the output (`unified_attention_int4`); since
-  D H H D = b I, that equals attention on `D H ((q - zp) * scale') / b` in the original space, which is what
-  `int4_per_token_head` returns.
+- `vllm/v1/attention/ops/triton_reshape_and_cache_flash.py` `_reshape_cache_per_token_head` (FP8, INT8): per
+  (token, KV head) a float32 scale stored beside the values; INT8 rounds half away from zero by adding +-0.5
+  before the store truncates; FP8 clamps to +-448 (`float8_e4m3fn`; ROCm's e4m3fnuz, 224, is not emulated) and
+  the store rounds to nearest even. Attention reads `code * scale`.
+- `vllm/v1/attention/ops/int4_per_token_head.py` `reshape_and_cache_int4` / `_reshape_cache_int4_kernel`: K
+  and V are first rotated by a randomized Hadamard transform (`single_rht`, block-diagonal over the largest
+  power-of-two divisor b of head_dim) in float32, rounded to the model's dtype; then per (token, head) an
+  asymmetric 4-bit code with a zero point hidden in the 4 low mantissa bits of the stored float32 scale
+  (`_attn_packed` reads `bits(scale) & ~0xF`). Attention rotates Q the same way, divides the scores by b and
+  un-rotates the output (`unified_attention_int4`); since D H H D = b I, that is attention on
+  `D H ((q - zp) * scale') / b` in the original space, which `int4_per_token_head` returns.
 
-What is not reproduced bit for bit: the Triton compiler may fuse `x * inv + zp` into one FMA (computed here in
-float64, then rounded once to float32, which agrees except at rare double-rounding ties); Triton's float32
-division may differ from IEEE by an ulp on CUDA; on CUDA the INT4 rotation runs in vLLM's hadacore kernel
-(bf16 arithmetic) where this follows the PyTorch butterfly (vLLM's CPU tier); INT4 also rotates Q and the output
-in the model's dtype, which a rotation-free emulation does not round. Each of these is at most one unit in the
-last place of a float32 (or bf16) value, far below the 4- and 8-bit steps.
+Not reproduced bit for bit, each at most one unit in the last place of a float32 (or bf16) value, far below
+the 4- and 8-bit steps: Triton's fused `x * inv + zp` (here in float64, rounded once: rare double-rounding
+ties), its float32 division on CUDA, vLLM's hadacore INT4 rotation on CUDA (bf16; here the PyTorch butterfly
+of its CPU tier), and INT4's rotation of Q and the output in the model's dtype.
 """
 
 from __future__ import annotations
@@ -44,12 +36,11 @@ RHT_SEED = 0x9E3779B9       # int4_per_token_head._get_rht_signs, round 0
 INT4_LEVELS = 15.0
 
 
-def _f32(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float32)
-
-
-def _scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    return torch.clamp_min(amax / torch.tensor(qmax, dtype=torch.float32), SCALE_FLOOR)
+def _scaled(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x * (1 / scale), scale) in float32 with the per-(token, head) scale max(max |x| / qmax, 1e-6)."""
+    xf = x.to(torch.float32)
+    scale = torch.clamp_min(xf.abs().amax(dim=-1, keepdim=True) / torch.tensor(qmax, dtype=torch.float32), SCALE_FLOOR)
+    return xf * (1.0 / scale), scale
 
 
 def _half_away(v: torch.Tensor) -> torch.Tensor:
@@ -59,30 +50,21 @@ def _half_away(v: torch.Tensor) -> torch.Tensor:
 
 def fp8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes as float32, per-token-head float32 scale [..., 1]) of `fp8_per_token_head` for x [..., d]."""
-    xf = _f32(x)
-    scale = _scale(xf.abs().amax(dim=-1, keepdim=True), FP8_PER_TOKEN_HEAD.qmax)
-    v = torch.clamp(xf * (1.0 / scale), -fp8.E4M3.max, fp8.E4M3.max)
-    return fp8.round_fp8(v, fp8.E4M3, fp8.RNE), scale
+    v, scale = _scaled(x, FP8_PER_TOKEN_HEAD.qmax)
+    return fp8.round_fp8(torch.clamp(v, -fp8.E4M3.max, fp8.E4M3.max), fp8.E4M3, fp8.RNE), scale
 
 
 def int8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes as float32, per-token-head float32 scale [..., 1]) of `int8_per_token_head` for x [..., d]."""
-    xf = _f32(x)
-    scale = _scale(xf.abs().amax(dim=-1, keepdim=True), INT8_PER_TOKEN_HEAD.qmax)
-    v = _half_away(xf * (1.0 / scale))
-    return torch.clamp(v, -128.0, 127.0), scale
+    v, scale = _scaled(x, INT8_PER_TOKEN_HEAD.qmax)
+    return torch.clamp(_half_away(v), -128.0, 127.0), scale
 
 
 # ------------------------------------------------------------------------------------------- INT4
 
-def largest_power_of_2_divisor(n: int) -> int:
-    return n & -n
-
-
 def rht_signs(d: int) -> torch.Tensor:
     """vLLM's deterministic +-1 signs of length d (`_get_rht_signs(d, 0)`): a CPU generator seeded RHT_SEED."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(RHT_SEED)
+    gen = torch.Generator(device="cpu").manual_seed(RHT_SEED)
     return 2.0 * torch.bernoulli(torch.full((d,), 0.5), generator=gen) - 1.0
 
 
@@ -99,7 +81,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 def rht(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """`single_rht`: H D x (inverse: D H x), block-diagonal over b = the largest power-of-two divisor of d."""
     d = x.shape[-1]
-    b = largest_power_of_2_divisor(d)
+    b = d & -d                                   # the largest power-of-two divisor of d
     if b < d:
         lead = x.shape[:-1]
         return rht(x.reshape(*lead, d // b, b), inverse).reshape(*lead, d)
@@ -111,7 +93,7 @@ def int4_codes(x: torch.Tensor, fused: bool = True) -> tuple[torch.Tensor, torch
     """(codes 0..15, zero points, the scale attention reads) of `int4_per_token_head` for x [..., d] (already rotated).
     `fused`: `x * inv + zp` rounded once, as an FMA (Triton fuses it on GPUs: `enable_fp_fusion`); False rounds the
     product first, as Triton's CPU interpreter computes it (tests/engine/test_vllm_formats.py)."""
-    xf = _f32(x)
+    xf = x.to(torch.float32)
     lo, hi = xf.amin(dim=-1, keepdim=True), xf.amax(dim=-1, keepdim=True)
     scale = torch.clamp_min((hi - lo) / torch.tensor(INT4_LEVELS, dtype=torch.float32), SCALE_FLOOR)
     zp = torch.clamp(_half_away(-lo / scale), 0.0, INT4_LEVELS)
@@ -128,22 +110,13 @@ def int4_codes(x: torch.Tensor, fused: bool = True) -> tuple[torch.Tensor, torch
 def int4_per_token_head(x: torch.Tensor) -> torch.Tensor:
     """What attention effectively reads for x [..., d] in the original (unrotated) space, float32."""
     d = x.shape[-1]
-    rotated = rht(_f32(x)).to(x.dtype)               # single_rht(key.float()).to(key.dtype)
+    rotated = rht(x.to(torch.float32)).to(x.dtype)               # single_rht(key.float()).to(key.dtype)
     q, zp, read = int4_codes(rotated)
-    return rht((q - zp) * read, inverse=True) / largest_power_of_2_divisor(d)
+    return rht((q - zp) * read, inverse=True) / (d & -d)
 
 
-def fp8_per_token_head(x: torch.Tensor) -> torch.Tensor:
-    codes, scale = fp8_codes(x)
-    return codes * scale
-
-
-def int8_per_token_head(x: torch.Tensor) -> torch.Tensor:
-    codes, scale = int8_codes(x)
-    return codes * scale
-
-
-READ_BACK = {FP8_PER_TOKEN_HEAD.name: fp8_per_token_head, INT8_PER_TOKEN_HEAD.name: int8_per_token_head,
+READ_BACK = {FP8_PER_TOKEN_HEAD.name: lambda x: torch.mul(*fp8_codes(x)),      # codes * scale
+             INT8_PER_TOKEN_HEAD.name: lambda x: torch.mul(*int8_codes(x)),
              INT4_PER_TOKEN_HEAD.name: int4_per_token_head}
 
 

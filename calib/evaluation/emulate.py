@@ -2,11 +2,10 @@
 cache is FP8: one registry, so `kvcalib eval --emulate MODE` computes what that engine computes.
 
 Why: rounding K and V to the nearest FP8 value and attending in high precision (`kv-only`, what kvcalib did
-first) is no engine's arithmetic. On a real 135M model it predicted +0.99 % perplexity where vLLM's CPU
-build measured +2.72 % (docs/design.md §6): that kernel truncates. Each mode below is read from the
-engine's source (file and function in `sources`; docs/engine-emulation.md has the reasoning and the
-measured agreement). The registry is data only (no torch): `calib/evaluation/fakequant.py` applies it with the exact
-conversions of `calib/scales/fp8.py`.
+first) is no engine's arithmetic: on a real 135M model it predicted +0.99 % perplexity where vLLM's CPU build,
+which truncates, measured +2.72 % (docs/design.md §6). Each mode is read from the engine's source (`sources`;
+docs/engine-emulation.md has the reasoning and the measured agreement). The registry is data only (no torch):
+`calib/evaluation/fakequant.py` applies it with `calib/scales/fp8.py`'s exact conversions.
 
 Vocabulary of a step (`Cast`):
 - rounding: `rne` (nearest, ties to even), `rz` (toward zero), `rz-cpu` (toward zero exactly as vLLM's
@@ -58,8 +57,7 @@ class Emulation:
         """The report's `emulation` entry."""
         d = asdict(self)
         d["mode"] = d.pop("name")
-        d["description"] = self.summary
-        d.pop("summary")
+        d["description"] = d.pop("summary")
         for part in ("q", "k", "v", "p"):
             cast = getattr(self, part)
             d[part] = cast.text() if cast else "unchanged (model dtype)" if part == "q" else "unchanged (float32)"
@@ -69,9 +67,7 @@ class Emulation:
 
     def line(self) -> str:
         """One line for report.md."""
-        parts = [f"K/V {self.k.text()}"]
-        parts += [f"Q {self.q.text()}"] if self.q else []
-        parts += [f"P {self.p.text()}"] if self.p else []
+        parts = [f"K/V {self.k.text()}"] + [f"{n} {c.text()}" for n, c in (("Q", self.q), ("P", self.p)) if c]
         return f"`{self.name}` ({self.engine}): " + "; ".join(parts) + f"; {self.accumulate} accumulation"
 
 

@@ -1,11 +1,11 @@
 """FlashAttention-3's FP8 forward, block by block: a float32 torch reference and a fused Triton kernel.
 
 Why: `fp8.fp8_attention` multiplies each query chunk with all keys in float32 and rounds P against one
-global row max. That is quadratic traffic without tensor cores (the long-context evaluation of issue 30
-ran at 5.5K tokens/s at 32K) and it is not FA3's arithmetic: FA3 rounds P per key block against the
-*running* row max and rescales the accumulator afterwards, and rounding then rescaling by a factor that is
-not a power of two is not rounding the rescaled value. This module computes what the Hopper kernel computes,
-in O(length) memory, the same way on CPU (reference) and GPU (kernel).
+global row max: quadratic traffic without tensor cores (issue 30: 5.5K tokens/s at 32K), and not FA3's
+arithmetic, which rounds P per key block against the *running* row max and rescales the accumulator
+afterwards (rounding then rescaling by a non-power-of-two is not rounding the rescaled value). This module
+computes what the Hopper kernel computes, in O(length) memory, the same way on CPU (reference) and GPU
+(the kernel in `calib/evaluation/fa3_kernel.py`).
 
 The algorithm, as read from flash-attention's hopper/ sources:
 - Q, K, V enter as e4m3 codes with one descale factor each per (batch, KV head): `flash_fwd_kernel_sm90.h`
@@ -32,8 +32,6 @@ mask * log2(e) to x), ANDed with `causal` (bottom-right aligned, as FA3) and `wi
 keys row - window_left .. row; transformers' sliding window W is window_left = W - 1). Unlike
 `fp8.fp8_attention`, `causal` still applies when a mask is given: identical for transformers' causal-LM
 masks, which are causal already.
-
-The fused Triton kernel that computes the same on CUDA is `calib/evaluation/fa3_kernel.py`.
 """
 
 from __future__ import annotations
@@ -42,6 +40,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -140,18 +139,22 @@ def log2_scale(scaling: float, softcap: float | None, qk: Tensor) -> tuple[Tenso
     return torch.tensor(scaling * LOG2E, dtype=torch.float32, device=qk.device) * qk, None
 
 
-# ------------------------------------------------------------------------------- float32 reference
-
-def blockwise_reference(q: Tensor, k: Tensor, v: Tensor, *, scaling: float, q_scale: Tensor | float = 1.0,
-                        k_scale: Tensor | float | None = None, v_scale: Tensor | float | None = None,
-                        mask: Tensor | None = None, causal: bool = True, window_left: int | None = None,
-                        quant_q: bool = True, quant_p: bool = True, softcap: float | None = None,
-                        block_n: int | None = None, chunk: int = 256) -> Tensor:
-    """FA3's FP8 forward in float32 torch ops (module docstring), `chunk` queries at a time (memory
-    O(chunk x block_n) beyond the inputs). Arguments as `fa3_attention`. Returns [b, s, h, dv] float32."""
+def _args(q: Tensor, k: Tensor, v: Tensor, *, scaling: float, q_scale: Tensor | float = 1.0,
+          k_scale: Tensor | float | None = None, v_scale: Tensor | float | None = None, mask: Tensor | None = None,
+          causal: bool = True, window_left: int | None = None, quant_q: bool = True, quant_p: bool = True,
+          softcap: float | None = None, block_n: int | None = None) -> tuple:
+    """The arguments of `fa3_attention` (its docstring) as `_reference` and `_kernel` take them."""
     x = prepare(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, mask=mask, quant_q=quant_q)
     bn = block_n or fa3_block_n(q.shape[-1], local=window_left is not None, softcap=bool(softcap))
-    return _reference(x, scaling, causal, window_left, quant_p, softcap, bn, chunk)
+    return x, scaling, causal, window_left, quant_p, softcap, bn
+
+
+# ------------------------------------------------------------------------------- float32 reference
+
+def blockwise_reference(q: Tensor, k: Tensor, v: Tensor, *, chunk: int = 256, **kw: Any) -> Tensor:
+    """FA3's FP8 forward in float32 torch ops, `chunk` queries at a time (memory O(chunk x block_n) beyond the
+    inputs). Arguments and result as `fa3_attention`."""
+    return _reference(*_args(q, k, v, **kw), chunk)
 
 
 def _reference(x: Inputs, scaling: float, causal: bool, window_left: int | None, quant_p: bool,
@@ -205,17 +208,10 @@ def _reference(x: Inputs, scaling: float, causal: bool, window_left: int | None,
 
 # ------------------------------------------------------------------------------- Triton kernel
 
-def fa3_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, scaling: float, q_scale: Tensor | float = 1.0,
-                         k_scale: Tensor | float | None = None, v_scale: Tensor | float | None = None,
-                         mask: Tensor | None = None, causal: bool = True, window_left: int | None = None,
-                         quant_q: bool = True, quant_p: bool = True, softcap: float | None = None,
-                         block_n: int | None = None, block_m: int | None = None) -> Tensor:
-    """The same computation as `blockwise_reference` in `fa3_kernel`'s Triton kernel, one program per (block_m
-    queries, head); block_m None: autotuned on CUDA, 64 under the interpreter.
-    Raises whatever Triton raises (the dispatcher falls back). Returns [b, s, h, dv] float32."""
-    x = prepare(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, mask=mask, quant_q=quant_q)
-    bn = block_n or fa3_block_n(q.shape[-1], local=window_left is not None, softcap=bool(softcap))
-    return _kernel(x, scaling, causal, window_left, quant_p, softcap, bn, block_m)
+def fa3_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, block_m: int | None = None, **kw: Any) -> Tensor:
+    """`blockwise_reference`'s computation in `fa3_kernel`'s Triton kernel, one program per (block_m queries,
+    head; None: autotuned on CUDA, 64 under the interpreter). Raises whatever Triton raises."""
+    return _kernel(*_args(q, k, v, **kw), block_m)
 
 
 def _kernel(x: Inputs, scaling: float, causal: bool, window_left: int | None, quant_p: bool,
@@ -225,28 +221,23 @@ def _kernel(x: Inputs, scaling: float, causal: bool, window_left: int | None, qu
 
 
 def fused(q: Tensor) -> bool:
-    """Whether `fa3_attention` takes the Triton kernel for q (CUDA or the interpreter, Triton working,
-    KVCALIB_FUSED not 0)."""
+    """Whether `fa3_attention` takes the Triton kernel for q (CUDA or the interpreter, KVCALIB_FUSED not 0)."""
     return (fa3_kernel.triton is not None and (q.is_cuda or fa3_kernel.KERNELS_ON_CPU)
             and os.environ.get("KVCALIB_FUSED", "1") != "0")
 
 
-def fa3_attention(q: Tensor, k: Tensor, v: Tensor, *, scaling: float, q_scale: Tensor | float = 1.0,
-                  k_scale: Tensor | float | None = None, v_scale: Tensor | float | None = None,
-                  mask: Tensor | None = None, causal: bool = True, window_left: int | None = None,
-                  quant_q: bool = True, quant_p: bool = True, softcap: float | None = None,
-                  block_n: int | None = None) -> Tensor:
+def fa3_attention(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Tensor:
     """FlashAttention-3's FP8 attention: the Triton kernel on CUDA, the float32 reference elsewhere (or when
     Triton cannot build the kernel here; same numbers up to float32 rounding).
 
     `q` [b, h, s, d] in the model's dtype; `k`, `v` [b, kv_h, t, d]: what the cache gives back, codes times
     `k_scale` / `v_scale` (one per tensor or per KV head; None: k, v are taken as they are, descale 1);
-    `q_scale`: vLLM's Q scale (`quant_q`); `mask`: bool (True = attend) or additive, broadcastable to
-    [b, h, s, t], ANDed with `causal`; `window_left`: FA3's local window; `block_n`: FA3's kBlockN (None:
+    `scaling`: the softmax scale; `q_scale`: vLLM's Q scale (`quant_q`); `quant_p`: P rounded to e4m3;
+    `mask`: bool (True = attend) or additive, broadcastable to [b, h, s, t], ANDed with `causal`;
+    `window_left`: FA3's local window; `softcap`: the logit softcap; `block_n`: FA3's kBlockN (None:
     `fa3_block_n`). Returns [b, s, h, dv] float32 (transformers' attention-function layout)."""
-    x = prepare(q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, mask=mask, quant_q=quant_q)
-    bn = block_n or fa3_block_n(q.shape[-1], local=window_left is not None, softcap=bool(softcap))
-    args = (x, scaling, causal, window_left, quant_p, softcap, bn)
+    args = _args(q, k, v, **kw)
+    x, *_, softcap, bn = args
     config = (x.bf16_exact, x.q.shape[-1], x.v.shape[-1], bn, softcap is not None)
     if fused(q) and config not in _failed:
         try:

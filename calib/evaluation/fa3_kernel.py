@@ -1,12 +1,10 @@
 """The fused Triton kernel for `calib/evaluation/fa3.py`'s FP8 attention (CUDA; the interpreter in tests).
 
-Why a kernel: the float32 reference is exact to the algorithm but runs without tensor cores; at 32K-128K
-the emulated arms have to cost about what the model's own forward does. An e4m3 code is exact in bf16,
-so Q . K and P . V run on bf16 tensor cores with float32 accumulation; a kBlockN that is not a power of two
-(160, 224) is covered by up to three power-of-two tiles sharing one block max. K/V values that are not codes
-times a per-head scale (per-channel or per-token arms, `k_scale=None`) use float32 (IEEE) dots instead.
-Under Triton's interpreter (tests) the dots run in float32 on the same codes (its bf16 dot is broken), and P
-is rounded arithmetically (its FP8 cast is not round-to-nearest).
+Why a kernel: the float32 reference runs without tensor cores; at 32K-128K the emulated arms have to cost
+about what the model's own forward does. An e4m3 code is exact in bf16, so Q . K and P . V run on bf16 tensor
+cores with float32 accumulation (IEEE float32 dots for K/V that are not codes times a per-head scale); a
+kBlockN that is not a power of two (160, 224) is up to three power-of-two tiles sharing one block max. Under
+Triton's interpreter (tests) the dots run in float32 (its bf16 dot is broken) and P is rounded arithmetically.
 
 Speed, as FA3 gets it: key blocks that every query of a tile sees whole (behind the diagonal, inside the
 window, no mask tensor) skip the mask; P is rounded by the GPU's float32 -> e4m3 conversion where
@@ -47,11 +45,10 @@ SMEM_BUDGET = 200 * 1024       # bytes of shared memory a program may plan for (
 
 
 def pipeline(block_m: int, bn: int, bd: int, bdv: int, elem: int, stages: int) -> tuple[int, int]:
-    """(block_m, stages) whose estimated shared memory fits SMEM_BUDGET: `stages` copies of a key block's K and V
-    tiles plus the Q tile. On the H200 the kernel compiled and matched the reference at d 64 and d 128 with
-    kBlockN 160 (estimate 80 / 176 KB) and failed at d 128 with kBlockN 224 and d 256 with kBlockN 128 (245 /
-    288 KB at two stages): one stage, then fewer queries, bring those under the budget. The estimate ignores
-    Triton's own scratch, hence the margin."""
+    """(block_m, stages) whose estimated shared memory (`_need`) fits SMEM_BUDGET. On the H200 the kernel
+    compiled at d 64 and d 128 with kBlockN 160 (estimate 80 / 176 KB) and failed at d 128 with kBlockN 224 and
+    d 256 with kBlockN 128 (245 / 288 KB at two stages): one stage, then fewer queries, bring those under the
+    budget. The estimate ignores Triton's own scratch, hence the margin."""
     while stages > 1 and _need(block_m, bn, bd, bdv, elem, stages) > SMEM_BUDGET:
         stages -= 1
     while block_m > 16 and _need(block_m, bn, bd, bdv, elem, stages) > SMEM_BUDGET:
@@ -69,9 +66,8 @@ _hw_ok: dict[int, bool] = {}
 def hw_cast_agrees(device: torch.device) -> bool:
     """Whether this GPU's float32 -> e4m3 conversion gives `_round_e4m3`'s result on every case that can differ:
     each e4m3 value, the midpoint between each pair of neighbours (ties to even), the float32 values either
-    side of each midpoint, and random values from the subnormals to 2^9. Checked once per device. The cast is
-    one instruction where the arithmetic rounding is about fifteen per score: the kernel uses it only where
-    this holds."""
+    side of each midpoint, and random values from the subnormals to 2^9; once per device. The cast is one
+    instruction where the arithmetic rounding is about fifteen per score."""
     idx = torch.device(device).index or 0
     if idx not in _hw_ok:
         g = fp8.E4M3.grid().to(device)
@@ -101,14 +97,12 @@ def _prune(configs, named_args, **kwargs):
 def launch(x, c: Tensor, cap: Tensor | None, causal: bool, window_left: int | None, quant_p: bool,
            softcap: float | None, bn: int, block_m: int | None = None) -> Tensor:
     """Launch `_fa3_fwd` on `fa3.Inputs` x with the log2-domain scale `c` (and softcap multiplier `cap`) per
-    (batch, KV head). `block_m` None on CUDA: the autotuned configuration for this shape and length bucket;
-    given (or under the interpreter): that many queries per program, `pipeline`'s stages."""
+    (batch, KV head); `block_m` None on CUDA: autotuned, else that many queries per program (`pipeline`)."""
     b, h, s, d = x.q.shape
     kvh, t, dv = x.k.shape[1], x.k.shape[2], x.v.shape[-1]
     t1, t2, t3 = _tiles(bn)
     bf16 = x.bf16_exact and not _INTERPRET
-    qc, kc, vc = (x.q, x.k, x.v) if not bf16 else (x.q.to(torch.bfloat16), x.k.to(torch.bfloat16),
-                                                   x.v.to(torch.bfloat16))
+    qc, kc, vc = (t.to(torch.bfloat16) if bf16 else t for t in (x.q, x.k, x.v))
     hw = (HW_P_CAST if HW_P_CAST is not None else x.q.is_cuda and hw_cast_agrees(x.q.device)) and quant_p
     out = torch.empty(b, s, h, dv, dtype=torch.float32, device=x.q.device)
     o4 = out.transpose(1, 2)
@@ -261,8 +255,7 @@ if triton is not None:
                  sqb, sqh, sqs, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sos, sod,
                  smb, smh, smm, smt, H, KVH, REP, S, T, D, DV, window, LEN_BUCKET,
                  BM: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr, T1: tl.constexpr,
-                 T2: tl.constexpr,
-                 T3: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr,
+                 T2: tl.constexpr, T3: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr,
                  SOFTCAP: tl.constexpr, QUANT_P: tl.constexpr, BF16: tl.constexpr, HW_CAST: tl.constexpr,
                  EVEN_D: tl.constexpr, LOOP_N: tl.constexpr):
         pid_m = tl.program_id(0)

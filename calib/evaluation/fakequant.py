@@ -3,20 +3,16 @@
 Why at the capture point: the engine quantises K and V when it writes them to the cache, after RoPE and
 k-norm and before grouped-query expansion — exactly what transformers hands the function registered in
 `ALL_ATTENTION_FUNCTIONS` (docs/design.md §3). So the hook here is the calibration hook's twin: it
-replaces K and V by what the cache would give back (`fake_quant`: divide by the scale, saturate, round,
-multiply back) for every token attention reads, prompt included, and then calls the model's own attention.
-Perplexity measured with full-precision prompt K/V would hide exactly the damage we look for.
+replaces K and V by what the cache would give back for every token attention reads, prompt included, then
+calls the model's own attention: full-precision prompt K/V would hide exactly the damage we look for.
 
-Which engine's arithmetic: `calib/evaluation/emulate.py` names what each engine does to Q, K, V and the softmax
-probabilities (the hook's `emulation`); the conversions are `calib/scales/fp8.py`'s, exact to the bit. For
-FlashAttention-3's FP8 path (Q and P in FP8 too) the hook runs `calib/evaluation/fa3.py` instead of the
-model's attention function: FA3's blockwise arithmetic, a Triton kernel on CUDA and its float32 reference
-elsewhere.
+Which engine's arithmetic: `calib/evaluation/emulate.py` names what each engine does to Q, K, V and P (the
+hook's `emulation`), with `calib/scales/fp8.py`'s bit-exact conversions; for FlashAttention-3's FP8 path (Q and
+P in FP8 too) the hook runs `calib/evaluation/fa3.py` instead of the model's attention function.
 
-Why a module of its own: how the cache would store an arm's K/V is independent of what the arms are and where
-their scales come from (`calib/evaluation/arms.py`), and of how an evaluation picks its samples and scores
-logits (`calib/evaluation/measure.py`, which drives this hook, and `calib/tune/`). The hook's switches change
-only through `FakeQuantKV.applying`, one `with` per batch or generation.
+Why a module of its own: how the cache would store an arm's K/V is independent of what the arms are
+(`calib/evaluation/arms.py`) and of how an evaluation picks samples and scores logits
+(`calib/evaluation/measure.py`, `calib/tune/`). The switches change only through `FakeQuantKV.applying`.
 """
 
 from __future__ import annotations
@@ -43,9 +39,8 @@ _TERMS = ("sat", "flush", "nonzero", "n", "signal", "noise")
 
 def cache_codes(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype,
                 cast: emulate.Cast | None = None) -> torch.Tensor:
-    """The codes (float32 grid values) the engine's cache write stores for x: `cast` says how an FP8 cache
-    rounds and applies the scale (None: `quant.quantize`, x / scale rounded to nearest). INT8 always rounds
-    to nearest: every engine serving INT8 KV does."""
+    """The codes (float32 grid values) the engine's cache write stores for x; `cast`: how an FP8 cache rounds and
+    applies the scale (None: `quant.quantize`). INT8 rounds to nearest, as every engine serving INT8 KV does."""
     if dtype is FP8_E5M2:           # vLLM's CPU write truncates e5m2 as it does e4m3; CUDA rounds to nearest
         rounding = fp8.RZ if cast is not None and cast.rounding.startswith("rz") else fp8.RNE
         op = cast.scale_op if cast is not None and cast.scale_op != "reciprocal-model" else "divide"
@@ -61,37 +56,25 @@ def fake_quant_terms(x: torch.Tensor, scale: torch.Tensor | str, dtype: KVDtype,
     """(what the cache gives back for x, in `out_dtype` (default x's), and when `measure` the float64 sums
     `_TERMS` over real tokens: saturated values, nonzero values stored as 0, nonzero values, values, sum x^2,
     sum (x - x_hat)^2). `cast`: the engine's FP8 conversion (`cache_codes`)."""
-    if dtype.dynamic:               # the engine's own per-token-head cache: exactly its write and read
-        return _dynamic_terms(x, dtype, mask, measure, out_dtype)
-    dynamic = isinstance(scale, str)
-    if dynamic:
-        scale = x.detach().abs().amax(dim=-1, keepdim=True).float().div(dtype.qmax).clamp_min(MIN_SCALE)
-    codes = cache_codes(x, scale, dtype, cast)
-    x_hat = (codes * scale).to(out_dtype or x.dtype)
+    per_token = isinstance(scale, str)
+    if dtype.dynamic:   # the engine's own per-token-head cache (calib.evaluation.dynamic): exactly its write and read
+        codes = back = dynamic.read_back(x, dtype)
+    else:
+        if per_token:
+            scale = x.detach().abs().amax(dim=-1, keepdim=True).float().div(dtype.qmax).clamp_min(MIN_SCALE)
+        codes = cache_codes(x, scale, dtype, cast)
+        back = codes * scale
+    x_hat = back.to(out_dtype or x.dtype)
     if not measure:
         return x_hat, None
     w = torch.ones((), device=x.device) if mask is None else mask[:, None, :, None].to(torch.float32)
     xf = x.float()
-    # a token's own max maps to qmax; a 1-ulp overshoot of x / scale there is not saturation
-    sat = torch.zeros_like(xf, dtype=torch.bool) if dynamic else (xf / scale).abs() > dtype.qmax
+    # nothing saturates where each token's own max is the scale (a 1-ulp overshoot of x / scale there is not
+    # saturation); a nonzero value read back as 0 counts as flushed
+    clip = not (dtype.dynamic or per_token)
+    sat = (xf / scale).abs() > dtype.qmax if clip else torch.zeros_like(xf, dtype=torch.bool)
     nonzero = xf != 0
     parts = (sat, (codes == 0) & nonzero, nonzero, torch.ones_like(xf), xf * xf, (xf - x_hat.float()) ** 2)
-    return x_hat, torch.stack([(p * w).sum(dtype=torch.float64) for p in parts])
-
-
-def _dynamic_terms(x: torch.Tensor, dtype: KVDtype, mask: torch.Tensor | None, measure: bool,
-                   out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`fake_quant_terms` for a per-token-head cache (calib.evaluation.dynamic): nothing saturates (each
-    token's own range is the scale); a nonzero value read back as 0 counts as flushed."""
-    x_hat32 = dynamic.read_back(x, dtype)
-    x_hat = x_hat32.to(out_dtype or x.dtype)
-    if not measure:
-        return x_hat, None
-    w = torch.ones((), device=x.device) if mask is None else mask[:, None, :, None].to(torch.float32)
-    xf = x.float()
-    nonzero = xf != 0
-    parts = (torch.zeros_like(xf), (x_hat32 == 0) & nonzero, nonzero, torch.ones_like(xf), xf * xf,
-             (xf - x_hat.float()) ** 2)
     return x_hat, torch.stack([(p * w).sum(dtype=torch.float64) for p in parts])
 
 
@@ -140,11 +123,8 @@ Ranges = dict[int, tuple[observe.AbsMaxObserver, observe.AbsMaxObserver]]
 
 
 class FakeQuantKV:
-    """Switches of the installed hook. `arm` None: pass K/V through untouched (bit-identical outputs).
-    `token_mask` ([batch, seq], True = real token) keeps padding out of every metric; `meter` receives the
-    per-layer sums (None: do not measure, e.g. during generation); `ranges` records per-head max |K|, |V|;
-    `emulation` is the engine whose arithmetic quantised arms follow (`calib/evaluation/emulate.py`). The switches are
-    set for one batch (or one generation) by `applying` and are all off outside it."""
+    """Switches of the installed hook, set for one batch (or one generation) by `applying` and all off outside
+    it; `emulation` is the engine whose arithmetic quantised arms follow (`calib/evaluation/emulate.py`)."""
 
     def __init__(self, emulation: emulate.Emulation | None = None) -> None:
         self.emulation = emulation or emulate.by_name(emulate.DEFAULT)
@@ -157,9 +137,9 @@ class FakeQuantKV:
     @contextlib.contextmanager
     def applying(self, arm: Arm | None = None, *, meter: Meter | None = None, token_mask: torch.Tensor | None = None,
                  ranges: Ranges | None = None) -> Iterator["FakeQuantKV"]:
-        """Every attention call inside stores K/V as `arm` would (None: untouched), measured into `meter`
-        over the real tokens of `token_mask`, recording K/V ranges into `ranges`; all switches off after,
-        whatever happens inside."""
+        """Every attention call inside stores K/V as `arm` would (None: untouched, bit-identical outputs),
+        measured into `meter` (None: not measured, e.g. generation) over the real tokens of `token_mask`
+        ([batch, seq]), recording per-head max |K|, |V| into `ranges`; all switches off after."""
         self.arm, self.meter, self.token_mask, self.ranges = arm, meter, token_mask, ranges
         self.right_padded = token_mask is not None and _right_padded(token_mask)
         try:
@@ -201,11 +181,10 @@ DIAG_QUERIES = 4096     # a longer sequence's attention error is read on its las
 
 def _reference_output(delegate: Callable, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Any, kwargs: dict[str, Any], out: torch.Tensor, mask: torch.Tensor | None):
-    """(reference output, arm output, token mask) for the attention-error diagnostic. Over DIAG_QUERIES queries of
-    a prefill through SDPA, only the last DIAG_QUERIES queries (which see the most keys) against every key: the
-    model's own attention over all queries again would cost as much as the reference pass's attention, a
-    quarter of the arm's time at 128K. Plain causal goes in as a bottom-right causal bias (no mask tensor);
-    a sliding window or the model's 4-D mask goes in as a sliced mask."""
+    """(reference output, arm output, token mask) for the attention-error diagnostic. Beyond DIAG_QUERIES queries
+    of an SDPA prefill, only the last DIAG_QUERIES (which see the most keys): all queries again would cost a
+    quarter of the arm's time at 128K. Plain causal goes in as a bottom-right causal bias (no mask tensor), a
+    sliding window or the model's 4-D mask as a sliced mask."""
     n, t = query.shape[2], key.shape[2]
     sdpa = getattr(delegate, "__name__", "") == "sdpa_attention_forward"
     if n <= DIAG_QUERIES or n != t or not sdpa or not (attention_mask is None or attention_mask.dim() == 4):
@@ -223,8 +202,7 @@ def _reference_output(delegate: Callable, module: Any, query: torch.Tensor, key:
     if attention_mask is None:
         rows = torch.arange(t - w, t, device=query.device)[:, None]
         cols = torch.arange(t, device=query.device)[None, :]
-        sub = (cols <= rows) & (cols > rows - int(window))
-        sub = sub[None, None]
+        sub = ((cols <= rows) & (cols > rows - int(window)))[None, None]
     else:
         sub = attention_mask[:, :, -w:, :]
     ref = delegate(module, query[:, :, -w:], key, value, sub, **kwargs)[0]
@@ -248,13 +226,10 @@ def _descale(scale: torch.Tensor | str, kv_heads: int) -> torch.Tensor | None:
 def _fa3(module: Any, query: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor, attention_mask: Any,
          arm: Arm, layer: int, emu: emulate.Emulation, kwargs: dict[str, Any], plain: bool) -> torch.Tensor:
     """FlashAttention-3's FP8 attention (`fa3.fa3_attention`) in place of the model's own, same layout/dtype.
-
-    The layer's sliding window and logit softcap come from what the model hands its attention function
-    (`sliding_window`, `softcap`), as vLLM hands them to FA3; a window reaching past every key is no window
-    (flash-attention hopper/flash_api.cpp mha_fwd: window_size_left >= max_seqlen_k - 1 becomes -1, which
-    also picks the non-local kBlockN). `plain`: the batch is right-padded and this is a full forward, so a
-    causal mask (plus the window) gives every real token what transformers' 4-D mask gives it; the dense
-    mask is then not read (padding rows differ, and no metric reads them)."""
+    Window and softcap as the model hands them to its attention function (and vLLM to FA3); a window past every
+    key is none (flash_api.cpp mha_fwd: window_size_left >= max_seqlen_k - 1 becomes -1, the non-local kBlockN).
+    `plain`: a right-padded full forward, where a causal mask (plus the window) gives every real token what
+    transformers' 4-D mask gives it, so the dense mask is not read (padding rows differ; no metric reads them)."""
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise EvalError("--emulate vllm-fa3 does not model attention sinks; use --emulate kv-only for this model")
     scaling = kwargs.get("scaling")

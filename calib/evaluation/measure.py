@@ -2,8 +2,7 @@
 
 Why one pass for all arms: per batch the reference runs once, then every arm on the same padded batch,
 so the arms are compared on identical inputs; nothing but per-bucket sums (and per-sample NLL/KL for the
-noise estimates) is kept, so memory does not grow with the data. The hook's switches are set per forward
-pass through `FakeQuantKV.applying`.
+noise estimates) is kept, so memory does not grow with the data.
 """
 
 from __future__ import annotations
@@ -76,11 +75,9 @@ def _bucket_table(s: Session, sums: torch.Tensor, ref_nll: torch.Tensor,
 
 def measure(s: Session, arms: Sequence[Arm], ranges: bool = False, stage: Stage | None = None,
             up_to: int | None = None) -> tuple[Reference, dict[str, ArmMetrics]]:
-    """One pass over the samples: per batch the reference once, then every arm. Returns the reference's
-    numbers and {arm name: its numbers}: per bucket, overall, per sample, per layer, the worst samples and the
-    seconds spent.
-    `stage` (optional) is advanced after every forward pass: tokens, samples done, arms done in the batch.
-    `up_to`: only samples of buckets up to this many tokens (the rest keep 0 in the per-sample sums)."""
+    """The reference's numbers and {arm name: its numbers} (per bucket, overall, per sample, per layer, worst
+    samples, seconds). `stage` advances after every forward pass; `up_to`: only samples of buckets up to this
+    many tokens (the rest keep 0 in the per-sample sums)."""
     dev, nb = s.device, len(s.buckets)
     arms = [a.to(dev) for a in arms]
     accs = {a.name: _Acc(nb, dev, len(s.samples)) for a in arms}

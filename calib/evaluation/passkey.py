@@ -1,9 +1,8 @@
 """Passkey retrieval: can the model still find one fact deep in a long context when its KV cache is FP8?
 
-Why it is in the evaluation: next-token KL averages over every position, and most positions need only the
-last few tokens. Retrieval needs one key stored thousands of positions earlier to survive quantisation
-of its K and V (a saturated or flushed key head changes which token attention finds). So it catches
-long-context damage that the averages dilute.
+Why it is in the evaluation: next-token KL averages over every position, most of which need only the last few
+tokens; retrieval needs one key stored thousands of positions earlier to survive quantisation of its K and V,
+so it catches long-context damage that the averages dilute.
 
 The generator is ours (no dataset needed): filler sentences repeated to a target token length, one line
 "The pass key is NNNNN. Remember it." at a chosen depth of the filler (0 = first line, 1 = last line), then
@@ -106,12 +105,6 @@ def correct(text: str, key: str) -> bool:
     return answer(text) == key
 
 
-def _cache_kw(model: torch.nn.Module) -> str:
-    """transformers renamed `past_key_values` to `cache` (5.2x); pass whichever the model takes."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def greedy(model: torch.nn.Module, ids: Sequence[int], max_new_tokens: int = MAX_NEW_TOKENS,
            eos_id: int | None = None) -> list[int]:
     """Greedy continuation of one prompt with the model's KV cache (whatever attention hook is installed
@@ -119,29 +112,24 @@ def greedy(model: torch.nn.Module, ids: Sequence[int], max_new_tokens: int = MAX
     return greedy_batch(model, [ids], max_new_tokens, eos_id)[0]
 
 
-def _chunked(model: torch.nn.Module) -> bool:
-    """Whether the model has chunked-local attention layers (Llama 4's `attention_chunk_size`)."""
-    cfg = getattr(model, "config", None)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return bool(getattr(cfg, "attention_chunk_size", None))
-
-
 @torch.inference_mode()
 def greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int = MAX_NEW_TOKENS,
                  eos_id: int | None = None, pad_id: int = 0) -> list[list[int]]:
-    """Greedy continuations of several prompts decoded together, each as if alone: prompts of unequal length are
-    left-padded (pads masked out, positions counted from each prompt's first real token, as batched generation
-    does), so every prompt ends at the same cache index and its new tokens follow it directly (a sliding window
-    then covers the same real tokens as for the prompt alone). Why batched: on a GPU a decode step of a small
-    model costs its kernel launches, and the emulation's hook adds its own per layer; one step for the batch
-    instead of one per prompt divides that by the batch size. A row stops at `eos_id` (kept)."""
+    """Greedy continuations of several prompts decoded together, each as if alone: unequal prompts are left-padded
+    (pads masked out, positions counted from each prompt's first real token), so every prompt ends at the same
+    cache index and a sliding window covers the same real tokens as for the prompt alone. Why batched: a small
+    model's decode step costs its kernel launches plus the emulation hook's; one step per batch divides that by
+    the batch size. A row stops at `eos_id` (kept)."""
     device = next(model.parameters()).device
-    kw = _cache_kw(model)
+    # transformers renamed `past_key_values` to `cache` (5.2x): pass whichever the model takes
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     lengths = [len(p) for p in prompts]
     width = max(lengths)
     padded = min(lengths) < width
-    if padded and _chunked(model):
-        # chunked-local attention cuts chunks by cache index: left padding would move every chunk boundary
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if padded and getattr(cfg, "attention_chunk_size", None):
+        # chunked-local attention (Llama 4) cuts chunks by cache index: left padding would move every boundary
         return [greedy_batch(model, [p], max_new_tokens, eos_id, pad_id)[0] for p in prompts]
     x = torch.tensor([[pad_id] * (width - n) + list(p) for p, n in zip(prompts, lengths)], device=device)
     extra: dict[str, torch.Tensor] = {}
@@ -165,8 +153,7 @@ def greedy_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_n
         cache = out.get("past_key_values", None) if cache is None else cache
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
-            extra = {"attention_mask": mask,
-                     "position_ids": first_new + step}
+            extra = {"attention_mask": mask, "position_ids": first_new + step}
         out = model(input_ids=torch.tensor([[t] for t in toks], device=device), use_cache=True, logits_to_keep=1,
                     **{kw: cache}, **extra)
     return new
@@ -183,23 +170,19 @@ class Outcome:
 
 def run(model: torch.nn.Module, tokenizer: Any, items: Sequence[Prompt],
         on_done: Callable[[Prompt], Any] | None = None, batch_size: int = 1, pad_id: int = 0) -> list[Outcome]:
-    """Generate and score every prompt under whatever K/V treatment is currently installed, up to `batch_size`
-    prompts of one bucket at a time (`greedy_batch`); outcomes in the order of `items`. `on_done` is called
-    after each prompt (progress)."""
+    """Outcomes of every prompt, in order, under the K/V treatment installed now, up to `batch_size` prompts of
+    one bucket at a time (`greedy_batch`); `on_done` is called after each prompt (progress)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     out = []
-    for group in _groups(items, max(1, batch_size)):
+    # the batches `calib.evaluation.plan.batch_indices` makes (one bucket each, at most `batch_size` prompts and
+    # PASSKEY_BATCH_TOKENS tokens): the plan costs the same batches the run decodes
+    for batch in batch_indices([(len(p.ids), p.bucket) for p in items], max(1, batch_size)):
+        group = [items[i] for i in batch]
         for p, new in zip(group, greedy_batch(model, [p.ids for p in group], eos_id=eos, pad_id=pad_id)):
             out.append(score(p, tokenizer.decode(new, skip_special_tokens=True)))
             if on_done is not None:
                 on_done(p)
     return out
-
-
-def _groups(items: Sequence[Prompt], size: int) -> list[list[Prompt]]:
-    """The batches `calib.evaluation.plan.batch_indices` makes (one bucket each, at most `size` prompts and
-    PASSKEY_BATCH_TOKENS tokens): the plan costs the same batches the run decodes."""
-    return [[items[i] for i in group] for group in batch_indices([(len(p.ids), p.bucket) for p in items], size)]
 
 
 def score(p: Prompt, generated: str) -> Outcome:

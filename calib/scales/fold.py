@@ -5,9 +5,8 @@ writes `fp8 = saturate(x / scale)` and reads `x ≈ fp8 * scale`, so `scale = am
 largest observed |x| onto FP8 e4m3's largest finite value (448). A scale of 1.0 — what the engines use
 when a checkpoint carries none — saturates every |x| > 448 and flushes every |x| < 2^-9 to zero.
 
-Scales are float32: a bf16 scale keeps only ~3 significant digits.
-A layer whose range is exactly zero (all-zero K or V) gets the smallest normal float32 as its scale:
-any scale represents zeros exactly, and a zero or infinite scale would break the engine's division.
+Scales are float32 (a bf16 scale keeps only ~3 significant digits). An all-zero range gets the smallest normal
+float32: any scale represents zeros exactly, and a zero or infinite scale would break the engine's division.
 """
 
 from __future__ import annotations
@@ -76,13 +75,9 @@ def compute(stats: Stats, *, dtype: str | KVDtype, granularity: str | Granularit
 
 def shared_kv_scales(stats: Stats, *, dtype: str | KVDtype, headroom: float = 1.0) -> dict[int, torch.Tensor]:
     """One scale per layer shared by K and V (TensorRT-LLM's TensorRT-engine backend: one
-    `kv_cache_scaling_factor` per layer; calib.export.trtllm_engine), float32 shape [1].
-
-    K and V are folded before the clip becomes a scale: the clip is the max over K and V, and over KV heads,
-    of the recipe observer's range (`LayerStats.clip`), so for the exact observers (absmax, rope_bound) it is
-    the joint range max(|K|, |V|) of the layer, and `amax_to_scale` maps it onto the dtype's largest code
-    (FP8 e4m3: / 448, INT8: / 127). The same number as max(k_scale, v_scale) of `compute` at per-tensor
-    granularity (`amax_to_scale` is monotone), so `shared_from_scales` agrees with this exactly."""
+    `kv_cache_scaling_factor` per layer; calib.export.trtllm_engine), float32 shape [1]: the max over K, V and
+    KV heads of the recipe observer's range, as a scale. `amax_to_scale` is monotone, so this is
+    max(k_scale, v_scale) of `compute` per tensor, and `shared_from_scales` agrees with it exactly."""
     qmax = (kv_dtype(dtype) if isinstance(dtype, str) else dtype).qmax
     return {layer: amax_to_scale(torch.maximum(s.clip("k").max(), s.clip("v").max()).reshape(1), headroom, qmax)
             for layer, s in sorted(stats.items())}

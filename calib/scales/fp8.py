@@ -1,13 +1,10 @@
 """Exact FP8 arithmetic as the engines' kernels do it: the two formats, both roundings, and FA3-style attention.
 
 Why a module of its own: an FP8 KV cache is not "round K and V to the nearest FP8 value". vLLM's CPU cache
-write truncates toward zero, its CUDA cache write and Q quantisation round to nearest even, and its Hopper
-attention (FlashAttention-3) also casts Q and the softmax probabilities P to FP8 (docs/engine-emulation.md
-cites each kernel). `calib/evaluation/emulate.py` says which engine does what; this module does the arithmetic, on the
-exact grid, so an emulated cache holds bit for bit what the engine's cache holds.
-
-Everything works on float32 values: `round_fp8` returns float32 numbers that lie on the FP8 grid (the
-"codes" times 1), which is what the engines read back before multiplying by the scale.
+write truncates toward zero, its CUDA cache write and Q quantisation round to nearest even, and FlashAttention-3
+also casts Q and P to FP8 (docs/engine-emulation.md cites each kernel). `calib/evaluation/emulate.py` says which
+engine does what; this module does the arithmetic on the exact grid, in float32 values that lie on it (the codes
+the engines read back before multiplying by the scale), so an emulated cache holds bit for bit what theirs does.
 - Saturating: inputs beyond the largest finite value become +-max (448 for e4m3fn, 57344 for e5m2), as the
   engines' `__NV_SATFINITE` / explicit clamps do; no NaN or Inf is produced from a finite input.
 - Subnormals: kept (quantum 2^-9 for e4m3fn, 2^-16 for e5m2); RNE flushes |x| <= quantum / 2 to 0, RZ
@@ -42,26 +39,16 @@ class Format:
         """Exponent of the smallest normal number."""
         return 1 - self.bias
 
-    @property
-    def quantum(self) -> float:
-        """Spacing of the subnormals (the smallest positive value)."""
-        return 2.0 ** (self.emin - self.man_bits)
-
     def grid(self) -> torch.Tensor:
         """Every finite non-negative value of the format, sorted (decoded from the bit patterns)."""
-        vals = set()
-        for e in range(2 ** self.exp_bits):
-            for m in range(2 ** self.man_bits):
-                v = (m / 2 ** self.man_bits) * 2.0 ** self.emin if e == 0 else \
-                    (1 + m / 2 ** self.man_bits) * 2.0 ** (e - self.bias)
-                if v <= self.max:
-                    vals.add(v)
-        return torch.tensor(sorted(vals), dtype=torch.float32)
+        vals = {(m / 2 ** self.man_bits) * 2.0 ** self.emin if e == 0 else
+                (1 + m / 2 ** self.man_bits) * 2.0 ** (e - self.bias)
+                for e in range(2 ** self.exp_bits) for m in range(2 ** self.man_bits)}
+        return torch.tensor(sorted(v for v in vals if v <= self.max), dtype=torch.float32)
 
 
 E4M3 = Format("e4m3", 4, 3, 7, 448.0)      # OCP e4m3fn: no Inf, S.1111.111 is NaN, max 1.75 * 2^8
 E5M2 = Format("e5m2", 5, 2, 15, 57344.0)   # IEEE-like: max 1.75 * 2^15
-FORMATS = {E4M3.name: E4M3, E5M2.name: E5M2}
 
 
 def _pow2(exp: torch.Tensor) -> torch.Tensor:
@@ -84,13 +71,10 @@ def round_fp8(x: torch.Tensor, fmt: Format = E4M3, rounding: str = RNE) -> torch
 
 def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: Format = E4M3, rounding: str = RNE,
              scale_op: str = "divide", work_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The codes an engine stores for `x` with dequantisation scale `scale` (float32 grid values).
-
-    `scale_op`: how the kernel applies the scale before converting —
-    `divide` (x / scale, float32; vLLM CUDA cache write), `reciprocal` (x * (1 / scale), float32; vLLM CPU,
-    vLLM's static FP8 quantisation of Q), `reciprocal-model` (x * (1 / scale) in `work_dtype`, the model's
-    dtype, rounded there; TensorRT-LLM's cache write for bf16/fp16 models).
-    """
+    """The codes (float32 grid values) an engine stores for `x` with dequantisation scale `scale`; `scale_op`:
+    `divide` (x / scale, float32: vLLM's CUDA cache write), `reciprocal` (x * (1 / scale), float32: vLLM CPU and
+    its static FP8 Q quantisation), `reciprocal-model` (x * (1 / scale) rounded in `work_dtype`, the model's
+    dtype: TensorRT-LLM's cache write for bf16/fp16 models)."""
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     if scale_op == "divide":
         v = x.to(torch.float32) / s
@@ -115,9 +99,8 @@ def vllm_cpu_e4m3(v: torch.Tensor) -> torch.Tensor:
 
 
 def cache_write(x: torch.Tensor, scale: torch.Tensor | float, rounding: str, scale_op: str) -> torch.Tensor:
-    """The e4m3 codes an engine's cache write stores for `x` (`calib/evaluation/emulate.py`'s Cast vocabulary):
-    `rounding` rne | rz | rz-cpu (vLLM CPU's truncation with its subnormal double rounding), `scale_op`
-    divide | reciprocal | reciprocal-model (the model dtype is x's)."""
+    """The e4m3 codes an engine's cache write stores for `x`, in `calib/evaluation/emulate.py`'s Cast vocabulary
+    (`reciprocal-model`: in x's dtype)."""
     if rounding == "rz-cpu":
         s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
         return vllm_cpu_e4m3(x.to(torch.float32) * (1.0 / s))
@@ -133,19 +116,15 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling:
                   q_scale: torch.Tensor | float = 1.0, mask: torch.Tensor | None = None, causal: bool = True,
                   quant_q: bool = True, quant_p: bool = True, softcap: float | None = None,
                   fmt: Format = E4M3, chunk: int = 512) -> torch.Tensor:
-    """FlashAttention-3's FP8 forward with one global row max (the emulation before calib/evaluation/fa3.py), in float32.
+    """FlashAttention-3's FP8 forward with one global row max, in float32: the emulation before
+    calib/evaluation/fa3.py, kept as the simpler reference its tests and bench/gpu/longctx.py bound it against.
 
-    `q` [b, h, s, d] in the model's dtype; `k`, `v` [b, kv_h, t, d]: what the cache gives back (codes times
-    their scales, float32). Q is quantised with `q_scale` (x * (1 / q_scale), RNE, saturating) and multiplied
-    back; S = Q . K * scaling in float32; P = exp(S - rowmax) * 256 cast to e4m3 (RNE); the row sum is taken
-    over the unquantised P (as FA3 does); O = (Pq @ V) / rowsum. The kernel multiplies the descales into
-    the float32 logits and output instead of into Q, K, V: the same numbers up to float32 rounding order.
-    `mask`: boolean (True = attend) or additive, broadcastable to [b, h, s, t] (transformers' 4-D mask);
-    None with `causal` builds the causal mask (bottom-right aligned). One global row max stands in for FA3's
-    running, per-block max: not FA3's numbers (P rounded against a block's max and rescaled afterwards lands
-    on other e4m3 values: 7.2e-2 at max |o| 3.16 on tests/evaluation/test_fa3.py's inputs, blocks of 16). The
-    emulation uses `calib/evaluation/fa3.py`; this stays as the simpler reference that test bounds against.
-    Returns [b, s, h, d] float32 (transformers' attention-function layout).
+    `q` [b, h, s, d] in the model's dtype, quantised with `q_scale` (x * (1 / q_scale), RNE) and multiplied
+    back; `k`, `v` [b, kv_h, t, d]: what the cache gives back (float32). P = exp(S - rowmax) * 256 cast to e4m3,
+    the row sum over the unquantised P (as FA3); O = (Pq @ V) / rowsum. `mask`: bool (True = attend) or
+    additive, broadcastable to [b, h, s, t]; None with `causal`: bottom-right causal. Not FA3's numbers (FA3
+    rounds P against a running block max: 7.2e-2 apart at max |o| 3.16 on tests/evaluation/test_fa3.py's
+    inputs, blocks of 16). Returns [b, s, h, d] float32 (transformers' attention-function layout).
     """
     b, h, s, d = q.shape
     kvh, t = k.shape[1], k.shape[2]

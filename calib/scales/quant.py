@@ -2,12 +2,9 @@
 the same numbers the cache will hold.
 
 The engine stores `q = saturate(x / scale)` rounded to the cache dtype and reads back `q * scale`
-(`scale` is the dequantisation multiplier, see docs/design.md §4). We emulate that in float32:
-- FP8 e4m3: clamp to ±448 *explicitly*, then round through `torch.float8_e4m3fn` (round-to-nearest,
-  ties-to-even; values below half the smallest subnormal 2^-9 flush to 0). The explicit clamp matters:
-  whether a cast saturates or produces NaN for out-of-range values differs between versions/backends.
-- INT8 symmetric: round half to even (`torch.round`) and clamp to ±127.
-`scale` broadcasts against `x`: a scalar, per-head `[h, 1, 1]` for `[b, h, s, d]`, per-channel, ...
+(docs/design.md §4); emulated in float32, FP8 through the torch float type (round to nearest even) and INT8
+with `torch.round`, both clamped *explicitly* first: whether a cast saturates or produces NaN out of range
+differs between versions/backends. `scale` broadcasts against `x` (scalar, per head `[h, 1, 1]`, ...).
 """
 
 from __future__ import annotations
@@ -37,14 +34,11 @@ def _rounder(dtype: KVDtype) -> Callable[[torch.Tensor], torch.Tensor]:
         raise ValueError(f"no rounding rule for KV dtype {dtype.name!r}; accepted: {sorted(_ROUND)}") from None
 
 
-def _scaled(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """x / scale in float32, as the engine's cache-write kernel computes it."""
-    return x.to(torch.float32) / torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-
-
 def quantize(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype) -> torch.Tensor:
-    """The stored codes (float32 values of the cache dtype): round(saturate(x / scale))."""
-    return _rounder(dtype)(_scaled(x, scale).clamp(-dtype.qmax, dtype.qmax))
+    """The stored codes (float32 values of the cache dtype): round(saturate(x / scale)), x / scale in float32 as
+    the engine's cache-write kernel computes it."""
+    scaled = x.to(torch.float32) / torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    return _rounder(dtype)(scaled.clamp(-dtype.qmax, dtype.qmax))
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype) -> torch.Tensor:
@@ -52,18 +46,3 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype) -> 
     scale32 = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     return (quantize(x, scale32, dtype) * scale32).to(x.dtype)
 
-
-def saturation_fraction(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype) -> torch.Tensor:
-    """Fraction (0-dim float32) of all elements with |x / scale| > qmax: those the cache clips."""
-    return (_scaled(x, scale).abs() > dtype.qmax).float().mean()
-
-
-def underflow_fraction(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype) -> torch.Tensor:
-    """Fraction (0-dim float32) of the *nonzero* elements that the cache stores as 0 (0 if none is nonzero).
-
-    Computed by quantising, so it counts exactly what the rounding flushes (FP8: |x / scale| <= 2^-10,
-    the tie at 2^-10 going to the even code 0; INT8: |x / scale| <= 0.5).
-    """
-    nonzero = x != 0
-    flushed = nonzero & (quantize(x, scale, dtype) == 0)
-    return flushed.sum().float() / nonzero.sum().clamp_min(1).float()

@@ -1,14 +1,13 @@
 """What a capture hands on: one layer's ranges (`LayerStats`), a model's (`Stats`), and their flat tensor form.
 
-Why a module of its own: the statistics are read by more stages than the one that records them (scales fold
-them, statistics files store them, evaluation and tune read them back), and none of those readers needs the
-attention hook that produced them. It lives with the scales because it is their input: the capture, a later
-stage, fills it (calib.capture.hook) and the scales never import the capture.
+Why a module of its own: the statistics are read by more stages than the one that records them (scales,
+statistics files, evaluation, tune), none of which needs the attention hook (calib.capture.hook) that fills
+them; it lives with the scales, their input, so the scales never import the capture.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -43,16 +42,7 @@ class LayerStats:
 Stats = dict[int, LayerStats]
 
 
-_STAT_FIELDS = ("k_amax", "v_amax", "k_clip", "v_clip", "q_amax", "k_channel", "v_channel", "k_token", "v_token",
-                "k_over", "v_over")
-
-
 def stats_to_tensors(stats: Stats) -> dict[str, torch.Tensor]:
     """Flat `layers.{i}.{field}` float32 tensors (for a safetensors file; fields that were not kept are absent)."""
-    out = {}
-    for i, s in stats.items():
-        for name in _STAT_FIELDS:
-            t = getattr(s, name)
-            if t is not None:
-                out[f"layers.{i}.{name}"] = t.to(torch.float32).contiguous()
-    return out
+    return {f"layers.{i}.{f.name}": t.to(torch.float32).contiguous() for i, s in stats.items()
+            for f in fields(LayerStats) if (t := getattr(s, f.name)) is not None}

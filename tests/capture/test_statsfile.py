@@ -56,7 +56,7 @@ def test_export_from_statistics_equals_calibrating_directly(tiny_llama_dir, toke
              "--out", tmp_path / "again")
     assert r.exit_code == 0, r.output
     direct, again = (load_file(tmp_path / d / "kv_scales.safetensors") for d in ("direct", "again"))
-    assert statsfile.tensor_equal(direct, again)
+    assert direct.keys() == again.keys() and all(torch.equal(direct[k], again[k]) for k in direct)
     # another recipe from the same pass: INT8 for a TensorRT-LLM build that applies it, per tensor
     r = _cli("export", "--stats", tmp_path / "s.safetensors", "--model", tiny_llama_dir, "--recipe", "int8-tensor",
              "--out", tmp_path / "int8", "--engine-version", "trtllm=pr18953")

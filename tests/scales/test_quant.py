@@ -9,7 +9,18 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from calib.recipe.dtypes import FP8_E4M3, INT8, kv_dtype
-from calib.scales.quant import fake_quant, quantize, saturation_fraction, underflow_fraction
+from calib.scales.quant import fake_quant, quantize
+
+
+def saturation_fraction(x: torch.Tensor, scale: float, dtype) -> torch.Tensor:
+    """Fraction of all elements with |x / scale| > qmax: those the cache clips."""
+    return ((x.to(torch.float32) / scale).abs() > dtype.qmax).float().mean()
+
+
+def underflow_fraction(x: torch.Tensor, scale: float, dtype) -> torch.Tensor:
+    """Fraction of the nonzero elements that `quantize` stores as 0 (0 if none is nonzero)."""
+    nonzero = x != 0
+    return (nonzero & (quantize(x, scale, dtype) == 0)).sum().float() / nonzero.sum().clamp_min(1).float()
 
 
 def _e4m3_table() -> tuple[np.ndarray, np.ndarray]:
