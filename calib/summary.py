@@ -66,17 +66,6 @@ def _num(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-def _line(engine: str, model: str, kv_dtype: str | None = None, skip: Any = ()) -> str | None:
-    """The one serve-command builder's line (calib.engine.command), None where the engine has no flag for it."""
-    from calib.engine import command
-    from calib.errors import KvcalibError
-
-    try:
-        return command.line(engine, model, kv_dtype, skip)
-    except KvcalibError:
-        return None
-
-
 # ------------------------------------------------------------------------------------- per command
 
 def of_eval(result: Any, cfg: Any) -> dict[str, Any]:
@@ -117,6 +106,8 @@ def of_validate(res: Any) -> dict[str, Any]:
 
 def of_tune(result: Any, cfg: Any) -> dict[str, Any]:
     """tune: the chosen candidate (none: keep the reference), its numbers and how many were scored."""
+    from calib.tune.output import serve_line
+
     doc, row = result.doc, result.chosen
     decision = SHIP if doc["choice"]["candidate"] else KEEP
     summ = (row or {}).get("summary") or {}
@@ -127,7 +118,7 @@ def of_tune(result: Any, cfg: Any) -> dict[str, Any]:
                 "seconds": _num(result.seconds)}
     outputs = {"folder": str(result.out), "report": "tune.md", "json": "tune.json",
                "checkpoint": "." if decision == SHIP else None}
-    return document("tune", decision, result.serve or _line(cfg.target, str(cfg.model)), headline, outputs)
+    return document("tune", decision, serve_line(doc), headline, outputs)    # tune.md's command
 
 
 def of_plan(doc: Mapping[str, Any], out: Path) -> dict[str, Any]:
