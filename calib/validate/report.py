@@ -92,12 +92,10 @@ def build(result: Any, thresholds: eval_verdict.Thresholds, load: LoadSpec,
     entries = {ref_name: result.reference, **result.arms}
     config_of = {n: j for j, (_, names, _) in enumerate(sweeps) for n in names}
     mix = shares(result.samples)
-    buckets = [b for b in mix]
+    buckets = list(mix)
     quality = {n: _quality(e, result.reference, thresholds, n == ref_name) for n, e in entries.items()}
-    per_bucket: dict[str, list[decide.Arm]] = {}
-    for b in buckets:
-        per_bucket[b] = [_bucket_arm(n, quality[n], sweeps[config_of[n]][2]["buckets"].get(b) if n in config_of
-                                     else None, e.engine, n == ref_name) for n, e in entries.items()]
+    per_bucket = {b: [_bucket_arm(n, quality[n], sweeps[config_of[n]][2]["buckets"].get(b) if n in config_of
+                                  else None, e.engine, n == ref_name) for n, e in entries.items()] for b in buckets}
     decisions = {b: decide.decide(arms, load.noise) for b, arms in per_bucket.items()}
     overall_arms = decide.mix([per_bucket[b] for b in buckets], [mix[b] for b in buckets]) if buckets else []
     overall = decide.decide(overall_arms, load.noise) if overall_arms else \
