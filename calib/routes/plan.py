@@ -316,14 +316,12 @@ def run_plan(routes: Routes, base: EvalConfig, *, force: bool = False, log: Log 
                 log(f"plan: route `{r.name}` ({r.data}, buckets {list(r.buckets)})")
                 cfg = eval_config(r, base, tmp / r.name)
                 result = run_eval(cfg, log=log, progress=progress)
-                if load is None:
-                    decisions.append(decide(r, base.model, result))
-                    reports[r.name] = {"eval": result.report, "validate": None}
-                else:
-                    served = vrun.serve(result, cfg, load, log)
+                served = None if load is None else vrun.serve(result, cfg, load, log)
+                if served is not None:
                     vreport.write(tmp / r.name, served, base.plots)
-                    decisions.append(decide_served(r, base.model, result, served))
-                    reports[r.name] = {"eval": result.report, "validate": served}
+                decisions.append(decide(r, base.model, result) if served is None else
+                                 decide_served(r, base.model, result, served))
+                reports[r.name] = {"eval": result.report, "validate": served}
                 log(f"plan: route `{r.name}`: {decisions[-1].decision} ({decisions[-1].why})")
         except KvcalibError as e:     # which route failed (atomic_dir names the user's --out, not its folder)
             raise RoutesError(f"route '{r.name}': {e}") from None
