@@ -288,9 +288,7 @@ class Server:
                     w.max_kv_usage = _hi(w.max_kv_usage, m.get("vllm:kv_cache_usage_perc",
                                                              m.get("vllm:gpu_cache_usage_perc")))
                     w.preemptions = _hi(w.preemptions, preempted(m))
-                mem = self.memory()
-                w.peak_memory_bytes = mem if w.peak_memory_bytes is None or (mem or 0) > w.peak_memory_bytes \
-                    else w.peak_memory_bytes
+                w.peak_memory_bytes = _hi(w.peak_memory_bytes, self.memory())
                 stop.wait(POLL_S)
         t = threading.Thread(target=loop, daemon=True)
         t.start()

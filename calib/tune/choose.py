@@ -192,11 +192,6 @@ def capacity_row(r: dict[str, Any]) -> rule.CapacityRow:
     return rule.CapacityRow(r["name"], not r["failures"], r["summary"]["max_bucket_kl"], requests, model)
 
 
-def choose(found: Any, table: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The row the rule picks, or None (keep the model-dtype KV cache)."""
-    return decide(found, table).row
-
-
 def _fewest(ok: list[dict[str, Any]]) -> list[dict[str, Any]]:
     fewest = min(len(r["skip"]) for r in ok)
     return [r for r in ok if len(r["skip"]) == fewest]
