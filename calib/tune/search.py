@@ -124,10 +124,6 @@ class TuneConfig:
                           device_map=self.device_map, max_memory=self.max_memory,
                           offload_folder=self.offload_folder, trust_remote_code=self.trust_remote_code)
 
-    def placement(self) -> Any:
-        """Where the model's weights go (calib.model.load.Placement), as the held-out evaluation's."""
-        return self.eval_config().placement()
-
 
 def check(cfg: TuneConfig) -> None:
     """Everything checkable before a model loads, in the order a user fixes them."""
