@@ -26,6 +26,7 @@ from calib.capture import hook as observe
 from calib.capture import statsfile
 from calib.capture.distributed import Dist, barrier, merge_all, shard
 from calib.capture.spec import capture_spec
+from calib.ckpt import fingerprint, integrity
 from calib.ckpt.names import PROVENANCE_FILE, STATS_FILE
 from calib.data import sources as data_mod
 from calib.data.batching import PaddingStats, batches, prefetch
@@ -111,6 +112,7 @@ def observe_kv_each(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], ba
     if options.prefetch:
         feed = prefetch(feed, options.prefetch)
     pin = dev.type == "cuda"
+    tick = progress.update if progress is not None else (lambda _n: None)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         caps = [stack.enter_context(observe.capture_kv(model, loaded.attention_layers, s)) for s in specs]
@@ -122,15 +124,13 @@ def observe_kv_each(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], ba
         i = -1
         for i, (ids, mask) in enumerate(feed):
             if stream is not None:
-                stream.update(f"{tuple(ids.shape)}{ids.dtype}".encode())
-                stream.update(ids.numpy().tobytes())
-                stream.update(mask.numpy().tobytes())
+                stream.update(f"{tuple(ids.shape)}{ids.dtype}".encode() + ids.numpy().tobytes()
+                              + mask.numpy().tobytes())
                 if resumed is not None and i + 1 == done:
                     resumed.check_stream("sha256:" + stream.hexdigest())
             n = int(mask.sum())
             if i < done:  # observed before the interruption
-                if progress is not None:
-                    progress.update(n)
+                tick(n)
                 continue
             if pin:
                 ids, mask = ids.pin_memory(), mask.pin_memory()
@@ -139,8 +139,7 @@ def observe_kv_each(loaded: model_mod.LoadedModel, seqs: Iterable[list[int]], ba
                 for cap in caps:
                     masked.enter_context(cap.masking(mask.bool()))
                 body(input_ids=ids, attention_mask=mask, use_cache=False)
-            if progress is not None:
-                progress.update(n)
+            tick(n)
             if ckpt is not None and ckpt.every and (i + 1) % ckpt.every == 0:
                 statsfile.save(ckpt.path, caps[0], run.resume_header(batches_done=i + 1,
                                                                      stream_sha256="sha256:" + stream.hexdigest()))
@@ -267,8 +266,6 @@ def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, o
         raise statsfile.StatsError(f"{stats_path} was recorded on another model than {source} (config.json differs)")
     files = export.read_source(source)
     files = dataclasses.replace(files, weights=export.scan_source(files))
-    from calib.ckpt import fingerprint
-
     mine = fingerprint.of_model(files.weights)
     why = fingerprint.mismatch(sf.provenance.model_weights_sha256, mine, f"statistics file {stats_path}",
                                f"--model {source}")
@@ -279,26 +276,18 @@ def export_from_stats(stats_path: Path, model_src: str | Path, recipe: Recipe, o
                        copies=len(recipe.targets))
     with outputs.lock(Path(out)):
         outputs.check_folder(Path(out), force=force, inputs=inputs)     # taking the lock may restore an output
-        return _export_from_stats(sf, stats_path, files, model_src, recipe, Path(out), force, prepared,
-                                  engine_versions or {})
-
-
-def _export_from_stats(sf: statsfile.StatsFile, stats_path: Path, files: export.SourceFiles, model_src: str | Path,
-                       recipe: Recipe, out: Path, force: bool, prepared: dict[str, export.PreparedSource],
-                       engine_versions: Mapping[str, str]) -> tuple[Path, scales_mod.Scales, list[int]]:
-    stats = statsfile.stats_for_recipe(sf, recipe, str(stats_path))
-    config = model_mod.preflight(files).text_config
-    skipped = model_mod.resolve_skip_layers(recipe.skip_layers, config, sf.capture.layers)
-    scales = scales_mod.compute(stats, dtype=recipe.kv_dtype, granularity=recipe.scale_granularity,
-                                headroom=recipe.headroom)
-    recorded = sf.provenance
-    data = {**recorded.data, "statistics_file": str(stats_path)}
-    prov = provenance(recipe, str(model_src), data, stats, scales, skipped, "from statistics file",
-                      rotary_dim=recorded.rotary_dim, model_config_sha256=recorded.model_config_sha256,
-                      model_weights_sha256=recorded.model_weights_sha256)
-    path = write_outputs(files.path, Path(out), recipe, sf.capture, scales, prov, force=force, prepared=prepared,
-                         engine_versions=engine_versions)
-    return path, scales, skipped
+        stats = statsfile.stats_for_recipe(sf, recipe, str(stats_path))
+        config = model_mod.preflight(files).text_config
+        skipped = model_mod.resolve_skip_layers(recipe.skip_layers, config, sf.capture.layers)
+        scales = _fold(recipe, stats)
+        recorded = sf.provenance
+        data = {**recorded.data, "statistics_file": str(stats_path)}
+        prov = provenance(recipe, str(model_src), data, stats, scales, skipped, "from statistics file",
+                          rotary_dim=recorded.rotary_dim, model_config_sha256=recorded.model_config_sha256,
+                          model_weights_sha256=recorded.model_weights_sha256)
+        path = write_outputs(files.path, Path(out), recipe, sf.capture, scales, prov, force=force, prepared=prepared,
+                             engine_versions=engine_versions or {})
+        return path, scales, skipped
 
 
 def _check_same_model(source: Path, a: dict[str, Any], target: Path, b: dict[str, Any]) -> None:
@@ -306,8 +295,6 @@ def _check_same_model(source: Path, a: dict[str, Any], target: Path, b: dict[str
     architecture and sizes in their config.json (`a` and `b`, as the checks read them), and, where both store a
     tensor alike (a weight-quantized checkpoint keeps embeddings, norms and often the head as they were), the
     same bytes (calib.ckpt.fingerprint)."""
-    from calib.ckpt import fingerprint, integrity
-
     keys = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
             "hidden_size", "intermediate_size", "vocab_size")
     a, b = a.get("text_config", a), b.get("text_config", b)
@@ -397,14 +384,14 @@ def check_calibrate(job: CalibrateJob, *, options_checked: bool = False) -> Chec
     inputs = [("the model folder", job.model), ("the --into checkpoint", job.into), ("the data", job.data),
               ("the recipe", job.recipe_file)]
     outputs.check_folder(out, force=job.force, inputs=inputs)
-    mine = [("the --out folder", out)]
+    theirs = [*inputs, ("the --out folder", out)]
     if job.stats_out is not None:
-        outputs.check_file(Path(job.stats_out), inputs=[*inputs, *mine], option="--stats-out", force=job.force)
+        outputs.check_file(Path(job.stats_out), inputs=theirs, option="--stats-out", force=job.force)
         outputs.check_room(Path(job.stats_out), option="--stats-out")
     if ckpt is not None:
-        outputs.check_file(ckpt.path, inputs=[*inputs, *mine], option="--checkpoint-every", force=None)
+        outputs.check_file(ckpt.path, inputs=theirs, option="--checkpoint-every", force=None)
     if place.offload_folder:
-        outputs.check_scratch(Path(place.offload_folder), inputs=[*inputs, *mine], option="--offload-folder")
+        outputs.check_scratch(Path(place.offload_folder), inputs=theirs, option="--offload-folder")
     source_dir = source_dir or model_mod.resolve_source(job.model)
     target_dir = source_dir if job.into is None else model_mod.resolve_source(job.into)
     model = model_mod.preflight(source_dir, trust_remote_code=job.trust_remote_code, allow_pickle=job.allow_pickle)
@@ -415,15 +402,10 @@ def check_calibrate(job: CalibrateJob, *, options_checked: bool = False) -> Chec
     elif job.into is not None:
         files = export.SourceFiles(target_dir, model_mod.read_config(target_dir))
         _check_same_model(source_dir, model.raw, target_dir, files.config)
-    weights: list[Path] = []
-    prepared: dict[str, export.PreparedSource] = {}
-    if recipe.targets:  # a broken source checkpoint surfaces before anything is loaded
-        prepared = prepare_targets(files, out, recipe, overwrite_kv=job.overwrite_kv, into=job.into is not None)
-        first = next(iter(prepared.values()))
-        weights = [target_dir / f for f in first.shards]
+    # a broken source checkpoint surfaces before anything is loaded
+    prepared = prepare_targets(files, out, recipe, overwrite_kv=job.overwrite_kv, into=job.into is not None)
+    weights = [target_dir / f for f in next(iter(prepared.values())).shards] if prepared else []
     outputs.check_room(out, weights, copies=max(1, len(recipe.targets)))
-    from calib.ckpt import fingerprint
-
     return Checked(model, target_dir, prepared, tuple(inputs), fingerprint.of_model(model.weights))
 
 
@@ -458,31 +440,6 @@ def run(job: CalibrateJob, progress: Any | None = None, *, options_checked: bool
         return _calibrate(job, checked, t_start, progress)
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    loaded: model_mod.LoadedModel
-    skipped: list[int]
-    report: data_mod.DataReport      # filled while `seqs` is consumed
-    seqs: Iterable[list[int]]
-    options: RunOptions              # with the checkpoint header of this run
-
-
-def _prepare(job: CalibrateJob, checked: Checked) -> _Prepared:
-    """Load the model the checks read, resolve the skipped layers, open the token stream."""
-    recipe, options = job.recipe, job.options
-    loaded = model_mod.load(checked.model, device=job.device, trust_remote_code=job.trust_remote_code,
-                            placement=job.placement, allow_pickle=job.allow_pickle)
-    skipped = model_mod.resolve_skip_layers(recipe.skip_layers, loaded.config, loaded.attention_layers)
-    seqs, report = token_stream(job.data, loaded, recipe)
-    if options.checkpoint is not None:
-        run = Provenance(model=str(job.model), model_config_sha256=checked.model.config_sha256,
-                         model_weights_sha256=checked.weights_sha256,
-                         data={"source": str(job.data)}, recipe=recipe.to_dict(),
-                         rotary_dim=model_mod.rotary_dim(loaded.config))
-        options = dataclasses.replace(options, checkpoint=dataclasses.replace(options.checkpoint, run=run))
-    return _Prepared(loaded, skipped, report, seqs, options)
-
-
 def _fold(recipe: Recipe, stats: Stats) -> scales_mod.Scales:
     """The recipe's scales from the statistics (none for a statistics-only recipe)."""
     if not recipe.targets:
@@ -491,10 +448,10 @@ def _fold(recipe: Recipe, stats: Stats) -> scales_mod.Scales:
                               headroom=recipe.headroom)
 
 
-def _write(job: CalibrateJob, checked: Checked, prep: _Prepared, seen: Observed, scales: scales_mod.Scales,
+def _write(job: CalibrateJob, checked: Checked, options: RunOptions, seen: Observed, scales: scales_mod.Scales,
            prov: Provenance) -> Path:
     """The checkpoint(s) and the statistics file, from the main process only; then every rank meets."""
-    path, options = Path(job.out), prep.options
+    path = Path(job.out)
     if options.dist.is_main:
         with contextlib.ExitStack() as stack:    # --stats-out lands only with OUT: a failed OUT leaves neither
             if job.stats_out is not None:
@@ -510,19 +467,27 @@ def _write(job: CalibrateJob, checked: Checked, prep: _Prepared, seen: Observed,
 
 
 def _calibrate(job: CalibrateJob, checked: Checked, t_start: float, progress: Any | None) -> Result:
-    recipe = job.recipe
-    prep = _prepare(job, checked)
-    loaded = prep.loaded
+    """Load the model the checks read, resolve the skipped layers, open the token stream; capture, fold, write."""
+    recipe, options = job.recipe, job.options
+    loaded = model_mod.load(checked.model, device=job.device, trust_remote_code=job.trust_remote_code,
+                            placement=job.placement, allow_pickle=job.allow_pickle)
+    skipped = model_mod.resolve_skip_layers(recipe.skip_layers, loaded.config, loaded.attention_layers)
+    seqs, report = token_stream(job.data, loaded, recipe)      # `report` is filled while `seqs` is consumed
+    if options.checkpoint is not None:      # the checkpoint header of this run
+        run = Provenance(model=str(job.model), model_config_sha256=checked.model.config_sha256,
+                         model_weights_sha256=checked.weights_sha256,
+                         data={"source": str(job.data)}, recipe=recipe.to_dict(),
+                         rotary_dim=model_mod.rotary_dim(loaded.config))
+        options = dataclasses.replace(options, checkpoint=dataclasses.replace(options.checkpoint, run=run))
     padding = PaddingStats()
-    seen = observe_kv(loaded, prep.seqs, recipe.batch_size, progress, capture_spec(recipe, loaded.config),
-                      prep.options, padding)
+    seen = observe_kv(loaded, seqs, recipe.batch_size, progress, capture_spec(recipe, loaded.config), options, padding)
     scales = _fold(recipe, seen.stats)
     dtype = str(loaded.dtype).removeprefix("torch.")
-    prov = provenance(recipe, str(job.model), data_record(job.data, prep.report), seen.stats, scales, prep.skipped,
+    prov = provenance(recipe, str(job.model), data_record(job.data, report), seen.stats, scales, skipped,
                       dtype, rotary_dim=model_mod.rotary_dim(loaded.config),
                       into=None if job.into is None else str(job.into),
                       model_config_sha256=checked.model.config_sha256, model_weights_sha256=checked.weights_sha256)
-    path = _write(job, checked, prep, seen, scales, prov)
-    return Result(out=path, scales=scales, stats=seen.stats, skipped=prep.skipped, data=prep.report,
+    path = _write(job, checked, options, seen, scales, prov)
+    return Result(out=path, scales=scales, stats=seen.stats, skipped=skipped, data=report,
                   padding=padding.fraction, seconds=time.perf_counter() - t_start, forward_seconds=seen.seconds,
                   model_dtype=dtype, device=str(loaded.device))

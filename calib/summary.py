@@ -24,17 +24,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from calib.errors import NO_GO, OK
+from calib.errors import NO_GO
 
 SCHEMA = "kvcalib.summary/1"
 FILE = "summary.json"
 SHIP, KEEP, NONE = "ship", "keep_reference", "none"
 _SHIPPING_ACTIONS = ("ship", "ship_with_skip")       # eval's verdict actions that serve a quantized cache
-
-
-def exit_code(decision: str | None) -> int:
-    """0 for ship (and for calibrate, which does not decide), 3 (no-go) otherwise."""
-    return OK if decision in (SHIP, None) else NO_GO
 
 
 def document(command: str, decision: str | None, serve_command: str | None, headline: Mapping[str, Any],
@@ -43,38 +38,22 @@ def document(command: str, decision: str | None, serve_command: str | None, head
             "headline": dict(headline), "outputs": dict(outputs)}
 
 
-def write(folder: Path, doc: Mapping[str, Any]) -> Path:
-    """summary.json into the finished output `folder`, atomically, listed as ours (calib.safety.outputs.add_file)."""
-    from calib.safety import outputs
-
-    return outputs.add_file(Path(folder), FILE, json.dumps(doc, indent=2, allow_nan=False) + "\n")
-
-
 def conclude(doc: Mapping[str, Any], folder: Path) -> None:
-    """Write `doc` as the command's summary.json into its output folder, then end the command with its decision's
-    exit code (0 returns normally; 3 exits)."""
+    """Write `doc` as summary.json into the finished output `folder` (atomically, listed as ours:
+    calib.safety.outputs.add_file), then end the command with its decision's exit code: 0 (returns normally) for
+    ship and for calibrate, which does not decide; 3 (no-go) otherwise."""
     import click
 
-    write(folder, doc)
-    code = exit_code(doc["decision"])
-    if code:
-        click.get_current_context().exit(code)
+    from calib.safety import outputs
+
+    outputs.add_file(Path(folder), FILE, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+    if doc["decision"] not in (SHIP, None):
+        click.get_current_context().exit(NO_GO)
 
 
 def _num(x: Any) -> float | None:
     """A headline number: None where it is missing or not finite (strict JSON)."""
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
-
-
-def _line(engine: str, model: str, kv_dtype: str | None = None, skip: Any = ()) -> str | None:
-    """The one serve-command builder's line (calib.engine.command), None where the engine has no flag for it."""
-    from calib.engine import command
-    from calib.errors import KvcalibError
-
-    try:
-        return command.line(engine, model, kv_dtype, skip)
-    except KvcalibError:
-        return None
 
 
 # ------------------------------------------------------------------------------------- per command
@@ -117,6 +96,8 @@ def of_validate(res: Any) -> dict[str, Any]:
 
 def of_tune(result: Any, cfg: Any) -> dict[str, Any]:
     """tune: the chosen candidate (none: keep the reference), its numbers and how many were scored."""
+    from calib.tune.output import serve_line
+
     doc, row = result.doc, result.chosen
     decision = SHIP if doc["choice"]["candidate"] else KEEP
     summ = (row or {}).get("summary") or {}
@@ -127,7 +108,7 @@ def of_tune(result: Any, cfg: Any) -> dict[str, Any]:
                 "seconds": _num(result.seconds)}
     outputs = {"folder": str(result.out), "report": "tune.md", "json": "tune.json",
                "checkpoint": "." if decision == SHIP else None}
-    return document("tune", decision, result.serve or _line(cfg.target, str(cfg.model)), headline, outputs)
+    return document("tune", decision, serve_line(doc), headline, outputs)    # tune.md's command
 
 
 def of_plan(doc: Mapping[str, Any], out: Path) -> dict[str, Any]:

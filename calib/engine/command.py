@@ -23,11 +23,6 @@ KV_FLAG = {name: ({d.name: d.cache_name(name) for d in dtypes.for_engine(name, d
                   else {}) for name, e in support.ENGINES.items()}
 
 
-def has_flag(engine: str, kv_dtype: str) -> bool:
-    """Whether `engine` is told `kv_dtype` on its command line (TensorRT-LLM never: its checkpoint says it)."""
-    return kv_dtype in KV_FLAG[support.engine(engine).name]
-
-
 def flags(engine: str, kv_dtype: str | None = None, skip: Iterable[int | str] = ()) -> list[str]:
     """The options after the model that serve `kv_dtype` (None: the model's own dtype) with `skip` kept in the
     model dtype, and the attention backend the format needs there. SupportError for a KV dtype the engine has no

@@ -13,9 +13,6 @@ import click
 
 from calib.load.spec import MIN_REQUESTS, LoadSpec
 
-NAMES = ("output_tokens", "levels", "max_concurrency", "requests_per_level", "slo_ttft_ms", "slo_tpot_ms",
-         "speed_noise", "sweep_minutes", "prefix_caching")
-
 _OPTIONS = (
     click.option("--output-tokens", type=int, default=LoadSpec.output_tokens, show_default=True,
                  help="Tokens each served request generates (end-of-sequence ignored)."),
@@ -38,7 +35,7 @@ _OPTIONS = (
 
 
 def load_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Add every load option to a Click command (its function takes them as `NAMES`)."""
+    """Add every load option to a Click command (its function takes them as `spec_from`'s parameters)."""
     for option in reversed(_OPTIONS):
         command = option(command)
     return command

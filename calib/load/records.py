@@ -72,37 +72,33 @@ def parse(doc: Any, asked: int, output_tokens: int, max_prompt: int) -> tuple[li
     """(requests, duration in seconds, the generator's own summary numbers) from one level's result file: exactly
     `asked` requests, each at most `output_tokens` tokens and `max_prompt` prompt tokens (RecordsError otherwise)."""
     with raising(RecordsError):
-        return _parse(doc, asked, output_tokens, max_prompt)
-
-
-def _parse(doc: Any, asked: int, output_tokens: int, max_prompt: int) -> tuple[list[Request], float, dict[str, Any]]:
-    if not isinstance(doc, dict):
-        raise RecordsError("expected a JSON object")
-    duration = _seconds(doc.get("duration"), "'duration'")
-    if duration <= 0:
-        raise RecordsError("'duration' = 0: the level ran no request")
-    n = len(doc["ttfts"]) if isinstance(doc.get("ttfts"), list) else -1
-    if n != asked:
-        raise RecordsError(f"'ttfts' holds {n if n >= 0 else 'no list'}; {asked} requests were sent "
-                           "(run the load generator with --save-detailed)")
-    ttfts, itls, outs, ins = (_list(doc, k, n) for k in ("ttfts", "itls", "output_lens", "input_lens"))
-    errors = _list(doc, "errors", n, required=False) or [None] * n
-    lat = _list(doc, "latencies", n, required=False)
-    reqs = []
-    for i in range(n):
-        err = None if errors[i] in (None, "") else clean_text(str(errors[i]), MAX_TEXT) or "error"
-        o = whole(outs[i], f"'output_lens'[{i}]", 0, output_tokens)
-        gaps = tuple(_seconds(g, f"'itls'[{i}]") for g in items(itls[i], f"'itls'[{i}]", hi=output_tokens))
-        ttft = None if err or ttfts[i] in (None, 0) else _seconds(ttfts[i], f"'ttfts'[{i}]")
-        latency = None if err else (_seconds(lat[i], f"'latencies'[{i}]") if lat is not None
-                                    else (None if ttft is None else ttft + sum(gaps)))
-        if ttft is not None and latency is not None and latency + 1e-6 < ttft:
-            raise RecordsError(f"request {i}: latency {latency:.3g} s is shorter than its TTFT {ttft:.3g} s")
-        reqs.append(Request(whole(ins[i], f"'input_lens'[{i}]", 0, max_prompt), o, ttft, gaps, latency, err))
-    own = {k: doc.get(k) for k in ("request_goodput", "request_throughput", "output_throughput",
-                                   "max_concurrent_requests")
-           if isinstance(doc.get(k), (int, float)) and not isinstance(doc.get(k), bool) and math.isfinite(doc[k])}
-    return reqs, duration, own
+        if not isinstance(doc, dict):
+            raise RecordsError("expected a JSON object")
+        duration = _seconds(doc.get("duration"), "'duration'")
+        if duration <= 0:
+            raise RecordsError("'duration' = 0: the level ran no request")
+        n = len(doc["ttfts"]) if isinstance(doc.get("ttfts"), list) else -1
+        if n != asked:
+            raise RecordsError(f"'ttfts' holds {n if n >= 0 else 'no list'}; {asked} requests were sent "
+                               "(run the load generator with --save-detailed)")
+        ttfts, itls, outs, ins = (_list(doc, k, n) for k in ("ttfts", "itls", "output_lens", "input_lens"))
+        errors = _list(doc, "errors", n, required=False) or [None] * n
+        lat = _list(doc, "latencies", n, required=False)
+        reqs = []
+        for i in range(n):
+            err = None if errors[i] in (None, "") else clean_text(str(errors[i]), MAX_TEXT) or "error"
+            o = whole(outs[i], f"'output_lens'[{i}]", 0, output_tokens)
+            gaps = tuple(_seconds(g, f"'itls'[{i}]") for g in items(itls[i], f"'itls'[{i}]", hi=output_tokens))
+            ttft = None if err or ttfts[i] in (None, 0) else _seconds(ttfts[i], f"'ttfts'[{i}]")
+            latency = None if err else (_seconds(lat[i], f"'latencies'[{i}]") if lat is not None
+                                        else (None if ttft is None else ttft + sum(gaps)))
+            if ttft is not None and latency is not None and latency + 1e-6 < ttft:
+                raise RecordsError(f"request {i}: latency {latency:.3g} s is shorter than its TTFT {ttft:.3g} s")
+            reqs.append(Request(whole(ins[i], f"'input_lens'[{i}]", 0, max_prompt), o, ttft, gaps, latency, err))
+        own = {k: doc.get(k) for k in ("request_goodput", "request_throughput", "output_throughput",
+                                       "max_concurrent_requests")
+               if isinstance(doc.get(k), (int, float)) and not isinstance(doc.get(k), bool) and math.isfinite(doc[k])}
+        return reqs, duration, own
 
 
 def summarize(reqs: Sequence[Request], duration: float, output_tokens: int, slo: SLO) -> dict[str, Any]:

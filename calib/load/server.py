@@ -23,6 +23,7 @@ as the scheduler does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -174,8 +175,7 @@ class Watch:
     samples: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("max_running", "max_waiting", "max_kv_usage", "preemptions",
-                                              "peak_memory_bytes", "samples")}
+        return dataclasses.asdict(self)
 
 
 def _hi(a: float | None, b: float | None) -> float | None:
@@ -245,16 +245,11 @@ class Server:
     def stop(self) -> None:
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=20)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=20)
 
     def memory(self) -> int | None:
         """GPU memory in use (the whole device: kvcalib's server is its only user), or the resident memory of the
@@ -293,9 +288,7 @@ class Server:
                     w.max_kv_usage = _hi(w.max_kv_usage, m.get("vllm:kv_cache_usage_perc",
                                                              m.get("vllm:gpu_cache_usage_perc")))
                     w.preemptions = _hi(w.preemptions, preempted(m))
-                mem = self.memory()
-                w.peak_memory_bytes = mem if w.peak_memory_bytes is None or (mem or 0) > w.peak_memory_bytes \
-                    else w.peak_memory_bytes
+                w.peak_memory_bytes = _hi(w.peak_memory_bytes, self.memory())
                 stop.wait(POLL_S)
         t = threading.Thread(target=loop, daemon=True)
         t.start()

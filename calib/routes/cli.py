@@ -6,13 +6,11 @@ heavy modules are imported inside the command.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import click
 
 from calib import cli_options as opts
-from calib import resources
 from calib.load.options import load_options, spec_from
 from calib.safety import outputs
 
@@ -33,6 +31,7 @@ def plan(routes_file, model_src, scales, emulation, passkey_trials, batch_size, 
     Exit 0 when some route serves FP8, 3 when every route keeps BF16 (calib/errors.py)."""
     from calib import summary
     from calib.evaluation import served
+    from calib.evaluation.cli import with_model
     from calib.evaluation.config import EvalConfig
     from calib.evaluation.verdict import Thresholds
     from calib.model.default_model import DIR_NAME
@@ -56,11 +55,7 @@ def plan(routes_file, model_src, scales, emulation, passkey_trials, batch_size, 
                                    trust_remote_code=trust_remote_code,
                                    **opts.placement(device_map, max_memory, offload_folder)))
     plan_mod.check(routes, base, force)      # every input and option, before the default model is built
-    if model_src is None:
-        from calib.model.default_model import ensure_default_model
-
-        model_src = str(ensure_default_model(resources.build_dir(), log=opts.echo_err))
-        base = dataclasses.replace(base, model=model_src)
+    base = with_model(base, model_src, base.out, "plan")
     with outputs.terminate_as_interrupt():     # SIGTERM / SIGHUP: the temporary plan and its lock removed
         doc = plan_mod.run_plan(routes, base, force=force, log=opts.echo_err,
                                 progress=Progress(opts.echo_err if progress else None), load=load)

@@ -228,11 +228,9 @@ def plan_doc(model: str, routes: Routes, decisions: list[Decision]) -> dict[str,
 
 
 def markdown(doc: Mapping[str, Any], reports: Mapping[str, Mapping[str, Any]] | None = None) -> str:
-    """plan.md: the plan in one line, one table (per route: its decision, the arm, its quality against the route's
-    bar, KV capacity and speed over the reference's where measured) and each server's whole serve command; then the
-    routes file and where each route's evaluation is. `reports`: per route {"eval": its report.json document,
-    "validate": its validate.json document or None}, where capacity (the verdict's: the engine's count, else the
-    bytes model's) and speed (goodput at the SLO, `--serve`) are read. Paths relative to the user's folder."""
+    """plan.md: the plan in one line, one table (per route: decision, arm, quality against its bar, KV capacity and
+    speed over the reference's) and each server's serve command. `reports`: per route {"eval": its report.json
+    document, "validate": its validate.json document or None}, where capacity and speed are read."""
     reports = reports or {}
     dtype = render.dtype_title(next((x["eval"].get("serving_dtype") for x in reports.values() if x.get("eval")),
                                     None) or "bfloat16")
@@ -297,10 +295,8 @@ def _speed(served: Mapping[str, Any] | None, arm: str | None) -> str:
 
 def run_plan(routes: Routes, base: EvalConfig, *, force: bool = False, log: Log = lambda _m: None,
              progress: Progress = SILENT, load: Any = None) -> dict[str, Any]:
-    """Evaluate every route (one `run_eval` each, the same arms) and write the plan into `base.out`, whole or
-    not at all; returns plan.json's document. With `load` (calib.load.spec.LoadSpec; the engine required) each
-    route's arms are also served under that load on the route's prompts (as `kvcalib validate`, its
-    <route>/validate.{md,json}) and the route's decision is the arm with the best goodput within its bar."""
+    """Evaluate every route and write the plan into `base.out`, whole or not at all; returns plan.json's document.
+    With `load` (calib.load.spec.LoadSpec) each route is also served under load, as `kvcalib validate`."""
     from calib.evaluation.run import run_eval
     from calib.safety.outputs import atomic_dir
     from calib.validate import report as vreport
@@ -316,14 +312,12 @@ def run_plan(routes: Routes, base: EvalConfig, *, force: bool = False, log: Log 
                 log(f"plan: route `{r.name}` ({r.data}, buckets {list(r.buckets)})")
                 cfg = eval_config(r, base, tmp / r.name)
                 result = run_eval(cfg, log=log, progress=progress)
-                if load is None:
-                    decisions.append(decide(r, base.model, result))
-                    reports[r.name] = {"eval": result.report, "validate": None}
-                else:
-                    served = vrun.serve(result, cfg, load, log)
+                served = None if load is None else vrun.serve(result, cfg, load, log)
+                if served is not None:
                     vreport.write(tmp / r.name, served, base.plots)
-                    decisions.append(decide_served(r, base.model, result, served))
-                    reports[r.name] = {"eval": result.report, "validate": served}
+                decisions.append(decide(r, base.model, result) if served is None else
+                                 decide_served(r, base.model, result, served))
+                reports[r.name] = {"eval": result.report, "validate": served}
                 log(f"plan: route `{r.name}`: {decisions[-1].decision} ({decisions[-1].why})")
         except KvcalibError as e:     # which route failed (atomic_dir names the user's --out, not its folder)
             raise RoutesError(f"route '{r.name}': {e}") from None

@@ -102,13 +102,11 @@ def engine_counts(found: Any, baseline: str) -> dict[tuple[str, tuple[int, ...]]
 
 def capacity(found: Any, cand: Any, entry: ArmMetrics, saved: float,
              counts: dict[tuple[str, tuple[int, ...]], tuple[Any, str]] | None = None) -> dict[str, Any] | None:
-    """With an engine that counted the reference's KV capacity: the candidate's capacity over the reference's at the
-    longest length (the engine's count for its layout where the engine ran it, this candidate or another of the same
-    KV dtype and skipped layers (`counted_on`), else 1 / (1 - the share of memory it saves)) and whether that is a
-    gain beyond noise (calib.evaluation.capacity.capacity_gain); None without such an engine."""
-    ref = found.ref
+    """The candidate's capacity over the reference's at the longest length (the engine's count for its layout,
+    `counted_on` this or another candidate of that layout, else the bytes model's) and whether that is a gain beyond
+    noise (calib.evaluation.capacity.capacity_gain); None unless the engine counted the reference's capacity."""
     length = rule.longest(found.ref)
-    ref_row = rule.CapacityRow("reference", True, 0.0, rule.engine_requests(ref.engine, length), 1.0, True)
+    ref_row = rule.CapacityRow("reference", True, 0.0, rule.engine_requests(found.ref.engine, length), 1.0, True)
     if ref_row.requests is None:
         return None
     own = rule.engine_requests(entry.engine, length)
@@ -190,11 +188,6 @@ def capacity_row(r: dict[str, Any]) -> rule.CapacityRow:
     model = 1 / (1 - r["memory_saved"]) if r["memory_saved"] < 1 else None
     requests = cap["requests"] if cap["source"] == ENGINE else None
     return rule.CapacityRow(r["name"], not r["failures"], r["summary"]["max_bucket_kl"], requests, model)
-
-
-def choose(found: Any, table: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The row the rule picks, or None (keep the model-dtype KV cache)."""
-    return decide(found, table).row
 
 
 def _fewest(ok: list[dict[str, Any]]) -> list[dict[str, Any]]:

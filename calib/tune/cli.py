@@ -6,7 +6,6 @@ module must stay cheap (no torch): heavy modules are imported inside the command
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import click
@@ -47,6 +46,7 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
     Exit 0 when a candidate is chosen (its checkpoint written), 3 when BF16 stays (calib/errors.py)."""
     from calib import summary
     from calib.evaluation import served
+    from calib.evaluation.cli import with_model
     from calib.model.default_model import DIR_NAME
     from calib.progress import Progress
     from calib.recipe import recipe as recipe_mod
@@ -76,11 +76,7 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
                      budget_minutes=budget_minutes, plots=plots, force=force, device=device,
                      **opts.placement(device_map, max_memory, offload_folder)))
     search.check(cfg)             # before the default model is built or any model loads
-    if model_src is None:
-        from calib.model.default_model import ensure_default_model
-
-        model_src = ensure_default_model(resources.build_dir(), log=opts.echo_err)
-        cfg = dataclasses.replace(cfg, model=str(model_src))
+    cfg = with_model(cfg, model_src, cfg.out, "tune")
     with outputs.terminate_as_interrupt():     # SIGTERM: temporary folders removed, engine runners killed
         result = run.run(cfg, log=opts.echo_err, progress=Progress(opts.echo_err if progress else None))
     click.echo(result.doc["scales_matter"]["text"])

@@ -15,7 +15,7 @@ import io
 import json
 import math
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +48,6 @@ class Outcome:
     seconds: float
 
 
-def _serving_dtype(source: Path) -> str:
-    """The dtype the model is served in without KV quantization (its config.json's; BF16 where it declares none)."""
-    return report.declared_dtype(source) or "bfloat16"
-
-
 def _ranges(st: Any) -> dict[str, float]:
     stats = st.any().stats()
     return {"k_amax": max(float(s.k_amax.max()) for s in stats.values()),
@@ -72,11 +67,8 @@ def _pick(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _config(cfg: TuneConfig) -> dict[str, Any]:
-    out = {}
-    for f in fields(cfg):
-        v = getattr(cfg, f.name)
-        out[f.name] = (v.to_dict() if hasattr(v, "to_dict") else str(v) if isinstance(v, Path)
-                       else list(v) if isinstance(v, tuple) else vars(v) if f.name == "engine" and v else v)
+    out = {k: (v.to_dict() if hasattr(v, "to_dict") else str(v) if isinstance(v, Path)
+               else list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()}     # every field, in order
     if cfg.engine is not None:
         out["engine"] = {k: str(x) if isinstance(x, Path) else x for k, x in vars(cfg.engine).items()}
     out.update(emulate=cfg.emulation, max_skip=cfg.skips)
@@ -87,7 +79,7 @@ def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any,
              seconds: float) -> dict[str, Any]:
     th = cfg.thresholds
     layers = len(loaded.attention_layers)
-    serving = _serving_dtype(source)
+    serving = report.declared_dtype(source) or "bfloat16"     # served without KV quantization; BF16: none declared
     table = choose_mod.rows(found, th, layers, MODEL_DTYPE_BYTES.get(serving, 2), BASELINE)
     decision = choose_mod.decide(found, table)
     chosen = decision.row
@@ -257,28 +249,27 @@ def markdown(doc: dict[str, Any]) -> str:
     head = ["candidate", "support", "KV saved", "worst KL", "ppl", "top-1",
             *(f"KL <= {b}" for b in buckets), "vs scale 1.0 (nats/token, ± noise)", "verdict"]
     lines += ["## Candidates", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    base = doc["baseline"]
-    if base:
-        s = base["summary"]
-        lines.append("| " + " | ".join([BASELINE, "any FP8 KV engine", f"{100 * (1 - 1 / doc['kv_bytes_reference']):.1f}%",
-                                         _cell(s["max_bucket_kl"]), f"{100 * s['ppl_rel']:+.2f}%", _cell(s["top1"]),
-                                         *(_cell(base["buckets"].get(str(b), {}).get("kl")) for b in buckets), "—",
-                                         "; ".join(base["failures"]) or "within bar"]) + " |")
+
+    def row(name: str, support: str, saved: float, r: dict[str, Any], vs: str) -> str:
+        s = r["summary"]
+        return "| " + " | ".join([name, support, f"{100 * saved:.1f}%", _cell(s["max_bucket_kl"]),
+                                  f"{100 * s['ppl_rel']:+.2f}%", _cell(s["top1"]),
+                                  *(_cell(r["buckets"].get(str(b), {}).get("kl")) for b in buckets), vs,
+                                  "; ".join(r["failures"]) or "within bar"]) + " |"
+    if doc["baseline"]:
+        lines.append(row(BASELINE, "any FP8 KV engine", 1 - 1 / doc["kv_bytes_reference"], doc["baseline"], "—"))
     for r in doc["candidates"]:
         if not r["scored"]:
             lines.append(f"| {r['name']} | {r['support']} | {100 * r['memory_saved']:.1f}% | not scored |" +
                          " |" * (len(head) - 4))
             continue
-        s, vs = r["summary"], r.get("vs_default")
+        vs = r.get("vs_default")
         vs_cell = "—" if vs is None else (f"KL {vs['kl']['delta_per_token']:+.2g} ± {vs['kl']['noise']:.2g}, "
                                           f"NLL {vs['nll']['delta_per_token']:+.2g} ± {vs['nll']['noise']:.2g}")
         mark = " **(chosen)**" if r["name"] == doc["choice"]["candidate"] else ""
         if r["measured_as"] and r["measured_as"] != r["name"]:
             mark += f" (stores the cache as {r['measured_as']}: same numbers)"
-        lines.append("| " + " | ".join([r["name"] + mark, r["support"], f"{100 * r['memory_saved']:.1f}%",
-                                         _cell(s["max_bucket_kl"]), f"{100 * s['ppl_rel']:+.2f}%", _cell(s["top1"]),
-                                         *(_cell(r["buckets"].get(str(b), {}).get("kl")) for b in buckets), vs_cell,
-                                         "; ".join(r["failures"]) or "within bar"]) + " |")
+        lines.append(row(r["name"] + mark, r["support"], r["memory_saved"], r, vs_cell))
     sens = doc["sensitivity"]
     if sens["kl_only_this_layer"]:
         top = sens["ranking"][:8]
@@ -344,8 +335,7 @@ def finish(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any, h
     svg = plot_svg(doc) if cfg.plots else None
     if svg:
         files[SVG] = svg
-    out = Path(cfg.out)
-    row = next((r for r in doc["candidates"] if r["name"] == doc["choice"]["candidate"]), None)
+    out, row = Path(cfg.out), _chosen(doc)
     if row is None:
         with outputs.atomic_dir(out, cfg.force, kind="tune report") as tmp:
             for name, text in files.items():

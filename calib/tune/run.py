@@ -33,7 +33,7 @@ def run(cfg: TuneConfig, log: Log = lambda _m: None, progress: Progress = SILENT
         config = model_mod.preflight(source, trust_remote_code=cfg.trust_remote_code).text_config
         if cfg.skips >= config.num_hidden_layers:
             raise TuneError(f"--max-skip {cfg.skips}: the model has {config.num_hidden_layers} layers; give fewer")
-        loaded = load_causal_lm(str(source), cfg.placement(), cfg.trust_remote_code)
+        loaded = load_causal_lm(str(source), cfg.eval_config().placement(), cfg.trust_remote_code)   # as eval places it
         found, st, held, kept = search(cfg, loaded, source, end, log, progress)
         ref_name = reference_arm(loaded.dtype).name
         check_measurable(found, ref_name)     # before the engine is asked to confirm a short list drawn from them

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -122,10 +123,6 @@ class TuneConfig:
                           thresholds=self.thresholds, device=self.device, cpu_dtype=self.cpu_dtype,
                           device_map=self.device_map, max_memory=self.max_memory,
                           offload_folder=self.offload_folder, trust_remote_code=self.trust_remote_code)
-
-    def placement(self) -> Any:
-        """Where the model's weights go (calib.model.load.Placement), as the held-out evaluation's."""
-        return self.eval_config().placement()
 
 
 def check(cfg: TuneConfig) -> None:
@@ -280,21 +277,13 @@ class Kept:
         return est, est * max(1.0, self.measured / self.estimated if self.estimated else 1.0)
 
 
-class _Tokens:
-    """Hands measure's per-batch progress to the tune stage as tokens only (its counters are per pass)."""
-
-    def __init__(self, stage: Any) -> None:
-        self.stage = stage
-
-    def advance(self, tokens: int = 0, labels: Any = None, **_counters: int) -> None:
-        self.stage.advance(tokens)
-
-
 def _measure(s: Session, arms: Sequence[Any], found: Search, kept: Kept, chunk: int, stage: Any,
              what: str) -> dict[str, ArmMetrics]:
     """Measure `arms` a chunk at a time (the reference once per chunk); stop before a pass that would overrun."""
     out: dict[str, ArmMetrics] = {}
     lengths = [len(x.ids) for x in s.samples]
+    # measure's per-batch progress reaches the tune stage as tokens only (its counters are per pass)
+    tokens = SimpleNamespace(advance=lambda n=0, labels=None, **_counters: stage.advance(n))
     for a in range(0, len(arms), chunk):
         est, need = kept.need(lengths, len(arms[a:a + chunk]))
         if kept.end is not None and now() + need > kept.end:
@@ -303,7 +292,7 @@ def _measure(s: Session, arms: Sequence[Any], found: Search, kept: Kept, chunk: 
             break
         stage.advance(0, labels={"what": what})
         t0 = now()
-        ref, res = measure(s, arms[a:a + chunk], stage=_Tokens(stage))
+        ref, res = measure(s, arms[a:a + chunk], stage=tokens)
         kept.estimated, kept.measured = kept.estimated + est, kept.measured + now() - t0
         found.passes += 1 + len(arms[a:a + chunk])
         found.ref = found.ref or ref
@@ -314,8 +303,7 @@ def _measure(s: Session, arms: Sequence[Any], found: Search, kept: Kept, chunk: 
 
 def _stats(cfg: TuneConfig, loaded: Any, source: Path, candidates: list[space.Candidate], log: Log) -> Any:
     if cfg.stats:
-        st = stats_mod.load(cfg.stats, source)
-        return st
+        return stats_mod.load(cfg.stats, source)
     st = stats_mod.collect(loaded, cfg.data, cfg.base, stats_mod.needed_keys(candidates), cfg.target,
                            str(cfg.model), log)
     if cfg.stats_out:
@@ -371,8 +359,7 @@ def search(cfg: TuneConfig, loaded: Any, source: Path, end: float | None, log: L
     held = {"source": cfg.eval_data, **used.to_dict(), "held_out": {**held_out, "excluded_samples": excluded},
             "buckets": list(buckets), "dropped_buckets": dropped, "emulation": emulation.describe()}
     found = Search(candidates)
-    arms, first = [default_arm(geo, FP8_E4M3)], {}
-    arms[0] = replace(arms[0], name=BASELINE)
+    arms, first = [replace(default_arm(geo, FP8_E4M3), name=BASELINE)], {}
     for c in candidates:
         arm = score.arm_for(c, st.stats_for(c, cfg.base), geo, emulation)
         key = score.arm_key(arm)
@@ -435,10 +422,9 @@ def _plan(cfg: TuneConfig, loaded: Any, sess: Session, arms: list[Any], found: S
 def _skips(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulation: Any, sess: Session,
            sens_samples: Sequence[Any], kept: Kept, stage: Any) -> None:
     """Per-layer sensitivity of the best full candidate, then it with the top 1..max_skip layers skipped."""
-    full = [c for c in found.candidates if found.entry(c.name) is not None]
-    if not full:
+    base = _best(found, [c for c in found.candidates if found.entry(c.name) is not None])
+    if base is None:
         return
-    base = min(full, key=lambda c: (found.entry(c.name).summary.kl, -c.breadth(), c.simplicity()))
     found.sensitivity_base = base.name
     base_arm = score.arm_for(base, st.stats_for(base, cfg.base), geo, emulation)
     sub = replace(sess, samples=tuple(sens_samples))
@@ -451,8 +437,7 @@ def _skips(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulation: An
     skipped = [base.skipping(top[:k]) for k in range(1, cfg.skips + 1)]
     found.candidates += skipped
     arms = [score.arm_for(c, st.stats_for(c, cfg.base), geo, emulation) for c in skipped]
-    for c in skipped:
-        found.measured_as[c.name] = c.name
+    found.measured_as.update((c.name, c.name) for c in skipped)
     found.entries.update(_measure(sess, arms, found, kept, cfg.chunk, stage, "layer skips"))
 
 
@@ -475,17 +460,19 @@ def _sliding_skip(cfg: TuneConfig, found: Search, st: Any, geo: Geometry, emulat
                   sliding: Sequence[int], kept: Kept, stage: Any) -> None:
     """The best full candidate with the sliding-window layers kept at the model dtype (a hybrid model's standard
     experiment: vLLM serves it with --kv-cache-dtype-skip-layers sliding_window), measured on every sample."""
-    full = [c for c in found.candidates if found.entry(c.name) is not None and not c.skip]
-    if not sliding or not full:
-        return
-    base = min(full, key=lambda c: (found.entry(c.name).summary.kl, -c.breadth(), c.simplicity()))
-    cand = base.skipping(sliding)
-    if cand.name in found.measured_as:
+    base = _best(found, [c for c in found.candidates if found.entry(c.name) is not None and not c.skip])
+    cand = base.skipping(sliding) if sliding and base is not None else None
+    if cand is None or cand.name in found.measured_as:
         return
     found.candidates.append(cand)
     found.measured_as[cand.name] = cand.name
     arm = score.arm_for(cand, st.stats_for(cand, cfg.base), geo, emulation)
     found.entries.update(_measure(sess, [arm], found, kept, cfg.chunk, stage, "sliding-window skip"))
+
+
+def _best(found: Search, full: list[space.Candidate]) -> space.Candidate | None:
+    """The best scored candidate: the lowest KL, then the broadest support, then the simplest recipe."""
+    return min(full, key=lambda c: (found.entry(c.name).summary.kl, -c.breadth(), c.simplicity()), default=None)
 
 
 def ranking(sensitivity: dict[int, float]) -> list[int]:

@@ -77,10 +77,8 @@ class Candidate:
 
 
 def generate(target: str, observers: Sequence[str] = OBSERVERS, headrooms: Sequence[float] = HEADROOMS) -> list[Candidate]:
-    """Every recipe `target` can load: each static format it has, at each granularity and q_scale choice of its
-    tune space (vLLM FP8 per tensor / per head, without and with q_scale; TensorRT-LLM FP8 and INT8 per layer) —
-    each with every observer and headroom. Layer skips are added later, from measured sensitivity
-    (calib/tune/search.py)."""
+    """Every recipe `target` can load (module docstring), each with every observer and headroom. Layer skips are
+    added later, from measured sensitivity (calib/tune/search.py)."""
     if target not in TARGETS:
         raise SpaceError(f"--target {target!r} is not an engine tune knows; accepted: {', '.join(TARGETS)}")
     check_observers(observers)

@@ -43,8 +43,7 @@ def needed_keys(candidates: Sequence[Candidate]) -> list[tuple[str, str, str]]:
         if c.observer != "absmax":
             out.setdefault(stats_key(c.observer, c.dtype), (stats_key(c.observer, c.dtype), c.observer, c.dtype))
     if not out:
-        c = candidates[0]
-        out["absmax"] = ("absmax", "absmax", c.dtype)
+        out["absmax"] = ("absmax", "absmax", candidates[0].dtype)
     return list(out.values())
 
 
@@ -60,8 +59,7 @@ class StatsSet:
     def stats_for(self, c: Candidate, base: Recipe) -> Stats:
         """The per-layer ranges the candidate's recipe turns into scales (statsfile.stats_for_recipe)."""
         key = stats_key(c.observer, c.dtype) if c.observer != "absmax" else next(iter(self.files))
-        sf = self.files[key]
-        stats = statsfile.stats_for_recipe(sf, c.recipe(base), f"statistics {key}")
+        stats = statsfile.stats_for_recipe(self.files[key], c.recipe(base), f"statistics {key}")
         if not c.q_scale:         # Q was recorded for the q_scale candidates; the others export no q_scale
             stats = {i: dataclasses.replace(s, q_amax=None) for i, s in stats.items()}
         return stats

@@ -10,6 +10,7 @@ did not run says why and is never recommended. CPU numbers are labelled CPU: the
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,9 +65,7 @@ def _bytes_fit(result: Any, entry: Any, sw: Mapping[str, Any] | None) -> int | N
 
 def shares(samples: Sequence[Any]) -> dict[str, float]:
     """Each bucket's share of the held-out prompts: the user's mix of lengths."""
-    count: dict[str, int] = {}
-    for s in samples:
-        count[str(s.bucket)] = count.get(str(s.bucket), 0) + 1
+    count = Counter(str(s.bucket) for s in samples)
     total = sum(count.values()) or 1
     return {b: n / total for b, n in sorted(count.items(), key=lambda kv: int(kv[0]))}
 
@@ -92,12 +91,10 @@ def build(result: Any, thresholds: eval_verdict.Thresholds, load: LoadSpec,
     entries = {ref_name: result.reference, **result.arms}
     config_of = {n: j for j, (_, names, _) in enumerate(sweeps) for n in names}
     mix = shares(result.samples)
-    buckets = [b for b in mix]
+    buckets = list(mix)
     quality = {n: _quality(e, result.reference, thresholds, n == ref_name) for n, e in entries.items()}
-    per_bucket: dict[str, list[decide.Arm]] = {}
-    for b in buckets:
-        per_bucket[b] = [_bucket_arm(n, quality[n], sweeps[config_of[n]][2]["buckets"].get(b) if n in config_of
-                                     else None, e.engine, n == ref_name) for n, e in entries.items()]
+    per_bucket = {b: [_bucket_arm(n, quality[n], sweeps[config_of[n]][2]["buckets"].get(b) if n in config_of
+                                  else None, e.engine, n == ref_name) for n, e in entries.items()] for b in buckets}
     decisions = {b: decide.decide(arms, load.noise) for b, arms in per_bucket.items()}
     overall_arms = decide.mix([per_bucket[b] for b in buckets], [mix[b] for b in buckets]) if buckets else []
     overall = decide.decide(overall_arms, load.noise) if overall_arms else \
@@ -229,11 +226,9 @@ def markdown(doc: Mapping[str, Any]) -> str:
             "", f"**Rule.** {doc['rule']}", "", "## Decision per arm and bucket", ""]
     rows = []
     for n, a in doc["arms"].items():
-        cells = []
-        for b in map(str, doc["buckets"]):
-            x = a["buckets"][b]
-            cells.append(f"{_n(x['goodput'])} ({decide.ratio_text(x['vs_reference'])}), fits {_n(x['capacity'], 'd')}"
-                         f" (bytes model {_n(x.get('capacity_bytes_model'), 'd')})")
+        cells = [f"{_n(x['goodput'])} ({decide.ratio_text(x['vs_reference'])}), fits {_n(x['capacity'], 'd')}"
+                 f" (bytes model {_n(x.get('capacity_bytes_model'), 'd')})"
+                 for x in (a["buckets"][str(b)] for b in doc["buckets"])]
         rows.append([f"`{n}`", f"**{a['decision']}**", _pct(a["quality"]["summary"]["ppl_rel"]), *cells, a["why"]])
     out += table(["arm", "decision", "Δppl (" + "engine" + ")",
                   *[f"<= {b}: goodput req/s (vs ref), requests fit" for b in doc["buckets"]], "why"], rows)

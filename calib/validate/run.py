@@ -12,6 +12,7 @@ sweep (the report says whose).
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import tempfile
@@ -61,24 +62,19 @@ def on_cpu(venv: Path) -> bool:
     return out != "True"
 
 
-def _config(serve: dict[str, Any], cpu: bool) -> server.ServeConfig:
-    backend = serve.get("attention_backend") or (None if cpu else serve.get("cuda_attention_backend"))
-    return server.ServeConfig(str(serve["model"]), str(serve["kv_cache_dtype"]),
-                              tuple(serve.get("skip_layers") or ()), backend)
-
-
 def serve_configs(entries: dict[str, Any], cpu: bool) -> list[tuple[server.ServeConfig, list[str]]]:
     """The serve configurations of the arms the engine measured, each with its arms in order; arms whose weights,
     KV dtype, skipped layers and backend agree share one (the first arm's folder is served)."""
     groups: dict[tuple[Any, ...], tuple[server.ServeConfig, list[str]]] = {}
-    seen: dict[str, tuple[str, ...]] = {}          # a folder's identity reads its weights' bytes: once per folder
+    ident = functools.cache(identity)          # a folder's identity reads its weights' bytes: once per folder
     for name, e in entries.items():
         if e.engine is None or not e.engine.ok or not e.engine.serve:
             continue
-        cfg = _config(e.engine.serve, cpu)
-        if cfg.model not in seen:
-            seen[cfg.model] = identity(cfg.model)
-        key = (seen[cfg.model], cfg.kv_cache_dtype, tuple(str(s) for s in cfg.skip_layers), cfg.attention_backend)
+        serve = e.engine.serve      # the CUDA-only backend (fp8_e5m2's FLASHINFER) on a GPU only
+        backend = serve.get("attention_backend") or (None if cpu else serve.get("cuda_attention_backend"))
+        cfg = server.ServeConfig(str(serve["model"]), str(serve["kv_cache_dtype"]),
+                                 tuple(serve.get("skip_layers") or ()), backend)
+        key = (ident(cfg.model), cfg.kv_cache_dtype, tuple(str(s) for s in cfg.skip_layers), cfg.attention_backend)
         groups.setdefault(key, (cfg, []))[1].append(name)
     return list(groups.values())
 

@@ -278,18 +278,18 @@ def test_tune_with_an_engine_does_not_choose_a_candidate_without_capacity_gain()
     assert caps[skip.name] == {"length": 64, "requests": 25, "reference_requests": 24, "vs_reference": 25 / 24,
                                "source": "engine", "gain": False, "counted_on": skip.name}
     assert caps[full.name]["gain"] is True
-    assert choose_mod.choose(found, table) is None
+    assert choose_mod.decide(found, table).row is None
     doc = {"choice": {"candidate": None}, "candidates": table, "thresholds": th.to_dict()}
     assert "no capacity gain" in output.headline(doc) and "speed was not measured" in output.headline(doc)
     # no engine count of the reference: the old rule (fewest skips within the bar), the bytes model not consulted
     found.ref = reference_metrics()
     table = choose_mod.rows(found, th, 3, 2, "default")
-    assert "capacity" not in table[0] and choose_mod.choose(found, table)["name"] == skip.name
+    assert "capacity" not in table[0] and choose_mod.decide(found, table).row["name"] == skip.name
     # the engine counts twice the reference's requests for the skip: a gain, chosen, and the headline says so
     found.ref = ref
     found.engine[skip.name] = _engine_entry(entries[skip.name], 48 * 64)
     table = choose_mod.rows(found, th, 3, 2, "default")
-    chosen = choose_mod.choose(found, table)
+    chosen = choose_mod.decide(found, table).row
     assert chosen["name"] == skip.name
     head = output.headline({"choice": {"candidate": skip.name}, "candidates": table, "thresholds": th.to_dict()})
     assert "2.00x BF16's KV capacity at 64 tokens (engine); speed was not measured" in head

@@ -61,7 +61,7 @@ def test_fewer_skipped_layers_without_a_real_gain_lose_to_more_with_one():
     # a smaller real gain with fewer skips: still the most capacity wins
     found = _search(cands, {(): 40, (7,): 26, (0, 1, 2, 3, 4): 32})
     table = choose_mod.rows(found, TH, LAYERS, REF_BYTES, "default")
-    assert choose_mod.choose(found, table)["name"] == sliding.name
+    assert choose_mod.decide(found, table).row["name"] == sliding.name
     assert choose_mod._settle(found, choose_mod._fewest([r for r in table if not r["failures"]]))["name"] == \
         glob.name                                                                 # what the old rule took
     # no engine count of the reference: the old rule, and tune says capacity was not counted by the engine
@@ -133,7 +133,7 @@ def test_tunes_pick_is_by_capacitys_on_the_same_rows_brute_force(monkeypatch):
         present = {c.skip for c, _ in cands}
         counts = {k: v for k, v in counts.items() if k in present}
         table = choose_mod.rows(found, TH, LAYERS, REF_BYTES, "default")
-        pick = choose_mod.choose(found, table)
+        pick = choose_mod.decide(found, table).row
         want = by_capacity(_brute_rows(cands, counts, found, table), LENGTH).recommended
         got = "reference" if pick is None else pick["name"]
         assert got == want, (cands, counts)
