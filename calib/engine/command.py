@@ -28,22 +28,27 @@ def flags(engine: str, kv_dtype: str | None = None, skip: Iterable[int | str] = 
     model dtype, and the attention backend the format needs there. SupportError for a KV dtype the engine has no
     flag for, or skips it cannot express."""
     e = support.engine(engine)
-    out: list[str] = []
-    if kv_dtype is not None and e.kv_flag:
-        if kv_dtype not in KV_FLAG[e.name]:
-            raise support.SupportError(f"{e.title} has no {e.kv_flag} for {kv_dtype}; "
-                                       f"{support.who_serves(kv_dtype) if kv_dtype in support.KV_FORMATS else ''}")
-        out += [e.kv_flag, KV_FLAG[e.name][kv_dtype]]
+    if kv_dtype is not None and e.kv_flag and kv_dtype not in KV_FLAG[e.name]:
+        raise support.SupportError(f"{e.title} has no {e.kv_flag} for {kv_dtype}; "
+                                   f"{support.who_serves(kv_dtype) if kv_dtype in support.KV_FORMATS else ''}")
     layers = support.skip_order(skip)
-    if layers:
-        if e.skip_flag is None:
-            raise support.SupportError(f"{e.title} cannot keep layers {layers} in the model dtype: no per-layer KV "
-                                       "dtype option")
-        out += [e.skip_flag, *map(str, layers)]
+    if layers and e.skip_flag is None:
+        raise support.SupportError(f"{e.title} cannot keep layers {layers} in the model dtype: no per-layer KV "
+                                   "dtype option")
     served = dtypes.KV_FORMATS[kv_dtype].served(e.name) if kv_dtype in dtypes.KV_FORMATS else None
-    if served is not None and served.backend and e.backend_flag:
-        out += [e.backend_flag, served.backend]
-    return out
+    return spelled(e.name, KV_FLAG[e.name].get(kv_dtype), layers, served.backend if served else None)
+
+
+def spelled(engine: str, cache_name: str | None, skip: Iterable[int | str] = (),
+            backend: str | None = None) -> list[str]:
+    """The options for values already in the engine's own words: its cache name (None: the model's dtype), the
+    layers it keeps in the model dtype (in the order given) and an attention backend."""
+    e = support.engine(engine)
+    out = [e.kv_flag, cache_name] if cache_name and e.kv_flag else []
+    skip = [str(s) for s in skip]
+    if skip:
+        out += [e.skip_flag, *skip]
+    return out + ([e.backend_flag, backend] if backend and e.backend_flag else [])
 
 
 def argv(engine: str, model: str, kv_dtype: str | None = None, skip: Iterable[int | str] = (),

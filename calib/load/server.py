@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from calib.engine import command
 from calib.engine.driver import parent_death_signal
 from calib.errors import KvcalibError
 from calib.safety import outputs
@@ -69,15 +71,11 @@ class ServeConfig:
 
     def flags(self) -> list[str]:
         """The serve flags that make this configuration (the ones a user copies)."""
-        out = [] if self.kv_cache_dtype == "auto" else ["--kv-cache-dtype", self.kv_cache_dtype]
-        if self.skip_layers:
-            out += ["--kv-cache-dtype-skip-layers", *[str(s) for s in self.skip_layers]]
-        if self.attention_backend:
-            out += ["--attention-backend", self.attention_backend]
-        return out
+        return command.spelled("vllm", None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
+                               self.skip_layers, self.attention_backend)
 
     def command(self) -> str:
-        return " ".join(["vllm serve", self.model, *self.flags()])
+        return shlex.join(command.argv("vllm", self.model) + self.flags())
 
 
 @dataclass(frozen=True)

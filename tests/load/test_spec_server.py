@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import math
+import shlex
 from pathlib import Path
 
 import pytest
 
+from calib.engine import command
 from calib.load import server
 from calib.load.spec import LoadSpec
 
@@ -93,6 +95,11 @@ def test_metrics_page_sums_label_sets_and_ignores_the_rest():
 def test_serve_command_lines():
     cfg = server.ServeConfig("/m/ckpt", "fp8", ("sliding_window", 3))
     assert cfg.command() == "vllm serve /m/ckpt --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers sliding_window 3"
+    # the engine's flag names come from the one command builder; a path a shell would split is quoted
+    spaced = server.ServeConfig("/m/my ckpt", "fp8_per_token_head", (), "TRITON_ATTN")
+    assert shlex.split(spaced.command()) == [*command.argv("vllm", "/m/my ckpt"), *command.spelled(
+        "vllm", "fp8_per_token_head", (), "TRITON_ATTN")] == ["vllm", "serve", "/m/my ckpt", "--kv-cache-dtype",
+                                                              "fp8_per_token_head", "--attention-backend", "TRITON_ATTN"]
     gpu = server.argv(Path("/v"), cfg, server.Launch(16_272, 4), 8000)
     assert gpu[:3] == ["/v/bin/python", str(server.CLI), "serve"]
     assert gpu[gpu.index("--kv-cache-memory-bytes") + 1] == str(4 << 30)
