@@ -142,11 +142,6 @@ def trtllm_serve_kv_algo(options: Any) -> Any:
 # ---------------------------------------------------------------- Quark (AMD; read only: vLLM loads it)
 
 
-def is_quark(qc: Any) -> bool:
-    """`quant_method` quark (vLLM's spelling, lower-cased)."""
-    return isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "quark"
-
-
 def quark_export(qc: dict[str, Any]) -> dict[str, Any] | None:
     """A Quark config's `export` object; None when it is missing or not an object."""
     export = qc.get("export")
@@ -156,7 +151,8 @@ def quark_export(qc: dict[str, Any]) -> dict[str, Any] | None:
 def quark_kv_group(qc: Any) -> Any:
     """The module patterns a Quark config's `export.kv_cache_group` names for the KV cache, as written (None:
     not Quark, or no `export` object). vLLM turns on FP8 KV from Quark only when this is a non-empty list."""
-    export = quark_export(qc) if is_quark(qc) else None
+    is_quark = isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "quark"   # vLLM's spelling
+    export = quark_export(qc) if is_quark else None
     return export.get("kv_cache_group") if export is not None else None
 
 

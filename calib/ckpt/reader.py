@@ -68,12 +68,6 @@ class Unmapped:
     known: bool = True
 
 
-def parse_scale(t: TensorEntry) -> ScaleTensor | None:
-    """The KV scale a tensor of the checkpoint holds (calib.ckpt.names' layouts); None for other tensors."""
-    n = parse_scale_name(t.name)
-    return None if n is None else ScaleTensor(n.layer, n.kind, n.form, n.proj, t)
-
-
 def read_json_soft(path: Path) -> tuple[Any, str | None]:
     """Strict JSON (calib.ckpt.integrity: no duplicate keys, no NaN, size-capped); (value, None) or (None, why)."""
     try:
@@ -229,13 +223,9 @@ class CheckpointFiles:
         return [f for f in self.files if f in named]
 
     def scales(self, files: Iterable[str]) -> list[ScaleTensor]:
-        out = []
-        for name in files:
-            for t in self.keys.get(name, {}).values():
-                s = parse_scale(t)
-                if s is not None:
-                    out.append(s)
-        return out
+        """The KV scales (calib.ckpt.names' layouts) the tensors of `files` hold."""
+        parsed = ((t, parse_scale_name(t.name)) for name in files for t in self.keys.get(name, {}).values())
+        return [ScaleTensor(n.layer, n.kind, n.form, n.proj, t) for t, n in parsed if n is not None]
 
     @cached_property
     def weight_modules(self) -> frozenset[str]:
@@ -283,11 +273,8 @@ class CheckpointFiles:
         """float64 values of a (small) tensor; None for dtypes numpy cannot hold (e.g. FP8)."""
         key = (t.file, t.name)
         if key not in self._values:
-            self._values[key] = self._read_values(t)
+            self._values[key] = tensor_values(self.path / t.file, t.name)
         return self._values[key]
-
-    def _read_values(self, t: TensorEntry) -> np.ndarray | None:
-        return tensor_values(self.path / t.file, t.name)
 
     @cached_property
     def skipped_layers(self) -> set[int]:

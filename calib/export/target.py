@@ -55,17 +55,6 @@ class Target:
         return dtypes_mod.for_engine(self.name)
 
     @property
-    def dtype_note(self) -> str:
-        """Why another dtype is refused, and what to do instead (the support matrix's line)."""
-        other = next((d for d in dtypes_mod.KV_DTYPES.values() if d not in self.dtypes), None)
-        return (other and self._known() and support.lacks_format(self.name, other.name)) or ""
-
-    @property
-    def skip_note(self) -> str:
-        """Why it cannot skip layers, and what to do instead ("" when it can)."""
-        return (self._known() and support.lacks_skip(self.name)) or ""
-
-    @property
     def skips_layers(self) -> bool:
         """The engine keeps some layers' KV cache in the model dtype (the support matrix's skip_layers cell)."""
         return not self._known() or support.applies(self.name, "skip_layers")

@@ -125,14 +125,6 @@ def saturation_report(scales: Scales, fractions: Mapping[int, tuple[float, float
     return lines
 
 
-def _num_layers(config: dict[str, Any], source: Path) -> int:
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    n = text.get("num_hidden_layers", config.get("num_hidden_layers"))
-    if not isinstance(n, int) or n <= 0:
-        raise ExportError(f"{source}/config.json has no num_hidden_layers; cannot tell which layers need scales")
-    return n
-
-
 def _modelopt_quantization(qc: dict[str, Any], where: str) -> dict[str, Any]:
     q = formats.modelopt_quantization(qc)
     if q is None and "quantization" in qc:
@@ -208,7 +200,10 @@ def prepare_trtllm(source: Path | SourceFiles, out: Path, *, kv_algo: str = "FP8
     if not isinstance(source, SourceFiles) and not (path / CONFIG_FILE).is_file():
         raise ExportError(f"{path} has no config.json; point at a checkpoint directory")
     files = read_source(source)
-    n_layers = _num_layers(files.config, path)
+    text = files.config.get("text_config") if isinstance(files.config.get("text_config"), dict) else files.config
+    n_layers = text.get("num_hidden_layers", files.config.get("num_hidden_layers"))
+    if not isinstance(n_layers, int) or n_layers <= 0:
+        raise ExportError(f"{path}/config.json has no num_hidden_layers; cannot tell which layers need scales")
     quantization = _source_quantization(path, files.config)
     weight_algo = quantization.get("quant_algo")
     if kv_algo == "INT8" and weight_algo is not None:

@@ -187,10 +187,6 @@ def prepare_engine_checkpoint(source: Path | SourceFiles, out: Path, *, kv_algo:
                             rank_drop=drop)
 
 
-def _scale_bytes(value: float) -> bytes:
-    return struct.pack("<f", value)
-
-
 def rewrite_rank_file(src: Path, dst: Path, drop: tuple[str, ...] | frozenset[str], add: dict[str, float]) -> None:
     """A new safetensors file at `dst`: `src`'s tensors except `drop`, their bytes copied unchanged in their order,
     then the float32 shape-[1] tensors `add` appended. Streams: memory does not grow with the file."""
@@ -222,7 +218,7 @@ def rewrite_rank_file(src: Path, dst: Path, drop: tuple[str, ...] | frozenset[st
                 out.write(chunk)
                 left -= len(chunk)
         for value in add.values():
-            out.write(_scale_bytes(value))
+            out.write(struct.pack("<f", value))
 
 
 def engine_scales(scales: Scales, n_layers: int) -> dict[int, float]:

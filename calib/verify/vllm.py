@@ -11,14 +11,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from calib.ckpt import formats
 from calib.ckpt.formats import producer_name
 from calib.ckpt.names import HF_QUANT_CONFIG, INDEX_FILE
 from calib.ckpt.reader import CheckpointFiles, Problem, ScaleTensor
 from calib.verify.checker import Checker
-from calib.verify.common import dtype_problems, first_bad, subnormal, unmapped_problems
+from calib.verify.common import dtype_problems, unmapped_problems, value_problems
 
 # vllm/transformers_utils/model_arch_config_convertor.py: _normalize_quantization_config
 _VLLM_MODELOPT_ALGOS = {"FP8": "modelopt", "FP8_PER_CHANNEL_PER_TOKEN": "modelopt", "FP8_PB_WO": "modelopt",
@@ -75,14 +73,6 @@ def vllm_method(qc: dict[str, Any] | None) -> str | None:
     return method or None
 
 
-def _vllm_files(ck: CheckpointFiles) -> list[str]:
-    """vllm/model_executor/model_loader/weight_utils.py: filter_duplicate_safetensors_files.
-
-    With an index, vLLM reads only the shards the index names (every tensor in them); without, all shards.
-    """
-    return ck.named_files()
-
-
 def vllm_view(ck: CheckpointFiles) -> VllmView:
     source, qc = vllm_config(ck)
     method = vllm_method(qc)
@@ -95,7 +85,9 @@ def vllm_view(ck: CheckpointFiles) -> VllmView:
         kv_declared = bool(formats.quark_kv_group(qc))
     elif method and method.startswith("modelopt"):
         kv_declared = formats.modelopt_kv_cache_algo(qc) is not None
-    files = _vllm_files(ck)
+    # vllm/model_executor/model_loader/weight_utils.py: filter_duplicate_safetensors_files: with an index, vLLM
+    # reads only the shards the index names (every tensor in them); without, all shards
+    files = ck.named_files()
     return VllmView(source, qc, method, kv_declared, strategy, files, ck.scales(files))
 
 
@@ -328,22 +320,11 @@ def vllm_scale_values(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     is (the cache write divides by it); kv_cache.py: BaseKVCacheMethod.process_weights_after_loading
     (ModelOpt/Quark) asserts k_scale > 0 for zero/NaN and treats a negative one as "not loaded" (1.0).
     """
-    for s in v.scales:
-        if s.form not in v.accepted_forms:
-            continue
-        vals = ck.values(s.tensor)
-        if vals is None or vals.size == 0:
-            continue
-        if not np.isfinite(vals).all():
-            yield Problem("vllm", s.tensor.name, f"holds a non-finite value ({first_bad(vals)}); the FP8 cache "
-                          "would be NaN/inf or the load fails", code="vllm.value")
-        elif (vals <= 0).any():
-            effect = ("the cache write divides by it" if v.method == "compressed-tensors"
-                      else "vLLM asserts at load (zero) or falls back to 1.0 (negative)")
-            yield Problem("vllm", s.tensor.name, f"holds {float(vals[vals <= 0][0])!r}; scales must be > 0 "
-                          f"({effect})", code="vllm.value")
-        elif subnormal(vals):
-            yield Problem("vllm", s.tensor.name, subnormal(vals), code="vllm.value")
+    effect = ("the cache write divides by it" if v.method == "compressed-tensors"
+              else "vLLM asserts at load (zero) or falls back to 1.0 (negative)")
+    yield from value_problems("vllm", ck, [s for s in v.scales if s.form in v.accepted_forms],
+                              "; the FP8 cache would be NaN/inf or the load fails",
+                              f"; scales must be > 0 ({effect})")
 
 
 def vllm_index_consistent(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:

@@ -184,13 +184,11 @@ def lacking_cells(engine: Engine) -> tuple[Cell, ...]:
     out = []
     for d in dtypes.KV_FORMATS.values():
         served = d.served(engine.name)
-        if served is None:
+        if served is None or served.since is not None:
+            note, until = (engine.lacks, hi) if served is None else (f"not a {engine.option} before {served.since}",
+                                                                     served.since)
             out.append(Cell(engine.name, frozenset(engine.backends), frozenset([d.name]), frozenset(ASPECTS),
-                            Effect.REFUSED, engine.lacks, engine.lacks_evidence, v(lo), v(hi)))
-        elif served.since is not None:
-            out.append(Cell(engine.name, frozenset(engine.backends), frozenset([d.name]), frozenset(ASPECTS),
-                            Effect.REFUSED, f"not a {engine.option} before {served.since}", engine.lacks_evidence,
-                            v(lo), v(served.since)))
+                            Effect.REFUSED, note, engine.lacks_evidence, v(lo), v(until)))
     return tuple(out)
 
 

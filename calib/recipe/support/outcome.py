@@ -120,24 +120,15 @@ def _consequence(name: str, v: Version, backend: str, cal: Calibrated) -> Conseq
     kv = cell(name, v, backend, cal.dtype, cal.granularity, cal.architecture)
     line, sev = _kv_line(kv, cal)
     cells, lines = [kv], [line] if line else []
-
-    def bump(s: str) -> None:
-        nonlocal sev
-        sev = max(sev, s, key=_RANK.__getitem__)
-
     served = kv.effect not in (E.REFUSED, E.BROKEN)
-    if cal.q_scale:
-        q = cell(name, v, backend, cal.dtype, "q_scale", cal.architecture)
-        cells.append(q)
-        if q.effect is not E.APPLIED and served:
-            lines.append(f"q_scale {q.effect.value} ({q.note})")
-            bump(DIFFERS)
-    if cal.skip_layers:
-        s = cell(name, v, backend, cal.dtype, "skip_layers", cal.architecture)
-        cells.append(s)
-        if s.effect is not E.APPLIED and served:
-            lines.append(f"skip_layers {list(cal.skip_layers)} {s.effect.value} ({s.note})")
-            bump(REFUSE)
+    for aspect, label, severity in (("q_scale", cal.q_scale and "q_scale", DIFFERS),
+                                    ("skip_layers", cal.skip_layers and f"skip_layers {list(cal.skip_layers)}", REFUSE)):
+        if label:
+            c = cell(name, v, backend, cal.dtype, aspect, cal.architecture)
+            cells.append(c)
+            if c.effect is not E.APPLIED and served:
+                lines.append(f"{label} {c.effect.value} ({c.note})")
+                sev = max(sev, severity, key=_RANK.__getitem__)
     return Consequence(name, v, backend, tuple(cells), sev, tuple(lines))
 
 
