@@ -187,9 +187,10 @@ def trtllm_ckpt_sizes(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def trtllm_ckpt_grid(config: dict[str, Any]) -> tuple[int, int]:
-    """(tp_size, pp_size) of a TensorRT-LLM checkpoint's `mapping` (1 where absent, as Mapping's defaults);
-    ValueError naming the field for anything but positive integers, or a world_size that disagrees."""
+def trtllm_ckpt_grid(config: dict[str, Any]) -> tuple[int, int, int]:
+    """(num_hidden_layers, tp_size, pp_size) of a TensorRT-LLM checkpoint (the sizes from `mapping`, 1 where absent,
+    as Mapping's defaults); ValueError naming the field for anything but positive integers, or a world_size that
+    disagrees."""
     m = config.get("mapping")
     if not isinstance(m, dict):
         raise ValueError("config.json has no 'mapping' object")
@@ -204,7 +205,10 @@ def trtllm_ckpt_grid(config: dict[str, Any]) -> tuple[int, int]:
         raise ValueError(f"config.json mapping.world_size = {world!r} is not tp_size * pp_size * cp_size "
                          f"({sizes['tp_size']} * {sizes['pp_size']} * {sizes['cp_size']}); TensorRT-LLM's Mapping "
                          "refuses it")
-    return sizes["tp_size"], sizes["pp_size"]
+    n = config.get("num_hidden_layers")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"config.json num_hidden_layers = {n!r}: must be a positive integer")
+    return n, sizes["tp_size"], sizes["pp_size"]
 
 
 def pp_layers(num_layers: int, pp_size: int, stage: int) -> list[int]:

@@ -140,11 +140,8 @@ def prepare_engine_checkpoint(source: Path | SourceFiles, out: Path, *, kv_algo:
     if declared is not None and not overwrite_kv:
         raise _fail(path, f"config.json already declares kv_cache_quant_algo={declared!r}; pass "
                     "--overwrite-kv-scales to replace its KV scales, or convert without --fp8_kv_cache/--int8_kv_cache")
-    n = config.get("num_hidden_layers")
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-        raise _fail(path, f"config.json num_hidden_layers = {n!r}: must be a positive integer")
     try:
-        tp, pp = formats.trtllm_ckpt_grid(config)
+        n, tp, pp = formats.trtllm_ckpt_grid(config)
         layers = formats.trtllm_rank_layers(n, tp, pp)
     except ValueError as e:
         raise _fail(path, str(e)) from None

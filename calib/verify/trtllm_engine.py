@@ -39,10 +39,7 @@ def view(ck: CheckpointFiles) -> dict[str, Any]:
     out: dict[str, Any] = {"algo": (cfg.get("quantization") or {}).get("kv_cache_quant_algo")
                            if isinstance(cfg.get("quantization"), dict) else None, "ranks": {}, "error": None}
     try:
-        tp, pp = formats.trtllm_ckpt_grid(cfg)
-        n = cfg.get("num_hidden_layers")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"config.json num_hidden_layers = {n!r}: must be a positive integer")
+        n, tp, pp = formats.trtllm_ckpt_grid(cfg)
     except ValueError as e:
         out["error"] = str(e)
         return out
