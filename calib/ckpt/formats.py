@@ -157,12 +157,8 @@ def quark_kv_group(qc: Any) -> Any:
 
 
 # ---------------------------------------------------------------- TensorRT-LLM checkpoint (TensorRT-engine backend)
-# Read from NVIDIA/TensorRT-LLM (the 1.2 / 1.3.0rc form, which still has the TensorRT backend):
-# tensorrt_llm/models/modeling_utils.py PretrainedConfig.to_dict (config.json: `architecture`, `num_hidden_layers`,
-# `mapping` = Mapping.to_dict() without `rank`, `quantization` = QuantConfig asdict with `kv_cache_quant_algo`),
-# tensorrt_llm/mapping.py Mapping (world_size = tp_size * pp_size * cp_size; pp_rank = rank // (tp_size * cp_size);
-# pp_layers = torch.tensor_split(arange(num_layers), pp_size)[pp_rank]: the first num_layers % pp_size stages get one
-# more layer) and PretrainedModel.from_checkpoint (cp ranks share a file: rank files are tp_rank + pp_rank * tp_size).
+# The 1.2 / 1.3.0rc layout (where it was read: calib/export/trtllm_engine.py); tensorrt_llm/mapping.py Mapping:
+# world_size = tp_size * pp_size * cp_size, cp ranks share a file (rank files are tp_rank + pp_rank * tp_size).
 
 TRTLLM_CKPT_KV_ALGOS = ("FP8", "INT8")
 

@@ -1,13 +1,8 @@
 """TensorRT-LLM's TensorRT-engine backend: the rules its checkpoint loader applies to a converted checkpoint's KV
 scales (the `trtllm-engine` target, calib/export/trtllm_engine.py).
 
-The checkpoint is TensorRT-LLM's own (config.json a PretrainedConfig with `architecture` and `mapping`;
-`rank{r}.safetensors` per tensor-parallel and pipeline rank), so its rules are read from that layout, not from a
-Hugging Face folder. Read in NVIDIA/TensorRT-LLM (1.2.x and the 1.3.0 release candidates, which still build
-engines): `tensorrt_llm/models/modeling_utils.py` `PretrainedModel.load` refuses a checkpoint missing a tensor
-the model declares (with `kv_cache_quant_algo` set, every attention layer declares `kv_cache_scaling_factor`,
-`tensorrt_llm/quantization/quantize.py` `kv_cache_quantize`); `preprocess_weights` / `process_kv_scaling_factor`
-take the one value as the dequantisation scale shared by K and V and add its reciprocal.
+The checkpoint is TensorRT-LLM's own, not a Hugging Face folder: its layout, and where in NVIDIA/TensorRT-LLM
+(1.2.x and the 1.3.0 release candidates) each rule below was read, is calib/export/trtllm_engine.py's docstring.
 Imports no torch.
 """
 
