@@ -316,9 +316,8 @@ RAW_DTYPES = ("BF16", "F8_E4M3", "F8_E5M2")     # numpy has no such dtype: widen
 
 
 def tensor_values(path: Path, name: str) -> np.ndarray | None:
-    """float64 values of tensor `name` in a safetensors file, read without torch or pickle; None for dtypes
-    numpy cannot hold and kvcalib does not widen itself. bf16 and FP8 (scales stored in FP8 by other tools)
-    are widened from their raw bytes."""
+    """float64 values of tensor `name` in a safetensors file; None for dtypes numpy cannot hold and kvcalib does
+    not widen itself (bf16 and FP8, scales other tools store in FP8, are widened from their raw bytes)."""
     from safetensors import safe_open
 
     with open(path, "rb") as fh:

@@ -66,6 +66,12 @@ def value_problems(engine: str, ck: CheckpointFiles, scales: Iterable[ScaleTenso
             yield Problem(engine, s.tensor.name, subnormal(vals), code=f"{engine}.value")
 
 
+def where_qc(source: str | None, key: str = "") -> str:
+    """A quantization config's key as a problem names it: `config.json:quantization_config.KEY` or `FILE.KEY`."""
+    base = f"{source}:quantization_config" if source == "config.json" else str(source or "config.json")
+    return f"{base}.{key}" if key else base
+
+
 def unmapped_problems(engine: str, ck: CheckpointFiles, files, *, never_read: str, cannot_check: str
                       ) -> Iterator[Problem]:
     """Scale names `engine` maps to no attention layer (calib.ckpt.reader: CheckpointFiles.unmapped): an error
