@@ -211,9 +211,9 @@ def _entry(name: str, e: Any, where: str) -> TensorInfo:
     dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
     if dtype not in DTYPE_BITS:
         raise bad(f"has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_uint(d) for d in shape):
+    if not isinstance(shape, list) or not all(is_count(d) for d in shape):
         raise bad(f"has shape {shape!r}, not a list of non-negative integers")
-    if not (isinstance(offs, list) and len(offs) == 2 and all(_uint(o) for o in offs) and offs[0] <= offs[1]):
+    if not (isinstance(offs, list) and len(offs) == 2 and all(is_count(o) for o in offs) and offs[0] <= offs[1]):
         raise bad(f"has data_offsets {offs!r}, not [begin, end]")
     nbytes = tensor_bytes(dtype, tuple(shape))
     if offs[1] - offs[0] != nbytes:
@@ -221,7 +221,8 @@ def _entry(name: str, e: Any, where: str) -> TensorInfo:
     return TensorInfo(name, dtype, tuple(shape), nbytes)
 
 
-def _uint(v: Any) -> bool:
+def is_count(v: Any) -> bool:
+    """A whole number >= 0 (never a bool)."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 

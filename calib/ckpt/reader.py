@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from calib.ckpt import integrity
+from calib.ckpt.integrity import is_count
 from calib.ckpt import weightmap
 from calib.ckpt.names import (HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, TRTLLM_API_OPTIONS, is_scale_like,
                               parse_scale_name, scale_module, unparsed_reason)
@@ -89,10 +90,6 @@ def read_yaml_soft(path: Path, limit: int = 1 << 16) -> tuple[Any, str | None]:
         return None, f"{path.name}: not YAML ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
 
 
-def _is_count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
 def provenance_problem(doc: Any) -> str | None:
     """Why a kvcalib.json cannot be trusted by the readers (inspect, eval, verify's skipped layers), or None.
     Only the fields kvcalib reads back are checked; their recipe must be one kvcalib would accept."""
@@ -104,7 +101,7 @@ def provenance_problem(doc: Any) -> str | None:
     for key in ("skipped_layers", "skip_layers"):   # skipped_layers: resolved indices, as kvcalib writes them
         items = doc.get(key)
         if items is not None and not (isinstance(items, list) and all(
-                _is_count(i) or (i == "sliding_window" and key == "skip_layers") for i in items)):
+                is_count(i) or (i == "sliding_window" and key == "skip_layers") for i in items)):
             return f"field '{key}' must list layer indices"
     for key in ("producer", "target", "created", "model"):
         if doc.get(key) is not None and not isinstance(doc[key], str):
@@ -117,7 +114,7 @@ def provenance_problem(doc: Any) -> str | None:
                 return f"field 'layers.{layer}.{name}' must be a number or a list of numbers"
     data = doc.get("data") or {}
     for key in ("samples", "tokens", "skipped_short"):
-        if data.get(key) is not None and not _is_count(data[key]):
+        if data.get(key) is not None and not is_count(data[key]):
             return f"field 'data.{key}' must be a count"
     if "recipe" in doc:
         from calib.recipe.recipe import RecipeError, from_dict
@@ -154,9 +151,9 @@ class CheckpointFiles:
             problem("config.json", "text_config must be an object", "checkpoint.config")
         self.text = text if isinstance(text, dict) else self.config
         n = self.text.get("num_hidden_layers", self.config.get("num_hidden_layers"))
-        if n is not None and not (_is_count(n) and n > 0):
+        if n is not None and not (is_count(n) and n > 0):
             problem("config.json", f"num_hidden_layers = {n!r} must be a positive integer", "checkpoint.config")
-        self.num_layers = n if _is_count(n) and n > 0 else None
+        self.num_layers = n if is_count(n) and n > 0 else None
         self.num_heads = self.text.get("num_attention_heads")
         self.num_kv_heads = self.text.get("num_key_value_heads", self.num_heads)
         types = self.text.get("layer_types")

@@ -36,10 +36,6 @@ LIMITS = {"samples": 10_000_000, "seq_len": 1 << 22, "min_tokens": 1 << 22, "bat
           "seed": 2**63 - 1, "headroom": 1000.0, "skip_layers": 1 << 20}
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 class RecipeError(KvcalibError, ValueError):
     """A recipe field has a bad value; the message names the field, the value and what is accepted."""
 
@@ -82,7 +78,7 @@ class Recipe:
         if len(set(self.targets)) != len(self.targets):
             raise RecipeError(f"recipe field 'targets' = {list(self.targets)} names an engine twice")
         for item in self.skip_layers:
-            if not ((_is_int(item) and 0 <= item < LIMITS["skip_layers"]) or item in SKIP_KEYWORDS):
+            if not ((dtypes.is_int(item) and 0 <= item < LIMITS["skip_layers"]) or item in SKIP_KEYWORDS):
                 raise RecipeError(f"recipe field 'skip_layers' has {item!r}: give layer indices >= 0 and/or "
                                   f"{', '.join(SKIP_KEYWORDS)}")
         self._check_combination()
@@ -154,30 +150,18 @@ class Recipe:
         return {f.name: f.metadata["doc"] for f in fields(Recipe)}
 
 
-_TYPE_NAMES = {"str": str, "float": float, "int": int, "bool": bool}
+# a field's annotation -> (what a value of it passes, what the error says is expected)
+_TYPES = {"tuple": (lambda v: isinstance(v, tuple), "a list"),
+          "dict": (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v), "a mapping of name: value"),
+          "tuple[str, ...]": (lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v), "a list of strings"),
+          "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+          "int": (dtypes.is_int, "an integer"), "str": (lambda v: isinstance(v, str), "a str"),
+          "bool": (lambda v: isinstance(v, bool), "a bool")}
 
 
 def _check_type(name: str, value: Any, type_name: Any) -> None:
-    type_name = str(type_name)
-    if type_name == "tuple":
-        ok = isinstance(value, tuple)
-        want = "a list"
-    elif type_name == "dict":
-        ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
-        want = "a mapping of name: value"
-    elif type_name.startswith("tuple"):
-        ok = isinstance(value, tuple) and all(isinstance(v, str) for v in value)
-        want = "a list of strings"
-    elif type_name == "float":
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        want = "a number"
-    elif type_name == "int":
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        want = "an integer"
-    else:
-        ok = isinstance(value, _TYPE_NAMES[type_name])
-        want = f"a {type_name}"
-    if not ok:
+    ok, want = _TYPES[str(type_name)]
+    if not ok(value):
         raise RecipeError(f"recipe field '{name}' = {value!r} has the wrong type: expected {want}")
 
 
