@@ -58,6 +58,11 @@ class Measurement:
 
 Evidence = Source | Measurement
 
+
+def source_maker(repo: str, version: str, prefix: str = ""):
+    """`s(file, function, version=version)`: a Source in `repo`, `file` a path under `prefix`."""
+    return lambda file, function, read=version: Source(repo, prefix + file, function, read)
+
 # numbers, then at most a PEP 440 pre/post/dev tag (0.11.0rc1, 0.5.18.post1), nothing else: "0.5.18garbage" is a typo
 _NUM = re.compile(r"^v?(\d+(?:\.\d+)*)(?:[.-]?(?:a|b|rc|post|dev)\d*)*$")
 
@@ -193,4 +198,4 @@ def lacking_cells(engine: Engine) -> tuple[Cell, ...]:
 
 
 __all__ = ["ASPECTS", "Cell", "EVERY_FORMAT", "Effect", "Engine", "Evidence", "Measurement", "Source", "TuneSpace",
-           "Version", "cell_maker", "lacking_cells"]
+           "Version", "cell_maker", "lacking_cells", "source_maker"]
