@@ -12,14 +12,11 @@ torch: the writers import it when they write.
 from __future__ import annotations
 
 from calib import discovery
-from calib.ckpt.names import (HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, trtllm_scale_names,
-                              vllm_scale_name)
-from calib.ckpt.source import ExportError, PreparedSource, SourceFiles, read_source, read_source_config, scan_source
+from calib.ckpt.names import INDEX_FILE, PROVENANCE_FILE, SCALES_FILE
+from calib.ckpt.source import ExportError, PreparedSource, SourceFiles, read_source, scan_source
 from calib.export.target import Target, WriteOptions
-from calib.export.trtllm import export_trtllm, saturation_report
+from calib.export.trtllm import export_trtllm
 from calib.export.vllm import export_vllm, vllm_quantization_config
-from calib.export.write import carry_files, link_or_copy, write_variant
-from calib.safety.outputs import atomic_dir, check_room
 
 
 def discover(path: list[str] | None = None, package: str = __name__) -> dict[str, Target]:
@@ -39,8 +36,6 @@ def target(name: str) -> Target:
         raise ExportError(f"unknown target {name!r}; kvcalib writes {sorted(TARGETS)}") from None
 
 
-__all__ = ["ExportError", "HF_QUANT_CONFIG", "INDEX_FILE", "PROVENANCE_FILE", "PreparedSource", "SCALES_FILE",
-           "SourceFiles", "TARGETS", "Target", "WriteOptions", "atomic_dir", "carry_files", "check_room", "discover",
-           "export_trtllm", "export_vllm", "link_or_copy", "read_source", "read_source_config", "saturation_report",
-           "scan_source", "target", "trtllm_scale_names", "vllm_quantization_config", "vllm_scale_name",
-           "write_variant"]
+__all__ = ["ExportError", "INDEX_FILE", "PROVENANCE_FILE", "PreparedSource", "SCALES_FILE", "SourceFiles", "TARGETS",
+           "WriteOptions", "discover", "export_trtllm", "export_vllm", "read_source", "scan_source", "target",
+           "vllm_quantization_config"]
