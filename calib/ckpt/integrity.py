@@ -244,14 +244,6 @@ class Checkpoint:
     def tensor(self, name: str) -> TensorInfo:
         return self.shards[self.weight_map[name]].tensors[name]
 
-    def dtypes(self) -> dict[str, int]:
-        """dtype -> number of tensors of that dtype."""
-        out: dict[str, int] = {}
-        for name in self.weight_map:
-            d = self.tensor(name).dtype
-            out[d] = out.get(d, 0) + 1
-        return out
-
 
 def scan(root: Path, label: str = "MODEL") -> Checkpoint:
     """Read and check the index (when present) and every shard header of `root`."""
