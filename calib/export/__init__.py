@@ -1,12 +1,7 @@
 """Write a checkpoint that an engine loads with our KV scales; the source weights are never rewritten.
 
-One module per engine target (`vllm`, `trtllm`), each a small `Target` over the one `write_variant`
-(`write`); the layout they write — file and tensor names, config blocks, the source's weight map — is
-calib.ckpt's. A module of this package that defines `TARGET` is an engine target: adding an engine is one
-new file here; the recipe takes its name and its rules (calib.export.target) from `TARGETS`. Each target
-checks a source with its own `prepare` (what one engine accepts another may refuse: there is no generic
-source check here beyond calib.ckpt.source's). Imports no
-torch: the writers import it when they write.
+One module per engine target, each defining `TARGET` (what a target is, and how to add one: calib.export.target),
+a small writer over the one `write_variant` (`write`); the layout they write is calib.ckpt's. Imports no torch.
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@
 Adding an engine is one new module in this package that defines `TARGET` (an instance of a `Target`
 subclass), beside the engine's module in the support matrix (calib.recipe.support.engines, which makes the name a
 target the recipe accepts) and its names for the KV formats it has (calib.recipe.dtypes): calib.export finds the
-writer, and the pipeline writes through it. What a target accepts is read from those two, never restated here:
-its KV dtypes are the static formats the engine has a name for, whether it keeps layers out of the quantized
-cache or reads a q_scale is the matrix's. The package imports no torch (the writers import it when they
-write), so the commands can list targets and stay light.
+writer, and the pipeline writes through it. What a target accepts is read from those two, never restated here.
+The package imports no torch (the writers import it when they write), so the commands can list targets and stay
+light.
 
 Two steps, so that a source the engine cannot take is refused before any model loads: `prepare` checks the
 source checkpoint against what this engine's variant needs (no scales, no weights read: config and headers
