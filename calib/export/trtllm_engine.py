@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from calib.ckpt import formats, integrity
 from calib.ckpt.names import (CONFIG_FILE, PROVENANCE_FILE, TRTLLM_CKPT_KV_RE, trtllm_ckpt_scale_name,
                               trtllm_rank_file)
-from calib.ckpt.source import ExportError, PreparedSource, SourceFiles, check_out_is_not_source
+from calib.ckpt.source import ExportError, PreparedSource, SourceFiles, check_out_is_not_source, read_source
 from calib.export.target import Target, WriteOptions
 from calib.provenance import Provenance, as_provenance
 from calib.recipe import dtypes
@@ -125,10 +125,7 @@ def prepare_engine_checkpoint(source: Path | SourceFiles, out: Path, *, kv_algo:
     check_out_is_not_source(path, Path(out))
     if not (path / CONFIG_FILE).is_file():
         raise _fail(path, "has no config.json; give the folder TensorRT-LLM's convert_checkpoint.py wrote")
-    try:
-        config = integrity.read_json(path / CONFIG_FILE, f"{path}/{CONFIG_FILE}")
-    except integrity.IntegrityError as e:
-        raise ExportError(str(e)) from None
+    config = read_source(path).config
     if not formats.is_trtllm_checkpoint(config):
         raise _fail(path, "config.json is not a TensorRT-LLM checkpoint's (no 'architecture' and 'mapping'); "
                     "convert the model with that release's convert_checkpoint.py and give its output folder")

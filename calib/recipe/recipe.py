@@ -191,13 +191,10 @@ def from_dict(data: dict[str, Any], source: str = "recipe") -> Recipe:
     if unknown:
         raise RecipeError(f"{source}: unknown field(s) {', '.join(map(repr, unknown))}; known fields: {', '.join(sorted(known))}")
     data = dict(data)
-    if "targets" in data:
-        t = data["targets"]
-        data["targets"] = tuple(x for x in t.split(",") if x) if isinstance(t, str) else tuple(t) if isinstance(t, list) else t
-    if "skip_layers" in data:
-        t = data["skip_layers"]
-        data["skip_layers"] = (tuple(_int_or_str(x) for x in t.split(",") if x) if isinstance(t, str)
-                               else tuple(t) if isinstance(t, list) else t)
+    for key, item in (("targets", str), ("skip_layers", _int_or_str)):   # a list, or comma-separated (the CLI)
+        t = data.get(key)
+        if isinstance(t, (str, list)):
+            data[key] = tuple(item(x) for x in t.split(",") if x) if isinstance(t, str) else tuple(t)
     if data.get("observer_params") is None and "observer_params" in data:
         data["observer_params"] = {}
     if isinstance(data.get("headroom"), int) and not isinstance(data.get("headroom"), bool):
