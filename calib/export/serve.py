@@ -55,23 +55,6 @@ def parse_versions(text: str | None, targets: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def amax_ratio(scales: Mapping[int, Any] | None, qmax: float) -> float | None:
-    """The largest |K| or |V| over every layer and head, over `qmax` (None without scales)."""
-    if not scales:
-        return None
-    peak = max(max(float(s.k_amax.max()), float(s.v_amax.max())) for s in scales.values())
-    return peak / qmax
-
-
-def calibrated(target: Any, dtype: str, granularity: str, q_scale: bool, skipped: Iterable[int | str] = (),
-               ratio: float | None = None, architecture: str | None = None) -> support.Calibrated:
-    """What `target` (a calib.export Target) writes of a result: per-head scales folded where it folds them,
-    q_scale only where it writes one."""
-    gran = "tensor" if getattr(target, "folds_heads", False) else granularity
-    return support.Calibrated(dtype, gran, bool(q_scale and target.reads_q_scale), tuple(skipped), ratio,
-                              architecture)
-
-
 def architecture_of(path: str | Path) -> str | None:
     """The model architecture a checkpoint folder declares (config.json `architectures[0]`); None when unread."""
     try:
@@ -90,11 +73,15 @@ def outcomes(recipe: Any, scales: Mapping[int, Any] | None = None, skipped: Iter
     from calib.export import TARGETS
 
     skip = tuple(support.skip_order(recipe.skip_layers if skipped is None else skipped))
-    ratio = amax_ratio(scales, recipe.kv_dtype.qmax)
+    # the largest |K| or |V| over every layer and head, over the format's largest value
+    ratio = max(max(float(s.k_amax.max()), float(s.v_amax.max())) for s in scales.values()) / recipe.kv_dtype.qmax \
+        if scales else None
     out = {}
     for name in recipe.targets:
-        cal = calibrated(TARGETS[name], recipe.kv_dtype.name, recipe.scale_granularity.name, recipe.q_scale, skip,
-                         ratio, architecture)
+        t = TARGETS[name]      # what it writes: per-head scales folded where it folds them, q_scale where it writes one
+        gran = "tensor" if getattr(t, "folds_heads", False) else recipe.scale_granularity.name
+        cal = support.Calibrated(recipe.kv_dtype.name, gran, bool(recipe.q_scale and t.reads_q_scale), skip, ratio,
+                                 architecture)
         out[name] = support.outcome(name, cal, (versions or {}).get(name))
     return out
 
