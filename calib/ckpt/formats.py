@@ -65,16 +65,6 @@ def is_modelopt(qc: Any) -> bool:
                                      or producer_name(qc) == "modelopt")
 
 
-def modelopt_flat(qc: dict[str, Any]) -> dict[str, Any]:
-    """ModelOpt's flat shape as a legacy `quantization` dict, less `kv_cache_quant_algo` (see
-    `modelopt_kv_algo`): `ignore` becomes `exclude_modules`, the marker keys go."""
-    inner = {k: v for k, v in qc.items() if k not in ("producer", "quant_method", "ignore", "kv_cache_scheme",
-                                                     "config_groups")}
-    if "ignore" in qc:
-        inner["exclude_modules"] = qc["ignore"]
-    return inner
-
-
 def modelopt_kv_algo(scheme: Any) -> str | None:
     """The KV algorithm a flat ModelOpt `kv_cache_scheme` names (a string, or a {type, num_bits} object)."""
     if isinstance(scheme, str):
@@ -97,7 +87,11 @@ def modelopt_quantization(qc: dict[str, Any]) -> dict[str, Any] | None:
         return dict(qc["quantization"]) if isinstance(qc["quantization"], dict) else None
     if not is_modelopt(qc):
         return None
-    inner = modelopt_flat(qc)
+    # the flat shape: `ignore` becomes `exclude_modules`, the marker keys go
+    inner = {k: v for k, v in qc.items() if k not in ("producer", "quant_method", "ignore", "kv_cache_scheme",
+                                                     "config_groups")}
+    if "ignore" in qc:
+        inner["exclude_modules"] = qc["ignore"]
     if isinstance(qc.get("kv_cache_scheme"), (str, dict)):
         inner["kv_cache_quant_algo"] = modelopt_kv_algo(qc["kv_cache_scheme"])
     return inner

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, replace
@@ -150,13 +151,6 @@ class Shard:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def tensor_bytes(dtype: str, shape: tuple[int, ...]) -> int:
-    numel = 1
-    for d in shape:
-        numel *= d
-    return (numel * DTYPE_BITS[dtype] + 7) // 8
-
-
 def read_header(path: Path, where: str | None = None) -> Shard:
     """Open a safetensors file and check its header against the file: JSON object, known dtypes, shapes of
     non-negative integers, byte ranges that match the shapes, lie inside the file and cover the data
@@ -215,7 +209,7 @@ def _entry(name: str, e: Any, where: str) -> TensorInfo:
         raise bad(f"has shape {shape!r}, not a list of non-negative integers")
     if not (isinstance(offs, list) and len(offs) == 2 and all(is_count(o) for o in offs) and offs[0] <= offs[1]):
         raise bad(f"has data_offsets {offs!r}, not [begin, end]")
-    nbytes = tensor_bytes(dtype, tuple(shape))
+    nbytes = (math.prod(shape) * DTYPE_BITS[dtype] + 7) // 8     # sub-byte types pack several elements per byte
     if offs[1] - offs[0] != nbytes:
         raise bad(f"holds {offs[1] - offs[0]} bytes but {dtype} {shape} needs {nbytes}")
     return TensorInfo(name, dtype, tuple(shape), nbytes)
