@@ -30,11 +30,11 @@ def view(ck: CheckpointFiles) -> dict[str, Any]:
     values) or why the file could not be read."""
     from safetensors import safe_open
 
-    cfg = ck.config if isinstance(ck.config, dict) else {}
-    out: dict[str, Any] = {"algo": (cfg.get("quantization") or {}).get("kv_cache_quant_algo")
-                           if isinstance(cfg.get("quantization"), dict) else None, "ranks": {}, "error": None}
+    quant = ck.config.get("quantization")      # ck.config is {} where config.json is unreadable
+    out: dict[str, Any] = {"algo": quant.get("kv_cache_quant_algo") if isinstance(quant, dict) else None, "ranks": {},
+                           "error": None}
     try:
-        n, tp, pp = formats.trtllm_ckpt_grid(cfg)
+        n, tp, pp = formats.trtllm_ckpt_grid(ck.config)
     except ValueError as e:
         out["error"] = str(e)
         return out
