@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from calib.safety.readers import whole
+
 # ---------------------------------------------------------------- compressed-tensors (vLLM)
 
 
@@ -184,20 +186,13 @@ def trtllm_ckpt_grid(config: dict[str, Any]) -> tuple[int, int, int]:
     m = config.get("mapping")
     if not isinstance(m, dict):
         raise ValueError("config.json has no 'mapping' object")
-    sizes = {}
-    for key in ("tp_size", "pp_size", "cp_size"):
-        v = m.get(key, 1)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"config.json mapping.{key} = {v!r}: must be a positive integer")
-        sizes[key] = v
+    sizes = {key: whole(m.get(key, 1), f"config.json mapping.{key}", lo=1) for key in ("tp_size", "pp_size", "cp_size")}
     world = m.get("world_size", sizes["tp_size"] * sizes["pp_size"] * sizes["cp_size"])
     if world != sizes["tp_size"] * sizes["pp_size"] * sizes["cp_size"]:
         raise ValueError(f"config.json mapping.world_size = {world!r} is not tp_size * pp_size * cp_size "
                          f"({sizes['tp_size']} * {sizes['pp_size']} * {sizes['cp_size']}); TensorRT-LLM's Mapping "
                          "refuses it")
-    n = config.get("num_hidden_layers")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"config.json num_hidden_layers = {n!r}: must be a positive integer")
+    n = whole(config.get("num_hidden_layers"), "config.json num_hidden_layers", lo=1)
     return n, sizes["tp_size"], sizes["pp_size"]
 
 
