@@ -186,14 +186,13 @@ def trtllm_ckpt_grid(config: dict[str, Any]) -> tuple[int, int, int]:
     m = config.get("mapping")
     if not isinstance(m, dict):
         raise ValueError("config.json has no 'mapping' object")
-    sizes = {key: whole(m.get(key, 1), f"config.json mapping.{key}", lo=1) for key in ("tp_size", "pp_size", "cp_size")}
-    world = m.get("world_size", sizes["tp_size"] * sizes["pp_size"] * sizes["cp_size"])
-    if world != sizes["tp_size"] * sizes["pp_size"] * sizes["cp_size"]:
+    tp, pp, cp = (whole(m.get(key, 1), f"config.json mapping.{key}", lo=1) for key in ("tp_size", "pp_size", "cp_size"))
+    world = m.get("world_size", tp * pp * cp)
+    if world != tp * pp * cp:
         raise ValueError(f"config.json mapping.world_size = {world!r} is not tp_size * pp_size * cp_size "
-                         f"({sizes['tp_size']} * {sizes['pp_size']} * {sizes['cp_size']}); TensorRT-LLM's Mapping "
-                         "refuses it")
+                         f"({tp} * {pp} * {cp}); TensorRT-LLM's Mapping refuses it")
     n = whole(config.get("num_hidden_layers"), "config.json num_hidden_layers", lo=1)
-    return n, sizes["tp_size"], sizes["pp_size"]
+    return n, tp, pp
 
 
 def pp_layers(num_layers: int, pp_size: int, stage: int) -> list[int]:
