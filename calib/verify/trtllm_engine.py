@@ -16,9 +16,9 @@ from calib.ckpt import formats
 from calib.ckpt.names import trtllm_ckpt_scale_name
 from calib.ckpt.reader import CheckpointFiles, Problem
 from calib.verify.checker import Checker
+from calib.verify.common import SMALLEST_SCALE
 
 NAME = "trtllm-engine"
-F32_TINY = 1.1754943508222875e-38        # the smallest normal float32
 
 
 def declared(ck: CheckpointFiles) -> bool:
@@ -94,7 +94,7 @@ def scale_values(ck: CheckpointFiles, v: dict[str, Any]) -> Iterator[Problem]:
             if dtype != "float32" or shape != [1]:
                 yield _p(name, f"kv_cache_scaling_factor is {dtype} {shape}; the engine expects float32 [1]",
                          code="trtllm-engine.shape")
-            if not vals or not all(math.isfinite(x) and x >= F32_TINY for x in vals):
+            if not vals or not all(math.isfinite(x) and x >= SMALLEST_SCALE for x in vals):
                 yield _p(name, f"kv_cache_scaling_factor = {vals[:1]}: must be finite and a normal positive float32",
                          code="trtllm-engine.value")
                 continue
