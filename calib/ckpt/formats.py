@@ -14,7 +14,6 @@ from calib.safety.readers import whole
 
 # ---------------------------------------------------------------- compressed-tensors (vLLM)
 
-
 def is_compressed_tensors(qc: Any) -> bool:
     """`quant_method` compressed-tensors (either spelling)."""
     return isinstance(qc, dict) and \
@@ -136,7 +135,6 @@ def trtllm_serve_kv_algo(options: Any) -> Any:
 
 
 # ---------------------------------------------------------------- Quark (AMD; read only: vLLM loads it)
-
 
 def quark_export(qc: dict[str, Any]) -> dict[str, Any] | None:
     """A Quark config's `export` object; None when it is missing or not an object."""

@@ -21,7 +21,6 @@ from typing import Any
 
 # ---------------------------------------------------------------- KV-cache formats
 
-
 STATIC, UNSCALED, PER_TOKEN_HEAD = "static", "unscaled", "per_token_head"
 
 
@@ -161,7 +160,6 @@ def model_bytes_per_token(model_dtype: str, kv_heads: int, head_dim: int, v_head
 
 
 # ---------------------------------------------------------------- observers
-
 
 def is_int(v: Any) -> bool:
     """An int, never a bool."""

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-
 from calib.ckpt import formats
 from calib.ckpt.names import HF_QUANT_CONFIG, INDEX_FILE
 from calib.ckpt.reader import CheckpointFiles, Problem, ScaleTensor

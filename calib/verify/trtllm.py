@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-
 from calib.ckpt.formats import (TRTLLM_KV_DTYPES, ct_declared_kv_scheme, is_compressed_tensors, is_modelopt,
                                 modelopt_quantization, trtllm_serve_kv_algo)
 from calib.ckpt.names import HF_QUANT_CONFIG, PROVENANCE_FILE, TRTLLM_API_OPTIONS
