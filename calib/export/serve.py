@@ -122,17 +122,6 @@ def check(recipe: Any, scales: Mapping[int, Any] | None = None, skipped: Iterabl
     return found
 
 
-def fold_note(target: Any, recipe: Any, outcome: support.Outcome) -> str | None:
-    """One line when `target` writes per-head scales as their max per layer, saying what its engine would do
-    with per-head scales (the matrix's `head` cell) — e.g. SGLang runs them at 1.0."""
-    if not (getattr(target, "folds_heads", False) and recipe.scale_granularity.name == "head"):
-        return None
-    e = support.ENGINES[target.name]
-    c = support.cell(target.name, outcome.version, next(iter(e.backends)), recipe.kv_dtype.name, "head")
-    return (f"per-head scales on {e.title} {outcome.version}: {c.effect.value} ({c.note}); the {target.name} variant "
-            "carries their max per layer instead")
-
-
 def serve_lines(target: Any, path: str, outcome: support.Outcome, skipped: Sequence[int | str] = ()) -> list[str]:
     """The serve command for `target`'s variant at `path`, and (when the engine applies the scales as
     calibrated) that it does; what differs is `warnings`', except what differs only for this model (its
@@ -148,6 +137,13 @@ def serve_lines(target: Any, path: str, outcome: support.Outcome, skipped: Seque
 
 
 def warnings(target: Any, recipe: Any, outcome: support.Outcome) -> list[str]:
-    """One line per way the engine serves the result differently from what was calibrated."""
-    folded = fold_note(target, recipe, outcome)
-    return [*(outcome.lines() if outcome.severity != support.SAME else []), *([folded] if folded else [])]
+    """One line per way the engine serves the result differently from what was calibrated; and one where `target`
+    writes per-head scales as their max per layer, saying what its engine would do with per-head scales (the
+    matrix's `head` cell), e.g. SGLang runs them at 1.0."""
+    out = outcome.lines() if outcome.severity != support.SAME else []
+    if getattr(target, "folds_heads", False) and recipe.scale_granularity.name == "head":
+        e = support.ENGINES[target.name]
+        c = support.cell(target.name, outcome.version, next(iter(e.backends)), recipe.kv_dtype.name, "head")
+        out.append(f"per-head scales on {e.title} {outcome.version}: {c.effect.value} ({c.note}); the {target.name} "
+                   "variant carries their max per layer instead")
+    return out

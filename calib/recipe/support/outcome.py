@@ -150,15 +150,9 @@ def who_serves(kv_format: str, granularity: str = "tensor") -> str:
         at_one = any(c.cells[0].effect is E.IGNORED for c in o.per_backend)
         key = "applied" if o.severity == SAME else ("at_one" if at_one else "refused") if o.refused else "differs"
         groups.setdefault(key, []).append(f"{e.title} {o.version}")
-    parts = []
-    if groups.get("applied"):
-        parts.append(f"applied as calibrated by {', '.join(groups['applied'])}")
-    if groups.get("differs"):
-        parts.append(f"served differently by {', '.join(groups['differs'])}")
-    if groups.get("at_one"):
-        parts.append(f"run at scale 1.0 by {', '.join(groups['at_one'])}")
-    if groups.get("refused"):
-        parts.append(f"not served by {', '.join(groups['refused'])}")
+    labels = (("applied", "applied as calibrated by"), ("differs", "served differently by"),
+              ("at_one", "run at scale 1.0 by"), ("refused", "not served by"))
+    parts = [f"{label} {', '.join(groups[key])}" for key, label in labels if groups.get(key)]
     built = [f"{ENGINES[n].title} +{b}" for n in ENGINES for b in builds(n, kv_format, granularity)]
     text = f"calibrated {kv_format} KV scales are " + "; ".join(parts)
     return text + (f" (applied by a build: {', '.join(built)})" if built else "")
