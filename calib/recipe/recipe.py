@@ -153,7 +153,8 @@ class Recipe:
 # a field's annotation -> (what a value of it passes, what the error says is expected)
 _TYPES = {"tuple": (lambda v: isinstance(v, tuple), "a list"),
           "dict": (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v), "a mapping of name: value"),
-          "tuple[str, ...]": (lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v), "a list of strings"),
+          "tuple[str, ...]": (lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v),
+                              "a list of strings"),
           "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
           "int": (dtypes.is_int, "an integer"), "str": (lambda v: isinstance(v, str), "a str"),
           "bool": (lambda v: isinstance(v, bool), "a bool")}

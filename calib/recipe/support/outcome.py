@@ -121,8 +121,9 @@ def _consequence(name: str, v: Version, backend: str, cal: Calibrated) -> Conseq
     line, sev = _kv_line(kv, cal)
     cells, lines = [kv], [line] if line else []
     served = kv.effect not in (E.REFUSED, E.BROKEN)
+    skips = f"skip_layers {list(cal.skip_layers)}"
     for aspect, label, severity in (("q_scale", cal.q_scale and "q_scale", DIFFERS),
-                                    ("skip_layers", cal.skip_layers and f"skip_layers {list(cal.skip_layers)}", REFUSE)):
+                                    ("skip_layers", cal.skip_layers and skips, REFUSE)):
         if label:
             c = cell(name, v, backend, cal.dtype, aspect, cal.architecture)
             cells.append(c)
