@@ -97,10 +97,8 @@ class VllmTarget(Target):
 
     def write(self, source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any],
               options: WriteOptions = WriteOptions()) -> Path:
-        prepared = source if isinstance(source, PreparedSource) else \
-            prepare_source(source, out, quantized_ok=True, overwrite_kv=options.overwrite_kv)
-        return export_vllm(prepared, out, scales, provenance, strategy=self.strategies[options.granularity.name],
-                           force=options.force, extra_files=options.extra_files)
+        return export_vllm(source, out, scales, provenance, strategy=self.strategies[options.granularity.name],
+                           force=options.force, overwrite_kv=options.overwrite_kv, extra_files=options.extra_files)
 
 
 TARGET = VllmTarget()

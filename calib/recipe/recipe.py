@@ -134,11 +134,8 @@ class Recipe:
                               "q_scale")
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["targets"] = list(self.targets)
-        d["skip_layers"] = list(self.skip_layers)
-        d["observer_params"] = dict(self.observer_params)
-        return d
+        return {**dataclasses.asdict(self), "targets": list(self.targets), "skip_layers": list(self.skip_layers),
+                "observer_params": dict(self.observer_params)}
 
     def replace(self, **overrides: Any) -> "Recipe":
         """A copy with the non-None overrides applied (CLI flags win over the YAML file)."""
