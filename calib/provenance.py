@@ -167,12 +167,8 @@ class Provenance:
     def resume_header(self, batches_done: int | None = None, stream_sha256: str | None = None) -> dict[str, Any]:
         """The resume header after `batches_done` batches whose token ids and masks hash to `stream_sha256`
         (what a resumed run replays must hash alike: the same data, batching and tokenizer)."""
-        out = self.to_dict(RESUME)
-        if batches_done is not None:
-            out["batches_done"] = batches_done
-        if stream_sha256 is not None:
-            out["stream_sha256"] = stream_sha256
-        return out
+        extra = {"batches_done": batches_done, "stream_sha256": stream_sha256}
+        return {**self.to_dict(RESUME), **{k: v for k, v in extra.items() if v is not None}}
 
     @classmethod
     def from_dict(cls, doc: Any, where: str = "run record", file: str = RECORD) -> Provenance:
