@@ -52,12 +52,10 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _optional(kind: type, name: str) -> Callable[[Any, str], Any]:
-    def check(value: Any, where: str) -> Any:
-        if value is None or (isinstance(value, kind) and not isinstance(value, bool)):
-            return value
-        raise ProvenanceError(f"{where} must be {name} or null, not {type(value).__name__}")
-    return check
+def text_or_none(value: Any, where: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise ProvenanceError(f"{where} must be text or null, not {type(value).__name__}")
 
 
 def _strings(value: Any, where: str) -> list[str]:
@@ -88,17 +86,12 @@ def _rotary(value: Any, where: str) -> int | None:
     raise ProvenanceError(f"{where} must be a non-negative integer or null")
 
 
-text_or_none = _optional(str, "text")
-
-
 def record_field(default: Any, *files: str, check: Callable[[Any, str], Any], omit_none: bool = False,
            factory: Callable[[], Any] | None = None) -> Any:
     """A Provenance field: its default, the files it is written into, how `from_dict` checks a value read
     back (returns the value to keep, raises ProvenanceError), and whether a None is left out of the files."""
     meta = {"files": files, "check": check, "omit_none": omit_none}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+    return field(default=default, metadata=meta) if factory is None else field(default_factory=factory, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -174,12 +167,8 @@ class Provenance:
     def resume_header(self, batches_done: int | None = None, stream_sha256: str | None = None) -> dict[str, Any]:
         """The resume header after `batches_done` batches whose token ids and masks hash to `stream_sha256`
         (what a resumed run replays must hash alike: the same data, batching and tokenizer)."""
-        out = self.to_dict(RESUME)
-        if batches_done is not None:
-            out["batches_done"] = batches_done
-        if stream_sha256 is not None:
-            out["stream_sha256"] = stream_sha256
-        return out
+        extra = {"batches_done": batches_done, "stream_sha256": stream_sha256}
+        return {**self.to_dict(RESUME), **{k: v for k, v in extra.items() if v is not None}}
 
     @classmethod
     def from_dict(cls, doc: Any, where: str = "run record", file: str = RECORD) -> Provenance:

@@ -25,7 +25,6 @@ from calib.ckpt.names import is_kv_scale, is_scale_like
 
 SAMPLES, CHUNK = 8, 1024
 KEY = b"kvcalib-weights-1"
-FIELD = "model_weights_sha256"       # the header / record key
 
 
 @dataclass(frozen=True)

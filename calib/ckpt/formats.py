@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-# ---------------------------------------------------------------- compressed-tensors (vLLM)
+from calib.safety.readers import whole
 
+# ---------------------------------------------------------------- compressed-tensors (vLLM)
 
 def is_compressed_tensors(qc: Any) -> bool:
     """`quant_method` compressed-tensors (either spelling)."""
@@ -65,16 +66,6 @@ def is_modelopt(qc: Any) -> bool:
                                      or producer_name(qc) == "modelopt")
 
 
-def modelopt_flat(qc: dict[str, Any]) -> dict[str, Any]:
-    """ModelOpt's flat shape as a legacy `quantization` dict, less `kv_cache_quant_algo` (see
-    `modelopt_kv_algo`): `ignore` becomes `exclude_modules`, the marker keys go."""
-    inner = {k: v for k, v in qc.items() if k not in ("producer", "quant_method", "ignore", "kv_cache_scheme",
-                                                     "config_groups")}
-    if "ignore" in qc:
-        inner["exclude_modules"] = qc["ignore"]
-    return inner
-
-
 def modelopt_kv_algo(scheme: Any) -> str | None:
     """The KV algorithm a flat ModelOpt `kv_cache_scheme` names (a string, or a {type, num_bits} object)."""
     if isinstance(scheme, str):
@@ -97,7 +88,11 @@ def modelopt_quantization(qc: dict[str, Any]) -> dict[str, Any] | None:
         return dict(qc["quantization"]) if isinstance(qc["quantization"], dict) else None
     if not is_modelopt(qc):
         return None
-    inner = modelopt_flat(qc)
+    # the flat shape: `ignore` becomes `exclude_modules`, the marker keys go
+    inner = {k: v for k, v in qc.items() if k not in ("producer", "quant_method", "ignore", "kv_cache_scheme",
+                                                     "config_groups")}
+    if "ignore" in qc:
+        inner["exclude_modules"] = qc["ignore"]
     if isinstance(qc.get("kv_cache_scheme"), (str, dict)):
         inner["kv_cache_quant_algo"] = modelopt_kv_algo(qc["kv_cache_scheme"])
     return inner
@@ -141,12 +136,6 @@ def trtllm_serve_kv_algo(options: Any) -> Any:
 
 # ---------------------------------------------------------------- Quark (AMD; read only: vLLM loads it)
 
-
-def is_quark(qc: Any) -> bool:
-    """`quant_method` quark (vLLM's spelling, lower-cased)."""
-    return isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "quark"
-
-
 def quark_export(qc: dict[str, Any]) -> dict[str, Any] | None:
     """A Quark config's `export` object; None when it is missing or not an object."""
     export = qc.get("export")
@@ -156,17 +145,14 @@ def quark_export(qc: dict[str, Any]) -> dict[str, Any] | None:
 def quark_kv_group(qc: Any) -> Any:
     """The module patterns a Quark config's `export.kv_cache_group` names for the KV cache, as written (None:
     not Quark, or no `export` object). vLLM turns on FP8 KV from Quark only when this is a non-empty list."""
-    export = quark_export(qc) if is_quark(qc) else None
+    is_quark = isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "quark"   # vLLM's spelling
+    export = quark_export(qc) if is_quark else None
     return export.get("kv_cache_group") if export is not None else None
 
 
 # ---------------------------------------------------------------- TensorRT-LLM checkpoint (TensorRT-engine backend)
-# Read from NVIDIA/TensorRT-LLM (the 1.2 / 1.3.0rc form, which still has the TensorRT backend):
-# tensorrt_llm/models/modeling_utils.py PretrainedConfig.to_dict (config.json: `architecture`, `num_hidden_layers`,
-# `mapping` = Mapping.to_dict() without `rank`, `quantization` = QuantConfig asdict with `kv_cache_quant_algo`),
-# tensorrt_llm/mapping.py Mapping (world_size = tp_size * pp_size * cp_size; pp_rank = rank // (tp_size * cp_size);
-# pp_layers = torch.tensor_split(arange(num_layers), pp_size)[pp_rank]: the first num_layers % pp_size stages get one
-# more layer) and PretrainedModel.from_checkpoint (cp ranks share a file: rank files are tp_rank + pp_rank * tp_size).
+# The 1.2 / 1.3.0rc layout (where it was read: calib/export/trtllm_engine.py); tensorrt_llm/mapping.py Mapping:
+# world_size = tp_size * pp_size * cp_size, cp ranks share a file (rank files are tp_rank + pp_rank * tp_size).
 
 TRTLLM_CKPT_KV_ALGOS = ("FP8", "INT8")
 
@@ -191,24 +177,20 @@ def trtllm_ckpt_sizes(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def trtllm_ckpt_grid(config: dict[str, Any]) -> tuple[int, int]:
-    """(tp_size, pp_size) of a TensorRT-LLM checkpoint's `mapping` (1 where absent, as Mapping's defaults);
-    ValueError naming the field for anything but positive integers, or a world_size that disagrees."""
+def trtllm_ckpt_grid(config: dict[str, Any]) -> tuple[int, int, int]:
+    """(num_hidden_layers, tp_size, pp_size) of a TensorRT-LLM checkpoint (the sizes from `mapping`, 1 where absent,
+    as Mapping's defaults); ValueError naming the field for anything but positive integers, or a world_size that
+    disagrees."""
     m = config.get("mapping")
     if not isinstance(m, dict):
         raise ValueError("config.json has no 'mapping' object")
-    sizes = {}
-    for key in ("tp_size", "pp_size", "cp_size"):
-        v = m.get(key, 1)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"config.json mapping.{key} = {v!r}: must be a positive integer")
-        sizes[key] = v
-    world = m.get("world_size", sizes["tp_size"] * sizes["pp_size"] * sizes["cp_size"])
-    if world != sizes["tp_size"] * sizes["pp_size"] * sizes["cp_size"]:
+    tp, pp, cp = (whole(m.get(key, 1), f"config.json mapping.{key}", lo=1) for key in ("tp_size", "pp_size", "cp_size"))
+    world = m.get("world_size", tp * pp * cp)
+    if world != tp * pp * cp:
         raise ValueError(f"config.json mapping.world_size = {world!r} is not tp_size * pp_size * cp_size "
-                         f"({sizes['tp_size']} * {sizes['pp_size']} * {sizes['cp_size']}); TensorRT-LLM's Mapping "
-                         "refuses it")
-    return sizes["tp_size"], sizes["pp_size"]
+                         f"({tp} * {pp} * {cp}); TensorRT-LLM's Mapping refuses it")
+    n = whole(config.get("num_hidden_layers"), "config.json num_hidden_layers", lo=1)
+    return n, tp, pp
 
 
 def pp_layers(num_layers: int, pp_size: int, stage: int) -> list[int]:

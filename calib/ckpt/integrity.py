@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, replace
@@ -150,13 +151,6 @@ class Shard:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def tensor_bytes(dtype: str, shape: tuple[int, ...]) -> int:
-    numel = 1
-    for d in shape:
-        numel *= d
-    return (numel * DTYPE_BITS[dtype] + 7) // 8
-
-
 def read_header(path: Path, where: str | None = None) -> Shard:
     """Open a safetensors file and check its header against the file: JSON object, known dtypes, shapes of
     non-negative integers, byte ranges that match the shapes, lie inside the file and cover the data
@@ -211,17 +205,18 @@ def _entry(name: str, e: Any, where: str) -> TensorInfo:
     dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
     if dtype not in DTYPE_BITS:
         raise bad(f"has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_uint(d) for d in shape):
+    if not isinstance(shape, list) or not all(is_count(d) for d in shape):
         raise bad(f"has shape {shape!r}, not a list of non-negative integers")
-    if not (isinstance(offs, list) and len(offs) == 2 and all(_uint(o) for o in offs) and offs[0] <= offs[1]):
+    if not (isinstance(offs, list) and len(offs) == 2 and all(is_count(o) for o in offs) and offs[0] <= offs[1]):
         raise bad(f"has data_offsets {offs!r}, not [begin, end]")
-    nbytes = tensor_bytes(dtype, tuple(shape))
+    nbytes = (math.prod(shape) * DTYPE_BITS[dtype] + 7) // 8     # sub-byte types pack several elements per byte
     if offs[1] - offs[0] != nbytes:
         raise bad(f"holds {offs[1] - offs[0]} bytes but {dtype} {shape} needs {nbytes}")
     return TensorInfo(name, dtype, tuple(shape), nbytes)
 
 
-def _uint(v: Any) -> bool:
+def is_count(v: Any) -> bool:
+    """A whole number >= 0 (never a bool)."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
@@ -242,14 +237,6 @@ class Checkpoint:
 
     def tensor(self, name: str) -> TensorInfo:
         return self.shards[self.weight_map[name]].tensors[name]
-
-    def dtypes(self) -> dict[str, int]:
-        """dtype -> number of tensors of that dtype."""
-        out: dict[str, int] = {}
-        for name in self.weight_map:
-            d = self.tensor(name).dtype
-            out[d] = out.get(d, 0) + 1
-        return out
 
 
 def scan(root: Path, label: str = "MODEL") -> Checkpoint:

@@ -33,13 +33,9 @@ def trtllm_scale_names(layer: int) -> tuple[str, str]:
     return f"model.layers.{layer}.self_attn.k_proj.k_scale", f"model.layers.{layer}.self_attn.v_proj.v_scale"
 
 
-# TensorRT-LLM checkpoint (the TensorRT-engine backend's input, `convert_checkpoint.py` output): one weight file per
-# rank of the tensor x pipeline grid, `rank{r}.safetensors` (tensorrt_llm/models/modeling_utils.py:
-# PretrainedModel.save_checkpoint / from_checkpoint), and one shared K/V scale per attention layer, the layer index
-# local to the rank's pipeline stage (tensorrt_llm/models/llama/convert.py: load_weights_from_hf_model,
-# `transformer.layers.{l - layers_range[0]}.attention.kv_cache_scaling_factor`, shape [1] float32).
-TRTLLM_CKPT_KV_LEAVES = ("kv_cache_scaling_factor", "kv_cache_rcp_scaling_factor", "k_cache_scaling_factor",
-                         "v_cache_scaling_factor")   # what preprocess_weights folds into the first (and its reciprocal)
+# TensorRT-LLM checkpoint (the layout and where it was read: calib/export/trtllm_engine.py): one `rank{r}.safetensors`
+# per rank, one shared K/V scale per layer (index local to the rank's pipeline stage); the leaves below are what
+# preprocess_weights folds into the first (and its reciprocal).
 TRTLLM_CKPT_KV_RE = re.compile(r"^transformer\.layers\.(?P<layer>0|[1-9][0-9]*)\.attention\."
                                r"(?P<leaf>kv_cache_scaling_factor|kv_cache_rcp_scaling_factor|k_cache_scaling_factor"
                                r"|v_cache_scaling_factor)$")

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from calib.ckpt import integrity
+from calib.ckpt.integrity import is_count
 from calib.ckpt import weightmap
 from calib.ckpt.names import (HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, TRTLLM_API_OPTIONS, is_scale_like,
                               parse_scale_name, scale_module, unparsed_reason)
@@ -68,12 +69,6 @@ class Unmapped:
     known: bool = True
 
 
-def parse_scale(t: TensorEntry) -> ScaleTensor | None:
-    """The KV scale a tensor of the checkpoint holds (calib.ckpt.names' layouts); None for other tensors."""
-    n = parse_scale_name(t.name)
-    return None if n is None else ScaleTensor(n.layer, n.kind, n.form, n.proj, t)
-
-
 def read_json_soft(path: Path) -> tuple[Any, str | None]:
     """Strict JSON (calib.ckpt.integrity: no duplicate keys, no NaN, size-capped); (value, None) or (None, why)."""
     try:
@@ -95,10 +90,6 @@ def read_yaml_soft(path: Path, limit: int = 1 << 16) -> tuple[Any, str | None]:
         return None, f"{path.name}: not YAML ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
 
 
-def _is_count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
 def provenance_problem(doc: Any) -> str | None:
     """Why a kvcalib.json cannot be trusted by the readers (inspect, eval, verify's skipped layers), or None.
     Only the fields kvcalib reads back are checked; their recipe must be one kvcalib would accept."""
@@ -110,7 +101,7 @@ def provenance_problem(doc: Any) -> str | None:
     for key in ("skipped_layers", "skip_layers"):   # skipped_layers: resolved indices, as kvcalib writes them
         items = doc.get(key)
         if items is not None and not (isinstance(items, list) and all(
-                _is_count(i) or (i == "sliding_window" and key == "skip_layers") for i in items)):
+                is_count(i) or (i == "sliding_window" and key == "skip_layers") for i in items)):
             return f"field '{key}' must list layer indices"
     for key in ("producer", "target", "created", "model"):
         if doc.get(key) is not None and not isinstance(doc[key], str):
@@ -123,7 +114,7 @@ def provenance_problem(doc: Any) -> str | None:
                 return f"field 'layers.{layer}.{name}' must be a number or a list of numbers"
     data = doc.get("data") or {}
     for key in ("samples", "tokens", "skipped_short"):
-        if data.get(key) is not None and not _is_count(data[key]):
+        if data.get(key) is not None and not is_count(data[key]):
             return f"field 'data.{key}' must be a count"
     if "recipe" in doc:
         from calib.recipe.recipe import RecipeError, from_dict
@@ -160,9 +151,9 @@ class CheckpointFiles:
             problem("config.json", "text_config must be an object", "checkpoint.config")
         self.text = text if isinstance(text, dict) else self.config
         n = self.text.get("num_hidden_layers", self.config.get("num_hidden_layers"))
-        if n is not None and not (_is_count(n) and n > 0):
+        if n is not None and not (is_count(n) and n > 0):
             problem("config.json", f"num_hidden_layers = {n!r} must be a positive integer", "checkpoint.config")
-        self.num_layers = n if _is_count(n) and n > 0 else None
+        self.num_layers = n if is_count(n) and n > 0 else None
         self.num_heads = self.text.get("num_attention_heads")
         self.num_kv_heads = self.text.get("num_key_value_heads", self.num_heads)
         types = self.text.get("layer_types")
@@ -229,13 +220,9 @@ class CheckpointFiles:
         return [f for f in self.files if f in named]
 
     def scales(self, files: Iterable[str]) -> list[ScaleTensor]:
-        out = []
-        for name in files:
-            for t in self.keys.get(name, {}).values():
-                s = parse_scale(t)
-                if s is not None:
-                    out.append(s)
-        return out
+        """The KV scales (calib.ckpt.names' layouts) the tensors of `files` hold."""
+        parsed = ((t, parse_scale_name(t.name)) for name in files for t in self.keys.get(name, {}).values())
+        return [ScaleTensor(n.layer, n.kind, n.form, n.proj, t) for t, n in parsed if n is not None]
 
     @cached_property
     def weight_modules(self) -> frozenset[str]:
@@ -283,11 +270,8 @@ class CheckpointFiles:
         """float64 values of a (small) tensor; None for dtypes numpy cannot hold (e.g. FP8)."""
         key = (t.file, t.name)
         if key not in self._values:
-            self._values[key] = self._read_values(t)
+            self._values[key] = tensor_values(self.path / t.file, t.name)
         return self._values[key]
-
-    def _read_values(self, t: TensorEntry) -> np.ndarray | None:
-        return tensor_values(self.path / t.file, t.name)
 
     @cached_property
     def skipped_layers(self) -> set[int]:
@@ -329,9 +313,8 @@ RAW_DTYPES = ("BF16", "F8_E4M3", "F8_E5M2")     # numpy has no such dtype: widen
 
 
 def tensor_values(path: Path, name: str) -> np.ndarray | None:
-    """float64 values of tensor `name` in a safetensors file, read without torch or pickle; None for dtypes
-    numpy cannot hold and kvcalib does not widen itself. bf16 and FP8 (scales stored in FP8 by other tools)
-    are widened from their raw bytes."""
+    """float64 values of tensor `name` in a safetensors file; None for dtypes numpy cannot hold and kvcalib does
+    not widen itself (bf16 and FP8, scales other tools store in FP8, are widened from their raw bytes)."""
     from safetensors import safe_open
 
     with open(path, "rb") as fh:

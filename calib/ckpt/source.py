@@ -45,7 +45,10 @@ def read_source(src: Path | SourceFiles) -> SourceFiles:
     """`src`'s config.json (strict JSON, an ExportError otherwise); a SourceFiles is returned as it is."""
     if isinstance(src, SourceFiles):
         return src
-    return SourceFiles(Path(src), read_source_config(Path(src)))
+    try:
+        return SourceFiles(Path(src), integrity.read_json(Path(src) / CONFIG_FILE, f"{Path(src)}/{CONFIG_FILE}"))
+    except integrity.IntegrityError as e:
+        raise ExportError(str(e)) from None
 
 
 def check_out_is_not_source(source: Path, out: Path) -> None:
@@ -66,13 +69,6 @@ def scan_source(src: Path | SourceFiles) -> integrity.Checkpoint:
                           "statistics only")
     try:
         return integrity.scan(Path(src))
-    except integrity.IntegrityError as e:
-        raise ExportError(str(e)) from None
-
-
-def read_source_config(src: Path) -> dict[str, Any]:
-    try:
-        return integrity.read_json(Path(src) / CONFIG_FILE, f"{src}/{CONFIG_FILE}")
     except integrity.IntegrityError as e:
         raise ExportError(str(e)) from None
 

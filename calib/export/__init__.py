@@ -1,25 +1,17 @@
 """Write a checkpoint that an engine loads with our KV scales; the source weights are never rewritten.
 
-One module per engine target (`vllm`, `trtllm`), each a small `Target` over the one `write_variant`
-(`write`); the layout they write — file and tensor names, config blocks, the source's weight map — is
-calib.ckpt's. A module of this package that defines `TARGET` is an engine target: adding an engine is one
-new file here; the recipe takes its name and its rules (calib.export.target) from `TARGETS`. Each target
-checks a source with its own `prepare` (what one engine accepts another may refuse: there is no generic
-source check here beyond calib.ckpt.source's). Imports no
-torch: the writers import it when they write.
+One module per engine target, each defining `TARGET` (what a target is, and how to add one: calib.export.target),
+a small writer over the one `write_variant` (`write`); the layout they write is calib.ckpt's. Imports no torch.
 """
 
 from __future__ import annotations
 
 from calib import discovery
-from calib.ckpt.names import (HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE, trtllm_scale_names,
-                              vllm_scale_name)
-from calib.ckpt.source import ExportError, PreparedSource, SourceFiles, read_source, read_source_config, scan_source
+from calib.ckpt.names import INDEX_FILE, PROVENANCE_FILE, SCALES_FILE
+from calib.ckpt.source import ExportError, PreparedSource, SourceFiles, read_source, scan_source
 from calib.export.target import Target, WriteOptions
-from calib.export.trtllm import export_trtllm, saturation_report
+from calib.export.trtllm import export_trtllm
 from calib.export.vllm import export_vllm, vllm_quantization_config
-from calib.export.write import carry_files, link_or_copy, write_variant
-from calib.safety.outputs import atomic_dir, check_room
 
 
 def discover(path: list[str] | None = None, package: str = __name__) -> dict[str, Target]:
@@ -39,8 +31,6 @@ def target(name: str) -> Target:
         raise ExportError(f"unknown target {name!r}; kvcalib writes {sorted(TARGETS)}") from None
 
 
-__all__ = ["ExportError", "HF_QUANT_CONFIG", "INDEX_FILE", "PROVENANCE_FILE", "PreparedSource", "SCALES_FILE",
-           "SourceFiles", "TARGETS", "Target", "WriteOptions", "atomic_dir", "carry_files", "check_room", "discover",
-           "export_trtllm", "export_vllm", "link_or_copy", "read_source", "read_source_config", "saturation_report",
-           "scan_source", "target", "trtllm_scale_names", "vllm_quantization_config", "vllm_scale_name",
-           "write_variant"]
+__all__ = ["ExportError", "INDEX_FILE", "PROVENANCE_FILE", "PreparedSource", "SCALES_FILE", "SourceFiles", "TARGETS",
+           "WriteOptions", "discover", "export_trtllm", "export_vllm", "read_source", "scan_source", "target",
+           "vllm_quantization_config"]

@@ -55,23 +55,6 @@ def parse_versions(text: str | None, targets: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def amax_ratio(scales: Mapping[int, Any] | None, qmax: float) -> float | None:
-    """The largest |K| or |V| over every layer and head, over `qmax` (None without scales)."""
-    if not scales:
-        return None
-    peak = max(max(float(s.k_amax.max()), float(s.v_amax.max())) for s in scales.values())
-    return peak / qmax
-
-
-def calibrated(target: Any, dtype: str, granularity: str, q_scale: bool, skipped: Iterable[int | str] = (),
-               ratio: float | None = None, architecture: str | None = None) -> support.Calibrated:
-    """What `target` (a calib.export Target) writes of a result: per-head scales folded where it folds them,
-    q_scale only where it writes one."""
-    gran = "tensor" if getattr(target, "folds_heads", False) else granularity
-    return support.Calibrated(dtype, gran, bool(q_scale and target.reads_q_scale), tuple(skipped), ratio,
-                              architecture)
-
-
 def architecture_of(path: str | Path) -> str | None:
     """The model architecture a checkpoint folder declares (config.json `architectures[0]`); None when unread."""
     try:
@@ -90,11 +73,15 @@ def outcomes(recipe: Any, scales: Mapping[int, Any] | None = None, skipped: Iter
     from calib.export import TARGETS
 
     skip = tuple(support.skip_order(recipe.skip_layers if skipped is None else skipped))
-    ratio = amax_ratio(scales, recipe.kv_dtype.qmax)
+    # the largest |K| or |V| over every layer and head, over the format's largest value
+    ratio = max(max(float(s.k_amax.max()), float(s.v_amax.max())) for s in scales.values()) / recipe.kv_dtype.qmax \
+        if scales else None
     out = {}
     for name in recipe.targets:
-        cal = calibrated(TARGETS[name], recipe.kv_dtype.name, recipe.scale_granularity.name, recipe.q_scale, skip,
-                         ratio, architecture)
+        t = TARGETS[name]      # what it writes: per-head scales folded where it folds them, q_scale where it writes one
+        gran = "tensor" if getattr(t, "folds_heads", False) else recipe.scale_granularity.name
+        cal = support.Calibrated(recipe.kv_dtype.name, gran, bool(recipe.q_scale and t.reads_q_scale), skip, ratio,
+                                 architecture)
         out[name] = support.outcome(name, cal, (versions or {}).get(name))
     return out
 
@@ -135,17 +122,6 @@ def check(recipe: Any, scales: Mapping[int, Any] | None = None, skipped: Iterabl
     return found
 
 
-def fold_note(target: Any, recipe: Any, outcome: support.Outcome) -> str | None:
-    """One line when `target` writes per-head scales as their max per layer, saying what its engine would do
-    with per-head scales (the matrix's `head` cell) — e.g. SGLang runs them at 1.0."""
-    if not (getattr(target, "folds_heads", False) and recipe.scale_granularity.name == "head"):
-        return None
-    e = support.ENGINES[target.name]
-    c = support.cell(target.name, outcome.version, next(iter(e.backends)), recipe.kv_dtype.name, "head")
-    return (f"per-head scales on {e.title} {outcome.version}: {c.effect.value} ({c.note}); the {target.name} variant "
-            "carries their max per layer instead")
-
-
 def serve_lines(target: Any, path: str, outcome: support.Outcome, skipped: Sequence[int | str] = ()) -> list[str]:
     """The serve command for `target`'s variant at `path`, and (when the engine applies the scales as
     calibrated) that it does; what differs is `warnings`', except what differs only for this model (its
@@ -161,6 +137,13 @@ def serve_lines(target: Any, path: str, outcome: support.Outcome, skipped: Seque
 
 
 def warnings(target: Any, recipe: Any, outcome: support.Outcome) -> list[str]:
-    """One line per way the engine serves the result differently from what was calibrated."""
-    folded = fold_note(target, recipe, outcome)
-    return [*(outcome.lines() if outcome.severity != support.SAME else []), *([folded] if folded else [])]
+    """One line per way the engine serves the result differently from what was calibrated; and one where `target`
+    writes per-head scales as their max per layer, saying what its engine would do with per-head scales (the
+    matrix's `head` cell), e.g. SGLang runs them at 1.0."""
+    out = outcome.lines() if outcome.severity != support.SAME else []
+    if getattr(target, "folds_heads", False) and recipe.scale_granularity.name == "head":
+        e = support.ENGINES[target.name]
+        c = support.cell(target.name, outcome.version, next(iter(e.backends)), recipe.kv_dtype.name, "head")
+        out.append(f"per-head scales on {e.title} {outcome.version}: {c.effect.value} ({c.note}); the {target.name} "
+                   "variant carries their max per layer instead")
+    return out

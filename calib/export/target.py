@@ -3,10 +3,9 @@
 Adding an engine is one new module in this package that defines `TARGET` (an instance of a `Target`
 subclass), beside the engine's module in the support matrix (calib.recipe.support.engines, which makes the name a
 target the recipe accepts) and its names for the KV formats it has (calib.recipe.dtypes): calib.export finds the
-writer, and the pipeline writes through it. What a target accepts is read from those two, never restated here:
-its KV dtypes are the static formats the engine has a name for, whether it keeps layers out of the quantized
-cache or reads a q_scale is the matrix's. The package imports no torch (the writers import it when they
-write), so the commands can list targets and stay light.
+writer, and the pipeline writes through it. What a target accepts is read from those two, never restated here.
+The package imports no torch (the writers import it when they write), so the commands can list targets and stay
+light.
 
 Two steps, so that a source the engine cannot take is refused before any model loads: `prepare` checks the
 source checkpoint against what this engine's variant needs (no scales, no weights read: config and headers
@@ -53,17 +52,6 @@ class Target:
     def dtypes(self) -> tuple[KVDtype, ...]:
         """The KV dtypes the engine reads scales for: the static formats it has a name for (calib.recipe.dtypes)."""
         return dtypes_mod.for_engine(self.name)
-
-    @property
-    def dtype_note(self) -> str:
-        """Why another dtype is refused, and what to do instead (the support matrix's line)."""
-        other = next((d for d in dtypes_mod.KV_DTYPES.values() if d not in self.dtypes), None)
-        return (other and self._known() and support.lacks_format(self.name, other.name)) or ""
-
-    @property
-    def skip_note(self) -> str:
-        """Why it cannot skip layers, and what to do instead ("" when it can)."""
-        return (self._known() and support.lacks_skip(self.name)) or ""
 
     @property
     def skips_layers(self) -> bool:

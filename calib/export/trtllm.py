@@ -18,49 +18,36 @@ Why a second variant next to the vLLM one (both share the hard-linked weight fil
   `tensorrt_llm/_torch/models/checkpoints/hf/weight_loader.py`), not through the index; we still list
   the scale shard in `model.safetensors.index.json` for every tool that does.
 
-What the engine does with the scales (read 2026-12):
-- FP8 KV: nothing yet. `TrtllmAttention.__init__` (`tensorrt_llm/_torch/attention_backend/trtllm.py`)
-  sets `kv_cache_scaling_factor = 1.0` and the PyTorch backend never overrides it; `Attention._attn_impl`
-  (`tensorrt_llm/_torch/modules/attention.py`) passes `qkv_proj.kv_scales` only when
-  `has_fp4_kv_cache()`. Any |K| or |V| above 448 saturates: see `saturation_report`. We still write
-  the calibrated scales (the format ModelOpt uses), so the checkpoint is right when the engine reads them.
-- INT8 KV: the calibrated-INT8 path under review (NVIDIA/TensorRT-LLM pull request 18953, "Add calibrated
-  INT8 KV cache to PyTorch backend"; its tests load `weights[1]["k_scale"]`, `weights[2]["v_scale"]` into
-  the fused QKV linear) requires BOTH scalar scales per layer, positive and finite, and uses ONE
-  `kv_cache_scaling_factor = max(k_scale, v_scale)` per layer. It accepts only unquantized FP16/BF16
-  projections (weight `quant_algo` null), the TRTLLM attention backend, and refuses
-  `TRTLLM_LOAD_KV_SCALES=0`. We write k and v separately (what it reads) and record the max it will use
-  in `kvcalib.json`. Scales must be INT8 ones (`amax / 127`) when `kv_algo="INT8"`.
-- Skipped layers: not expressible. `DecoderModelForCausalLM.apply_quant_config_exclude_modules`
-  (`tensorrt_llm/_torch/models/modeling_utils.py`) gives excluded modules
-  `QuantConfig(kv_cache_quant_algo=...)` ("kv_cache_quant_algo takes precedence over exclude_modules"),
-  and the cache pool has one dtype. So a layer missing from `scales` is an `ExportError` here.
+What the engine does with the scales (read 2026-12; the cells and their sources: calib.recipe.support.engines.trtllm):
+- FP8 KV: nothing yet, the cache runs at scale 1.0 (`TrtllmAttention.__init__`; `Attention._attn_impl` passes
+  `qkv_proj.kv_scales` only for an FP4 cache), so any |K| or |V| above 448 saturates: see `saturation_report`. We
+  still write the calibrated scales (ModelOpt's format), so the checkpoint is right when the engine reads them.
+- INT8 KV: the calibrated-INT8 path under review (pull request 18953; its tests load `weights[1]["k_scale"]`,
+  `weights[2]["v_scale"]` into the fused QKV linear) requires BOTH scalar scales per layer, positive and finite, uses
+  ONE `kv_cache_scaling_factor = max(k_scale, v_scale)` per layer, takes only unquantized FP16/BF16 projections and
+  the TRTLLM attention backend. We write k and v separately (what it reads), record the max in `kvcalib.json`, and
+  need INT8 scales (`amax / 127`) for `kv_algo="INT8"`.
+- Skipped layers: not expressible (`apply_quant_config_exclude_modules`: "kv_cache_quant_algo takes precedence over
+  exclude_modules"; the cache pool has one dtype), so a layer missing from `scales` is an `ExportError` here.
 
-Unquantized (FP16/BF16) models: no hf_quant_config.json, the KV dtype at serve time (read 2026-12, and run: the
-loader functions below, extracted from a fetched copy, on this module's outputs; see tests/export/
-test_trtllm_target.py `test_unquantized_model_writes_no_quant_algo_null_file`):
-- The LLM API (`LLM(...)`, `trtllm-serve`, PyTorch backend included) refuses an hf_quant_config.json whose
-  `quant_algo` is null: `ValueError("Pre-quantized checkpoint must have quant_algo.")` from
-  `ModelLoader._update_from_hf_quant_config` (`tensorrt_llm/llmapi/llm_utils.py`; main at commit 0066b2a5, and the
-  older form that still has the TensorRT-engine branch, 1.0-1.2), called from `CachedModelLoader.__call__` before
-  any weight is read. Main lets a null quant_algo through only with `quantized_layers` AND a config.json
-  `quantization_config` to fall back on: neither exists for an unquantized model.
-- What it accepts for an unquantized model is the serve-time KV dtype: `kv_cache_config.dtype: fp8` (LLM API
-  option; `explicit_kv_cache_quant_algo` there, `validate_and_set_kv_cache_quant` in
-  `tensorrt_llm/_torch/pyexecutor/model_loader.py` sets `kv_cache_quant_algo = FP8`). So the variant of an
-  unquantized model carries `llm_api_options.yaml` (`kv_cache_config: {dtype: fp8}`) and the serve command passes
-  it: `trtllm-serve OUT --extra_llm_api_options OUT/llm_api_options.yaml`. Its FP8 cache runs at scale 1.0, as
-  every FP8 KV cache of the PyTorch backend does (above): calibrate and export say so, and refuse where K or V
-  exceed 448 (calib.export.serve). INT8: `dtype: int8` exists only with pull request 18953, whose unquantized
-  fused-QKV path reads the same `k_proj.k_scale` / `v_proj.v_scale` tensors; merged releases refuse it.
-- Why not refuse the combination: an ML engineer who asks for the TensorRT-LLM variant of a BF16 model wants a
-  folder that starts, with FP8 KV, and the truth about the scales. The behaviour of the served model is exactly
-  that of the only configuration TensorRT-LLM supports for it (serve-time FP8 at 1.0), the weights are the
-  source's, the calibrated scales stay in the folder (what PR 18953 and a later release read) and in kvcalib.json.
-  A fake weight `quant_algo` (e.g. NO_QUANT) would pass this check but is unverified further down the loader.
-- A weight-quantized (ModelOpt) source keeps its hf_quant_config.json, with `kv_cache_quant_algo` added; the
-  loader takes it (`_apply_modelopt_quant_config`). The same options file is written beside it (dtype fp8 agrees
-  with the checkpoint, so TensorRT-LLM keeps FP8), so every TensorRT-LLM variant is served by one command.
+Unquantized (FP16/BF16) models: no hf_quant_config.json, the KV dtype at serve time (read 2026-12 and run on this
+module's outputs: tests/export/test_trtllm_target.py `test_unquantized_model_writes_no_quant_algo_null_file`):
+- The LLM API (PyTorch backend included) refuses an hf_quant_config.json whose `quant_algo` is null:
+  `ValueError("Pre-quantized checkpoint must have quant_algo.")` from `ModelLoader._update_from_hf_quant_config`
+  (`tensorrt_llm/llmapi/llm_utils.py`; main at commit 0066b2a5 and 1.0-1.2) before any weight is read. Main lets a
+  null quant_algo through only with `quantized_layers` AND a config.json `quantization_config`: an unquantized model
+  has neither.
+- It accepts the serve-time KV dtype instead: `kv_cache_config.dtype: fp8` (`validate_and_set_kv_cache_quant`,
+  `tensorrt_llm/_torch/pyexecutor/model_loader.py`). So the variant carries `llm_api_options.yaml` and the serve
+  command passes it (`trtllm-serve OUT --extra_llm_api_options OUT/llm_api_options.yaml`). Its FP8 cache runs at 1.0
+  like every FP8 cache of the PyTorch backend: calibrate and export say so, and refuse where K or V exceed 448
+  (calib.export.serve). `dtype: int8` exists only with pull request 18953.
+- Why not refuse the combination: who asks for the TensorRT-LLM variant of a BF16 model wants a folder that starts,
+  with FP8 KV, and the truth about the scales; the served model is exactly the one configuration TensorRT-LLM
+  supports for it, and the calibrated scales stay in the folder (what PR 18953 and a later release read). A fake
+  weight `quant_algo` (e.g. NO_QUANT) would pass this check but is unverified further down the loader.
+- A weight-quantized (ModelOpt) source keeps its hf_quant_config.json, `kv_cache_quant_algo` added (the loader takes
+  it: `_apply_modelopt_quant_config`), and gets the same options file, so one command serves every variant.
 
 Written by the one `write_variant` (calib/export/write.py), like the vLLM variant: atomic, weights linked.
 """
@@ -123,14 +110,6 @@ def saturation_report(scales: Scales, fractions: Mapping[int, tuple[float, float
             lines.append(f"layer {layer}: {', '.join(parts)}; TensorRT-LLM's FP8 KV cache (scale 1.0) "
                          "clips these to ±448")
     return lines
-
-
-def _num_layers(config: dict[str, Any], source: Path) -> int:
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    n = text.get("num_hidden_layers", config.get("num_hidden_layers"))
-    if not isinstance(n, int) or n <= 0:
-        raise ExportError(f"{source}/config.json has no num_hidden_layers; cannot tell which layers need scales")
-    return n
 
 
 def _modelopt_quantization(qc: dict[str, Any], where: str) -> dict[str, Any]:
@@ -208,7 +187,10 @@ def prepare_trtllm(source: Path | SourceFiles, out: Path, *, kv_algo: str = "FP8
     if not isinstance(source, SourceFiles) and not (path / CONFIG_FILE).is_file():
         raise ExportError(f"{path} has no config.json; point at a checkpoint directory")
     files = read_source(source)
-    n_layers = _num_layers(files.config, path)
+    text = files.config.get("text_config") if isinstance(files.config.get("text_config"), dict) else files.config
+    n_layers = text.get("num_hidden_layers", files.config.get("num_hidden_layers"))
+    if not isinstance(n_layers, int) or n_layers <= 0:
+        raise ExportError(f"{path}/config.json has no num_hidden_layers; cannot tell which layers need scales")
     quantization = _source_quantization(path, files.config)
     weight_algo = quantization.get("quant_algo")
     if kv_algo == "INT8" and weight_algo is not None:

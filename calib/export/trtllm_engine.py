@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from calib.ckpt import formats, integrity
 from calib.ckpt.names import (CONFIG_FILE, PROVENANCE_FILE, TRTLLM_CKPT_KV_RE, trtllm_ckpt_scale_name,
                               trtllm_rank_file)
-from calib.ckpt.source import ExportError, PreparedSource, SourceFiles, check_out_is_not_source
+from calib.ckpt.source import ExportError, PreparedSource, SourceFiles, check_out_is_not_source, read_source
 from calib.export.target import Target, WriteOptions
 from calib.provenance import Provenance, as_provenance
 from calib.recipe import dtypes
@@ -125,10 +125,7 @@ def prepare_engine_checkpoint(source: Path | SourceFiles, out: Path, *, kv_algo:
     check_out_is_not_source(path, Path(out))
     if not (path / CONFIG_FILE).is_file():
         raise _fail(path, "has no config.json; give the folder TensorRT-LLM's convert_checkpoint.py wrote")
-    try:
-        config = integrity.read_json(path / CONFIG_FILE, f"{path}/{CONFIG_FILE}")
-    except integrity.IntegrityError as e:
-        raise ExportError(str(e)) from None
+    config = read_source(path).config
     if not formats.is_trtllm_checkpoint(config):
         raise _fail(path, "config.json is not a TensorRT-LLM checkpoint's (no 'architecture' and 'mapping'); "
                     "convert the model with that release's convert_checkpoint.py and give its output folder")
@@ -140,11 +137,8 @@ def prepare_engine_checkpoint(source: Path | SourceFiles, out: Path, *, kv_algo:
     if declared is not None and not overwrite_kv:
         raise _fail(path, f"config.json already declares kv_cache_quant_algo={declared!r}; pass "
                     "--overwrite-kv-scales to replace its KV scales, or convert without --fp8_kv_cache/--int8_kv_cache")
-    n = config.get("num_hidden_layers")
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-        raise _fail(path, f"config.json num_hidden_layers = {n!r}: must be a positive integer")
     try:
-        tp, pp = formats.trtllm_ckpt_grid(config)
+        n, tp, pp = formats.trtllm_ckpt_grid(config)
         layers = formats.trtllm_rank_layers(n, tp, pp)
     except ValueError as e:
         raise _fail(path, str(e)) from None
@@ -187,10 +181,6 @@ def prepare_engine_checkpoint(source: Path | SourceFiles, out: Path, *, kv_algo:
                             rank_drop=drop)
 
 
-def _scale_bytes(value: float) -> bytes:
-    return struct.pack("<f", value)
-
-
 def rewrite_rank_file(src: Path, dst: Path, drop: tuple[str, ...] | frozenset[str], add: dict[str, float]) -> None:
     """A new safetensors file at `dst`: `src`'s tensors except `drop`, their bytes copied unchanged in their order,
     then the float32 shape-[1] tensors `add` appended. Streams: memory does not grow with the file."""
@@ -222,7 +212,7 @@ def rewrite_rank_file(src: Path, dst: Path, drop: tuple[str, ...] | frozenset[st
                 out.write(chunk)
                 left -= len(chunk)
         for value in add.values():
-            out.write(_scale_bytes(value))
+            out.write(struct.pack("<f", value))
 
 
 def engine_scales(scales: Scales, n_layers: int) -> dict[int, float]:

@@ -55,14 +55,6 @@ def prepare_source(source: Path | SourceFiles, out: Path, *, quantized_ok: bool 
                         hint="pass --overwrite-kv-scales to replace them, or ")
 
 
-def _vllm_tensor(scale: torch.Tensor, strategy: str) -> torch.Tensor:
-    """Per tensor: one element, shape []. `attn_head`: [heads, 1, 1], the layout vLLM's loader flattens."""
-    import torch
-
-    t = scale.to(torch.float32).contiguous()
-    return t.reshape(()) if strategy == "tensor" else t.reshape(-1, 1, 1)
-
-
 def export_vllm(source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any], *,
                 strategy: str = "tensor", force: bool = False, overwrite_kv: bool = False,
                 extra_files: dict[str, str] | None = None, target: str = "vllm") -> Path:
@@ -73,6 +65,8 @@ def export_vllm(source: Path | PreparedSource, out: Path, scales: Scales, proven
     A `source` that already carries a compressed-tensors weight config (W8A8, FP8, W4A16 ... made by
     llm-compressor) keeps it — `config_groups`, `ignore`, `format` and the rest — and gains only a
     `kv_cache_scheme`; its weight files are carried over byte for byte like any other source's."""
+    import torch
+
     prepared = source if isinstance(source, PreparedSource) else \
         prepare_source(source, out, quantized_ok=True, overwrite_kv=overwrite_kv)
     tensors: dict[str, torch.Tensor] = {}
@@ -81,7 +75,9 @@ def export_vllm(source: Path | PreparedSource, out: Path, scales: Scales, proven
             if value is not None:
                 if strategy == "tensor" and value.numel() != 1:
                     raise ExportError(f"layer {layer}: {kind}_scale has {value.numel()} values but strategy is tensor")
-                tensors[vllm_scale_name(layer, kind)] = _vllm_tensor(value, strategy)
+                # per tensor: shape []; attn_head: [heads, 1, 1], the layout vLLM's loader flattens
+                t = value.to(torch.float32).contiguous()
+                tensors[vllm_scale_name(layer, kind)] = t.reshape(()) if strategy == "tensor" else t.reshape(-1, 1, 1)
     qc = prepared.config.get("quantization_config")
     qc = formats.ct_quantization_config(strategy) if qc is None else formats.ct_with_kv_scheme(qc, strategy)
     config = dict(prepared.config, quantization_config=qc)
@@ -101,10 +97,8 @@ class VllmTarget(Target):
 
     def write(self, source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any],
               options: WriteOptions = WriteOptions()) -> Path:
-        prepared = source if isinstance(source, PreparedSource) else \
-            prepare_source(source, out, quantized_ok=True, overwrite_kv=options.overwrite_kv)
-        return export_vllm(prepared, out, scales, provenance, strategy=self.strategies[options.granularity.name],
-                           force=options.force, extra_files=options.extra_files)
+        return export_vllm(source, out, scales, provenance, strategy=self.strategies[options.granularity.name],
+                           force=options.force, overwrite_kv=options.overwrite_kv, extra_files=options.extra_files)
 
 
 TARGET = VllmTarget()

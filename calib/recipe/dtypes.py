@@ -21,7 +21,6 @@ from typing import Any
 
 # ---------------------------------------------------------------- KV-cache formats
 
-
 STATIC, UNSCALED, PER_TOKEN_HEAD = "static", "unscaled", "per_token_head"
 
 
@@ -162,8 +161,8 @@ def model_bytes_per_token(model_dtype: str, kv_heads: int, head_dim: int, v_head
 
 # ---------------------------------------------------------------- observers
 
-
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An int, never a bool."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -187,7 +186,7 @@ class Param:
 
 # A recipe never sets the histogram's bin count: statistics files merge (and resume) only at one resolution,
 # and the recorded recipe is what identifies them; tests and tools may build observers at another.
-_BINS = Param(int, lambda v: _is_int(v) and 256 <= v <= 1 << 15 and not v & (v - 1),
+_BINS = Param(int, lambda v: is_int(v) and 256 <= v <= 1 << 15 and not v & (v - 1),
               "a power of two in [256, 32768]", recipe=False,
               why_fixed=f"the histogram resolution is fixed at {HISTOGRAM_BINS} bins so that statistics files merge")
 
@@ -208,7 +207,7 @@ OBSERVERS: dict[str, ObserverSpec] = {s.name: s for s in (
     ObserverSpec("absmax", exact=True),
     ObserverSpec("percentile", {"p": Param(float, lambda v: _is_num(v) and 0 < v <= 100, "a number in (0, 100]"),
                                 "bins": _BINS}),
-    ObserverSpec("mse", {"grid": Param(int, lambda v: _is_int(v) and 2 <= v <= MSE_GRID_MAX,
+    ObserverSpec("mse", {"grid": Param(int, lambda v: is_int(v) and 2 <= v <= MSE_GRID_MAX,
                                        f"an integer in [2, {MSE_GRID_MAX}]"),
                          "min_ratio": Param(float, lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
                          "bins": _BINS}),

@@ -36,10 +36,6 @@ LIMITS = {"samples": 10_000_000, "seq_len": 1 << 22, "min_tokens": 1 << 22, "bat
           "seed": 2**63 - 1, "headroom": 1000.0, "skip_layers": 1 << 20}
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 class RecipeError(KvcalibError, ValueError):
     """A recipe field has a bad value; the message names the field, the value and what is accepted."""
 
@@ -82,7 +78,7 @@ class Recipe:
         if len(set(self.targets)) != len(self.targets):
             raise RecipeError(f"recipe field 'targets' = {list(self.targets)} names an engine twice")
         for item in self.skip_layers:
-            if not ((_is_int(item) and 0 <= item < LIMITS["skip_layers"]) or item in SKIP_KEYWORDS):
+            if not ((dtypes.is_int(item) and 0 <= item < LIMITS["skip_layers"]) or item in SKIP_KEYWORDS):
                 raise RecipeError(f"recipe field 'skip_layers' has {item!r}: give layer indices >= 0 and/or "
                                   f"{', '.join(SKIP_KEYWORDS)}")
         self._check_combination()
@@ -138,11 +134,8 @@ class Recipe:
                               "q_scale")
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["targets"] = list(self.targets)
-        d["skip_layers"] = list(self.skip_layers)
-        d["observer_params"] = dict(self.observer_params)
-        return d
+        return {**dataclasses.asdict(self), "targets": list(self.targets), "skip_layers": list(self.skip_layers),
+                "observer_params": dict(self.observer_params)}
 
     def replace(self, **overrides: Any) -> "Recipe":
         """A copy with the non-None overrides applied (CLI flags win over the YAML file)."""
@@ -154,30 +147,19 @@ class Recipe:
         return {f.name: f.metadata["doc"] for f in fields(Recipe)}
 
 
-_TYPE_NAMES = {"str": str, "float": float, "int": int, "bool": bool}
+# a field's annotation -> (what a value of it passes, what the error says is expected)
+_TYPES = {"tuple": (lambda v: isinstance(v, tuple), "a list"),
+          "dict": (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v), "a mapping of name: value"),
+          "tuple[str, ...]": (lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v),
+                              "a list of strings"),
+          "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+          "int": (dtypes.is_int, "an integer"), "str": (lambda v: isinstance(v, str), "a str"),
+          "bool": (lambda v: isinstance(v, bool), "a bool")}
 
 
 def _check_type(name: str, value: Any, type_name: Any) -> None:
-    type_name = str(type_name)
-    if type_name == "tuple":
-        ok = isinstance(value, tuple)
-        want = "a list"
-    elif type_name == "dict":
-        ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
-        want = "a mapping of name: value"
-    elif type_name.startswith("tuple"):
-        ok = isinstance(value, tuple) and all(isinstance(v, str) for v in value)
-        want = "a list of strings"
-    elif type_name == "float":
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        want = "a number"
-    elif type_name == "int":
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        want = "an integer"
-    else:
-        ok = isinstance(value, _TYPE_NAMES[type_name])
-        want = f"a {type_name}"
-    if not ok:
+    ok, want = _TYPES[str(type_name)]
+    if not ok(value):
         raise RecipeError(f"recipe field '{name}' = {value!r} has the wrong type: expected {want}")
 
 
@@ -207,13 +189,10 @@ def from_dict(data: dict[str, Any], source: str = "recipe") -> Recipe:
     if unknown:
         raise RecipeError(f"{source}: unknown field(s) {', '.join(map(repr, unknown))}; known fields: {', '.join(sorted(known))}")
     data = dict(data)
-    if "targets" in data:
-        t = data["targets"]
-        data["targets"] = tuple(x for x in t.split(",") if x) if isinstance(t, str) else tuple(t) if isinstance(t, list) else t
-    if "skip_layers" in data:
-        t = data["skip_layers"]
-        data["skip_layers"] = (tuple(_int_or_str(x) for x in t.split(",") if x) if isinstance(t, str)
-                               else tuple(t) if isinstance(t, list) else t)
+    for key, item in (("targets", str), ("skip_layers", _int_or_str)):   # a list, or comma-separated (the CLI)
+        t = data.get(key)
+        if isinstance(t, (str, list)):
+            data[key] = tuple(item(x) for x in t.split(",") if x) if isinstance(t, str) else tuple(t)
     if data.get("observer_params") is None and "observer_params" in data:
         data["observer_params"] = {}
     if isinstance(data.get("headroom"), int) and not isinstance(data.get("headroom"), bool):

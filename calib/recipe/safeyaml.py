@@ -42,12 +42,10 @@ class _Loader(yaml.SafeLoader):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent):
-            raise _Refused(event.start_mark, f"alias *{event.anchor}: anchors and aliases are not allowed; "
-                                             "write the value out")
         if getattr(event, "anchor", None):
-            raise _Refused(event.start_mark, f"anchor &{event.anchor}: anchors and aliases are not allowed; "
-                                             "write the value out")
+            what = "alias *" if isinstance(event, yaml.AliasEvent) else "anchor &"
+            raise _Refused(event.start_mark, f"{what}{event.anchor}: anchors and aliases are not allowed; write the "
+                                             "value out")
         nested = isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent))
         if nested:
             self._depth += 1

@@ -8,9 +8,8 @@ were read from vLLM 0.32 (module paths under `vllm/`) and TensorRT-LLM main as o
 `tensorrt_llm/`). A rule the engine would fail on is an "error"; one that loads but loses precision or
 is ignored today is a "warning".
 
-Reads JSON and safetensors headers/values only (`safetensors.safe_open(..., framework="numpy")`; bf16
-values, which numpy cannot represent, are decoded from the file's raw bytes). Never unpickles, never
-imports torch, so it is fast enough for a pre-deploy check.
+Reads only JSON and safetensors headers/values (calib.ckpt.reader): never unpickles, never imports torch, so it
+is fast enough for a pre-deploy check.
 
 Layout: calib.ckpt.reader reads the checkpoint once (and defines `Problem`), `common` holds checks both
 engines' rules share, `vllm` and `trtllm` hold each engine's view and rules and define its `CHECKER`

@@ -1,9 +1,8 @@
 """What an engine's checks are: how the engine sees a checkpoint (its view), the rules over that view, and
 whether a checkpoint declares itself for the engine.
 
-A module of calib.verify that defines `CHECKER` (a `Checker`) is an engine's checks: calib.verify finds it as
-calib.export finds a `TARGET`, so an engine is one new file in calib.export plus, when kvcalib knows its loader
-rules, one here. Imports no torch.
+A module of calib.verify that defines `CHECKER` is an engine's checks, found as calib.export finds a `TARGET`:
+an engine whose loader rules kvcalib knows is one more file here. Imports no torch.
 """
 
 from __future__ import annotations

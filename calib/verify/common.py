@@ -36,11 +36,6 @@ def subnormal(vals: np.ndarray) -> str | None:
             "it overflows and every value saturates; recalibrate or remove the scale")
 
 
-def first_bad(vals: np.ndarray) -> str:
-    bad = vals[~np.isfinite(vals)]
-    return repr(float(bad[0])) if bad.size else "?"
-
-
 def scalar_problems(engine: str, ck: CheckpointFiles, scales: Iterable[ScaleTensor], *, shape_why: str,
                     nonfinite_why: str, nonpositive_why: str) -> Iterator[Problem]:
     """The rules of an engine that reads one finite, positive scalar per scale (TensorRT-LLM, SGLang): the shape,
@@ -50,18 +45,31 @@ def scalar_problems(engine: str, ck: CheckpointFiles, scales: Iterable[ScaleTens
         if s.tensor.numel != 1:
             yield Problem(engine, s.tensor.name, f"shape {list(s.tensor.shape)}{shape_why}", code=f"{engine}.shape")
     yield from dtype_problems(engine, scales)
+    yield from value_problems(engine, ck, scales, nonfinite_why, nonpositive_why)
+
+
+def value_problems(engine: str, ck: CheckpointFiles, scales: Iterable[ScaleTensor], nonfinite_why: str,
+                   nonpositive_why: str) -> Iterator[Problem]:
+    """The first non-finite, non-positive or subnormal value of each scale, with the engine's consequence."""
     for s in scales:
         vals = ck.values(s.tensor)
         if vals is None or vals.size == 0:
             continue
         if not np.isfinite(vals).all():
-            yield Problem(engine, s.tensor.name, f"holds a non-finite value ({first_bad(vals)}){nonfinite_why}",
+            bad = float(vals[~np.isfinite(vals)][0])
+            yield Problem(engine, s.tensor.name, f"holds a non-finite value ({bad!r}){nonfinite_why}",
                           code=f"{engine}.value")
         elif (vals <= 0).any():
             yield Problem(engine, s.tensor.name, f"holds {float(vals[vals <= 0][0])!r}{nonpositive_why}",
                           code=f"{engine}.value")
         elif subnormal(vals):
             yield Problem(engine, s.tensor.name, subnormal(vals), code=f"{engine}.value")
+
+
+def where_qc(source: str | None, key: str = "") -> str:
+    """A quantization config's key as a problem names it: `config.json:quantization_config.KEY` or `FILE.KEY`."""
+    base = f"{source}:quantization_config" if source == "config.json" else str(source or "config.json")
+    return f"{base}.{key}" if key else base
 
 
 def unmapped_problems(engine: str, ck: CheckpointFiles, files, *, never_read: str, cannot_check: str

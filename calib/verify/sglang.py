@@ -13,13 +13,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-
 from calib.ckpt import formats
 from calib.ckpt.names import HF_QUANT_CONFIG, INDEX_FILE
 from calib.ckpt.reader import CheckpointFiles, Problem, ScaleTensor
 from calib.recipe import support
 from calib.verify.checker import Checker
-from calib.verify.common import scalar_problems
+from calib.verify.common import scalar_problems, where_qc
 
 
 @dataclass
@@ -31,6 +30,9 @@ class SglangView:
     kv_supported: bool          # a KV scheme SGLang's KV method takes (its scales reach the cache)
     files: list[str]
     scales: list[ScaleTensor]
+
+    def where(self, key: str = "") -> str:
+        return where_qc(self.source, key)
 
 
 def sglang_config(ck: CheckpointFiles) -> tuple[str | None, dict[str, Any] | None]:
@@ -72,11 +74,6 @@ def sglang_view(ck: CheckpointFiles) -> SglangView:
     return SglangView(source, qc, method, scheme, supported, files, ck.scales(files))
 
 
-def _where(v: SglangView, key: str = "") -> str:
-    base = f"{v.source}:quantization_config" if v.source == "config.json" else str(v.source or "config.json")
-    return f"{base}.{key}" if key else base
-
-
 def sglang_reads_a_kv_config(ck: CheckpointFiles, v: SglangView) -> Iterator[Problem]:
     """Scales reach the cache only through a quantization config SGLang reads.
 
@@ -87,7 +84,7 @@ def sglang_reads_a_kv_config(ck: CheckpointFiles, v: SglangView) -> Iterator[Pro
     """
     if v.method is not None:
         if v.method not in ("compressed-tensors", "modelopt"):
-            yield Problem("sglang", _where(v, "quant_method"), f"quant_method {v.method!r}: kvcalib does not know how "
+            yield Problem("sglang", v.where("quant_method"), f"quant_method {v.method!r}: kvcalib does not know how "
                           "SGLang handles KV scales for it", "warning", "sglang.unverified")
         return
     why = (f" ({HF_QUANT_CONFIG} without a weight quant_algo is not read by SGLang)" if ck.hf_quant_present else "")
@@ -112,7 +109,7 @@ def sglang_ct_kv_cache_scheme(ck: CheckpointFiles, v: SglangView) -> Iterator[Pr
     """
     if v.method != "compressed-tensors":
         return
-    where = _where(v, "kv_cache_scheme")
+    where = v.where("kv_cache_scheme")
     if v.scheme is None:
         if v.scales:
             yield Problem("sglang", where, "absent: SGLang has no KV method for the scale tensors ('not loaded'); "
@@ -137,7 +134,7 @@ def sglang_declared_without_scales(ck: CheckpointFiles, v: SglangView) -> Iterat
     .process_weights_after_loading (both not loaded -> 1.0).
     """
     if v.kv_supported and not _usable(v):
-        yield Problem("sglang", _where(v), "declares an FP8 KV cache but SGLang finds no k/v scale tensor in the "
+        yield Problem("sglang", v.where(), "declares an FP8 KV cache but SGLang finds no k/v scale tensor in the "
                       "files it reads: every layer would run at scale 1.0", code="sglang.silent-default")
 
 

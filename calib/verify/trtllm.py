@@ -3,7 +3,7 @@ serve-time KV dtype) and config.json, which
 files and tensor names it loads (the view), and one rule per loader check, collected in TRT_RULES.
 
 A module of its own so the TRT-LLM rules can be read, and updated when TRT-LLM changes, apart from
-vLLM's. (The exporter for this engine is `calib.trtllm`; this module only checks.)
+vLLM's (the exporter for this engine is calib.export.trtllm; this module only checks).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
 
 from calib.ckpt.formats import (TRTLLM_KV_DTYPES, ct_declared_kv_scheme, is_compressed_tensors, is_modelopt,
                                 modelopt_quantization, trtllm_serve_kv_algo)
@@ -73,12 +72,8 @@ def trt_hf_quant_config(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
 
     tensorrt_llm/_torch/model_config.py: ModelConfig.from_pretrained and _build_modelopt_quant_config
     (`QuantAlgo(...)` raises ValueError for an unknown name); tensorrt_llm/quantization/modelopt_config.py:
-    read_modelopt_quant_config; tensorrt_llm/quantization/mode.py: KV_CACHE_QUANT_ALGO_LIST.
-
-    quant_algo null (and no `quantized_layers`): tensorrt_llm/llmapi/llm_utils.py
-    ModelLoader._update_from_hf_quant_config raises ValueError("Pre-quantized checkpoint must have quant_algo.")
-    from CachedModelLoader.__call__, PyTorch backend included (main at commit 0066b2a5; the older form that still
-    has the TensorRT-engine branch raises the same); run on kvcalib's outputs (calib/export/trtllm.py).
+    read_modelopt_quant_config; tensorrt_llm/quantization/mode.py: KV_CACHE_QUANT_ALGO_LIST. quant_algo null (and
+    no `quantized_layers`): the LLM API refuses to start (where read, and run: calib/export/trtllm.py's docstring).
     """
     where = HF_QUANT_CONFIG
     if not ck.hf_quant_present:
@@ -213,11 +208,8 @@ def trt_scale_names(ck: CheckpointFiles, t: TrtView) -> Iterator[Problem]:
     tensorrt_llm/_torch/models/modeling_utils.py: _load_weights_impl (fused `qkv_proj` gets one dict per
     `{q,k,v}_proj` via filter_weights; the scale is key `k_scale` of the k dict, `v_scale` of the v dict);
     tensorrt_llm/_torch/models/checkpoints/hf/weight_loader.py: HfWeightLoader.load_weights (skips
-    "*consolidated*" files when other shards exist).
-
-    A module's tensors are selected by the exact module name as prefix (modeling_utils.py: filter_weights):
-    a layer written "01" or "١", another prefix or attention module than the model's selects nothing, so the
-    scale is never read (calib.ckpt.reader: CheckpointFiles.unmapped).
+    "*consolidated*" files when other shards exist). A name that reaches no module of the model (filter_weights
+    selects by the exact module name: calib.ckpt.names, calib.ckpt.reader CheckpointFiles.unmapped) is never read.
     """
     yield from unmapped_problems("trtllm", ck, t.files, cannot_check="TensorRT-LLM reads it",
                                  never_read="TensorRT-LLM selects a module's tensors by its exact name and never "

@@ -1,13 +1,8 @@
 """TensorRT-LLM's TensorRT-engine backend: the rules its checkpoint loader applies to a converted checkpoint's KV
 scales (the `trtllm-engine` target, calib/export/trtllm_engine.py).
 
-The checkpoint is TensorRT-LLM's own (config.json a PretrainedConfig with `architecture` and `mapping`;
-`rank{r}.safetensors` per tensor-parallel and pipeline rank), so its rules are read from that layout, not from a
-Hugging Face folder. Read in NVIDIA/TensorRT-LLM (1.2.x and the 1.3.0 release candidates, which still build
-engines): `tensorrt_llm/models/modeling_utils.py` `PretrainedModel.load` refuses a checkpoint missing a tensor
-the model declares (with `kv_cache_quant_algo` set, every attention layer declares `kv_cache_scaling_factor`,
-`tensorrt_llm/quantization/quantize.py` `kv_cache_quantize`); `preprocess_weights` / `process_kv_scaling_factor`
-take the one value as the dequantisation scale shared by K and V and add its reciprocal.
+The checkpoint is TensorRT-LLM's own, not a Hugging Face folder: its layout, and where in NVIDIA/TensorRT-LLM
+(1.2.x and the 1.3.0 release candidates) each rule below was read, is calib/export/trtllm_engine.py's docstring.
 Imports no torch.
 """
 
@@ -21,9 +16,9 @@ from calib.ckpt import formats
 from calib.ckpt.names import trtllm_ckpt_scale_name
 from calib.ckpt.reader import CheckpointFiles, Problem
 from calib.verify.checker import Checker
+from calib.verify.common import SMALLEST_SCALE
 
 NAME = "trtllm-engine"
-F32_TINY = 1.1754943508222875e-38        # the smallest normal float32
 
 
 def declared(ck: CheckpointFiles) -> bool:
@@ -35,14 +30,11 @@ def view(ck: CheckpointFiles) -> dict[str, Any]:
     values) or why the file could not be read."""
     from safetensors import safe_open
 
-    cfg = ck.config if isinstance(ck.config, dict) else {}
-    out: dict[str, Any] = {"algo": (cfg.get("quantization") or {}).get("kv_cache_quant_algo")
-                           if isinstance(cfg.get("quantization"), dict) else None, "ranks": {}, "error": None}
+    quant = ck.config.get("quantization")      # ck.config is {} where config.json is unreadable
+    out: dict[str, Any] = {"algo": quant.get("kv_cache_quant_algo") if isinstance(quant, dict) else None, "ranks": {},
+                           "error": None}
     try:
-        tp, pp = formats.trtllm_ckpt_grid(cfg)
-        n = cfg.get("num_hidden_layers")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"config.json num_hidden_layers = {n!r}: must be a positive integer")
+        n, tp, pp = formats.trtllm_ckpt_grid(ck.config)
     except ValueError as e:
         out["error"] = str(e)
         return out
@@ -102,7 +94,7 @@ def scale_values(ck: CheckpointFiles, v: dict[str, Any]) -> Iterator[Problem]:
             if dtype != "float32" or shape != [1]:
                 yield _p(name, f"kv_cache_scaling_factor is {dtype} {shape}; the engine expects float32 [1]",
                          code="trtllm-engine.shape")
-            if not vals or not all(math.isfinite(x) and x >= F32_TINY for x in vals):
+            if not vals or not all(math.isfinite(x) and x >= SMALLEST_SCALE for x in vals):
                 yield _p(name, f"kv_cache_scaling_factor = {vals[:1]}: must be finite and a normal positive float32",
                          code="trtllm-engine.value")
                 continue

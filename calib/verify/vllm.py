@@ -11,14 +11,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from calib.ckpt import formats
 from calib.ckpt.formats import producer_name
 from calib.ckpt.names import HF_QUANT_CONFIG, INDEX_FILE
 from calib.ckpt.reader import CheckpointFiles, Problem, ScaleTensor
 from calib.verify.checker import Checker
-from calib.verify.common import dtype_problems, first_bad, subnormal, unmapped_problems
+from calib.verify.common import dtype_problems, unmapped_problems, value_problems, where_qc
 
 # vllm/transformers_utils/model_arch_config_convertor.py: _normalize_quantization_config
 _VLLM_MODELOPT_ALGOS = {"FP8": "modelopt", "FP8_PER_CHANNEL_PER_TOKEN": "modelopt", "FP8_PB_WO": "modelopt",
@@ -34,6 +32,9 @@ class VllmView:
     strategy: str | None        # compressed-tensors kv_cache_scheme strategy
     files: list[str]
     scales: list[ScaleTensor]
+
+    def where(self, key: str = "") -> str:
+        return where_qc(self.source, key)
 
     @property
     def accepted_forms(self) -> set[str]:
@@ -75,14 +76,6 @@ def vllm_method(qc: dict[str, Any] | None) -> str | None:
     return method or None
 
 
-def _vllm_files(ck: CheckpointFiles) -> list[str]:
-    """vllm/model_executor/model_loader/weight_utils.py: filter_duplicate_safetensors_files.
-
-    With an index, vLLM reads only the shards the index names (every tensor in them); without, all shards.
-    """
-    return ck.named_files()
-
-
 def vllm_view(ck: CheckpointFiles) -> VllmView:
     source, qc = vllm_config(ck)
     method = vllm_method(qc)
@@ -95,13 +88,10 @@ def vllm_view(ck: CheckpointFiles) -> VllmView:
         kv_declared = bool(formats.quark_kv_group(qc))
     elif method and method.startswith("modelopt"):
         kv_declared = formats.modelopt_kv_cache_algo(qc) is not None
-    files = _vllm_files(ck)
+    # vllm/model_executor/model_loader/weight_utils.py: filter_duplicate_safetensors_files: with an index, vLLM
+    # reads only the shards the index names (every tensor in them); without, all shards
+    files = ck.named_files()
     return VllmView(source, qc, method, kv_declared, strategy, files, ck.scales(files))
-
-
-def _where_qc(view: VllmView, key: str = "") -> str:
-    base = f"{view.source}:quantization_config" if view.source == "config.json" else str(view.source)
-    return f"{base}.{key}" if key else base
 
 
 def vllm_reads_a_quant_config(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
@@ -115,7 +105,7 @@ def vllm_reads_a_quant_config(ck: CheckpointFiles, v: VllmView) -> Iterator[Prob
     """
     if v.method is not None:
         if v.method not in ("compressed-tensors", "quark") and not v.method.startswith("modelopt"):
-            yield Problem("vllm", _where_qc(v, "quant_method"),
+            yield Problem("vllm", v.where("quant_method"),
                           f"quant_method {v.method!r}: kvcalib does not know how vLLM handles KV scales for it; "
                           "only compressed-tensors, ModelOpt and Quark are checked", "warning", "vllm.unverified")
         return
@@ -143,7 +133,7 @@ def vllm_ct_kv_cache_scheme(ck: CheckpointFiles, v: VllmView) -> Iterator[Proble
     if v.method != "compressed-tensors":
         return
     scheme = formats.ct_declared_kv_scheme(v.qc)
-    where = _where_qc(v, "kv_cache_scheme")
+    where = v.where("kv_cache_scheme")
     if scheme is None:
         if v.scales:
             yield Problem("vllm", where, "absent: the scale tensors load, but vLLM turns on FP8 KV only with "
@@ -175,7 +165,7 @@ def vllm_ct_config_groups(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]
     compressed_tensors.QuantizationConfig declares the field required.
     """
     if v.method == "compressed-tensors" and "config_groups" not in v.qc:
-        yield Problem("vllm", _where_qc(v, "config_groups"), "missing; write config_groups: {} for a KV-only "
+        yield Problem("vllm", v.where("config_groups"), "missing; write config_groups: {} for a KV-only "
                       "checkpoint", code="vllm.config-groups")
 
 
@@ -189,37 +179,37 @@ def vllm_quark_kv_config(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     if v.method != "quark":
         return
     if formats.quark_export(v.qc) is None:
-        yield Problem("vllm", _where_qc(v, "export"), "missing; QuarkConfig.from_config requires it",
+        yield Problem("vllm", v.where("export"), "missing; QuarkConfig.from_config requires it",
                       code="vllm.quark-kv")
         return
     group = formats.quark_kv_group(v.qc) or []
     if not isinstance(group, list) or not all(isinstance(p, str) for p in group):
-        yield Problem("vllm", _where_qc(v, "export.kv_cache_group"), "must be a list of module name patterns",
+        yield Problem("vllm", v.where("export.kv_cache_group"), "must be a list of module name patterns",
                       code="vllm.quark-kv")
         return
     if not group:
         if v.scales:
-            yield Problem("vllm", _where_qc(v, "export.kv_cache_group"), "empty: the scale tensors load, but vLLM "
+            yield Problem("vllm", v.where("export.kv_cache_group"), "empty: the scale tensors load, but vLLM "
                           "turns on FP8 KV only with --kv-cache-dtype fp8", "warning", "vllm.quark-no-kv")
         return
     layer_cfg = v.qc.get("layer_quant_config") or {}
     if not isinstance(layer_cfg, dict):
-        yield Problem("vllm", _where_qc(v, "layer_quant_config"), "must be an object of pattern: config",
+        yield Problem("vllm", v.where("layer_quant_config"), "must be an object of pattern: config",
                       code="vllm.quark-kv")
         return
     matched = [cfg for name, cfg in layer_cfg.items() if any(fnmatch.fnmatchcase(name, p) for p in group)]
     if not matched:
-        yield Problem("vllm", _where_qc(v, "layer_quant_config"), f"no entry matches kv_cache_group {group}",
+        yield Problem("vllm", v.where("layer_quant_config"), f"no entry matches kv_cache_group {group}",
                       code="vllm.quark-kv")
         return
     outs = [cfg.get("output_tensors") if isinstance(cfg, dict) else None for cfg in matched]
     if any(o != outs[0] for o in outs):
-        yield Problem("vllm", _where_qc(v, "layer_quant_config"), "the kv_cache_group entries have different "
+        yield Problem("vllm", v.where("layer_quant_config"), "the kv_cache_group entries have different "
                       "output_tensors", code="vllm.quark-kv")
     first = outs[0] if isinstance(outs[0], dict) else {}
     for key, want in (("dtype", "fp8_e4m3"), ("qscheme", "per_tensor")):
         if first.get(key) != want:
-            yield Problem("vllm", _where_qc(v, f"layer_quant_config.output_tensors.{key}"),
+            yield Problem("vllm", v.where(f"layer_quant_config.output_tensors.{key}"),
                           f"is {first.get(key)!r}; vLLM supports {want!r} only", code="vllm.quark-kv")
 
 
@@ -231,7 +221,7 @@ def vllm_declared_without_scales(ck: CheckpointFiles, v: VllmView) -> Iterator[P
     BaseKVCacheMethod.process_weights_after_loading (no scale loaded -> 1.0).
     """
     if v.kv_declared and not [s for s in v.scales if s.form in v.accepted_forms]:
-        yield Problem("vllm", _where_qc(v), "declares a quantized KV cache but vLLM finds no k/v scale tensor in the "
+        yield Problem("vllm", v.where(), "declares a quantized KV cache but vLLM finds no k/v scale tensor in the "
                       "files it reads: vLLM would silently use 1.0 for every layer", code="vllm.silent-default")
 
 
@@ -242,13 +232,9 @@ def vllm_scale_names(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     (`self_attn.{q,k,v}_scale`, `self_attn.{k,v}_proj.{k,v}_scale`); quark/quark.py:
     QuarkConfig.get_cache_scale_mapper (`{q,k,v}_proj.output_scale`); models/utils.py:
     AutoWeightsLoader._load_module raises for a name with no parameter (e.g. a layer index out of range).
-
-    Names are matched as vLLM maps them: after the mapper has put `.attn` before the leaf, AutoWeightsLoader
-    walks the name one dotted part at a time to the child module of exactly that name (`_groupby_prefix`,
-    `_load_module`), so a layer written "01" or "١", another prefix, or an attention module the model does
-    not have names no module: AutoWeightsLoader raises "There is no module or parameter named", and models
-    that remap with weight_utils.py: maybe_remap_kv_scale_name drop the scale (it stays 1.0). Whether the
-    module exists is read from the checkpoint's own weights (calib.ckpt.reader: CheckpointFiles.unmapped).
+    A name that reaches no module (how vLLM walks it: calib.ckpt.names; the modules the checkpoint's weights have:
+    calib.ckpt.reader, CheckpointFiles.unmapped) fails the load, or is dropped by models that remap with
+    weight_utils.py: maybe_remap_kv_scale_name (the scale stays 1.0).
     """
     if v.method is None:
         return
@@ -328,22 +314,11 @@ def vllm_scale_values(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     is (the cache write divides by it); kv_cache.py: BaseKVCacheMethod.process_weights_after_loading
     (ModelOpt/Quark) asserts k_scale > 0 for zero/NaN and treats a negative one as "not loaded" (1.0).
     """
-    for s in v.scales:
-        if s.form not in v.accepted_forms:
-            continue
-        vals = ck.values(s.tensor)
-        if vals is None or vals.size == 0:
-            continue
-        if not np.isfinite(vals).all():
-            yield Problem("vllm", s.tensor.name, f"holds a non-finite value ({first_bad(vals)}); the FP8 cache "
-                          "would be NaN/inf or the load fails", code="vllm.value")
-        elif (vals <= 0).any():
-            effect = ("the cache write divides by it" if v.method == "compressed-tensors"
-                      else "vLLM asserts at load (zero) or falls back to 1.0 (negative)")
-            yield Problem("vllm", s.tensor.name, f"holds {float(vals[vals <= 0][0])!r}; scales must be > 0 "
-                          f"({effect})", code="vllm.value")
-        elif subnormal(vals):
-            yield Problem("vllm", s.tensor.name, subnormal(vals), code="vllm.value")
+    effect = ("the cache write divides by it" if v.method == "compressed-tensors"
+              else "vLLM asserts at load (zero) or falls back to 1.0 (negative)")
+    yield from value_problems("vllm", ck, [s for s in v.scales if s.form in v.accepted_forms],
+                              "; the FP8 cache would be NaN/inf or the load fails",
+                              f"; scales must be > 0 ({effect})")
 
 
 def vllm_index_consistent(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:

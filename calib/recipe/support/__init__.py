@@ -17,17 +17,14 @@ calib.recipe.support` prints the README's table.
 
 from __future__ import annotations
 
-from calib.recipe.support.base import (ASPECTS, Cell, Effect, Engine, Evidence, Measurement, Source, TuneSpace,
-                                       Version)
-from calib.recipe.support.matrix import (CELLS, DYNAMIC_FORMATS, ENGINES, KV_FORMATS, NOTES, SKIP_KINDS,
-                                         STATIC_FORMATS, SupportError, applies, builds, cell, effect, engine,
-                                         lacks_format, lacks_skip, markdown, q_scale_readers, skip_by_kind,
-                                         skip_order, targets, version_of)
-from calib.recipe.support.outcome import (DIFFERS, REFUSE, SAME, Calibrated, Consequence, Outcome, outcome,
-                                          who_serves)
+from calib.recipe.support.base import ASPECTS, Effect, Measurement, Source, Version
+from calib.recipe.support.matrix import (CELLS, DYNAMIC_FORMATS, ENGINES, KV_FORMATS, NOTES, SKIP_KINDS, STATIC_FORMATS,
+                                         SupportError, applies, builds, cell, effect, engine, lacks_format, lacks_skip,
+                                         markdown, q_scale_readers, skip_by_kind, skip_order, targets, version_of)
+from calib.recipe.support.outcome import DIFFERS, REFUSE, SAME, Calibrated, Outcome, outcome, who_serves
 
-__all__ = ["ASPECTS", "CELLS", "Calibrated", "Cell", "Consequence", "DIFFERS", "DYNAMIC_FORMATS", "ENGINES",
-           "Effect", "Engine", "Evidence", "KV_FORMATS", "Measurement", "NOTES", "Outcome", "REFUSE", "SAME",
-           "SKIP_KINDS", "STATIC_FORMATS", "Source", "SupportError", "TuneSpace", "Version", "applies", "builds",
-           "cell", "effect", "engine", "lacks_format", "lacks_skip", "markdown", "outcome", "q_scale_readers",
-           "skip_by_kind", "skip_order", "targets", "version_of", "who_serves"]
+__all__ = ["ASPECTS", "CELLS", "Calibrated", "DIFFERS", "DYNAMIC_FORMATS", "ENGINES", "Effect", "KV_FORMATS",
+           "Measurement", "NOTES", "Outcome", "REFUSE", "SAME", "SKIP_KINDS", "STATIC_FORMATS", "Source",
+           "SupportError", "Version", "applies", "builds", "cell", "effect", "engine", "lacks_format", "lacks_skip",
+           "markdown", "outcome", "q_scale_readers", "skip_by_kind", "skip_order", "targets", "version_of",
+           "who_serves"]

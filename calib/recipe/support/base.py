@@ -58,6 +58,11 @@ class Measurement:
 
 Evidence = Source | Measurement
 
+
+def source_maker(repo: str, version: str, prefix: str = ""):
+    """`s(file, function, version=version)`: a Source in `repo`, `file` a path under `prefix`."""
+    return lambda file, function, read=version: Source(repo, prefix + file, function, read)
+
 # numbers, then at most a PEP 440 pre/post/dev tag (0.11.0rc1, 0.5.18.post1), nothing else: "0.5.18garbage" is a typo
 _NUM = re.compile(r"^v?(\d+(?:\.\d+)*)(?:[.-]?(?:a|b|rc|post|dev)\d*)*$")
 
@@ -184,15 +189,13 @@ def lacking_cells(engine: Engine) -> tuple[Cell, ...]:
     out = []
     for d in dtypes.KV_FORMATS.values():
         served = d.served(engine.name)
-        if served is None:
+        if served is None or served.since is not None:
+            note, until = (engine.lacks, hi) if served is None else (f"not a {engine.option} before {served.since}",
+                                                                     served.since)
             out.append(Cell(engine.name, frozenset(engine.backends), frozenset([d.name]), frozenset(ASPECTS),
-                            Effect.REFUSED, engine.lacks, engine.lacks_evidence, v(lo), v(hi)))
-        elif served.since is not None:
-            out.append(Cell(engine.name, frozenset(engine.backends), frozenset([d.name]), frozenset(ASPECTS),
-                            Effect.REFUSED, f"not a {engine.option} before {served.since}", engine.lacks_evidence,
-                            v(lo), v(served.since)))
+                            Effect.REFUSED, note, engine.lacks_evidence, v(lo), v(until)))
     return tuple(out)
 
 
 __all__ = ["ASPECTS", "Cell", "EVERY_FORMAT", "Effect", "Engine", "Evidence", "Measurement", "Source", "TuneSpace",
-           "Version", "cell_maker", "lacking_cells"]
+           "Version", "cell_maker", "lacking_cells", "source_maker"]

@@ -146,7 +146,6 @@ def skip_by_kind(engine_name: str, kind: str = "sliding_window") -> str | None:
 
 # ------------------------------------------------------------------------------------------ the README table
 
-
 def markdown() -> str:
     """The matrix as a markdown table, one row per cell, its sources numbered in a list under the table."""
     def names(keys: frozenset[str] | None, order: Sequence[str], label: dict[str, str] | None = None) -> str:

@@ -120,24 +120,16 @@ def _consequence(name: str, v: Version, backend: str, cal: Calibrated) -> Conseq
     kv = cell(name, v, backend, cal.dtype, cal.granularity, cal.architecture)
     line, sev = _kv_line(kv, cal)
     cells, lines = [kv], [line] if line else []
-
-    def bump(s: str) -> None:
-        nonlocal sev
-        sev = max(sev, s, key=_RANK.__getitem__)
-
     served = kv.effect not in (E.REFUSED, E.BROKEN)
-    if cal.q_scale:
-        q = cell(name, v, backend, cal.dtype, "q_scale", cal.architecture)
-        cells.append(q)
-        if q.effect is not E.APPLIED and served:
-            lines.append(f"q_scale {q.effect.value} ({q.note})")
-            bump(DIFFERS)
-    if cal.skip_layers:
-        s = cell(name, v, backend, cal.dtype, "skip_layers", cal.architecture)
-        cells.append(s)
-        if s.effect is not E.APPLIED and served:
-            lines.append(f"skip_layers {list(cal.skip_layers)} {s.effect.value} ({s.note})")
-            bump(REFUSE)
+    skips = f"skip_layers {list(cal.skip_layers)}"
+    for aspect, label, severity in (("q_scale", cal.q_scale and "q_scale", DIFFERS),
+                                    ("skip_layers", cal.skip_layers and skips, REFUSE)):
+        if label:
+            c = cell(name, v, backend, cal.dtype, aspect, cal.architecture)
+            cells.append(c)
+            if c.effect is not E.APPLIED and served:
+                lines.append(f"{label} {c.effect.value} ({c.note})")
+                sev = max(sev, severity, key=_RANK.__getitem__)
     return Consequence(name, v, backend, tuple(cells), sev, tuple(lines))
 
 
@@ -159,15 +151,9 @@ def who_serves(kv_format: str, granularity: str = "tensor") -> str:
         at_one = any(c.cells[0].effect is E.IGNORED for c in o.per_backend)
         key = "applied" if o.severity == SAME else ("at_one" if at_one else "refused") if o.refused else "differs"
         groups.setdefault(key, []).append(f"{e.title} {o.version}")
-    parts = []
-    if groups.get("applied"):
-        parts.append(f"applied as calibrated by {', '.join(groups['applied'])}")
-    if groups.get("differs"):
-        parts.append(f"served differently by {', '.join(groups['differs'])}")
-    if groups.get("at_one"):
-        parts.append(f"run at scale 1.0 by {', '.join(groups['at_one'])}")
-    if groups.get("refused"):
-        parts.append(f"not served by {', '.join(groups['refused'])}")
+    labels = (("applied", "applied as calibrated by"), ("differs", "served differently by"),
+              ("at_one", "run at scale 1.0 by"), ("refused", "not served by"))
+    parts = [f"{label} {', '.join(groups[key])}" for key, label in labels if groups.get(key)]
     built = [f"{ENGINES[n].title} +{b}" for n in ENGINES for b in builds(n, kv_format, granularity)]
     text = f"calibrated {kv_format} KV scales are " + "; ".join(parts)
     return text + (f" (applied by a build: {', '.join(built)})" if built else "")

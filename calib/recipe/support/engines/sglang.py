@@ -9,14 +9,10 @@ Mixtral do not (sglang issue 39942): those models run every layer at 1.0 — the
 
 from __future__ import annotations
 
-from calib.recipe.support.base import Effect as E, Engine, Source, cell_maker, v
+from calib.recipe.support.base import Effect as E, Engine, Source, cell_maker, source_maker, v
 
 _P = "python/sglang/srt/"
-
-
-def _s(file: str, function: str, version: str = "0.5.19-0.5.23") -> Source:
-    return Source("sgl-project/sglang", _P + file, function, version)
-
+_s = source_maker("sgl-project/sglang", "0.5.19-0.5.23", _P)
 
 S1 = _s("layers/quantization/compressed_tensors/compressed_tensors.py", "CompressedTensorsConfig.get_quant_method / "
         "CompressedTensorsKVCacheMethod.is_supported_scheme (float, 8 bits, strategy tensor, static, symmetric)")

@@ -7,15 +7,11 @@ attention backends to `tensorrt_llm/_torch/attention/`; the FP8 cache still runs
 
 from __future__ import annotations
 
-from calib.recipe.support.base import Effect as E, Engine, Source, TuneSpace, cell_maker, v
+from calib.recipe.support.base import Effect as E, Engine, TuneSpace, cell_maker, source_maker, v
 
 _MAIN = "main, 1.4.0rc, read 2026-12"
 _OLD = "the 1.2-1.3.0rc form; the file is still on main"
-
-
-def _s(file: str, function: str, version: str = _MAIN) -> Source:
-    return Source("NVIDIA/TensorRT-LLM", file, function, version)
-
+_s = source_maker("NVIDIA/TensorRT-LLM", _MAIN)
 
 T1 = _s("tensorrt_llm/_torch/attention/backends/trtllm.py", "TrtllmAttention.__init__ (layer-level FP8 KV scales stay "
         "1.0 for the PyTorch backend)")

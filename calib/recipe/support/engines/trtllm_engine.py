@@ -8,14 +8,10 @@ pull request 11723, removed from main in 15918, 16369 and 16612; 1.3.0rc20 the l
 
 from __future__ import annotations
 
-from calib.recipe.support.base import EVERY_FORMAT, Effect as E, Engine, Source, cell_maker, v
+from calib.recipe.support.base import EVERY_FORMAT, Effect as E, Engine, cell_maker, source_maker, v
 
 _TE = "1.2 / 1.3.0rc form"
-
-
-def _s(file: str, function: str, version: str = _TE) -> Source:
-    return Source("NVIDIA/TensorRT-LLM", file, function, version)
-
+_s = source_maker("NVIDIA/TensorRT-LLM", _TE)
 
 TE1 = _s("tensorrt_llm/quantization/quantize.py", "kv_cache_quantize (kv_cache_scaling_factor Parameter shape (1,) "
          "float32 on every Attention)")

@@ -9,13 +9,9 @@ vLLM has, and their names, are calib.recipe.dtypes'.
 
 from __future__ import annotations
 
-from calib.recipe.support.base import Effect as E, Engine, Measurement, Source, TuneSpace, cell_maker, v
+from calib.recipe.support.base import Effect as E, Engine, Measurement, TuneSpace, cell_maker, source_maker, v
 
-
-def _s(file: str, function: str, version: str = "0.18.0-0.34.0") -> Source:
-    return Source("vllm-project/vllm", file, function, version)
-
-
+_s = source_maker("vllm-project/vllm", "0.18.0-0.34.0")
 _Q = "vllm/model_executor/layers/quantization/"
 _A = "vllm/v1/attention/backends/"
 V1 = _s(_Q + "kv_cache.py", "BaseKVCacheMethod.process_weights_after_loading (per-token-head caches: scales set "
