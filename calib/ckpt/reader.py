@@ -8,9 +8,7 @@ represent, are decoded from the file's raw bytes); never unpickles, never import
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
@@ -317,16 +315,14 @@ def tensor_values(path: Path, name: str) -> np.ndarray | None:
     not widen itself (bf16 and FP8, scales other tools store in FP8, are widened from their raw bytes)."""
     from safetensors import safe_open
 
-    with open(path, "rb") as fh:
-        n = struct.unpack("<Q", fh.read(8))[0]
-        entry = json.loads(fh.read(n))[name]
-        if entry["dtype"] in RAW_DTYPES:
-            start, end = entry["data_offsets"]
-            fh.seek(8 + n + start)
-            raw = fh.read(end - start)
-            if entry["dtype"] != "BF16":
-                return widen_fp8(raw, entry["dtype"])
-            return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    t = integrity.read_header(path).tensors[name]
+    if t.dtype in RAW_DTYPES:
+        with open(path, "rb") as fh:
+            fh.seek(t.offset)
+            raw = fh.read(t.nbytes)
+        if t.dtype != "BF16":
+            return widen_fp8(raw, t.dtype)
+        return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     try:
         with safe_open(str(path), framework="numpy") as f:
             return np.asarray(f.get_tensor(name), dtype=np.float64).reshape(-1)

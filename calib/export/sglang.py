@@ -20,9 +20,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from calib.ckpt.source import PreparedSource, SourceFiles
-from calib.export.target import Target, WriteOptions
-from calib.export.vllm import export_vllm, prepare_source
+from calib.ckpt.source import PreparedSource
+from calib.export.target import WriteOptions
+from calib.export.vllm import VllmTarget, export_vllm
 from calib.provenance import Provenance
 
 if TYPE_CHECKING:
@@ -43,14 +43,11 @@ def export_sglang(source: Path | PreparedSource, out: Path, scales: Scales, prov
                        overwrite_kv=overwrite_kv, extra_files=extra_files, target="sglang")
 
 
-class SglangTarget(Target):
+class SglangTarget(VllmTarget):
+    """vLLM's layout, so vLLM's `prepare`: a weight-quantized source only through --into, compressed-tensors only."""
     name = "sglang"
     order = 2
     folds_heads = True
-
-    def prepare(self, source: Path | SourceFiles, out: Path, options: WriteOptions = WriteOptions()) -> PreparedSource:
-        """vLLM's layout, so vLLM's rules: a weight-quantized source only through --into, compressed-tensors only."""
-        return prepare_source(source, out, quantized_ok=options.into, overwrite_kv=options.overwrite_kv)
 
     def write(self, source: Path | PreparedSource, out: Path, scales: Scales, provenance: Provenance | dict[str, Any],
               options: WriteOptions = WriteOptions()) -> Path:

@@ -285,8 +285,7 @@ def trt_scale_shapes_dtypes_values(ck: CheckpointFiles, t: TrtView) -> Iterator[
 
 TRT_RULES: tuple[Callable[[CheckpointFiles, TrtView], Iterable[Problem]], ...] = (
     trt_hf_quant_config, trt_api_options, trt_int8_needs_unquantized_weights, trt_config_json_quantization,
-    trt_no_skipped_layers,
-    trt_scale_names, trt_scales_present, trt_scale_shapes_dtypes_values,
+    trt_no_skipped_layers, trt_scale_names, trt_scales_present, trt_scale_shapes_dtypes_values,
 )
 
 

@@ -301,23 +301,19 @@ def vllm_scale_shapes(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
                           code="vllm.shape")
 
 
-def vllm_scale_dtypes(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
-    """float32 (bf16/fp16 load, rounded). kv_cache.py / compressed_tensors.py: the placeholders are float32
-    and `param.data.copy_` converts whatever is stored."""
-    yield from dtype_problems("vllm", [s for s in v.scales if s.form in v.accepted_forms])
+def vllm_scale_dtypes_values(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
+    """float32 (bf16/fp16 load, rounded), finite and > 0.
 
-
-def vllm_scale_values(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
-    """Finite and > 0.
-
-    compressed_tensors.py: CompressedTensorsKVCacheMethod.process_weights_after_loading uses the value as
+    kv_cache.py / compressed_tensors.py: the placeholders are float32 and `param.data.copy_` converts whatever is
+    stored; compressed_tensors.py: CompressedTensorsKVCacheMethod.process_weights_after_loading uses the value as
     is (the cache write divides by it); kv_cache.py: BaseKVCacheMethod.process_weights_after_loading
     (ModelOpt/Quark) asserts k_scale > 0 for zero/NaN and treats a negative one as "not loaded" (1.0).
     """
+    scales = [s for s in v.scales if s.form in v.accepted_forms]
     effect = ("the cache write divides by it" if v.method == "compressed-tensors"
               else "vLLM asserts at load (zero) or falls back to 1.0 (negative)")
-    yield from value_problems("vllm", ck, [s for s in v.scales if s.form in v.accepted_forms],
-                              "; the FP8 cache would be NaN/inf or the load fails",
+    yield from dtype_problems("vllm", scales)
+    yield from value_problems("vllm", ck, scales, "; the FP8 cache would be NaN/inf or the load fails",
                               f"; scales must be > 0 ({effect})")
 
 
@@ -355,7 +351,7 @@ def vllm_index_consistent(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]
 VLLM_RULES: tuple[Callable[[CheckpointFiles, VllmView], Iterable[Problem]], ...] = (
     vllm_reads_a_quant_config, vllm_ct_kv_cache_scheme, vllm_ct_config_groups, vllm_quark_kv_config,
     vllm_declared_without_scales, vllm_scale_names, vllm_one_scale_per_layer, vllm_scale_shapes,
-    vllm_scale_dtypes, vllm_scale_values, vllm_index_consistent,
+    vllm_scale_dtypes_values, vllm_index_consistent,
 )
 
 
