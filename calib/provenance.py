@@ -58,12 +58,6 @@ def text_or_none(value: Any, where: str) -> str | None:
     raise ProvenanceError(f"{where} must be text or null, not {type(value).__name__}")
 
 
-def _strings(value: Any, where: str) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ProvenanceError(f"{where} must be a list of strings")
-    return value
-
-
 def _layer_list(value: Any, where: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise ProvenanceError(f"{where} must be a list of layer indices")
@@ -146,12 +140,9 @@ class Provenance:
         """The JSON object `file` (RECORD: kvcalib.json, STATS: statistics header, RESUME: resume header) holds."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if file not in f.metadata.get("files", ()):
-                continue
             value = getattr(self, f.name)
-            if value is None and f.metadata["omit_none"]:
-                continue
-            out[f.name] = _plain(value)
+            if file in f.metadata.get("files", ()) and not (value is None and f.metadata["omit_none"]):
+                out[f.name] = _plain(value)
         if file == RESUME:
             out["data_source"] = self.data_source
         if file == RECORD and self.written is not None:
@@ -191,7 +182,9 @@ class Provenance:
             target = text_or_none(doc["target"], f"{where}: field 'target'")
             weights = doc.get("weights")
             if weights is not None:
-                weights = tuple(_strings(weights, f"{where}: field 'weights'"))
+                if not isinstance(weights, list) or not all(isinstance(w, str) for w in weights):
+                    raise ProvenanceError(f"{where}: field 'weights' must be a list of strings")
+                weights = tuple(weights)
             engine = {k: v for k, v in doc.items() if k not in known | {"target", "weights", "data_source"}}
             written = Written(target, weights, engine)
         return cls(**values, written=written)  # type: ignore[arg-type]

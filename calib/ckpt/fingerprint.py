@@ -81,11 +81,9 @@ def mismatch(saved: str | None, mine: str | None, what: str, here: str) -> str |
     """Why `what` (recorded on weights `saved`) does not belong to `here` (weights `mine`): a one-line error
     naming both sides, or None when they agree. An input written before fingerprints existed (`saved` None)
     is let through with one line on stderr saying it could not be checked."""
-    if saved is None or mine is None:
-        if saved is None:
-            note(f"{what} carries no weights fingerprint (written by an older kvcalib): not checked against {here}")
-        return None
-    if saved == mine:
+    if saved is None:
+        note(f"{what} carries no weights fingerprint (written by an older kvcalib): not checked against {here}")
+    if saved is None or mine is None or saved == mine:
         return None
     return (f"{what} was recorded on other weights than {here} (weights {short(saved)} there, {short(mine)} "
             "here): it belongs to another model")

@@ -289,9 +289,7 @@ class CheckpointFiles:
 
     @cached_property
     def expected_layers(self) -> list[int]:
-        if not isinstance(self.num_layers, int):
-            return []
-        return [i for i in range(self.num_layers) if i not in self.skipped_layers]
+        return [i for i in range(self.num_layers or 0) if i not in self.skipped_layers]
 
 
 def widen_fp8(raw: bytes, dtype: str) -> np.ndarray:

@@ -32,11 +32,9 @@ def parse(index: Any) -> dict[str, str]:
 def metadata(index: dict[str, Any]) -> dict[str, Any]:
     """The index's `metadata` object ({} when absent). Loaders that read only the weight map ignore it."""
     meta = index.get("metadata")
-    if meta is None:
-        return {}
-    if not isinstance(meta, dict):
+    if meta is not None and not isinstance(meta, dict):
         raise WeightMapError("'metadata' is not an object")
-    return meta
+    return meta or {}
 
 
 def document(weight_map: dict[str, str], total_size: int) -> dict[str, Any]:

@@ -233,12 +233,10 @@ def engine_scales(scales: Scales, n_layers: int) -> dict[int, float]:
             raise ExportError(f"layer {layer} has per-head scales: {PER_HEAD_NOTE}")
         if s.q_scale is not None:
             raise ExportError(f"layer {layer} has a q_scale: {Q_NOTE}")
-    out = {}
-    for layer, t in shared_from_scales(scales).items():
-        v = float(t)
+    out = {layer: float(t) for layer, t in shared_from_scales(scales).items()}
+    for layer, v in out.items():
         if not (v > 0 and v < float("inf")):
             raise ExportError(f"layer {layer}'s shared scale is {v!r}; scales must be finite and > 0")
-        out[layer] = v
     return out
 
 

@@ -45,9 +45,7 @@ def _trt_files(ck: CheckpointFiles) -> tuple[list[str], list[str]]:
     Every `*.safetensors` file, index ignored; files named "*consolidated*" are skipped when others exist.
     """
     plain = [f for f in ck.files if "consolidated" not in f]
-    if plain:
-        return plain, [f for f in ck.files if f not in plain]
-    return list(ck.files), []
+    return (plain, [f for f in ck.files if f not in plain]) if plain else (list(ck.files), [])
 
 
 def trt_view(ck: CheckpointFiles) -> TrtView:
