@@ -52,32 +52,28 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def text_or_none(value: Any, where: str) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    raise ProvenanceError(f"{where} must be text or null, not {type(value).__name__}")
+def _check(ok: Callable[[Any], bool], what: str, keep: Callable[[Any], Any] = lambda v: v,
+           typed: bool = False) -> Callable[[Any, str], Any]:
+    """A field's check: `keep(value)` where `ok(value)`, else ProvenanceError "<where> must be <what>" (`typed`:
+    naming the value's type)."""
+    def check(value: Any, where: str) -> Any:
+        if ok(value):
+            return keep(value)
+        raise ProvenanceError(f"{where} must be {what}" + (f", not {type(value).__name__}" if typed else ""))
+    return check
 
 
-def _layer_list(value: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ProvenanceError(f"{where} must be a list of layer indices")
-    return tuple(value)
+def _index(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _object(value: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ProvenanceError(f"{where} must be a JSON object, not {type(value).__name__}")
-    return dict(value)
-
-
-def _optional_object(value: Any, where: str) -> Mapping[str, Any] | None:
-    return None if value is None else _object(value, where)
-
-
-def _rotary(value: Any, where: str) -> int | None:
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        return value
-    raise ProvenanceError(f"{where} must be a non-negative integer or null")
+text_or_none = _check(lambda v: v is None or isinstance(v, str), "text or null", typed=True)
+_strings = _check(lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings", tuple)
+_layer_list = _check(lambda v: isinstance(v, list) and all(map(_index, v)), "a list of layer indices", tuple)
+_object = _check(lambda v: isinstance(v, Mapping), "a JSON object", dict, typed=True)
+_optional_object = _check(lambda v: v is None or isinstance(v, Mapping), "a JSON object",
+                          lambda v: None if v is None else dict(v), typed=True)
+_rotary = _check(lambda v: v is None or (_index(v) and v >= 0), "a non-negative integer or null")
 
 
 def record_field(default: Any, *files: str, check: Callable[[Any, str], Any], omit_none: bool = False,
@@ -182,9 +178,7 @@ class Provenance:
             target = text_or_none(doc["target"], f"{where}: field 'target'")
             weights = doc.get("weights")
             if weights is not None:
-                if not isinstance(weights, list) or not all(isinstance(w, str) for w in weights):
-                    raise ProvenanceError(f"{where}: field 'weights' must be a list of strings")
-                weights = tuple(weights)
+                weights = _strings(weights, f"{where}: field 'weights'")
             engine = {k: v for k, v in doc.items() if k not in known | {"target", "weights", "data_source"}}
             written = Written(target, weights, engine)
         return cls(**values, written=written)  # type: ignore[arg-type]

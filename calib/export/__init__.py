@@ -7,11 +7,12 @@ a small writer over the one `write_variant` (`write`); the layout they write is 
 from __future__ import annotations
 
 from calib import discovery
+from calib.ckpt.formats import ct_quantization_config as vllm_quantization_config
 from calib.ckpt.names import INDEX_FILE, PROVENANCE_FILE, SCALES_FILE
 from calib.ckpt.source import ExportError, PreparedSource, SourceFiles, read_source, scan_source
 from calib.export.target import Target, WriteOptions
 from calib.export.trtllm import export_trtllm
-from calib.export.vllm import export_vllm, vllm_quantization_config
+from calib.export.vllm import export_vllm
 
 
 def discover(path: list[str] | None = None, package: str = __name__) -> dict[str, Target]:

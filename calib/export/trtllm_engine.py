@@ -186,9 +186,7 @@ def rewrite_rank_file(src: Path, dst: Path, drop: tuple[str, ...] | frozenset[st
     then the float32 shape-[1] tensors `add` appended. Streams: memory does not grow with the file."""
     shard = integrity.read_header(src)
     kept = sorted((t for k, t in shard.tensors.items() if k not in drop), key=lambda t: t.offset)
-    header: dict[str, Any] = {}
-    if shard.metadata:
-        header["__metadata__"] = dict(shard.metadata)
+    header: dict[str, Any] = {"__metadata__": dict(shard.metadata)} if shard.metadata else {}
     at = 0
     for t in kept:
         header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}

@@ -25,11 +25,6 @@ if TYPE_CHECKING:
     from calib.scales.fold import Scales
 
 
-def vllm_quantization_config(strategy: str = "tensor") -> dict[str, Any]:
-    """The compressed-tensors block for KV-only FP8 (calib.ckpt.formats)."""
-    return formats.ct_quantization_config(strategy)
-
-
 def prepare_source(source: Path | SourceFiles, out: Path, *, quantized_ok: bool = False,
                    overwrite_kv: bool = False) -> PreparedSource:
     """Validate a source checkpoint for export (before anything is written). A weight-quantized source is

@@ -100,17 +100,14 @@ class Recipe:
 
     @property
     def kv_dtype(self) -> dtypes.KVDtype:
-        """The KV dtype value (calib.recipe.dtypes) `dtype` names."""
         return dtypes.KV_DTYPES[self.dtype]
 
     @property
     def scale_granularity(self) -> granularity_mod.Granularity:
-        """The granularity value (calib.recipe.granularity) `granularity` names."""
         return granularity_mod.GRANULARITIES[self.granularity]
 
     @property
     def observer_spec(self) -> dtypes.ObserverSpec:
-        """The observer (calib.recipe.dtypes) `observer` names."""
         return dtypes.OBSERVERS[self.observer]
 
     def _check_combination(self) -> None:

@@ -176,16 +176,17 @@ def vllm_quark_kv_config(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     vllm/model_executor/layers/quantization/quark/quark.py: QuarkConfig.from_config and
     QuarkKVCacheMethod.validate_kv_cache_config.
     """
+    def bad(key: str, message: str) -> Problem:
+        return Problem("vllm", v.where(key), message, code="vllm.quark-kv")
+
     if v.method != "quark":
         return
     if formats.quark_export(v.qc) is None:
-        yield Problem("vllm", v.where("export"), "missing; QuarkConfig.from_config requires it",
-                      code="vllm.quark-kv")
+        yield bad("export", "missing; QuarkConfig.from_config requires it")
         return
     group = formats.quark_kv_group(v.qc) or []
     if not isinstance(group, list) or not all(isinstance(p, str) for p in group):
-        yield Problem("vllm", v.where("export.kv_cache_group"), "must be a list of module name patterns",
-                      code="vllm.quark-kv")
+        yield bad("export.kv_cache_group", "must be a list of module name patterns")
         return
     if not group:
         if v.scales:
@@ -194,23 +195,19 @@ def vllm_quark_kv_config(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
         return
     layer_cfg = v.qc.get("layer_quant_config") or {}
     if not isinstance(layer_cfg, dict):
-        yield Problem("vllm", v.where("layer_quant_config"), "must be an object of pattern: config",
-                      code="vllm.quark-kv")
+        yield bad("layer_quant_config", "must be an object of pattern: config")
         return
     matched = [cfg for name, cfg in layer_cfg.items() if any(fnmatch.fnmatchcase(name, p) for p in group)]
     if not matched:
-        yield Problem("vllm", v.where("layer_quant_config"), f"no entry matches kv_cache_group {group}",
-                      code="vllm.quark-kv")
+        yield bad("layer_quant_config", f"no entry matches kv_cache_group {group}")
         return
     outs = [cfg.get("output_tensors") if isinstance(cfg, dict) else None for cfg in matched]
     if any(o != outs[0] for o in outs):
-        yield Problem("vllm", v.where("layer_quant_config"), "the kv_cache_group entries have different "
-                      "output_tensors", code="vllm.quark-kv")
+        yield bad("layer_quant_config", "the kv_cache_group entries have different output_tensors")
     first = outs[0] if isinstance(outs[0], dict) else {}
     for key, want in (("dtype", "fp8_e4m3"), ("qscheme", "per_tensor")):
         if first.get(key) != want:
-            yield Problem("vllm", v.where(f"layer_quant_config.output_tensors.{key}"),
-                          f"is {first.get(key)!r}; vLLM supports {want!r} only", code="vllm.quark-kv")
+            yield bad(f"layer_quant_config.output_tensors.{key}", f"is {first.get(key)!r}; vLLM supports {want!r} only")
 
 
 def vllm_declared_without_scales(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
