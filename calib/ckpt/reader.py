@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from calib.ckpt import integrity
+from calib.ckpt import integrity, weightmap
 from calib.ckpt.integrity import is_count
-from calib.ckpt import weightmap
 from calib.ckpt.names import (HF_QUANT_CONFIG, INDEX_FILE, PROVENANCE_FILE, TRTLLM_API_OPTIONS, is_scale_like,
                               parse_scale_name, scale_module, unparsed_reason)
 

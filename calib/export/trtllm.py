@@ -225,9 +225,8 @@ def export_trtllm(source: Path | TrtllmSource, out: Path, scales: Scales, proven
 
     tensors: dict[str, torch.Tensor] = {}
     for layer, s in sorted(scales.items()):
-        k_name, v_name = trtllm_scale_names(layer)
-        tensors[k_name] = _scalar(s.k_scale, f"layer {layer} k_scale")
-        tensors[v_name] = _scalar(s.v_scale, f"layer {layer} v_scale")
+        for name, kind, t in zip(trtllm_scale_names(layer), "kv", (s.k_scale, s.v_scale)):
+            tensors[name] = _scalar(t, f"layer {layer} {kind}_scale")
 
     quantization = prepared.quantization
     files = {TRTLLM_API_OPTIONS: formats.trtllm_api_options(kv_algo)}
@@ -243,9 +242,8 @@ def export_trtllm(source: Path | TrtllmSource, out: Path, scales: Scales, proven
     if kv_algo == "FP8":
         notes["trtllm_fp8_saturation"] = saturation_report(scales)
     else:
-        notes["trtllm_int8_layer_scale"] = {
-            str(i): max(float(tensors[trtllm_scale_names(i)[0]]), float(tensors[trtllm_scale_names(i)[1]]))
-            for i in sorted(scales)}
+        notes["trtllm_int8_layer_scale"] = {str(i): max(float(tensors[n]) for n in trtllm_scale_names(i))
+                                            for i in sorted(scales)}
     prov = as_provenance(provenance).written_as("trtllm", kv_cache_quant_algo=kv_algo, **notes)
     return write_variant(prepared, out, tensors, None, prov, force=force, extra_files={**(extra_files or {}), **files})
 

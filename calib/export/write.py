@@ -17,8 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from calib.ckpt import integrity
-from calib.ckpt import weightmap
+from calib.ckpt import integrity, weightmap
 from calib.ckpt.names import CONFIG_FILE, INDEX_FILE, PROVENANCE_FILE, SCALES_FILE
 from calib.ckpt.source import ExportError, PreparedSource
 from calib.provenance import Provenance, as_provenance

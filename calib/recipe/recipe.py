@@ -69,9 +69,8 @@ class Recipe:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("granularity", self.granularity, GRANULARITIES)
-        _check_choice("observer", self.observer, tuple(OBSERVERS))
+        for name, accepted in (("dtype", DTYPES), ("granularity", GRANULARITIES), ("observer", tuple(OBSERVERS))):
+            _check_choice(name, getattr(self, name), accepted)
         _check_observer_params(self.observer, self.observer_params)
         for t in self.targets:
             _check_choice("targets", t, TARGETS)

@@ -282,9 +282,7 @@ def vllm_scale_shapes(ck: CheckpointFiles, v: VllmView) -> Iterator[Problem]:
     KVCacheScaleParameter.weight_loader ("expects a scalar weight"); compressed_tensors.py:
     CompressedTensorsKVCacheMethod.create_weights (_tp_aware_loader flattens per-head scales).
     """
-    for s in v.scales:
-        if s.form not in v.accepted_forms:
-            continue
+    for s in [s for s in v.scales if s.form in v.accepted_forms]:
         t = s.tensor
         if v.method == "compressed-tensors" and v.strategy == "attn_head":
             heads = ck.num_heads if s.kind == "q" else ck.num_kv_heads

@@ -107,13 +107,10 @@ def _kv_line(kv: Cell, cal: Calibrated) -> tuple[str | None, str]:
         inside = ("; no K/V value lies past the range, so it behaves like the default scale"
                   if cal.amax_ratio is not None else "")
         return f"{what} ignored, the cache runs at scale 1.0 ({kv.note}){inside}", DIFFERS
-    if kv.effect is E.MAX_OVER_HEADS:
-        return f"{what} applied as one max over heads per layer ({kv.note})", DIFFERS
-    if kv.effect is E.SHARED_KV:
-        return f"{what} applied as one scale shared by K and V per layer ({kv.note})", DIFFERS
-    if kv.effect is E.UNREAD:
-        return f"what happens to {what} was not read ({kv.note})", DIFFERS
-    return None, SAME
+    differs = {E.MAX_OVER_HEADS: f"{what} applied as one max over heads per layer",
+               E.SHARED_KV: f"{what} applied as one scale shared by K and V per layer",
+               E.UNREAD: f"what happens to {what} was not read"}
+    return (f"{differs[kv.effect]} ({kv.note})", DIFFERS) if kv.effect in differs else (None, SAME)
 
 
 def _consequence(name: str, v: Version, backend: str, cal: Calibrated) -> Consequence:
