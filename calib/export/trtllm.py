@@ -257,8 +257,7 @@ class TrtllmTarget(Target):
         """`trtllm-serve PATH --extra_llm_api_options PATH/llm_api_options.yaml`: the options file carries the KV
         dtype (the only way an unquantized model gets a quantized KV cache; module docstring)."""
         options = str(path).rstrip("/") + "/" + TRTLLM_API_OPTIONS
-        return command.line(self.name, str(path), dtype, skip) + " " + shlex.join(["--extra_llm_api_options",
-                                                                                  options])
+        return f"{command.line(self.name, str(path), dtype, skip)} {shlex.join(['--extra_llm_api_options', options])}"
 
     def prepare(self, source: Path | SourceFiles, out: Path, options: WriteOptions = WriteOptions()) -> TrtllmSource:
         """An unquantized or ModelOpt source, with or without --into (`prepare_trtllm`)."""

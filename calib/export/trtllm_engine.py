@@ -256,9 +256,8 @@ def export_engine_checkpoint(source: Path | EngineCheckpoint, out: Path, scales:
             add = {trtllm_ckpt_scale_name(j): shared[g] for j, g in enumerate(layers)}
             rewrite_rank_file(src / name, tmp / name, prepared.rank_drop.get(r, ()), add)
         for f in sorted(src.iterdir()):
-            if f.name in rank_files or f.name in (CONFIG_FILE, PROVENANCE_FILE) or not f.is_file():
-                continue
-            files.copy(f, tmp / f.name)
+            if f.is_file() and f.name not in rank_files | {CONFIG_FILE, PROVENANCE_FILE}:
+                files.copy(f, tmp / f.name)
         files.write_text(tmp / CONFIG_FILE, json.dumps(config, indent=4) + "\n")
         prov = as_provenance(provenance).written_as(
             NAME, kv_cache_quant_algo=prepared.kv_algo, tp_size=prepared.tp_size, pp_size=prepared.pp_size,
