@@ -142,17 +142,6 @@ def for_engine(engine: str, formats: Mapping[str, KVDtype] = KV_DTYPES) -> tuple
     return tuple(d for d in formats.values() if engine in d.engines)
 
 
-def bytes_per_element(dtype: str) -> float:
-    """Bytes one cache element takes: a model dtype's (bfloat16, float16, float32) or a KV format's; ValueError
-    naming the known ones otherwise."""
-    name = dtype.removeprefix("torch.")
-    if name in MODEL_DTYPE_BYTES:
-        return MODEL_DTYPE_BYTES[name]
-    if name in KV_FORMATS:
-        return KV_FORMATS[name].element_bytes
-    raise ValueError(f"dtype {dtype!r}: the bytes model knows {', '.join([*MODEL_DTYPE_BYTES, *KV_FORMATS])}")
-
-
 def model_bytes_per_token(model_dtype: str, kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> float:
     """Cache bytes per token per layer of the reference: K and V in the model's dtype."""
     dims = head_dim + (head_dim if v_head_dim is None else v_head_dim)

@@ -99,7 +99,7 @@ def test_each_format_carries_its_engine_facts_once():
     assert [(d.served("vllm").since, d.served("vllm").backend) for d in dtypes.KV_FORMATS.values() if d.dynamic] == \
         [("0.20", "TRITON_ATTN"), ("0.20", "TRITON_ATTN"), ("0.25", "TRITON_ATTN")]
     assert dtypes.FP8_E5M2.served("vllm").cuda_backend == "FLASHINFER"
-    assert dtypes.bytes_per_element("torch.bfloat16") == 2 and dtypes.bytes_per_element("int4_per_token_head") == 0.5
+    assert dtypes.MODEL_DTYPE_BYTES["bfloat16"] == 2 and dtypes.KV_FORMATS["int4_per_token_head"].element_bytes == 0.5
     assert {n: b for n, b in layer_kinds.DTYPE_BYTES.items() if n in dtypes.KV_FORMATS} == \
         {n: d.bits // 8 for n, d in dtypes.KV_FORMATS.items() if d.bits == 8}
     assert command.KV_FLAG["vllm"]["fp8_e4m3"] == "fp8" and command.KV_FLAG["trtllm"] == {}
