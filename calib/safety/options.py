@@ -9,13 +9,14 @@ them again as their first step, so library users get the same errors.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
 
 from calib.errors import KvcalibError
+from calib.safety import readers
 from calib.safety.files import expand_user
+from calib.safety.readers import raising
 
 
 class OptionError(KvcalibError, ValueError):
@@ -44,26 +45,16 @@ MAX_GIB = 1 << 20                    # a KV pool
 
 def whole(option: str, value: Any, minimum: int = 1, maximum: int | None = None) -> None:
     """`value` (None: not given) must be an int >= minimum (and <= maximum when one is given)."""
-    if value is None:
-        return
-    ok = (not isinstance(value, bool) and isinstance(value, int) and value >= minimum
-          and (maximum is None or value <= maximum))
-    if not ok:
-        span = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
-        raise OptionError(f"{option} {value!r}: give a whole number {span}")
+    with raising(OptionError):
+        readers.whole(value, option, minimum, maximum, null=True)
 
 
 def number(option: str, value: Any, minimum: float = 0.0, maximum: float | None = None, *,
            above: bool = False) -> None:
     """`value` (None: not given) must be a finite number >= minimum (> minimum with `above`; <= maximum when one is
     given). inf and NaN never pass: a deadline of inf never fires, and 60 x 1e308 is inf."""
-    if value is None:
-        return
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-          and (value > minimum if above else value >= minimum) and (maximum is None or value <= maximum))
-    if not ok:
-        span = f"{'>' if above else '>='} {minimum:g}" + (f" and <= {maximum:.12g}" if maximum is not None else "")
-        raise OptionError(f"{option} {value!r}: give a finite number {span}")
+    with raising(OptionError):
+        readers.number(value, option, minimum, maximum, above=above, null=True)
 
 
 def budget(value: Any, option: str = "--budget-minutes") -> None:
