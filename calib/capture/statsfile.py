@@ -120,14 +120,12 @@ def read(path: Path, what: str = "statistics file") -> RawFile:
     where = f"{what} {path}"
     if not path.is_file():
         raise StatsError(f"{where} not found")
-    try:
+    with raising(StatsError, integrity.IntegrityError):
         shard = integrity.read_header(path, where)
         if "kvcalib" not in shard.metadata:
             raise StatsError(f"{where} is not a kvcalib statistics file (no kvcalib header); "
                              "write one with `kvcalib calibrate --stats-out FILE`")
         header = integrity.parse_json(shard.metadata["kvcalib"].encode(), f"{where}: its kvcalib header")
-    except integrity.IntegrityError as e:
-        raise StatsError(str(e)) from None
     recipe = _check_header(header, where)
     bad = [k for k, t in shard.tensors.items() if t.dtype not in ("F32", "F64", "I64", "I32")]
     if bad:
