@@ -184,11 +184,8 @@ def is_stream(path: Path) -> bool:
 
 
 def _read_stream(path: Path) -> Iterator[Record]:
-    """One pass over a pipe. Without a known suffix the first non-blank line decides: `{` → JSON lines,
-    anything else → text paragraphs."""
-    if path.suffix:                     # .jsonl, .txt, .csv (`_local_files` refuses any other)
-        yield from _READERS[path.suffix.lower()](path)
-        return
+    """One pass over a pipe without a suffix (one with a suffix is read by its reader, front to back): the first
+    non-blank line decides, `{` → JSON lines, anything else → text paragraphs."""
     with path.open("r", encoding="utf-8") as f:
         head: list[str] = []
         for line in f:
@@ -202,7 +199,8 @@ def _read_stream(path: Path) -> Iterator[Record]:
             yield from _txt_paragraphs(lines, path)
 
 
-_READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv, ".txt": _read_txt}
+_READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv,
+            ".txt": _read_txt, "": _read_stream}      # `_local_files` lets only a pipe through without a suffix
 
 
 def _as_fields(obj: Any, where: str) -> dict[str, Any]:
@@ -214,9 +212,6 @@ def _as_fields(obj: Any, where: str) -> dict[str, Any]:
 
 def _read_file(path: Path) -> Iterator[Record]:
     try:
-        if is_stream(path):
-            yield from _read_stream(path)
-            return
         yield from _READERS[path.suffix.lower()](path)
     except UnicodeDecodeError:
         raise DataError(f"{path}: not UTF-8 text; convert it or pass a .parquet file") from None
