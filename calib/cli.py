@@ -238,12 +238,11 @@ def _scale_table(rows: dict[int, tuple[float, float, float, float]]) -> str:
 def inspect(ckpt: Path) -> None:
     """Show a checkpoint's KV-cache format, target engines and per-layer scales."""
     variants = [ckpt / t for t in recipe_mod.TARGETS if (ckpt / t / "config.json").is_file()]
-    if not (ckpt / "config.json").is_file() and variants:  # a multi-target output: OUT/<target> each
-        for v in variants:
-            _inspect_one(v)
+    multi = not (ckpt / "config.json").is_file() and variants     # a multi-target output: OUT/<target> each
+    for v in variants if multi else [ckpt]:
+        _inspect_one(v)
+        if multi:
             click.echo("")
-        return
-    _inspect_one(ckpt)
 
 
 def _inspect_one(ckpt: Path) -> None:

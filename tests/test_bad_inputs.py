@@ -654,7 +654,8 @@ ROWS = [
     Row("eval --out --force: a --scales checkpoint", lambda t: [
         *_eval(t), "--scales", str(_folder(t, "ckpt", {"config.json": "{}"})), "--out", str(t / "ckpt"), "--force"],
         "is a --scales checkpoint", command="eval"),
-    Row("eval --samples 0", lambda t: [*_eval(t), "--samples", "0"], "--samples = 0: expected a whole number", command="eval"),
+    Row("eval --samples 0", lambda t: [*_eval(t), "--samples", "0"], "--samples = 0: expected a whole number",
+        command="eval"),
     Row("eval --dominance below 1", lambda t: [*_eval(t), "--dominance", "0.5"],
         "--dominance = 0.5: expected a finite number >= 1", command="eval"),
     Row("eval --device not a device name", lambda t: [*_eval(t), "--device", "gpu"], "'gpu' is not a device name",

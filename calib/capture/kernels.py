@@ -14,6 +14,7 @@ kernels under Triton's interpreter on CPU tensors, in a copy of this module whos
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -226,15 +227,10 @@ class HistScratch:
         self.sum0 = torch.zeros(heads, dtype=torch.float64, device=device)
 
 
-_SCRATCH: dict[tuple[torch.device, int, int], HistScratch] = {}
-
-
+@functools.cache
 def scratch_for(device: torch.device, heads: int, bins: int) -> HistScratch:
     """The shared scratch for histograms of `heads` x `bins` on `device` (1 MiB for 8 heads of 2048 bins)."""
-    key = (torch.device(device), heads, bins)
-    if key not in _SCRATCH:
-        _SCRATCH[key] = HistScratch(heads, bins, device)
-    return _SCRATCH[key]
+    return HistScratch(heads, bins, device)
 
 
 def histogram_(x: Tensor, mask: Tensor | None, state: dict[str, Tensor], scratch: HistScratch,

@@ -105,6 +105,10 @@ class StateObserver:
             raise EmptyObserverError(f"{type(self).__name__} has seen no data")
         return self._state
 
+    def amax(self) -> Tensor:
+        """The range per head (here: the state's exact `amax`, as the exact observers keep it), on the CPU."""
+        return self._read()["amax"].detach().cpu().clone()
+
     def _fold(self, batch: dict[str, Tensor]) -> None:
         if self._state:
             _check_like(type(self).__name__, batch, self._state)
@@ -130,8 +134,6 @@ class AbsMaxObserver(StateObserver):
             raise ValueError(f"AbsMaxObserver: {x.shape[1]} heads, state has {state.shape[0]}")
         kernels.absmax_(x, mask, state)
 
-    def amax(self) -> Tensor:
-        return self._read()["amax"].detach().cpu().clone()
 
 
 @dataclass(frozen=True)

@@ -356,9 +356,8 @@ def _merge(paths: list[Path], out: Path) -> Path:
     datas = [f.provenance.data for f in files]
     joined = hashlib.sha256("".join(str(d.get("fingerprint")) for d in datas).encode()).hexdigest()
     data = {"sources": [d.get("source") for d in datas],
-            "samples": sum(d.get("samples", 0) for d in datas), "tokens": sum(d.get("tokens", 0) for d in datas),
-            "skipped_short": sum(d.get("skipped_short", 0) for d in datas), "fingerprint": f"sha256:{joined}",
-            "merged_from": [str(p) for p in paths]}
+            **{k: sum(d.get(k, 0) for d in datas) for k in ("samples", "tokens", "skipped_short")},
+            "fingerprint": f"sha256:{joined}", "merged_from": [str(p) for p in paths]}
     bound = first.provenance.replace(data=data, model_weights_sha256=known[0][1] if known else None)
     return save(out, first.capture, bound.stats_header())
 

@@ -159,8 +159,7 @@ def _read_txt(path: Path) -> Iterator[Record]:
 
 def _txt_paragraphs(lines: Iterable[str], path: Path, first: int = 1) -> Iterator[Record]:
     para: list[str] = []
-    start = first
-    for n, line in enumerate(lines, first):
+    for n, line in enumerate(itertools.chain(lines, [""]), first):     # a blank line ends the last paragraph
         if line.strip():
             if not para:
                 start = n
@@ -168,8 +167,6 @@ def _txt_paragraphs(lines: Iterable[str], path: Path, first: int = 1) -> Iterato
         elif para:
             yield Record({"text": "\n".join(para)}, f"{path}:{start}")
             para = []
-    if para:
-        yield Record({"text": "\n".join(para)}, f"{path}:{start}")
 
 
 STREAMABLE = (".jsonl", ".txt", ".csv", "")
@@ -306,8 +303,7 @@ def _to_ids(rec: Record, column: str, tokenizer: Any, max_len: int | None) -> li
     if column == "input_ids":
         if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise DataError(f"{rec.origin}: input_ids must be a list of integers")
-        ids = list(value)
-        return ids[:max_len] if max_len else ids
+        return list(value)[:max_len or None]
     if column == "messages":  # the record's own shape first: its errors do not depend on the model
         try:
             value = chat.normalize(value)

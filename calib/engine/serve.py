@@ -20,6 +20,7 @@ loader stores them: per-head k/v flattened, q reduced to its max per KV-head gro
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -92,12 +93,7 @@ def key(spec: dict[str, Any], ident: Callable[[str], tuple[str, ...]] = identity
 
 def group(specs: Sequence[dict[str, Any]], ident: Callable[[str], tuple[str, ...]] = identity) -> list[list[int]]:
     """Indices of `specs` per engine start, in order of first appearance (each start keeps its arms' order)."""
-    seen: dict[str, tuple[str, ...]] = {}
-
-    def cached(model: str) -> tuple[str, ...]:
-        if model not in seen:
-            seen[model] = ident(model)
-        return seen[model]
+    cached = functools.cache(ident)         # each model folder read once
     groups: dict[tuple[Any, ...], list[int]] = {}
     for j, spec in enumerate(specs):
         groups.setdefault(key(spec, cached), []).append(j)

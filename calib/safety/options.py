@@ -72,8 +72,6 @@ def device(value: str | None, option: str = "--device") -> None:
         dev = torch.device(value)
     except (RuntimeError, ValueError, TypeError):
         raise OptionError(f"{option} {value!r} is not a device name; use cpu, cuda or cuda:N") from None
-    if dev.type == "cpu":
-        return
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise OptionError(f"{option} {value}: torch sees no CUDA GPU on this machine (torch {torch.__version__}); "
@@ -81,12 +79,11 @@ def device(value: str | None, option: str = "--device") -> None:
         n = torch.cuda.device_count()
         if dev.index is not None and dev.index >= n:
             raise OptionError(f"{option} {value}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
-        return
-    if dev.type == "mps":
+    elif dev.type == "mps":
         if not torch.backends.mps.is_available():
             raise OptionError(f"{option} {value}: MPS is not available on this machine; use --device cpu")
-        return
-    raise OptionError(f"{option} {value}: kvcalib runs models on cpu, cuda or mps, not {dev.type}")
+    elif dev.type != "cpu":
+        raise OptionError(f"{option} {value}: kvcalib runs models on cpu, cuda or mps, not {dev.type}")
 
 
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")   # accelerate's; else one device
