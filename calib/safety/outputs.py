@@ -30,7 +30,6 @@ import errno
 import json
 import os
 import shutil
-import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -156,10 +155,7 @@ def is_statistics_file(path: Path) -> bool:
     """A kvcalib statistics (or resume) file: safetensors whose header metadata carries `kvcalib`."""
     try:
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                return False
-            n = struct.unpack("<Q", head)[0]
+            n = int.from_bytes(f.read(8), "little")      # a short file reads a short header: not JSON below
             if not 2 <= n <= _MAX_HEADER:
                 return False
             doc = json.loads(f.read(n))
