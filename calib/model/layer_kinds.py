@@ -107,8 +107,7 @@ def layer_kinds(config: Any, where: str = "config.json") -> Layers:
         why = f"{prefix}layer_types"
     elif model_type.startswith("gemma2") and window:
         kinds, why = [SLIDING if i % 2 == 0 else GLOBAL for i in range(n)], "Gemma 2 alternates (even layers sliding)"
-    elif _positive(cfg, "sliding_window_pattern", prefix, where) and window:       # Gemma 3: every n-th layer global
-        p = cfg["sliding_window_pattern"]
+    elif (p := _positive(cfg, "sliding_window_pattern", prefix, where)) and window:    # Gemma 3: every n-th global
         kinds, why = [GLOBAL if (i + 1) % p == 0 else SLIDING for i in range(n)], f"{prefix}sliding_window_pattern"
     elif "use_sliding_window" in cfg:       # Qwen2: layers from max_window_layers on slide
         first = cfg.get("max_window_layers")
