@@ -630,10 +630,12 @@ ROWS = [
         "0=1GiB,cpu=8GiB"], "--max-memory cuda:0: torch sees no CUDA GPU", cpu_only=True),
     Row("--device meta", lambda t: [*_base(t), "--device", "meta"], "runs models on cpu, cuda or mps"),
     Row("--batch-size 0", lambda t: [*_base(t), "--batch-size", "0"], "'batch_size' = 0"),
-    Row("--max-batch-tokens 0", lambda t: [*_base(t), "--max-batch-tokens", "0"], "--max-batch-tokens 0: give a whole"),
+    Row("--max-batch-tokens 0", lambda t: [*_base(t), "--max-batch-tokens", "0"],
+        "--max-batch-tokens = 0: expected a whole"),
     Row("--max-batch-tokens below --seq-len", lambda t: [*_base(t), "--max-batch-tokens", "16"],
         "is below --seq-len 32"),
-    Row("--checkpoint-every 0", lambda t: [*_base(t), "--checkpoint-every", "0"], "--checkpoint-every 0: give a whole"),
+    Row("--checkpoint-every 0", lambda t: [*_base(t), "--checkpoint-every", "0"],
+        "--checkpoint-every = 0: expected a whole"),
     # merge, export, eval
     Row("merge --out over a file kvcalib did not write", lambda t: [
         str(_stats_file(t, "a.safetensors")), str(_stats_file(t, "b.safetensors")), "--out",

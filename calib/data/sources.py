@@ -25,8 +25,9 @@ import json
 import random
 import stat
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +92,6 @@ def pack_hint(samples: int, tokens: int, length: int, what: str, padding: float 
 
 # ---------------------------------------------------------------- readers (one record at a time)
 
-def _read_jsonl(path: Path) -> Iterator[Record]:
-    with path.open("r", encoding="utf-8") as f:
-        yield from _jsonl_lines(f, path)
-
-
 def _jsonl_lines(lines: Iterable[str], path: Path, start: int = 1) -> Iterator[Record]:
     for n, line in enumerate(lines, start):
         if not line.strip():
@@ -152,11 +148,6 @@ def _read_csv(path: Path) -> Iterator[Record]:
                             "fix the file or convert it to .jsonl") from None
 
 
-def _read_txt(path: Path) -> Iterator[Record]:
-    with path.open("r", encoding="utf-8") as f:
-        yield from _txt_paragraphs(f, path)
-
-
 def _txt_paragraphs(lines: Iterable[str], path: Path, first: int = 1) -> Iterator[Record]:
     para: list[str] = []
     for n, line in enumerate(itertools.chain(lines, [""]), first):     # a blank line ends the last paragraph
@@ -180,24 +171,25 @@ def is_stream(path: Path) -> bool:
         return False
 
 
-def _read_stream(path: Path) -> Iterator[Record]:
-    """One pass over a pipe without a suffix (one with a suffix is read by its reader, front to back): the first
-    non-blank line decides, `{` → JSON lines, anything else → text paragraphs."""
+def _read_text(path: Path, parse: Callable[[Iterable[str], Path], Iterator[Record]] | None = None) -> Iterator[Record]:
+    """A text file's lines through `parse` (JSON lines or paragraphs). Without one (a pipe without a suffix, read
+    once, front to back) the first non-blank line decides: `{` → JSON lines, anything else → text paragraphs."""
     with path.open("r", encoding="utf-8") as f:
-        head: list[str] = []
-        for line in f:
-            head.append(line)
-            if line.strip():
-                break
-        lines = itertools.chain(head, f)
-        if head and head[-1].lstrip().startswith("{"):
-            yield from _jsonl_lines(lines, path)
-        else:
-            yield from _txt_paragraphs(lines, path)
+        lines: Iterable[str] = f
+        if parse is None:
+            head: list[str] = []
+            for line in f:
+                head.append(line)
+                if line.strip():
+                    break
+            lines = itertools.chain(head, f)
+            parse = _jsonl_lines if head and head[-1].lstrip().startswith("{") else _txt_paragraphs
+        yield from parse(lines, path)
 
 
-_READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv,
-            ".txt": _read_txt, "": _read_stream}      # `_local_files` lets only a pipe through without a suffix
+_READERS = {".jsonl": partial(_read_text, parse=_jsonl_lines), ".json": _read_json, ".parquet": _read_parquet,
+            ".csv": _read_csv, ".txt": partial(_read_text, parse=_txt_paragraphs),
+            "": _read_text}      # `_local_files` lets only a pipe through without a suffix
 
 
 def _as_fields(obj: Any, where: str) -> dict[str, Any]:
