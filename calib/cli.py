@@ -72,9 +72,7 @@ def _recipe_file(recipe_path: str | None) -> Path | None:
 
 
 def _load_recipe(recipe_path: str | None, **overrides) -> recipe_mod.Recipe:
-    if recipe_path and _is_shipped(recipe_path):
-        recipe_path = str(resources.shipped_recipe(recipe_path))  # a shipped recipe by name
-    return recipe_mod.load(recipe_path).replace(**overrides)
+    return recipe_mod.load(_recipe_file(recipe_path) or recipe_path).replace(**overrides)
 
 
 @click.group(cls=Kvcalib, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES)
@@ -136,10 +134,8 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
     versions = serve.parse_versions(engine_version, recipe.targets)
     serve.check(recipe, versions=versions)      # an engine that ignores these scales whatever the data: refuse now
     with outputs.terminate_as_interrupt():
-        if model_src is None and into is not None:
-            model_src = str(into)
         if model_src is None:
-            model_src = _default_model()
+            model_src = str(into) if into is not None else _default_model()
         data_src = data_src or str(DEFAULT_DATA)
         out = out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-kv-{recipe.dtype.split('_')[0]}"
         dist = distributed.from_env()
@@ -242,12 +238,11 @@ def _scale_table(rows: dict[int, tuple[float, float, float, float]]) -> str:
 def inspect(ckpt: Path) -> None:
     """Show a checkpoint's KV-cache format, target engines and per-layer scales."""
     variants = [ckpt / t for t in recipe_mod.TARGETS if (ckpt / t / "config.json").is_file()]
-    if not (ckpt / "config.json").is_file() and variants:  # a multi-target output: OUT/<target> each
-        for v in variants:
-            _inspect_one(v)
+    multi = not (ckpt / "config.json").is_file() and variants     # a multi-target output: OUT/<target> each
+    for v in variants if multi else [ckpt]:
+        _inspect_one(v)
+        if multi:
             click.echo("")
-        return
-    _inspect_one(ckpt)
 
 
 def _inspect_one(ckpt: Path) -> None:

@@ -100,9 +100,7 @@ class Command(click.Command):
     """A kvcalib command: deprecated aliases resolved (one line on stderr each) before the callback runs."""
 
     def invoke(self, ctx: click.Context) -> Any:
-        for p in self.params:
-            if not isinstance(p, Alias):
-                continue
+        for p in [p for p in self.params if isinstance(p, Alias)]:
             value = ctx.params.pop(p.name, None)
             if value in (None, ()):
                 continue
@@ -347,9 +345,7 @@ def engine_spec(engine: str | None, vllm_venv: Path | None, **settings: Any) -> 
     return EngineSpec(engine, vllm_venv, **given(**settings))
 
 
-def default_emulation() -> str:
-    """--emulate's default on this machine (calib.evaluation.emulate.for_this_machine)."""
-    return emulate.for_this_machine()
+default_emulation = emulate.for_this_machine       # --emulate's default on this machine
 
 
 def stats_one(stats: tuple[str, ...]) -> str | None:

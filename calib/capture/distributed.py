@@ -11,6 +11,7 @@ shapes). The merged statistics exist on every rank; only rank 0 writes the check
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -55,9 +56,7 @@ def device_for(dist: Dist, requested: str | None) -> str | None:
 
 def shard(batches: Iterable[Any], dist: Dist) -> Iterator[Any]:
     """This rank's batches: every `world`-th one, starting at `rank`."""
-    for i, b in enumerate(batches):
-        if i % dist.world == dist.rank:
-            yield b
+    return itertools.islice(batches, dist.rank, None, dist.world)
 
 
 def merge_all(local: dict[int, Any], dist: Dist) -> dict[int, Any]:

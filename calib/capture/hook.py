@@ -59,9 +59,6 @@ class ChannelMaxObserver(StateObserver):
             a = a.masked_fill(~mask[:, None, :, None], 0)
         self._fold({"amax": a.amax(dim=(0, 2)).float()})
 
-    def amax(self) -> torch.Tensor:
-        return self._read()["amax"].detach().cpu().clone()
-
 
 class OverflowCounter(StateObserver):
     """Fraction of real values with |x| > limit — what an FP8 cache with scale 1.0 clips (limit 448).

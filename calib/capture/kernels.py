@@ -14,6 +14,7 @@ kernels under Triton's interpreter on CPU tensors, in a copy of this module whos
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -160,17 +161,11 @@ def pair_max_(x: Tensor, mask: Tensor | None, rotary_dim: int, interleaved: bool
         _pair_max_torch(x, mask, rotary_dim, interleaved, pair_max, pass_max)
 
 
-def rotary_pairs(x: Tensor, rot: int, interleaved: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(first, second) channels of every rotary pair and the pass-through channels of x [..., d] (the layout of
-    calib.capture.observers.RotaryLayout)."""
-    if interleaved:
-        return x[..., 0:rot:2], x[..., 1:rot:2], x[..., rot:]
-    return x[..., : rot // 2], x[..., rot // 2: rot], x[..., rot:]
-
-
 def _pair_max_torch(x: Tensor, mask: Tensor | None, rot: int, interleaved: bool, pair_max: Tensor,
                     pass_max: Tensor) -> None:
-    a, b, rest = rotary_pairs(x.detach().to(torch.float32), rot, interleaved)
+    xf = x.detach().to(torch.float32)        # every rotary pair (first, second channels), then the pass-through ones
+    first, second = (slice(0, rot, 2), slice(1, rot, 2)) if interleaved else (slice(0, rot // 2), slice(rot // 2, rot))
+    a, b, rest = xf[..., first], xf[..., second], xf[..., rot:]
     norm, rest = torch.hypot(a, b), rest.abs()
     if mask is not None:
         drop = ~mask.to(x.device, torch.bool)[:, None, :, None]
@@ -226,15 +221,10 @@ class HistScratch:
         self.sum0 = torch.zeros(heads, dtype=torch.float64, device=device)
 
 
-_SCRATCH: dict[tuple[torch.device, int, int], HistScratch] = {}
-
-
+@functools.cache
 def scratch_for(device: torch.device, heads: int, bins: int) -> HistScratch:
     """The shared scratch for histograms of `heads` x `bins` on `device` (1 MiB for 8 heads of 2048 bins)."""
-    key = (torch.device(device), heads, bins)
-    if key not in _SCRATCH:
-        _SCRATCH[key] = HistScratch(heads, bins, device)
-    return _SCRATCH[key]
+    return HistScratch(heads, bins, device)
 
 
 def histogram_(x: Tensor, mask: Tensor | None, state: dict[str, Tensor], scratch: HistScratch,

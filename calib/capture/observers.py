@@ -105,6 +105,10 @@ class StateObserver:
             raise EmptyObserverError(f"{type(self).__name__} has seen no data")
         return self._state
 
+    def amax(self) -> Tensor:
+        """The range per head (here: the state's exact `amax`, as the exact observers keep it), on the CPU."""
+        return self._read()["amax"].detach().cpu().clone()
+
     def _fold(self, batch: dict[str, Tensor]) -> None:
         if self._state:
             _check_like(type(self).__name__, batch, self._state)
@@ -130,8 +134,6 @@ class AbsMaxObserver(StateObserver):
             raise ValueError(f"AbsMaxObserver: {x.shape[1]} heads, state has {state.shape[0]}")
         kernels.absmax_(x, mask, state)
 
-    def amax(self) -> Tensor:
-        return self._read()["amax"].detach().cpu().clone()
 
 
 @dataclass(frozen=True)
@@ -237,12 +239,22 @@ class _HistogramObserver(StateObserver):
         return ((e + 127) << SUB_BITS) - self.bins
 
     def update(self, x: Tensor, mask: Tensor | None, amax: Tensor | None = None) -> None:
-        if kernels.histogram_ok(x, self.bins):
-            return self._update_fused(x, mask, amax)
+        h, dev = x.shape[1], x.device
+        if kernels.histogram_ok(x, self.bins):     # one pass: same counts and sums (a bf16 value's bin holds it alone)
+            # before any data: an empty histogram at the lowest range, the fold moves it up exactly
+            state = self._running(dev, lambda: {"exponent": torch.full((h,), E_MIN, dtype=torch.int64, device=dev),
+                                                "counts": torch.zeros(h, self.bins, dtype=torch.int64, device=dev),
+                                                "sums": torch.zeros(h, self.bins, dtype=torch.float64, device=dev),
+                                                "amax": torch.zeros(h, dtype=torch.float32, device=dev)})
+            if state["counts"].shape[0] != h:
+                raise ValueError(f"histogram: x has {h} heads, state {_shapes(state)}")
+            new = kernels.histogram_(x, mask, state, kernels.scratch_for(dev, h, self.bins), E_MIN, E_MAX, amax)
+            if new is not None:                  # None: no working Triton here, the torch path below, same result
+                self._state = new
+                return
         a = x.detach().to(torch.float32).abs()                            # [b, h, s, d], padding 0: what it adds
         if mask is not None:
             a = a.masked_fill(~mask.to(x.device, torch.bool)[:, None, :, None], 0)
-        h = a.shape[1]
         amax = a.amax(dim=(0, 2, 3))
         e = torch.frexp(amax).exponent.to(torch.int64)
         e = torch.where(amax > 0, e, E_MIN).clamp(E_MIN, E_MAX)
@@ -263,22 +275,6 @@ class _HistogramObserver(StateObserver):
         counts, sums = counts.view(lanes, slots).sum(0), sums.view(lanes, slots).sum(0)
         self._fold({"exponent": e, "counts": counts[:-1].view(h, self.bins), "sums": sums[:-1].view(h, self.bins),
                     "amax": amax})
-
-    def _update_fused(self, x: Tensor, mask: Tensor | None, amax: Tensor | None) -> None:
-        """calib.capture.kernels's one-pass histogram: same counts and sums (the bin of a bf16 value holds only it)."""
-        h = x.shape[1]
-        dev = x.device          # before any data: an empty histogram at the lowest range, the fold moves it up exactly
-        state = self._running(dev, lambda: {"exponent": torch.full((h,), E_MIN, dtype=torch.int64, device=dev),
-                                            "counts": torch.zeros(h, self.bins, dtype=torch.int64, device=dev),
-                                            "sums": torch.zeros(h, self.bins, dtype=torch.float64, device=dev),
-                                            "amax": torch.zeros(h, dtype=torch.float32, device=dev)})
-        if state["counts"].shape[0] != h:
-            raise ValueError(f"histogram: x has {h} heads, state {_shapes(state)}")
-        scratch = kernels.scratch_for(x.device, h, self.bins)
-        new = kernels.histogram_(x, mask, self._state, scratch, E_MIN, E_MAX, amax)
-        if new is None:                          # no working Triton here: the torch path, same result
-            return self.update(x, mask)
-        self._state = new
 
     def _fold(self, batch: dict[str, Tensor]) -> None:
         """Add a histogram (possibly of another range) into the state."""

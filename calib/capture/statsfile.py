@@ -32,6 +32,7 @@ from calib.errors import KvcalibError
 from calib.provenance import RESUME, STATS, Provenance, ProvenanceError
 from calib.recipe.recipe import Recipe, RecipeError, from_dict
 from calib.safety import files, outputs
+from calib.safety.readers import ReadError, raising, whole
 from calib.scales.stats import LayerStats, Stats, stats_to_tensors
 
 # Recipe fields that decide what the observers recorded; runs must agree on them to be merged.
@@ -120,14 +121,12 @@ def read(path: Path, what: str = "statistics file") -> RawFile:
     where = f"{what} {path}"
     if not path.is_file():
         raise StatsError(f"{where} not found")
-    try:
+    with raising(StatsError, integrity.IntegrityError):
         shard = integrity.read_header(path, where)
         if "kvcalib" not in shard.metadata:
             raise StatsError(f"{where} is not a kvcalib statistics file (no kvcalib header); "
                              "write one with `kvcalib calibrate --stats-out FILE`")
         header = integrity.parse_json(shard.metadata["kvcalib"].encode(), f"{where}: its kvcalib header")
-    except integrity.IntegrityError as e:
-        raise StatsError(str(e)) from None
     recipe = _check_header(header, where)
     bad = [k for k, t in shard.tensors.items() if t.dtype not in ("F32", "F64", "I64", "I32")]
     if bad:
@@ -162,17 +161,16 @@ def _check_header(header: Any, where: str) -> Recipe:
             all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_LAYERS for i in layers) and
             layers == sorted(set(layers))):
         raise fail(f"field 'layers' must list distinct ascending layer indices in [0, {MAX_LAYERS})")
-    rot = header.get("rotary_dim")
-    if rot is not None and not (isinstance(rot, int) and not isinstance(rot, bool) and 0 <= rot <= 1 << 16):
-        raise fail(f"field 'rotary_dim' = {rot!r} must be a non-negative integer")
     data = header.get("data", {})
-    if not isinstance(data, dict) or any(not (isinstance(data[k], int) and not isinstance(data[k], bool)
-                                              and data[k] >= 0) for k in ("samples", "tokens", "skipped_short")
-                                         if k in data):
-        raise fail("field 'data' must be an object whose samples/tokens/skipped_short are counts")
-    done = header.get("batches_done")
-    if done is not None and not (isinstance(done, int) and not isinstance(done, bool) and done >= 0):
-        raise fail(f"field 'batches_done' = {done!r} must be a count")
+    if not isinstance(data, dict):
+        raise fail("field 'data' must be a JSON object")
+    try:
+        rot = whole(header.get("rotary_dim"), "field 'rotary_dim'", 0, 1 << 16, null=True)
+        whole(header.get("batches_done"), "field 'batches_done'", null=True)
+        for k in [k for k in ("samples", "tokens", "skipped_short") if k in data]:
+            whole(data[k], f"field 'data.{k}'")
+    except ReadError as e:
+        raise fail(str(e)) from None
     if not isinstance(header.get("recipe"), dict):
         raise fail("has no 'recipe' object")
     try:
@@ -358,9 +356,8 @@ def _merge(paths: list[Path], out: Path) -> Path:
     datas = [f.provenance.data for f in files]
     joined = hashlib.sha256("".join(str(d.get("fingerprint")) for d in datas).encode()).hexdigest()
     data = {"sources": [d.get("source") for d in datas],
-            "samples": sum(d.get("samples", 0) for d in datas), "tokens": sum(d.get("tokens", 0) for d in datas),
-            "skipped_short": sum(d.get("skipped_short", 0) for d in datas), "fingerprint": f"sha256:{joined}",
-            "merged_from": [str(p) for p in paths]}
+            **{k: sum(d.get(k, 0) for d in datas) for k in ("samples", "tokens", "skipped_short")},
+            "fingerprint": f"sha256:{joined}", "merged_from": [str(p) for p in paths]}
     bound = first.provenance.replace(data=data, model_weights_sha256=known[0][1] if known else None)
     return save(out, first.capture, bound.stats_header())
 

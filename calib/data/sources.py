@@ -25,8 +25,9 @@ import json
 import random
 import stat
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +92,6 @@ def pack_hint(samples: int, tokens: int, length: int, what: str, padding: float 
 
 # ---------------------------------------------------------------- readers (one record at a time)
 
-def _read_jsonl(path: Path) -> Iterator[Record]:
-    with path.open("r", encoding="utf-8") as f:
-        yield from _jsonl_lines(f, path)
-
-
 def _jsonl_lines(lines: Iterable[str], path: Path, start: int = 1) -> Iterator[Record]:
     for n, line in enumerate(lines, start):
         if not line.strip():
@@ -152,15 +148,9 @@ def _read_csv(path: Path) -> Iterator[Record]:
                             "fix the file or convert it to .jsonl") from None
 
 
-def _read_txt(path: Path) -> Iterator[Record]:
-    with path.open("r", encoding="utf-8") as f:
-        yield from _txt_paragraphs(f, path)
-
-
 def _txt_paragraphs(lines: Iterable[str], path: Path, first: int = 1) -> Iterator[Record]:
     para: list[str] = []
-    start = first
-    for n, line in enumerate(lines, first):
+    for n, line in enumerate(itertools.chain(lines, [""]), first):     # a blank line ends the last paragraph
         if line.strip():
             if not para:
                 start = n
@@ -168,8 +158,6 @@ def _txt_paragraphs(lines: Iterable[str], path: Path, first: int = 1) -> Iterato
         elif para:
             yield Record({"text": "\n".join(para)}, f"{path}:{start}")
             para = []
-    if para:
-        yield Record({"text": "\n".join(para)}, f"{path}:{start}")
 
 
 STREAMABLE = (".jsonl", ".txt", ".csv", "")
@@ -183,26 +171,25 @@ def is_stream(path: Path) -> bool:
         return False
 
 
-def _read_stream(path: Path) -> Iterator[Record]:
-    """One pass over a pipe. Without a known suffix the first non-blank line decides: `{` → JSON lines,
-    anything else → text paragraphs."""
-    if path.suffix:                     # .jsonl, .txt, .csv (`_local_files` refuses any other)
-        yield from _READERS[path.suffix.lower()](path)
-        return
+def _read_text(path: Path, parse: Callable[[Iterable[str], Path], Iterator[Record]] | None = None) -> Iterator[Record]:
+    """A text file's lines through `parse` (JSON lines or paragraphs). Without one (a pipe without a suffix, read
+    once, front to back) the first non-blank line decides: `{` → JSON lines, anything else → text paragraphs."""
     with path.open("r", encoding="utf-8") as f:
-        head: list[str] = []
-        for line in f:
-            head.append(line)
-            if line.strip():
-                break
-        lines = itertools.chain(head, f)
-        if head and head[-1].lstrip().startswith("{"):
-            yield from _jsonl_lines(lines, path)
-        else:
-            yield from _txt_paragraphs(lines, path)
+        lines: Iterable[str] = f
+        if parse is None:
+            head: list[str] = []
+            for line in f:
+                head.append(line)
+                if line.strip():
+                    break
+            lines = itertools.chain(head, f)
+            parse = _jsonl_lines if head and head[-1].lstrip().startswith("{") else _txt_paragraphs
+        yield from parse(lines, path)
 
 
-_READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv, ".txt": _read_txt}
+_READERS = {".jsonl": partial(_read_text, parse=_jsonl_lines), ".json": _read_json, ".parquet": _read_parquet,
+            ".csv": _read_csv, ".txt": partial(_read_text, parse=_txt_paragraphs),
+            "": _read_text}      # `_local_files` lets only a pipe through without a suffix
 
 
 def _as_fields(obj: Any, where: str) -> dict[str, Any]:
@@ -214,9 +201,6 @@ def _as_fields(obj: Any, where: str) -> dict[str, Any]:
 
 def _read_file(path: Path) -> Iterator[Record]:
     try:
-        if is_stream(path):
-            yield from _read_stream(path)
-            return
         yield from _READERS[path.suffix.lower()](path)
     except UnicodeDecodeError:
         raise DataError(f"{path}: not UTF-8 text; convert it or pass a .parquet file") from None
@@ -311,8 +295,7 @@ def _to_ids(rec: Record, column: str, tokenizer: Any, max_len: int | None) -> li
     if column == "input_ids":
         if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise DataError(f"{rec.origin}: input_ids must be a list of integers")
-        ids = list(value)
-        return ids[:max_len] if max_len else ids
+        return list(value)[:max_len or None]
     if column == "messages":  # the record's own shape first: its errors do not depend on the model
         try:
             value = chat.normalize(value)

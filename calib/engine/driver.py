@@ -81,9 +81,8 @@ class EngineSpec:
 
 
 def _last_line(lines: Any) -> str:
-    kept = [clean_text(ln) for ln in lines if ln.strip() and protocol.parse_progress(ln) is None]
-    kept = [ln for ln in kept if ln]
-    return kept[-1] if kept else ""
+    kept = (clean_text(ln) for ln in reversed(lines) if ln.strip() and protocol.parse_progress(ln) is None)
+    return next((ln for ln in kept if ln), "")
 
 
 # ------------------------------------------------------------------------------------------- children
@@ -173,8 +172,7 @@ def _exited(proc: subprocess.Popen, timeout: float) -> int:
 def _spawn(argv: list[str], env: dict[str, str], on_progress: Callable[[dict[str, int]], Any] | None = None) -> _Child:
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=env, start_new_session=True, preexec_fn=parent_death_signal())
-    out: collections.deque = collections.deque(maxlen=TAIL)
-    err: collections.deque = collections.deque(maxlen=TAIL)
+    out, err = collections.deque(maxlen=TAIL), collections.deque(maxlen=TAIL)
     readers = [threading.Thread(target=_pump, args=(proc.stdout, out, on_progress), daemon=True),
                threading.Thread(target=_pump, args=(proc.stderr, err, None), daemon=True)]
     for t in readers:

@@ -152,11 +152,7 @@ def per_sample(ref: dict[str, Any], arm: dict[str, Any] | None, ids: Sequence[in
     out = {"tokens": n, "nll": -sum(rows[1]["target"]), "kl": 0.0, "unresolved": 0.0, "top1": 0}
     for j in range(n):
         target = int(ids[j + 1])
-        r, a = _known(ref, j, target), _known(rows[1], j, target)
-        if arm is None:
-            kl, rest = 0.0, max(0.0, 1.0 - sum(math.exp(x) for x in r.values()))
-        else:
-            kl, rest = position_kl(r, a)
+        kl, rest = position_kl(_known(ref, j, target), _known(rows[1], j, target))   # the reference itself: KL 0
         out["kl"] += kl
         out["unresolved"] += rest
         top_r, top_a = ref["top_ids"][j][:1], rows[1]["top_ids"][j][:1]

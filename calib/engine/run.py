@@ -77,8 +77,7 @@ def request_arm(arm: Any, model: str, offered: Sequence[str] | None = None) -> d
     except (OSError, ValueError, KeyError) as e:
         return f"the checkpoint's scales cannot be read: {e}"
     return {"name": arm.name, "model": arm.source if arm.kind == "checkpoint" else model,
-            "kv_cache_dtype": arm.dtype.engine, "skip_layers": served_skip(arm),
-            "scales": scales}
+            "kv_cache_dtype": arm.dtype.engine, "skip_layers": served_skip(arm), "scales": scales}
 
 
 def starts(arms: Sequence[Any], model: str) -> int:

@@ -11,10 +11,10 @@ This module imports neither torch nor transformers.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from calib.errors import KvcalibError
+from calib.safety.readers import ReadError, number
 
 # field -> (aliases older architectures use, upper bound). Bounds sit far above any released model.
 SIZES: dict[str, tuple[tuple[str, ...], int]] = {
@@ -89,18 +89,14 @@ def check(config: dict[str, Any], where: str) -> None:
     factor = cfg.get("partial_rotary_factor")
     rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     factor = rope.get("partial_rotary_factor", factor) if factor is None else factor
-    if factor is not None and not (_num(factor) and 0 < factor <= 1):
-        raise fail(f"field '{prefix}partial_rotary_factor' = {factor!r} must be a number in (0, 1]")
-    theta = cfg.get("rope_theta", rope.get("rope_theta"))
-    if theta is not None and not (_num(theta) and theta > 0):
-        raise fail(f"field '{prefix}rope_theta' = {theta!r} must be a positive number")
+    try:
+        number(factor, f"field '{prefix}partial_rotary_factor'", 0, 1, above=True, null=True)
+        number(cfg.get("rope_theta", rope.get("rope_theta")), f"field '{prefix}rope_theta'", 0, above=True, null=True)
+    except ReadError as e:
+        raise fail(str(e)) from None
     uses_rope = any(cfg.get(k) is not None for k in ROPE_KEYS)
     if uses_rope and head_dim is not None:
         rot = int(head_dim * (factor or 1.0))
         if rot < 2 or rot % 2:
             raise fail(f"RoPE rotates {rot} channels of each head (head_dim {head_dim} × partial_rotary_factor "
                        f"{factor or 1.0}); it rotates channel pairs, so this must be an even number >= 2")
-
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

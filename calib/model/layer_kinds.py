@@ -25,6 +25,7 @@ from typing import Any
 
 from calib.model.geometry import GeometryError, text_part
 from calib.recipe import dtypes
+from calib.safety.readers import raising, whole
 
 GLOBAL, SLIDING, CHUNKED, SHARED = "global", "sliding_window", "chunked_local", "shared"
 # vLLM's KV cache spec class per kind (v1/kv_cache_interface.py): how the engine names a group it reports
@@ -78,11 +79,8 @@ class Layers:
 
 def _positive(cfg: Mapping[str, Any], key: str, prefix: str, where: str) -> int | None:
     v = cfg.get(key)
-    if v is None or v is False or v == 0:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise GeometryError(f"{where}: field '{prefix}{key}' = {v!r} must be a positive integer")
-    return v
+    with raising(GeometryError):
+        return None if v is None or v is False or v == 0 else whole(v, f"{where}: field '{prefix}{key}'", 1)
 
 
 def layer_kinds(config: Any, where: str = "config.json") -> Layers:
@@ -90,9 +88,9 @@ def layer_kinds(config: Any, where: str = "config.json") -> Layers:
     naming the field) for kinds that are unknown or disagree with the layer count."""
     raw = config if isinstance(config, Mapping) else config.to_dict()
     cfg, prefix = text_part(dict(raw))
-    n = cfg.get("num_hidden_layers", cfg.get("n_layer", cfg.get("num_layers")))
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise GeometryError(f"{where}: field '{prefix}num_hidden_layers' = {n!r} must be a positive integer")
+    with raising(GeometryError):
+        n = whole(cfg.get("num_hidden_layers", cfg.get("n_layer", cfg.get("num_layers"))),
+                  f"{where}: field '{prefix}num_hidden_layers'", 1)
     window = _positive(cfg, "sliding_window", prefix, where)
     chunk = _positive(cfg, "attention_chunk_size", prefix, where)
     model_type = str(cfg.get("model_type") or raw.get("model_type") or "")
@@ -109,14 +107,13 @@ def layer_kinds(config: Any, where: str = "config.json") -> Layers:
         why = f"{prefix}layer_types"
     elif model_type.startswith("gemma2") and window:
         kinds, why = [SLIDING if i % 2 == 0 else GLOBAL for i in range(n)], "Gemma 2 alternates (even layers sliding)"
-    elif _positive(cfg, "sliding_window_pattern", prefix, where) and window:       # Gemma 3: every n-th layer global
-        p = cfg["sliding_window_pattern"]
+    elif (p := _positive(cfg, "sliding_window_pattern", prefix, where)) and window:    # Gemma 3: every n-th global
         kinds, why = [GLOBAL if (i + 1) % p == 0 else SLIDING for i in range(n)], f"{prefix}sliding_window_pattern"
     elif "use_sliding_window" in cfg:       # Qwen2: layers from max_window_layers on slide
         first = cfg.get("max_window_layers")
         on = bool(cfg["use_sliding_window"]) and window is not None
-        if on and (not isinstance(first, int) or isinstance(first, bool) or first < 0):
-            raise GeometryError(f"{where}: field '{prefix}max_window_layers' = {first!r} must be a layer count")
+        with raising(GeometryError):
+            first = whole(first, f"{where}: field '{prefix}max_window_layers'") if on else first
         kinds = [SLIDING if on and i >= first else GLOBAL for i in range(n)]
         why = f"{prefix}use_sliding_window / max_window_layers"
     elif chunk:                             # Llama 4: every 4th layer global, or no_rope_layers says which
@@ -139,9 +136,8 @@ def layer_kinds(config: Any, where: str = "config.json") -> Layers:
     out = [LayerKind(k, window if k == SLIDING else chunk if k == CHUNKED else None) for k in kinds]
     shared = cfg.get("num_kv_shared_layers")        # Gemma 3n: the last layers read earlier layers' KV
     if shared:
-        if not isinstance(shared, int) or isinstance(shared, bool) or not 0 < shared < n:
-            raise GeometryError(f"{where}: field '{prefix}num_kv_shared_layers' = {shared!r} must be between 1 and "
-                                f"{n - 1} (layers {n})")
+        with raising(GeometryError):
+            whole(shared, f"{where}: field '{prefix}num_kv_shared_layers' ({n} layers)", 1, n - 1)
         first = n - shared
         for i in range(first, n):
             # the last earlier layer of the same kind owns the KV (transformers Gemma3n: kv_shared_layer_index)

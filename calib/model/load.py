@@ -26,6 +26,7 @@ from calib.ckpt.names import is_kv_scale
 from calib.ckpt.source import SourceFiles
 from calib.errors import KvcalibError, first_line
 from calib.model import geometry
+from calib.safety.readers import raising
 
 KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # model_type values whose cache is not (only) plain K/V: hybrid recurrent / state-space models.
@@ -59,10 +60,8 @@ def resolve_source(model_id: str | Path) -> Path:
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelError(f"MODEL {path} has no config.json; point MODEL at a Hugging Face model directory")
-        try:
+        with raising(ModelError, integrity.IntegrityError):
             integrity.contained(path, "config.json", f"MODEL {path}")
-        except integrity.IntegrityError as e:
-            raise ModelError(str(e)) from None
         return path
     if str(model_id).startswith((".", "/", "~")) or str(model_id).count("/") > 1:
         raise ModelError(f"MODEL {model_id} not found; give a model directory or a hub id like org/name")
@@ -128,11 +127,9 @@ def _read_config(src: Path, raw: dict[str, Any] | None = None) -> tuple[dict[str
     """`read_config` and the digest of the bytes read (what a statistics file records of its model); `raw`: the
     config already read (no digest), checked only."""
     where = f"MODEL {src}/config.json"
-    try:
+    with raising(ModelError, integrity.IntegrityError, geometry.GeometryError):
         raw, sha = (raw, None) if raw is not None else integrity.read_json_digest(src / "config.json", where)
         geometry.check(raw, where)
-    except (integrity.IntegrityError, geometry.GeometryError) as e:
-        raise ModelError(str(e)) from None
     return raw, sha
 
 
@@ -190,11 +187,9 @@ def preflight(src: Path | SourceFiles, *, trust_remote_code: bool = False, allow
                          "if you trust the files")
     for name in TOKENIZER_JSON:
         if (src / name).exists():
-            try:
+            with raising(ModelError, integrity.IntegrityError):
                 integrity.contained(src, name, f"MODEL {src}")
                 integrity.read_json(src / name, f"MODEL {src}/{name}")
-            except integrity.IntegrityError as e:
-                raise ModelError(str(e)) from None
     weights = None if pickled else check_weights(src, raw, files.weights if files is not None else None)
     return Preflight(src, raw, config, pickled, weights, sha)
 
@@ -203,10 +198,8 @@ def check_weights(src: Path, raw_config: dict[str, Any],
                   scanned: integrity.Checkpoint | None = None) -> integrity.Checkpoint:
     """Every shard header checked (`scanned`: already checked); integer/packed weights need a
     quantization_config that says how to read them."""
-    try:
+    with raising(ModelError, integrity.IntegrityError):
         ckpt = scanned if scanned is not None else integrity.scan(src)
-    except integrity.IntegrityError as e:
-        raise ModelError(str(e)) from None
     text, _ = geometry.text_part(raw_config)
     qc = raw_config.get("quantization_config") or text.get("quantization_config")
     packed = sorted(n for n in ckpt.weight_map if ckpt.tensor(n).dtype in integrity.PACKED_DTYPES)
@@ -369,10 +362,8 @@ def resolve_skip_layers(spec: tuple, config: Any, layers: list[int]) -> list[int
         if item == "sliding_window":
             from calib.model.layer_kinds import layer_kinds
 
-            try:
+            with raising(ModelError, geometry.GeometryError):
                 sliding = list(layer_kinds(config, "MODEL config.json").sliding)
-            except geometry.GeometryError as e:
-                raise ModelError(str(e)) from None
             if not sliding:
                 raise ModelError("recipe field 'skip_layers' has sliding_window, but the model has no "
                                  "sliding-window layers; remove it")

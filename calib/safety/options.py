@@ -9,13 +9,14 @@ them again as their first step, so library users get the same errors.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
 
 from calib.errors import KvcalibError
+from calib.safety import readers
 from calib.safety.files import expand_user
+from calib.safety.readers import raising
 
 
 class OptionError(KvcalibError, ValueError):
@@ -44,26 +45,16 @@ MAX_GIB = 1 << 20                    # a KV pool
 
 def whole(option: str, value: Any, minimum: int = 1, maximum: int | None = None) -> None:
     """`value` (None: not given) must be an int >= minimum (and <= maximum when one is given)."""
-    if value is None:
-        return
-    ok = (not isinstance(value, bool) and isinstance(value, int) and value >= minimum
-          and (maximum is None or value <= maximum))
-    if not ok:
-        span = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
-        raise OptionError(f"{option} {value!r}: give a whole number {span}")
+    with raising(OptionError):
+        readers.whole(value, option, minimum, maximum, null=True)
 
 
 def number(option: str, value: Any, minimum: float = 0.0, maximum: float | None = None, *,
            above: bool = False) -> None:
     """`value` (None: not given) must be a finite number >= minimum (> minimum with `above`; <= maximum when one is
     given). inf and NaN never pass: a deadline of inf never fires, and 60 x 1e308 is inf."""
-    if value is None:
-        return
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-          and (value > minimum if above else value >= minimum) and (maximum is None or value <= maximum))
-    if not ok:
-        span = f"{'>' if above else '>='} {minimum:g}" + (f" and <= {maximum:.12g}" if maximum is not None else "")
-        raise OptionError(f"{option} {value!r}: give a finite number {span}")
+    with raising(OptionError):
+        readers.number(value, option, minimum, maximum, above=above, null=True)
 
 
 def budget(value: Any, option: str = "--budget-minutes") -> None:
@@ -81,8 +72,6 @@ def device(value: str | None, option: str = "--device") -> None:
         dev = torch.device(value)
     except (RuntimeError, ValueError, TypeError):
         raise OptionError(f"{option} {value!r} is not a device name; use cpu, cuda or cuda:N") from None
-    if dev.type == "cpu":
-        return
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise OptionError(f"{option} {value}: torch sees no CUDA GPU on this machine (torch {torch.__version__}); "
@@ -90,12 +79,11 @@ def device(value: str | None, option: str = "--device") -> None:
         n = torch.cuda.device_count()
         if dev.index is not None and dev.index >= n:
             raise OptionError(f"{option} {value}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
-        return
-    if dev.type == "mps":
+    elif dev.type == "mps":
         if not torch.backends.mps.is_available():
             raise OptionError(f"{option} {value}: MPS is not available on this machine; use --device cpu")
-        return
-    raise OptionError(f"{option} {value}: kvcalib runs models on cpu, cuda or mps, not {dev.type}")
+    elif dev.type != "cpu":
+        raise OptionError(f"{option} {value}: kvcalib runs models on cpu, cuda or mps, not {dev.type}")
 
 
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")   # accelerate's; else one device

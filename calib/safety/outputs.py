@@ -30,7 +30,6 @@ import errno
 import json
 import os
 import shutil
-import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -76,18 +75,10 @@ def _real(p: str | Path, what: str = "") -> Path:
 
 # ------------------------------------------------------------------------------------------- checks
 
-def _check_parent(path: Path, option: str) -> None:
-    """The nearest existing ancestor of `path` must be a writable folder (nothing can be created below a file)."""
-    existing = next(p for p in _abs(path).parents if p.exists())
-    if not existing.is_dir():
-        raise OutputError(f"{option} {path}: {existing} is a file, not a directory; choose another {option}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise OutputError(f"{option} {path}: folder {existing} is not writable; choose another {option}")
-
-
-def _check_inputs(path: Path, inputs: Inputs, option: str, *, folder: bool) -> None:
-    """`path` must not be an input, contain one (folder outputs), or lie inside one that is not a file. An
-    input that does not exist yet (another output) still may not be `path` or hold it."""
+def _check_place(path: Path, inputs: Inputs, option: str, *, folder: bool) -> None:
+    """`path` must not be an input, contain one (folder outputs), or lie inside one that is not a file (an input
+    that does not exist yet, another output, still may not be `path` or hold it); its nearest existing ancestor
+    must be a writable folder (nothing can be created below a file)."""
     out = _real(path, option)
     for label, src in inputs:
         if src is None:
@@ -99,6 +90,11 @@ def _check_inputs(path: Path, inputs: Inputs, option: str, *, folder: bool) -> N
             raise OutputError(f"{option} {path} contains {label} ({src}); choose a folder of its own")
         if p in out.parents and not p.is_file():
             raise OutputError(f"{option} {path} is inside {label} ({src}); write it elsewhere")
+    existing = next(p for p in _abs(path).parents if p.exists())
+    if not existing.is_dir():
+        raise OutputError(f"{option} {path}: {existing} is a file, not a directory; choose another {option}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputError(f"{option} {path}: folder {existing} is not writable; choose another {option}")
 
 
 def marker_files(folder: Path) -> set[str] | None:
@@ -134,8 +130,7 @@ def check_folder(out: Path, *, force: bool, inputs: Inputs = (), option: str = "
     if real == cwd or real in cwd.parents:
         where = "is the current folder" if real == cwd else "holds the current folder"
         raise OutputError(f"{option} {out} {where}; choose a new folder for the output")
-    _check_inputs(out, inputs, option, folder=True)
-    _check_parent(out, option)
+    _check_place(out, inputs, option, folder=True)
     if out.is_symlink():
         raise OutputError(f"{option} {out} is a symbolic link; give the folder itself or a new path")
     if not out.exists():
@@ -153,18 +148,14 @@ def check_folder(out: Path, *, force: bool, inputs: Inputs = (), option: str = "
 
 def check_scratch(path: Path, *, inputs: Inputs = (), option: str) -> None:
     """A folder another library fills (accelerate's offload folder): never an input, inside one or holding one."""
-    _check_inputs(Path(path), inputs, option, folder=True)
-    _check_parent(Path(path), option)
+    _check_place(Path(path), inputs, option, folder=True)
 
 
 def is_statistics_file(path: Path) -> bool:
     """A kvcalib statistics (or resume) file: safetensors whose header metadata carries `kvcalib`."""
     try:
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                return False
-            n = struct.unpack("<Q", head)[0]
+            n = int.from_bytes(f.read(8), "little")      # a short file reads a short header: not JSON below
             if not 2 <= n <= _MAX_HEADER:
                 return False
             doc = json.loads(f.read(n))
@@ -178,8 +169,7 @@ def check_file(path: Path, *, inputs: Inputs = (), option: str, force: bool | No
     """May a single-file output be written at `path`? `force=None`: one of ours is replaced without asking
     (the resume file); a file kvcalib did not write is never replaced."""
     path = Path(path)
-    _check_inputs(path, inputs, option, folder=False)
-    _check_parent(path, option)
+    _check_place(path, inputs, option, folder=False)
     home = _abs(path).parent
     if (home / "config.json").is_file() and any(home.glob("*.safetensors")):
         # engines load every *.safetensors of a checkpoint without an index: a statistics file there breaks it

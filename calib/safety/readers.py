@@ -26,11 +26,11 @@ class ReadError(KvcalibError, ValueError):
 
 
 @contextmanager
-def raising(error: type[Exception]) -> Iterator[None]:
-    """Every ReadError inside as `error` (same message): a reader's caller keeps its own error class."""
+def raising(error: type[Exception], *catch: type[Exception]) -> Iterator[None]:
+    """Every ReadError (or each of `catch`) inside as `error`, same message: a caller keeps its own error class."""
     try:
         yield
-    except ReadError as e:
+    except catch or ReadError as e:
         raise error(str(e)) from None
 
 
@@ -51,10 +51,12 @@ def fail(where: str, value: Any, what: str) -> NoReturn:
 
 
 def _span(lo: float | None, hi: float | None, above: bool = False) -> str:
-    low = None if lo is None else f"{'>' if above else '>='} {lo:g}"
-    if hi is None:
-        return f" {low}" if low else ""
-    return f" in [{lo:g}, {hi:g}]" if low and not above else f" {low} and <= {hi:g}" if low else f" <= {hi:g}"
+    """The bounds in words, exactly (2147483648, never 2.14748e+09)."""
+    lo_, hi_ = (None if x is None else str(x) if isinstance(x, int) else f"{x:.12g}" for x in (lo, hi))
+    if lo_ and hi_ and not above:
+        return f" in [{lo_}, {hi_}]"
+    parts = [f"{'>' if above else '>='} {lo_}"] * (lo is not None) + [f"<= {hi_}"] * (hi is not None)
+    return " " + " and ".join(parts) if parts else ""
 
 
 def whole(value: Any, where: str, lo: int = 0, hi: int | None = None, *, null: bool = False) -> int | None:

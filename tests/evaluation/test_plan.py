@@ -254,7 +254,7 @@ def test_emulate_up_to_without_a_budget(model_and_data, tmp_path, monkeypatch):
                             "buckets [64] are not measured") for n in doc["notes"])
     assert list(doc["arms"]["default"]["buckets"]) == ["32"]
     r = _eval(src, data, tmp_path / "ev2", "--budget-minutes", "0")
-    assert r.exit_code == 1 and "--budget-minutes 0.0: give a finite number > 0 and <= 527040" in r.output
+    assert r.exit_code == 1 and "--budget-minutes = 0.0: expected a finite number > 0 and <= 527040" in r.output
 
 
 def test_on_a_cpu_the_engine_is_costed_by_its_token_rate_alone():
@@ -331,7 +331,7 @@ def test_dominance_decides_which_layers_get_skip_trials(model_and_data, tmp_path
     assert layer == max(errs, key=errs.get)                       # the worst layer by attention-output error
     assert f"default skip {layer}" in doc["arms"] and doc["thresholds"]["dominance"] == 1.0
     bad = _eval(src, data, tmp_path / "ev2", "--dominance", "0.5")
-    assert bad.exit_code == 1 and "--dominance 0.5: give a finite number >= 1" in bad.output
+    assert bad.exit_code == 1 and "--dominance = 0.5: expected a finite number >= 1" in bad.output
 
 
 def test_passkey_batches_stay_in_one_bucket_and_under_the_token_cap():

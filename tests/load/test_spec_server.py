@@ -15,15 +15,15 @@ from calib.load.spec import LoadSpec
 
 
 @pytest.mark.parametrize("spec, flag", [
-    (LoadSpec(output_tokens=1), "--output-tokens 1"),
-    (LoadSpec(concurrency=(4, 0)), "--concurrency 0"),
+    (LoadSpec(output_tokens=1), "--output-tokens = 1"),
+    (LoadSpec(concurrency=(4, 0)), "--concurrency = 0"),
     (LoadSpec(concurrency=(4, 4)), "given twice"),
-    (LoadSpec(slo_ttft_ms=math.inf), "--slo-ttft-ms inf"),
-    (LoadSpec(slo_tpot_ms=float("nan")), "--slo-tpot-ms nan"),
-    (LoadSpec(slo_tpot_ms=-5), "--slo-tpot-ms -5"),
-    (LoadSpec(noise=1.5), "--speed-noise 1.5"),
-    (LoadSpec(budget_s=math.inf), "--sweep-minutes inf"),
-    (LoadSpec(max_concurrency=True), "--max-concurrency True"),
+    (LoadSpec(slo_ttft_ms=math.inf), "--slo-ttft-ms = inf"),
+    (LoadSpec(slo_tpot_ms=float("nan")), "--slo-tpot-ms = nan"),
+    (LoadSpec(slo_tpot_ms=-5), "--slo-tpot-ms = -5"),
+    (LoadSpec(noise=1.5), "--speed-noise = 1.5"),
+    (LoadSpec(budget_s=math.inf), "--sweep-minutes = inf"),
+    (LoadSpec(max_concurrency=True), "--max-concurrency = True"),
 ])
 def test_bad_load_options_name_the_flag(spec, flag):
     assert flag in spec.problems()[0]

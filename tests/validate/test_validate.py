@@ -200,17 +200,17 @@ def test_a_sweep_that_fails_at_a_level_keeps_what_ran_and_says_so(model, tmp_pat
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--concurrency", "0"], "--concurrency 0"),
+    (["--concurrency", "0"], "--concurrency = 0"),
     (["--concurrency", "2,x"], "--concurrency '2,x'"),
-    (["--output-tokens", "1"], "--output-tokens 1"),
-    (["--slo-ttft-ms", "nan"], "--slo-ttft-ms nan"),
-    (["--slo-tpot-ms", "0"], "--slo-tpot-ms 0"),
-    (["--speed-noise", "2"], "--speed-noise 2"),
-    (["--sweep-minutes", "inf"], "--sweep-minutes inf"),
+    (["--output-tokens", "1"], "--output-tokens = 1"),
+    (["--slo-ttft-ms", "nan"], "--slo-ttft-ms = nan"),
+    (["--slo-tpot-ms", "0"], "--slo-tpot-ms = 0"),
+    (["--speed-noise", "2"], "--speed-noise = 2"),
+    (["--sweep-minutes", "inf"], "--sweep-minutes = inf"),
     (["--engine-kv-gib", "0"], "--engine-kv-gib"),
     (["--buckets", "x"], "--buckets 'x'"),
     (["--formats", "fp9"], "--formats 'fp9'"),
-    (["--budget-minutes", "0"], "--budget-minutes 0"),
+    (["--budget-minutes", "0"], "--budget-minutes = 0"),
     (["--emulate-up-to", "-5"], "--emulate-up-to"),
 ])
 def test_bad_options_are_one_line_and_nothing_is_written(model, tmp_path, extra, message):
