@@ -17,6 +17,7 @@ from typing import Any
 from calib.ckpt import integrity
 from calib.ckpt.names import CONFIG_FILE, INDEX_FILE
 from calib.errors import KvcalibError
+from calib.safety.readers import raising
 
 
 class ExportError(KvcalibError, RuntimeError):
@@ -45,10 +46,8 @@ def read_source(src: Path | SourceFiles) -> SourceFiles:
     """`src`'s config.json (strict JSON, an ExportError otherwise); a SourceFiles is returned as it is."""
     if isinstance(src, SourceFiles):
         return src
-    try:
+    with raising(ExportError, integrity.IntegrityError):
         return SourceFiles(Path(src), integrity.read_json(Path(src) / CONFIG_FILE, f"{Path(src)}/{CONFIG_FILE}"))
-    except integrity.IntegrityError as e:
-        raise ExportError(str(e)) from None
 
 
 def check_out_is_not_source(source: Path, out: Path) -> None:
@@ -67,18 +66,14 @@ def scan_source(src: Path | SourceFiles) -> integrity.Checkpoint:
         raise ExportError(f"{src} has no .safetensors weights; engines' checkpoints are written beside "
                           "safetensors weights only: convert the model, or calibrate with --target '' for "
                           "statistics only")
-    try:
+    with raising(ExportError, integrity.IntegrityError):
         return integrity.scan(Path(src))
-    except integrity.IntegrityError as e:
-        raise ExportError(str(e)) from None
 
 
 def read_json(path: Path) -> dict[str, Any]:
     """Another JSON file of the source (strict, an object), as an ExportError."""
-    try:
+    with raising(ExportError, integrity.IntegrityError):
         return integrity.read_json(path)
-    except integrity.IntegrityError as e:
-        raise ExportError(str(e)) from None
 
 
 def scan_weights(source: Path | SourceFiles, config: dict[str, Any], carried: Callable[[str], bool], *,

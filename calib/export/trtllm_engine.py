@@ -51,6 +51,7 @@ from calib.recipe import dtypes
 from calib.recipe.dtypes import FP8_E4M3
 from calib.safety import files
 from calib.safety.outputs import atomic_dir, check_room
+from calib.safety.readers import raising
 
 if TYPE_CHECKING:
     from calib.scales.fold import Scales
@@ -156,10 +157,8 @@ def prepare_engine_checkpoint(source: Path | SourceFiles, out: Path, *, kv_algo:
     total = 0
     for r, mine in layers.items():
         name = trtllm_rank_file(r)
-        try:
+        with raising(ExportError, integrity.IntegrityError):
             shard = integrity.read_header(path / name)
-        except integrity.IntegrityError as e:
-            raise ExportError(str(e)) from None
         held = {int(k.split(".")[2]) for k in shard.tensors if k.startswith("transformer.layers.")
                 and k.split(".")[2].isdigit()}
         if held and held != set(range(len(mine))):

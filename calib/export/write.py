@@ -23,6 +23,7 @@ from calib.ckpt.source import ExportError, PreparedSource
 from calib.provenance import Provenance, as_provenance
 from calib.safety import files
 from calib.safety.outputs import atomic_dir, check_room
+from calib.safety.readers import raising
 
 if TYPE_CHECKING:
     import torch
@@ -66,10 +67,8 @@ def carry_files(src: PreparedSource, tmp: Path, skip: set[str]) -> set[str]:
     for f in sorted(src.path.iterdir()):
         if f.name in skip or f.name in src.shards or f.suffix == ".safetensors" or not f.is_file():
             continue
-        try:
+        with raising(ExportError, integrity.IntegrityError):
             integrity.contained(src.path, f.name, str(src.path))
-        except integrity.IntegrityError as e:
-            raise ExportError(str(e)) from None
         files.copy(f, tmp / f.name)
     return how
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from calib.errors import KvcalibError
 from calib.recipe import dtypes, granularity as granularity_mod, safeyaml, support
+from calib.safety.readers import raising
 
 # The choices come from the typed registries (calib.recipe.dtypes, calib.recipe.granularity); the recipe keeps their names
 # (what YAML, the CLI and kvcalib.json spell) and hands out the values (`kv_dtype`, `scale_granularity`,
@@ -211,10 +212,8 @@ def load(path: str | Path | None) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file {path} not found; list shipped recipes with `kvcalib recipes`")
-    try:
+    with raising(RecipeError, safeyaml.SafeYAMLError):
         data = safeyaml.load(path, where=f"recipe file {path}")
-    except safeyaml.SafeYAMLError as e:
-        raise RecipeError(str(e)) from None
     if data is None:  # an empty file means all defaults; `[]`, `0` or `false` are mistakes, not defaults
         data = {}
     if not isinstance(data, dict):
