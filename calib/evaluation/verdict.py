@@ -25,7 +25,7 @@ from calib.evaluation import capacity, measurable, memory, significance
 from calib.evaluation import formats as kv_formats
 from calib.evaluation.numbers import (EMULATION, ENGINE, decisive, engine_ok, implausible, saturated_layers,
                                      saturation_text, scales_within_noise, skip_confirmed)
-from calib.evaluation.results import ArmInfo, ArmMetrics, Reference
+from calib.evaluation.results import ArmInfo, ArmMetrics, Reference, record
 from calib.recipe import support
 
 SKIP_FLAG = command.SKIP_FLAG
@@ -125,15 +125,8 @@ class Verdict:
     capacity: capacity.CapacityDecision | None = None         # the capacity rule's ranking (calib.evaluation.capacity)
 
     def to_dict(self) -> dict[str, Any]:
-        """As report.json holds it (`scales_within_noise` only when found)."""
-        noise = self.scales_within_noise
-        return {"action": self.action, "arm": self.arm, "skip_layers": list(self.skip_layers), "flag": self.flag,
-                "within_threshold": list(self.within_threshold), "dominant_layers": list(self.dominant_layers),
-                "dominant_in": self.dominant_in, "thresholds": self.thresholds.to_dict(), "numbers": dict(self.numbers),
-                "text": self.text, **({"scales_within_noise": noise} if noise is not None else {}),
-                "saturated": {n: dict(v) for n, v in self.saturated.items()},
-                **({"skips_by_memory": [dict(c) for c in self.skips_by_memory]} if self.skips_by_memory else {}),
-                **({"capacity": self.capacity.to_dict()} if self.capacity is not None else {})}
+        """As report.json holds it (`scales_within_noise`, `skips_by_memory`, `capacity` only when found)."""
+        return record(self, omit=("scales_within_noise", "skips_by_memory", "capacity"))
 
 
 def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
