@@ -169,15 +169,6 @@ def capacity_row(ref: Reference, entry: ArmMetrics | None, name: str, candidate:
     return CapacityRow(name, candidate, quality, engine_requests(run, length), model, entry is None)
 
 
-def capacity_rows(ref: Reference, results: Mapping[str, ArmMetrics], reference: str, plain: Mapping[str, ArmMetrics],
-                  ok: Sequence[str], skips: Sequence[str], bytes_model: Any, length: int) -> list[CapacityRow]:
-    """The reference first, then every plain arm (a candidate when within the threshold) and every skip the engine
-    confirmed within it (a candidate)."""
-    return [capacity_row(ref, None, reference, True, bytes_model, length),
-            *(capacity_row(ref, e, n, n in ok, bytes_model, length) for n, e in plain.items()),
-            *(capacity_row(ref, results[n], n, True, bytes_model, length) for n in skips)]
-
-
 def gains(row: CapacityRow, ref: CapacityRow) -> bool | None:
     """Whether `row` gains capacity over the reference beyond noise; None where neither count knows both."""
     return None if capacity_ratio(row, ref)[0] is None else capacity_gain(row, ref)

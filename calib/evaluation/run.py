@@ -29,7 +29,7 @@ from calib.evaluation.config import EvalConfig, check_buckets, check_eval
 from calib.evaluation.fakequant import fake_quant_kv
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference, with_passkey
-from calib.evaluation.retrieval import passkey_stage, run_passkey, score_engine
+from calib.evaluation.passkey import passkey_stage, run_passkey, score_engine
 from calib.evaluation.samples import Sample, calibration_windows, pack_warning, select_samples, usable_buckets
 from calib.evaluation.session import Session, clock, open_session
 from calib.model import context as model_context
@@ -207,7 +207,9 @@ def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Pl
         from calib.engine.run import starts as engine_starts
 
         starts = engine_starts(p.arms, str(cfg.model))
-    work = plan_mod.work_of(p.samples, p.prompts, len(p.arms), cfg.engine is not None, starts, s.batch_size)
+    work = plan_mod.Work(tuple((len(x.ids), x.bucket) for x in p.samples),
+                         tuple((len(x.ids), x.bucket, x.depth) for x in p.prompts), len(p.arms), cfg.engine is not None,
+                         starts, s.batch_size)
     budget = None if cfg.budget_minutes is None else 60 * cfg.budget_minutes
     planned = plan_mod.fit(work, parts, cost, rates, budget)
     for line in planned.lines(rates):

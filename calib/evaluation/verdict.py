@@ -162,7 +162,10 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
     confirmed = [(n, skip_confirmed(results[n], results[n.rsplit(" skip ", 1)[0]])) for n in skipped]
     shippable_skips = [n for n, (c, _) in confirmed if c]
     length = capacity.longest(ref, bytes_model)
-    rows = capacity.capacity_rows(ref, results, reference, plain, ok, shippable_skips, bytes_model, length)
+    # the reference first, then every plain arm (a candidate when within the threshold) and every confirmed skip
+    rows = [capacity.capacity_row(ref, None, reference, True, bytes_model, length),
+            *(capacity.capacity_row(ref, e, n, n in ok, bytes_model, length) for n, e in plain.items()),
+            *(capacity.capacity_row(ref, results[n], n, True, bytes_model, length) for n in shippable_skips)]
     ref_row, cap = rows[0], capacity.by_capacity(rows, length)
     candidates = [*ok, *shippable_skips]
     win = cap.recommended if cap.recommended is not None else (candidates[0] if candidates else None)
