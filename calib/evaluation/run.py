@@ -104,7 +104,10 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             trials = skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts)
             results.update(trials)
         serving = report.declared_dtype(cfg.model) or str(p.loaded.dtype).removeprefix("torch.")   # report.md's
-        bm = bytes_model(cfg, p, serving)
+        # the KV bytes model at the evaluation's lengths, reference KV and skipped layers in the serving dtype: the
+        # verdict ranks by its capacity where the engine did not count
+        bm = None if p.kinds is None else memory.Model(p.kinds, p.geo.kv_heads, p.geo.head_dim, serving,
+                                                       tuple(p.buckets), str(cfg.model))
         decided = verdict_mod.verdict(ref, results, cfg.thresholds, p.reference.name, bm,
                                       (p.geo.kv_heads, p.geo.head_dim), cfg.target, markdown.dtype_title(serving))
         seconds = time.perf_counter() - t_start
@@ -184,15 +187,6 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     return Prepared(loaded, emulation, engine_version, geo, tuple(arms), reference_arm(loaded.dtype), buckets,
                     tuple(samples), used, {**held_out, "excluded_samples": excluded}, tuple(prompts), tuple(notes),
                     kinds)
-
-
-def bytes_model(cfg: EvalConfig, p: Prepared, serving: str) -> memory.Model | None:
-    """The KV bytes model at the evaluation's lengths (calib.evaluation.memory), the reference KV and every skipped
-    layer in the `serving` dtype; None without layer kinds. The verdict ranks by its capacity where the engine did not
-    count; its memory table is a hybrid model's."""
-    if p.kinds is None:
-        return None
-    return memory.Model(p.kinds, p.geo.kv_heads, p.geo.head_dim, serving, tuple(p.buckets), str(cfg.model))
 
 
 def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Plan:

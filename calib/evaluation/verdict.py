@@ -223,7 +223,8 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
         cands = [replace(c, capacity_gain=capacity.gains(
             capacity.capacity_row(ref, results[c.arm], c.arm, True, bytes_model, length), ref_row))
             for c in memory.candidates(bytes_model, results, ref.engine, ref.sample_tokens)]
-        notes += memory.lines(cands, bytes_model.model)
+        notes += ["Skips by quality regained per memory given back (measured): "      # best first; none: no claim
+                  + "; ".join(c.line(bytes_model.model) for c in cands) + "."] if cands else []
     return Verdict(action, arm, tuple(layers), flag, tuple(ok), tuple(dominant), best_any, th, numbers,
                    " ".join([text, *capacity_notes, *notes]), noise, saturated, tuple(c.to_dict() for c in cands), cap)
 
