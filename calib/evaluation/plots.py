@@ -49,7 +49,7 @@ def plot_all(rep: Any, out: Path) -> tuple[list[str], str | None]:
         ax.set(yscale="log", xlabel="layer", ylabel=f"{kind}_scale (max over heads)", title=f"{kind.upper()} scales")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=6)
-        amax = [list(rep.reference.ranges[i].k_amax if kind == "k" else rep.reference.ranges[i].v_amax) for i in layers]
+        amax = [list(getattr(rep.reference.ranges[i], f"{kind}_amax")) for i in layers]
         ax = fig.add_subplot(2, 2, 3 + j)
         im = ax.imshow(amax, aspect="auto", cmap="viridis", interpolation="nearest")
         ax.set(xlabel="KV head", ylabel="layer", title=f"max |{kind.upper()}| per head ({ref_name} pass)")
@@ -63,8 +63,8 @@ def plot_all(rep: Any, out: Path) -> tuple[list[str], str | None]:
                                       ("v_snr_db", "V SNR (dB)"))):
         ax = fig.add_subplot(1, 3, 1 + j)
         for n, e in quant.items():
-            ys = [e.layers[i][key] for i in e.layers]
-            ys = [_pos(y) if j == 0 else (y if y is not None and math.isfinite(y) else math.nan) for y in ys]
+            ys = [_pos(y) if j == 0 else (y if y is not None and math.isfinite(y) else math.nan)
+                  for y in (r[key] for r in e.layers.values())]
             ax.plot([int(i) for i in e.layers], ys, marker="o", label=n)
         ax.set(xlabel="layer", title=label, yscale="log" if j == 0 else "linear")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

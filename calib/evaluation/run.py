@@ -147,9 +147,9 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
         kinds = layer_kinds.layer_kinds(config, f"MODEL {cfg.model}/config.json")
     except GeometryError as e:        # an inconsistent config: one line naming the field
         raise EvalError(str(e)) from None
-    can_skip = not cfg.target or support.skip_by_kind(cfg.target) is None
+    cannot = support.skip_by_kind(cfg.target) if cfg.target else None
     # every layer sliding (Mistral-style): skipping them all is the reference again, not an experiment
-    sliding = kinds.sliding if kinds and can_skip and len(kinds.sliding) < len(kinds.kinds) else ()
+    sliding = kinds.sliding if kinds and not cannot and len(kinds.sliding) < len(kinds.kinds) else ()
     arms = [*arms, *sliding_skip_arms(arms, sliding)]
     arms += served.formats_as_served(format_arms(geo, cfg.formats), cfg.target, cfg.engine_version, emulation.name)
     vocab = getattr(config, "vocab_size", None)
@@ -163,8 +163,7 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
         notes.append(f"layer kinds: {kinds.describe()}"
                      + ("; sliding-window skip arms added (served with --kv-cache-dtype-skip-layers sliding_window)"
                         if sliding else ""))
-    cannot = support.skip_by_kind(cfg.target) if kinds and kinds.sliding and cfg.target else None
-    if cannot:
+    if cannot and kinds and kinds.sliding:
         log(f"eval: {cannot}")
         notes.append(f"{cannot}; no sliding-window skip arm for this target")
     windows, held_out = calibration_windows(_provenances(cfg), cfg.data, tok, vocab)
