@@ -107,15 +107,12 @@ def capacity_gain(row: CapacityRow, ref: CapacityRow, floor: float = CAPACITY_FL
 
 def by_capacity(rows: Sequence[CapacityRow], length: int, floor: float = CAPACITY_FLOOR) -> CapacityDecision:
     """The arm to serve when speed was not measured (`eval`; `tune` with an engine applies `capacity_gain`), by
-    CAPACITY_RULE.
-
-    Why capacity and not quality alone: FP8 KV raises throughput only by letting more requests share the KV pool; an
-    arm within the quality bar that holds about as many requests as BF16 (a sliding-window skip on a hybrid model)
-    buys nothing for serving and costs the quantisation, so it is reported as "no capacity gain" and BF16 stays
-    unless another arm within the bar gains for real (`capacity_gain`). Among the arms that gain, the most capacity
-    wins (ties: the better quality, then the earlier row); an arm that another beats or equals on quality and
-    capacity together (the reference included) is dominated and never recommended, as in calib/load/decide.py.
-    `rows`: the reference and every arm, in the verdict's order."""
+    CAPACITY_RULE (why capacity: the module comment). An arm within the bar that holds about as many requests as BF16
+    (a sliding-window skip on a hybrid model) buys nothing for serving and costs the quantisation: "no capacity gain",
+    and BF16 stays unless another arm gains for real (`capacity_gain`). Among those that gain, the most capacity wins
+    (ties: the better quality, then the earlier row); an arm another beats or equals on quality and capacity together
+    (the reference included) is dominated and never recommended, as in calib/load/decide.py. `rows`: the reference
+    and every arm, in the verdict's order."""
     ref = next((r for r in rows if r.reference), None)
     if ref is None:
         raise ValueError("the capacity rule needs the reference row")

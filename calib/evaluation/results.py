@@ -23,7 +23,7 @@ def bucket_of(length: int, buckets: Iterable[int]) -> int:
 
 
 def plain(x: Any) -> Any:
-    """A value as report.json holds it: its own `to_dict`, a dataclass's `record`, mappings as dicts, tuples as lists."""
+    """A value as report.json holds it: its `to_dict`, a dataclass's `record`, mappings as dicts, tuples as lists."""
     if hasattr(x, "to_dict"):
         return x.to_dict()
     if is_dataclass(x):
