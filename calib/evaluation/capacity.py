@@ -107,15 +107,12 @@ def capacity_gain(row: CapacityRow, ref: CapacityRow, floor: float = CAPACITY_FL
 
 def by_capacity(rows: Sequence[CapacityRow], length: int, floor: float = CAPACITY_FLOOR) -> CapacityDecision:
     """The arm to serve when speed was not measured (`eval`; `tune` with an engine applies `capacity_gain`), by
-    CAPACITY_RULE.
-
-    Why capacity and not quality alone: FP8 KV raises throughput only by letting more requests share the KV pool; an
-    arm within the quality bar that holds about as many requests as BF16 (a sliding-window skip on a hybrid model)
-    buys nothing for serving and costs the quantisation, so it is reported as "no capacity gain" and BF16 stays
-    unless another arm within the bar gains for real (`capacity_gain`). Among the arms that gain, the most capacity
-    wins (ties: the better quality, then the earlier row); an arm that another beats or equals on quality and
-    capacity together (the reference included) is dominated and never recommended, as in calib/load/decide.py.
-    `rows`: the reference and every arm, in the verdict's order."""
+    CAPACITY_RULE (why capacity: the module comment). An arm within the bar that holds about as many requests as BF16
+    (a sliding-window skip on a hybrid model) buys nothing for serving and costs the quantisation: "no capacity gain",
+    and BF16 stays unless another arm gains for real (`capacity_gain`). Among those that gain, the most capacity wins
+    (ties: the better quality, then the earlier row); an arm another beats or equals on quality and capacity together
+    (the reference included) is dominated and never recommended, as in calib/load/decide.py. `rows`: the reference
+    and every arm, in the verdict's order."""
     ref = next((r for r in rows if r.reference), None)
     if ref is None:
         raise ValueError("the capacity rule needs the reference row")
@@ -167,15 +164,6 @@ def capacity_row(ref: Reference, entry: ArmMetrics | None, name: str, candidate:
     model = bytes_model.requests_per_gib(None if entry is None else entry.info, length) if bytes_model else None
     quality = 0.0 if entry is None else decisive(entry).summary.kl
     return CapacityRow(name, candidate, quality, engine_requests(run, length), model, entry is None)
-
-
-def capacity_rows(ref: Reference, results: Mapping[str, ArmMetrics], reference: str, plain: Mapping[str, ArmMetrics],
-                  ok: Sequence[str], skips: Sequence[str], bytes_model: Any, length: int) -> list[CapacityRow]:
-    """The reference first, then every plain arm (a candidate when within the threshold) and every skip the engine
-    confirmed within it (a candidate)."""
-    return [capacity_row(ref, None, reference, True, bytes_model, length),
-            *(capacity_row(ref, e, n, n in ok, bytes_model, length) for n, e in plain.items()),
-            *(capacity_row(ref, results[n], n, True, bytes_model, length) for n in skips)]
 
 
 def gains(row: CapacityRow, ref: CapacityRow) -> bool | None:

@@ -46,11 +46,9 @@ def settings(command: str, model_src: str | None, *, buckets: str | None, sample
 @opts.use("model", "data", "scales", "stats", "kv_cache_dtype", "formats", "emulate", *opts.HELD_OUT, "failures",
           *opts.BAR, *opts.MODEL[1:], *opts.ENGINE, "target", "engine_version", "budget_minutes", "emulate_up_to",
           *opts.OUTPUT)
-def eval_cmd(model_src, data_src, scales, stats, kv_cache_dtype, formats, emulation, buckets, samples, min_tokens,
-             pack, batch_size, seed, passkey_trials, failures, max_kl, max_ppl_increase, passkey_drop, max_skip,
-             dominance, trust_remote_code, device, device_map, max_memory, offload_folder, cpu_dtype, engine,
-             vllm_venv, engine_top_k, engine_kv_gib, engine_timeout, target, engine_version, budget_minutes,
-             emulate_up_to, plots, progress, out, force) -> None:
+def eval_cmd(model_src, data_src, scales, stats, kv_cache_dtype, formats, max_kl, max_ppl_increase, passkey_drop,
+             max_skip, dominance, engine, vllm_venv, engine_top_k, engine_kv_gib, engine_timeout, target,
+             engine_version, progress, out, **rest) -> None:
     """Compare BF16, default-scale and calibrated FP8 KV by layer and context length; write a report + verdict.
     Exit 0 when the verdict ships a quantized KV cache, 3 when it keeps BF16 (calib/errors.py)."""
     from calib import summary
@@ -68,12 +66,7 @@ def eval_cmd(model_src, data_src, scales, stats, kv_cache_dtype, formats, emulat
         thresholds=Thresholds(**opts.given(max_kl=max_kl, max_ppl_increase=max_ppl_increase, passkey_drop=passkey_drop,
                                            max_skip=max_skip, dominance=dominance)),
         target=target, engine_version=served.stated(target, engine_version),
-        **settings("eval", model_src, buckets=buckets, samples=samples, passkey_trials=passkey_trials,
-                   cpu_dtype=cpu_dtype, engine=spec, emulation=emulation, device_map=device_map,
-                   max_memory=max_memory, offload_folder=offload_folder, dtype=kv_cache_dtype, min_tokens=min_tokens,
-                   pack=pack, batch_size=batch_size, seed=seed, failures=failures, plots=plots, device=device,
-                   trust_remote_code=trust_remote_code, force=force, budget_minutes=budget_minutes,
-                   emulate_up_to=emulate_up_to))
+        **settings("eval", model_src, engine=spec, dtype=kv_cache_dtype, **rest))
     options.evaluation(cfg)        # before the default model is built or any model loads
     cfg = with_model(cfg, model_src, out, "eval")
     with outputs.terminate_as_interrupt():

@@ -14,6 +14,7 @@ from typing import Any
 from calib.data import sources as data_mod
 from calib.evaluation import emulate, served, significance
 from calib.evaluation.arms import EvalError
+from calib.evaluation.results import record
 from calib.evaluation.verdict import Thresholds
 from calib.model import context
 from calib.model.context import Context
@@ -66,12 +67,8 @@ class EvalConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as report.json records them (paths as strings, the engine spec as a mapping)."""
-        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        if self.engine is not None:
-            d["engine"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.engine).items()}
-        d.update(out=str(self.out), scales=list(self.scales), formats=list(self.formats), buckets=list(self.buckets),
-                 thresholds=self.thresholds.to_dict())
-        return d
+        return {**record(self), "out": str(self.out), "engine": None if self.engine is None else
+                {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.engine).items()}}
 
 
 def check_eval(cfg: EvalConfig) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from calib.engine.metrics import exp
-from calib.safety import files
+from calib.evaluation.plots import save
 
 PLOT = "engine_vs_emulation.png"
 
@@ -88,7 +88,6 @@ def plot(doc: dict[str, Any], out: Path) -> str | None:
     """A bar chart of the perplexity change per arm, emulated and measured over the same samples; the file name,
     or None."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         return None
@@ -109,7 +108,5 @@ def plot(doc: dict[str, Any], out: Path) -> str | None:
            title=f"Emulation vs engine, {coverage(shared)}")
     ax.set_xticklabels([n if len(n) < 28 else "…" + n[-27:] for n in names], rotation=20, ha="right", fontsize=7)
     ax.legend(fontsize=7)
-    FigureCanvasAgg(fig)
-    with files.open_new(out / PLOT, "wb") as f:
-        fig.savefig(f, dpi=90, format="png")
+    save(fig, out / PLOT)
     return PLOT

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from calib.evaluation.numbers import decisive, engine_ok, implausible
+from calib.evaluation.results import record
 from calib.recipe import dtypes, support
 
 # static scales: 1.0, a checkpoint's, a statistics file's what-if, a tune candidate's
@@ -46,22 +47,19 @@ class FormatRow:
         return not self.misses
 
     def to_dict(self) -> dict[str, Any]:
-        return {"arm": self.arm, "format": self.format, "kind": self.kind, "bytes_per_token": self.bytes_per_token,
-                "engine_bytes_per_token": self.engine_bytes_per_token, "served_by": self.served_by,
-                "ppl_rel": self.ppl_rel, "kl": self.kl, "numbers": self.numbers, "passes": self.passes,
+        return {**{k: v for k, v in record(self).items() if k != "misses"}, "passes": self.passes,
                 "misses": list(self.misses)}
 
 
 @dataclass(frozen=True)
 class FormatChoice:
-    rows: tuple[FormatRow, ...]
     chosen: str | None                  # the arm (None: nothing quantised passes; keep the reference)
     text: str
     static_vs_dynamic: str | None
+    rows: tuple[FormatRow, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"chosen": self.chosen, "text": self.text, "static_vs_dynamic": self.static_vs_dynamic,
-                "rows": [r.to_dict() for r in self.rows]}
+        return record(self)
 
 
 def served_by(fmt: str) -> int:
@@ -120,7 +118,7 @@ def choose(results: Mapping[str, Any], failures: Callable[[Any], list[str]], mod
     else:
         best = None
         text = f"No quantised format is within the bar: keep {reference.upper()} KV ({ref_bytes:g} bytes per token per layer)."
-    return FormatChoice(tuple(table), best.arm if best else None, text, static_vs_dynamic(table))
+    return FormatChoice(best.arm if best else None, text, static_vs_dynamic(table), tuple(table))
 
 
 def static_vs_dynamic(table: list[FormatRow]) -> str | None:

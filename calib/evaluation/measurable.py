@@ -40,9 +40,6 @@ class Unmeasured:
     def who(self) -> str:
         return f"`{self.arm}`" + (" (the reference)" if self.reference else "")
 
-    def line(self) -> str:
-        return f"{self.who} {self.where}: {self.quantity} is {self.value}"
-
 
 def _bad(x: Any) -> bool:
     return isinstance(x, float) and not math.isfinite(x)

@@ -237,12 +237,6 @@ def candidates(m: Model, results: Mapping[str, ArmMetrics], ref_engine: EngineNu
     return sorted(out, key=lambda c: (not c.helps, -c.per_memory))
 
 
-def lines(cands: Sequence[Candidate], model: str) -> list[str]:
-    """The verdict's sentences, best first; nothing when no skip was measured (no claim without an arm)."""
-    return ["Skips by quality regained per memory given back (measured): "
-            + "; ".join(c.line(model) for c in cands) + "."] if cands else []
-
-
 def engine_check(m: Model, info: ArmInfo | None, groups: Mapping[str, Any]) -> dict[str, Any]:
     """The engine's capacity next to the bytes model's, in the engine's own definition (vLLM: requests of
     max_model_len the pool holds x max_model_len, each group of layers reserving what its kind needs:

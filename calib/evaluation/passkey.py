@@ -8,6 +8,10 @@ The generator is ours (no dataset needed): filler sentences repeated to a target
 "The pass key is NNNNN. Remember it." at a chosen depth of the filler (0 = first line, 1 = last line), then
 a question. The answer is scored by exact match of the first number in at most `MAX_NEW_TOKENS` greedily
 generated tokens. Meaningful on trained models; on random test models only the mechanics are checked.
+
+Retrieval runs apart from `measure` (`run_passkey`): it generates (no per-token metrics, no padding mask) under
+one arm set for the whole generation. The engine's answers are scored here too (`score_engine`), by the same rule:
+the engine returns the generated ids only.
 """
 
 from __future__ import annotations
@@ -15,13 +19,18 @@ from __future__ import annotations
 import inspect
 import random
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from calib.engine.metrics import EngineNumbers
+from calib.evaluation.arms import Arm
 from calib.evaluation.plan import batch_indices
+from calib.evaluation.results import PasskeyRow, passkey_rows
+from calib.evaluation.session import Session, clock
+from calib.progress import Progress, Stage
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 MAX_NEW_TOKENS = 8
@@ -204,3 +213,31 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, dict[str, Any]]:
     for b in table.values():
         b["accuracy"] = b["correct"] / b["total"]
     return table
+
+
+def run_passkey(s: Session, arm: Arm | None, prompts: Sequence[Prompt],
+                stage: Stage | None = None) -> tuple[dict[str, PasskeyRow], float]:
+    """Passkey accuracy per bucket under `arm` (None: the reference) and the seconds it took, the prompts decoded
+    in batches of the session's batch size (`run`); `stage` is advanced after every prompt."""
+    t0 = clock(s.device)
+    on_done = None if stage is None else (lambda p: stage.advance(len(p.ids) + MAX_NEW_TOKENS,
+                                                                 prompts=stage.counters["prompts"][0] + 1))
+    with s.hook.applying(arm.to(s.device) if arm else None):
+        outcomes = run(s.lm, s.tokenizer, prompts, on_done=on_done, batch_size=s.batch_size, pad_id=s.pad_id)
+    return passkey_rows(summarize(outcomes)), clock(s.device) - t0
+
+
+def passkey_stage(progress: Progress, name: str, prompts: Sequence[Prompt], arms: int) -> Stage:
+    """A stage of every passkey prompt under `arms` arms (prompt tokens plus the generated ones)."""
+    per_arm = sum(len(p.ids) + MAX_NEW_TOKENS for p in prompts)
+    return progress.stage(name, arms * per_arm, prompts=arms * len(prompts))
+
+
+def score_engine(entries: Mapping[str, EngineNumbers], prompts: Sequence[Prompt],
+                 tokenizer: Any) -> dict[str, EngineNumbers]:
+    """Each engine entry with its passkey rows: the ids it generated per prompt, decoded and scored as the
+    emulation's answers are; entries without answers (not run, no prompts) as they are."""
+    def rows(answers: Sequence[Sequence[int]]) -> dict[str, PasskeyRow]:
+        return passkey_rows(summarize([score(p, tokenizer.decode(ids, skip_special_tokens=True))
+                                       for p, ids in zip(prompts, answers)]))
+    return {n: replace(g, passkey=rows(g.passkey_ids)) if g.ok and prompts else g for n, g in entries.items()}

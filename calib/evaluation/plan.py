@@ -277,12 +277,6 @@ def default_rates(device_type: str, ref: float, arm: float, probed_at: int, step
                  ENGINE_OVER_REFERENCE[key], step_ref, step_arm, ENGINE_PROMPT_TOKENS_PER_S[key])
 
 
-def work_of(samples: Sequence[Any], prompts: Sequence[Any], arms: int, engine: bool,
-            engine_starts: int | None = None, passkey_batch: int = 1) -> Work:
-    return Work(tuple((len(x.ids), x.bucket) for x in samples),
-                tuple((len(p.ids), p.bucket, p.depth) for p in prompts), arms, engine, engine_starts, passkey_batch)
-
-
 def emulation_limit(requested: int | None, buckets: Sequence[int], engine: bool) -> int | None:
     """The largest bucket the emulation covers (None: all): `requested` (--emulate-up-to), else
     `SHORT_WINDOW` when an engine measures the long buckets, else all; never below the smallest bucket."""

@@ -20,21 +20,24 @@ def _pos(x: float | None) -> float:
     return math.nan if x is None or not math.isfinite(x) else max(x, 1e-12)
 
 
+def save(fig: Any, path: Path) -> None:
+    """`fig` as a PNG at `path`, drawn by matplotlib's Agg canvas (no display)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    with files.open_new(path, "wb") as f:
+        fig.savefig(f, dpi=90, format="png")
+
+
 def plot_all(rep: Any, out: Path) -> tuple[list[str], str | None]:
     """Write the PNG plots of `rep` (calib.evaluation.report.Report) into `out`; returns (file names, a note when plots could not be made)."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
     except ImportError:
         return [], "plots skipped: matplotlib is not installed (pip install matplotlib)"
     ref_name, quant = rep.reference_name, rep.arms
     layers = [str(i) for i in rep.meta["layers"]]
-
-    def save(fig: Any, name: str) -> None:
-        FigureCanvasAgg(fig)
-        with files.open_new(out / name, "wb") as f:
-            fig.savefig(f, dpi=90, format="png")
 
     fig = Figure(figsize=(12, 8), layout="constrained")
     for j, kind in enumerate(("k", "v")):
@@ -46,27 +49,27 @@ def plot_all(rep: Any, out: Path) -> tuple[list[str], str | None]:
         ax.set(yscale="log", xlabel="layer", ylabel=f"{kind}_scale (max over heads)", title=f"{kind.upper()} scales")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=6)
-        amax = [list(rep.reference.ranges[i].k_amax if kind == "k" else rep.reference.ranges[i].v_amax) for i in layers]
+        amax = [list(getattr(rep.reference.ranges[i], f"{kind}_amax")) for i in layers]
         ax = fig.add_subplot(2, 2, 3 + j)
         im = ax.imshow(amax, aspect="auto", cmap="viridis", interpolation="nearest")
         ax.set(xlabel="KV head", ylabel="layer", title=f"max |{kind.upper()}| per head ({ref_name} pass)")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         fig.colorbar(im, ax=ax)
-    save(fig, PLOTS[0])
+    save(fig, out / PLOTS[0])
 
     fig = Figure(figsize=(12, 4), layout="constrained")
     for j, (key, label) in enumerate((("attn_rel_error", "attention output rel. error"), ("k_snr_db", "K SNR (dB)"),
                                       ("v_snr_db", "V SNR (dB)"))):
         ax = fig.add_subplot(1, 3, 1 + j)
         for n, e in quant.items():
-            ys = [e.layers[i][key] for i in e.layers]
-            ys = [_pos(y) if j == 0 else (y if y is not None and math.isfinite(y) else math.nan) for y in ys]
+            ys = [_pos(y) if j == 0 else (y if y is not None and math.isfinite(y) else math.nan)
+                  for y in (r[key] for r in e.layers.values())]
             ax.plot([int(i) for i in e.layers], ys, marker="o", label=n)
         ax.set(xlabel="layer", title=label, yscale="log" if j == 0 else "linear")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=6)
-    save(fig, PLOTS[1])
+    save(fig, out / PLOTS[1])
 
     fig = Figure(figsize=(7, 4), layout="constrained")
     ax = fig.add_subplot(1, 1, 1)
@@ -78,5 +81,5 @@ def plot_all(rep: Any, out: Path) -> tuple[list[str], str | None]:
     ax.set(xticks=range(len(buckets)), xticklabels=[f"<= {b}" for b in buckets], yscale="log",
            xlabel="context length (tokens)", ylabel=f"mean KL to {ref_name} (nats)", title="KL by length bucket")
     ax.legend(fontsize=6)
-    save(fig, PLOTS[2])
+    save(fig, out / PLOTS[2])
     return list(PLOTS), None

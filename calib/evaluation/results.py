@@ -10,7 +10,7 @@ the same rows (BucketRow, Summary); `calib.evaluation.numbers.decisive` picks th
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any
 
 from calib.engine.metrics import BucketRow, EngineNumbers, Summary
@@ -22,8 +22,21 @@ def bucket_of(length: int, buckets: Iterable[int]) -> int:
     return min(b for b in buckets if b >= length)
 
 
-def table(rows: Mapping[str, BucketRow]) -> dict[str, dict[str, Any]]:
-    return {b: r.to_dict() for b, r in rows.items()}
+def plain(x: Any) -> Any:
+    """A value as report.json holds it: its `to_dict`, a dataclass's `record`, mappings as dicts, tuples as lists."""
+    if hasattr(x, "to_dict"):
+        return x.to_dict()
+    if is_dataclass(x):
+        return record(x)
+    if isinstance(x, Mapping):
+        return {k: plain(v) for k, v in x.items()}
+    return [plain(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
+def record(obj: Any, omit: Iterable[str] = ()) -> dict[str, Any]:
+    """A dataclass's fields in order, each `plain`; those named in `omit` left out where None or empty."""
+    return {f.name: plain(getattr(obj, f.name)) for f in fields(obj)
+            if f.name not in omit or getattr(obj, f.name) not in (None, (), "")}
 
 
 @dataclass(frozen=True)
@@ -43,7 +56,7 @@ class PasskeyRow:
 
     def to_dict(self) -> dict[str, Any]:
         return {"correct": self.correct, "total": self.total,
-                "by_depth": {d: asdict(c) for d, c in self.by_depth.items()}, "accuracy": self.accuracy,
+                "by_depth": plain(self.by_depth), "accuracy": self.accuracy,
                 "outcomes": [{"depth": d, "correct": c} for d, c in self.outcomes]}
 
 
@@ -65,7 +78,7 @@ class Seconds:
     passkey: float | None = None
 
     def to_dict(self) -> dict[str, float]:
-        return {"metrics": self.metrics, **({} if self.passkey is None else {"passkey": self.passkey})}
+        return record(self, omit=("passkey",))
 
     @property
     def total(self) -> float:
@@ -92,10 +105,6 @@ class Failure:
     mean_kl: float
     positions: tuple[Position, ...]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "positions"},
-                "positions": [asdict(p) for p in self.positions]}
-
 
 @dataclass(frozen=True)
 class ArmInfo:
@@ -114,10 +123,7 @@ class ArmInfo:
     skip_kind: str | None = None      # the skip names a layer kind ("sliding_window"), served by that name
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "dtype": self.dtype, "granularity": self.granularity, "shippable": self.shippable,
-                "source": self.source, "skip": list(self.skip), "serve_skip": list(self.serve_skip),
-                "notes": list(self.notes), "scales": {k: dict(v) for k, v in self.scales.items()},
-                **({"skip_kind": self.skip_kind} if self.skip_kind else {})}
+        return record(self, omit=("skip_kind",))
 
 
 @dataclass(frozen=True)
@@ -141,10 +147,7 @@ class Reference:
     engine: EngineNumbers | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"buckets": table(self.buckets), "summary": self.summary.to_dict(), "seconds": self.seconds.to_dict(),
-               "sample_nll": list(self.sample_nll), "sample_tokens": list(self.sample_tokens),
-               "ranges": {i: {"k_amax": list(r.k_amax), "v_amax": list(r.v_amax)} for i, r in self.ranges.items()}}
-        return _extras(out, self)
+        return record(self, omit=("passkey", "engine"))
 
 
 @dataclass(frozen=True)
@@ -163,19 +166,8 @@ class ArmMetrics:
     engine: EngineNumbers | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = {**self.info.to_dict(), "buckets": table(self.buckets), "summary": self.summary.to_dict(),
-               "sample_nll": list(self.sample_nll), "sample_kl": list(self.sample_kl),
-               "layers": {i: dict(r) for i, r in self.layers.items()}, "failures": [f.to_dict() for f in self.failures],
-               "seconds": self.seconds.to_dict()}
-        return _extras(out, self)
-
-
-def _extras(out: dict[str, Any], e: Reference | ArmMetrics) -> dict[str, Any]:
-    if e.passkey is not None:
-        out["passkey"] = {b: r.to_dict() for b, r in e.passkey.items()}
-    if e.engine is not None:
-        out["engine"] = e.engine.to_dict()
-    return out
+        out = record(self, omit=("passkey", "engine"))
+        return {**out.pop("info"), **out}
 
 
 def with_passkey(e: Any, rows: Mapping[str, PasskeyRow], seconds: float) -> Any:

@@ -29,7 +29,7 @@ from calib.evaluation.config import EvalConfig, check_buckets, check_eval
 from calib.evaluation.fakequant import fake_quant_kv
 from calib.evaluation.measure import measure
 from calib.evaluation.results import ArmMetrics, Reference, with_passkey
-from calib.evaluation.retrieval import passkey_stage, run_passkey, score_engine
+from calib.evaluation.passkey import passkey_stage, run_passkey, score_engine
 from calib.evaluation.samples import Sample, calibration_windows, pack_warning, select_samples, usable_buckets
 from calib.evaluation.session import Session, clock, open_session
 from calib.model import context as model_context
@@ -104,7 +104,10 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             trials = skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts)
             results.update(trials)
         serving = report.declared_dtype(cfg.model) or str(p.loaded.dtype).removeprefix("torch.")   # report.md's
-        bm = bytes_model(cfg, p, serving)
+        # the KV bytes model at the evaluation's lengths, reference KV and skipped layers in the serving dtype: the
+        # verdict ranks by its capacity where the engine did not count
+        bm = None if p.kinds is None else memory.Model(p.kinds, p.geo.kv_heads, p.geo.head_dim, serving,
+                                                       tuple(p.buckets), str(cfg.model))
         decided = verdict_mod.verdict(ref, results, cfg.thresholds, p.reference.name, bm,
                                       (p.geo.kv_heads, p.geo.head_dim), cfg.target, markdown.dtype_title(serving))
         seconds = time.perf_counter() - t_start
@@ -144,9 +147,9 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
         kinds = layer_kinds.layer_kinds(config, f"MODEL {cfg.model}/config.json")
     except GeometryError as e:        # an inconsistent config: one line naming the field
         raise EvalError(str(e)) from None
-    can_skip = not cfg.target or support.skip_by_kind(cfg.target) is None
+    cannot = support.skip_by_kind(cfg.target) if cfg.target else None
     # every layer sliding (Mistral-style): skipping them all is the reference again, not an experiment
-    sliding = kinds.sliding if kinds and can_skip and len(kinds.sliding) < len(kinds.kinds) else ()
+    sliding = kinds.sliding if kinds and not cannot and len(kinds.sliding) < len(kinds.kinds) else ()
     arms = [*arms, *sliding_skip_arms(arms, sliding)]
     arms += served.formats_as_served(format_arms(geo, cfg.formats), cfg.target, cfg.engine_version, emulation.name)
     vocab = getattr(config, "vocab_size", None)
@@ -160,8 +163,7 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
         notes.append(f"layer kinds: {kinds.describe()}"
                      + ("; sliding-window skip arms added (served with --kv-cache-dtype-skip-layers sliding_window)"
                         if sliding else ""))
-    cannot = support.skip_by_kind(cfg.target) if kinds and kinds.sliding and cfg.target else None
-    if cannot:
+    if cannot and kinds and kinds.sliding:
         log(f"eval: {cannot}")
         notes.append(f"{cannot}; no sliding-window skip arm for this target")
     windows, held_out = calibration_windows(_provenances(cfg), cfg.data, tok, vocab)
@@ -186,15 +188,6 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
                     kinds)
 
 
-def bytes_model(cfg: EvalConfig, p: Prepared, serving: str) -> memory.Model | None:
-    """The KV bytes model at the evaluation's lengths (calib.evaluation.memory), the reference KV and every skipped
-    layer in the `serving` dtype; None without layer kinds. The verdict ranks by its capacity where the engine did not
-    count; its memory table is a hybrid model's."""
-    if p.kinds is None:
-        return None
-    return memory.Model(p.kinds, p.geo.kv_heads, p.geo.head_dim, serving, tuple(p.buckets), str(cfg.model))
-
-
 def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Plan:
     """The probe, the plan of what this run does (fitted to --budget-minutes), printed before the work."""
     limit = plan_mod.emulation_limit(cfg.emulate_up_to, p.buckets, cfg.engine is not None)
@@ -207,7 +200,9 @@ def time_plan(cfg: EvalConfig, p: Prepared, s: Session, log: Log) -> plan_mod.Pl
         from calib.engine.run import starts as engine_starts
 
         starts = engine_starts(p.arms, str(cfg.model))
-    work = plan_mod.work_of(p.samples, p.prompts, len(p.arms), cfg.engine is not None, starts, s.batch_size)
+    work = plan_mod.Work(tuple((len(x.ids), x.bucket) for x in p.samples),
+                         tuple((len(x.ids), x.bucket, x.depth) for x in p.prompts), len(p.arms), cfg.engine is not None,
+                         starts, s.batch_size)
     budget = None if cfg.budget_minutes is None else 60 * cfg.budget_minutes
     planned = plan_mod.fit(work, parts, cost, rates, budget)
     for line in planned.lines(rates):

@@ -25,7 +25,7 @@ from calib.evaluation import capacity, measurable, memory, significance
 from calib.evaluation import formats as kv_formats
 from calib.evaluation.numbers import (EMULATION, ENGINE, decisive, engine_ok, implausible, saturated_layers,
                                      saturation_text, scales_within_noise, skip_confirmed)
-from calib.evaluation.results import ArmInfo, ArmMetrics, Reference
+from calib.evaluation.results import ArmInfo, ArmMetrics, Reference, record
 from calib.recipe import support
 
 SKIP_FLAG = command.SKIP_FLAG
@@ -125,15 +125,8 @@ class Verdict:
     capacity: capacity.CapacityDecision | None = None         # the capacity rule's ranking (calib.evaluation.capacity)
 
     def to_dict(self) -> dict[str, Any]:
-        """As report.json holds it (`scales_within_noise` only when found)."""
-        noise = self.scales_within_noise
-        return {"action": self.action, "arm": self.arm, "skip_layers": list(self.skip_layers), "flag": self.flag,
-                "within_threshold": list(self.within_threshold), "dominant_layers": list(self.dominant_layers),
-                "dominant_in": self.dominant_in, "thresholds": self.thresholds.to_dict(), "numbers": dict(self.numbers),
-                "text": self.text, **({"scales_within_noise": noise} if noise is not None else {}),
-                "saturated": {n: dict(v) for n, v in self.saturated.items()},
-                **({"skips_by_memory": [dict(c) for c in self.skips_by_memory]} if self.skips_by_memory else {}),
-                **({"capacity": self.capacity.to_dict()} if self.capacity is not None else {})}
+        """As report.json holds it (`scales_within_noise`, `skips_by_memory`, `capacity` only when found)."""
+        return record(self, omit=("scales_within_noise", "skips_by_memory", "capacity"))
 
 
 def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
@@ -169,7 +162,10 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
     confirmed = [(n, skip_confirmed(results[n], results[n.rsplit(" skip ", 1)[0]])) for n in skipped]
     shippable_skips = [n for n, (c, _) in confirmed if c]
     length = capacity.longest(ref, bytes_model)
-    rows = capacity.capacity_rows(ref, results, reference, plain, ok, shippable_skips, bytes_model, length)
+    # the reference first, then every plain arm (a candidate when within the threshold) and every confirmed skip
+    rows = [capacity.capacity_row(ref, None, reference, True, bytes_model, length),
+            *(capacity.capacity_row(ref, e, n, n in ok, bytes_model, length) for n, e in plain.items()),
+            *(capacity.capacity_row(ref, results[n], n, True, bytes_model, length) for n in shippable_skips)]
     ref_row, cap = rows[0], capacity.by_capacity(rows, length)
     candidates = [*ok, *shippable_skips]
     win = cap.recommended if cap.recommended is not None else (candidates[0] if candidates else None)
@@ -227,7 +223,8 @@ def verdict(ref: Reference, results: Results, th: Thresholds, reference: str,
         cands = [replace(c, capacity_gain=capacity.gains(
             capacity.capacity_row(ref, results[c.arm], c.arm, True, bytes_model, length), ref_row))
             for c in memory.candidates(bytes_model, results, ref.engine, ref.sample_tokens)]
-        notes += memory.lines(cands, bytes_model.model)
+        notes += ["Skips by quality regained per memory given back (measured): "      # best first; none: no claim
+                  + "; ".join(c.line(bytes_model.model) for c in cands) + "."] if cands else []
     return Verdict(action, arm, tuple(layers), flag, tuple(ok), tuple(dominant), best_any, th, numbers,
                    " ".join([text, *capacity_notes, *notes]), noise, saturated, tuple(c.to_dict() for c in cands), cap)
 
