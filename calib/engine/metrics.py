@@ -81,7 +81,7 @@ class EngineNumbers:
     """One arm in the engine: its numbers where it ran (`status` OK), else why not (`reason`). `serve`: the runner
     spec's fields that say how to serve the arm (kvcalib validate); `kv_groups`: the engine's KV cache groups
     (calib.engine.answer.kv_groups); `passkey_ids`: the ids generated per passkey prompt, which the evaluation
-    scores into `passkey` (rows per bucket, calib.evaluation.retrieval.score_engine)."""
+    scores into `passkey` (rows per bucket, calib.evaluation.passkey.score_engine)."""
     engine: str
     version: str
     status: str = NOT_RUN

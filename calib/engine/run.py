@@ -12,7 +12,7 @@ gets an entry that says "not run" and why; nothing is ever filled in from the em
 
 The engine returns raw numbers, typed once (calib.engine.metrics.EngineNumbers): log-probabilities become KL and
 perplexity here, against the engine's own reference run; passkey answers stay generated ids, which the evaluation
-scores as it scores its own (calib.evaluation.retrieval.score_engine).
+scores as it scores its own (calib.evaluation.passkey.score_engine).
 """
 
 from __future__ import annotations
