@@ -22,6 +22,7 @@ from calib.errors import KvcalibError
 from calib.evaluation.results import ArmInfo
 from calib.recipe import support
 from calib.recipe.dtypes import FP8_E4M3, FP8_E5M2, INT8, KVDtype, kv_dtype, kv_format
+from calib.safety.readers import raising
 from calib.scales.fold import amax_to_scale
 from calib.scales.stats import LayerStats, Stats
 
@@ -195,11 +196,9 @@ def read_stats(path: str) -> tuple[Stats, dict[str, Any] | None]:
     stats.safetensors) and its header (recipe, data), through calib.capture.statsfile's one reader."""
     from calib.capture import statsfile
 
-    try:
+    with raising(EvalError, statsfile.StatsError):
         sf = statsfile.load_output(Path(path), "--stats")
         return sf.stats(), sf.header
-    except statsfile.StatsError as e:
-        raise EvalError(str(e)) from None
 
 
 def stats_arms(path: str, geo: Geometry, default_dtype: str) -> list[Arm]:

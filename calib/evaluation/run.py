@@ -18,8 +18,7 @@ import torch
 
 from calib.ckpt.kvinfo import read_kv_info
 from calib.data import sources as data_mod
-from calib.evaluation import emulate, markdown, measurable, memory
-from calib.evaluation import passkey
+from calib.evaluation import emulate, markdown, measurable, memory, passkey
 from calib.evaluation import plan as plan_mod
 from calib.evaluation import report, served
 from calib.evaluation import verdict as verdict_mod
@@ -39,6 +38,7 @@ from calib.model.geometry import GeometryError
 from calib.progress import SILENT, Progress, Stage, duration
 from calib.recipe import support
 from calib.safety import outputs
+from calib.safety.readers import raising
 
 Log = Callable[[str], Any]
 
@@ -134,19 +134,15 @@ def prepare(cfg: EvalConfig, log: Log) -> Prepared:
     if cfg.engine is not None:          # the engine's version, checked before any long work
         from calib.engine import driver
 
-        try:
+        with raising(EvalError, driver.EngineError):
             engine_version = driver.check(cfg.engine)
-        except driver.EngineError as e:
-            raise EvalError(str(e)) from None
     loaded = load_causal_lm(cfg.model, cfg.placement(), cfg.trust_remote_code)
     tok, config = loaded.tokenizer, loaded.config
     geo = Geometry.of(config, loaded.attention_layers)
     arms, served_note = served.as_served(arms_for(geo, cfg.dtype, cfg.scales, cfg.stats, emulation.per_head_kv),
                                          cfg.target, cfg.engine_version, emulation.name)
-    try:
+    with raising(EvalError, GeometryError):        # an inconsistent config: one line naming the field
         kinds = layer_kinds.layer_kinds(config, f"MODEL {cfg.model}/config.json")
-    except GeometryError as e:        # an inconsistent config: one line naming the field
-        raise EvalError(str(e)) from None
     cannot = support.skip_by_kind(cfg.target) if cfg.target else None
     # every layer sliding (Mistral-style): skipping them all is the reference again, not an experiment
     sliding = kinds.sliding if kinds and not cannot and len(kinds.sliding) < len(kinds.kinds) else ()
