@@ -111,16 +111,14 @@ def best_of(entry: dict[str, Any]) -> dict[str, Any]:
     if not ok:
         return {"best": None, "noise": None}
     best = max(ok, key=lambda r: (r["goodput"], -r["level"]))
+    keys = ("goodput", "request_throughput", "output_throughput")
     rep = entry.get("repeat")
-    if rep and rep.get("status") == "ok" and rep["level"] == best["level"]:
-        a, b = best["goodput"], rep["goodput"]
-        ta, tb = best["request_throughput"], rep["request_throughput"]
-        spread = abs(a - b) / max(a, b) if max(a, b) > 0 else abs(ta - tb) / max(ta, tb, 1e-12)
-        return {"best": {"level": best["level"], "goodput": (a + b) / 2, "request_throughput": (ta + tb) / 2,
-                         "output_throughput": (best["output_throughput"] + rep["output_throughput"]) / 2},
-                "noise": spread}
-    return {"best": {k: best[k] for k in ("level", "goodput", "request_throughput", "output_throughput")},
-            "noise": None}
+    if not (rep and rep.get("status") == "ok" and rep["level"] == best["level"]):
+        return {"best": {"level": best["level"], **{k: best[k] for k in keys}}, "noise": None}
+    a, b = best["goodput"], rep["goodput"]
+    ta, tb = best["request_throughput"], rep["request_throughput"]
+    spread = abs(a - b) / max(a, b) if max(a, b) > 0 else abs(ta - tb) / max(ta, tb, 1e-12)
+    return {"best": {"level": best["level"], **{k: (best[k] + rep[k]) / 2 for k in keys}}, "noise": spread}
 
 
 def sweep_config(venv: Path, cfg: server.ServeConfig, buckets: Sequence[Bucket], spec: LoadSpec,

@@ -177,7 +177,7 @@ def check(routes: Routes, base: EvalConfig, force: bool = False) -> None:
 
     outputs.check_folder(Path(base.out), force=force, inputs=inputs(routes, base))
     outputs.check_room(Path(base.out))
-    served.check(base.target, base.engine_version)
+    served.stated(base.target, base.engine_version)
     ctx = context.of_directory(base.model) if base.model else None    # "": the default model, not built yet
     for r in routes.routes:
         cfg = eval_config(r, base, Path(base.out) / r.name)

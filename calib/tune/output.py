@@ -317,10 +317,8 @@ def plot_svg(doc: dict[str, Any]) -> str | None:
         ax.scatter([100 * chosen["memory_saved"]], [max(chosen["summary"]["max_bucket_kl"], floor)], s=160,
                    facecolors="none", edgecolors="tab:blue", label="chosen")
     ax.axhline(doc["thresholds"]["max_kl"], color="gray", linestyle="--", label="--max-kl")
-    ax.set_yscale("log")
-    ax.set_xlabel("KV-cache memory saved vs the model dtype (%)")
-    ax.set_ylabel("worst-bucket KL to the reference (nats)")
-    ax.set_title(f"kvcalib tune: {doc['target']} candidates")
+    ax.set(yscale="log", xlabel="KV-cache memory saved vs the model dtype (%)",
+           ylabel="worst-bucket KL to the reference (nats)", title=f"kvcalib tune: {doc['target']} candidates")
     ax.legend(fontsize=8)
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight")
