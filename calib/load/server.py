@@ -23,7 +23,6 @@ as the scheduler does.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -171,9 +170,6 @@ class Watch:
     preemptions: float | None = None
     peak_memory_bytes: int | None = None
     samples: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def _hi(a: float | None, b: float | None) -> float | None:

@@ -13,7 +13,7 @@ import json
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ def _level(venv: Path, srv: server.Server, b: Bucket, spec: LoadSpec, level: int
         except subprocess.TimeoutExpired:
             code, text = -1, f"the load generator passed its {timeout:.0f} s deadline"
     out: dict[str, Any] = {"level": level, "requests_sent": n, "seconds": time.monotonic() - t0,
-                           "server": watch.to_dict()}
+                           "server": asdict(watch)}
     if srv.proc is not None and srv.proc.poll() is not None:
         return {**out, "status": "failed", "error": f"the server died: {srv.why()}"}
     if code != 0 or not result.is_file():

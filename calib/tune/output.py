@@ -119,11 +119,8 @@ def formats(cfg: TuneConfig, loaded: Any, found: Search, chosen: dict[str, Any] 
     from calib.evaluation.arms import Geometry, reference_arm
 
     geo = Geometry.of(loaded.config, loaded.attention_layers)
-    entries = {n: found.entries[n] for n in cfg.formats if n in found.entries}
-    if found.entries.get(BASELINE) is not None:
-        entries[BASELINE] = found.entries[BASELINE]
-    if chosen is not None and found.entry(chosen["name"]) is not None:
-        entries[chosen["name"]] = found.entry(chosen["name"])
+    names = [*cfg.formats, BASELINE, *([chosen["name"]] if chosen is not None else [])]
+    entries = {n: e for n in names if (e := found.entry(n)) is not None}
     choice = kv_formats.choose(entries, lambda e: verdict.failures(e, found.ref, cfg.thresholds),
                                str(loaded.dtype).removeprefix("torch."), geo.kv_heads, geo.head_dim,
                                reference_arm(loaded.dtype).name, len(geo.layers))

@@ -144,10 +144,6 @@ def _n(x: Any, fmt: str = ".3g") -> str:
     return "–" if x is None else format(x, fmt)
 
 
-def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{100 * x:+.2f} %"
-
-
 def _dtype(doc: Mapping[str, Any]) -> str:
     """The model's own KV dtype as the report names it (BF16): what keeping the reference serves."""
     return render.dtype_title(doc.get("serving_dtype") or doc["reference"])
@@ -227,7 +223,8 @@ def markdown(doc: Mapping[str, Any]) -> str:
         cells = [f"{_n(x['goodput'])} ({decide.ratio_text(x['vs_reference'])}), fits {_n(x['capacity'], 'd')}"
                  f" (bytes model {_n(x.get('capacity_bytes_model'), 'd')})"
                  for x in (a["buckets"][str(b)] for b in doc["buckets"])]
-        rows.append([f"`{n}`", f"**{a['decision']}**", _pct(a["quality"]["summary"]["ppl_rel"]), *cells, a["why"]])
+        rows.append([f"`{n}`", f"**{a['decision']}**", decide.pct(a["quality"]["summary"]["ppl_rel"]), *cells,
+                     a["why"]])
     out += table(["arm", "decision", "Δppl (" + "engine" + ")",
                   *[f"<= {b}: goodput req/s (vs ref), requests fit" for b in doc["buckets"]], "why"], rows)
     out += ["", "Requests fit: requests of the bucket's longest length (prompt + output) the engine's KV pool holds at "
