@@ -36,7 +36,9 @@ def _level(venv: Path, srv: server.Server, b: Bucket, spec: LoadSpec, level: int
            tag: str, timeout: float, n: int | None = None) -> dict[str, Any]:
     n = n or spec.requests(level)
     data = folder / f"{tag}-data.jsonl"
-    server.write_dataset(data, [b.prompts[k % len(b.prompts)] for k in range(n)], [spec.output_tokens] * n)
+    with open(data, "w", encoding="utf-8") as f:      # the load generator's custom dataset: a line per request
+        f.writelines(json.dumps({"prompt": b.prompts[k % len(b.prompts)], "output_tokens": spec.output_tokens}) + "\n"
+                     for k in range(n))
     result = folder / f"{tag}-result.json"
     cmd = server.bench_argv(venv, srv, data, n, level, result, tokenizer, spec.slo_ttft_ms, spec.slo_tpot_ms)
     t0 = time.monotonic()

@@ -77,32 +77,27 @@ def _config(cfg: TuneConfig) -> dict[str, Any]:
 
 def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any, held: dict[str, Any],
              seconds: float) -> dict[str, Any]:
-    th = cfg.thresholds
-    layers = len(loaded.attention_layers)
+    th, layers = cfg.thresholds, len(loaded.attention_layers)
     serving = report.declared_dtype(source) or "bfloat16"     # served without KV quantization; BF16: none declared
     table = choose_mod.rows(found, th, layers, MODEL_DTYPE_BYTES.get(serving, 2), BASELINE)
     decision = choose_mod.decide(found, table)
-    chosen = decision.row
-    matter = choose_mod.scales_matter(found, table, _ranges(st), BASELINE)
-    base = found.entries.get(BASELINE)
-    stats_info = {k: {"recipe": dict(sf.provenance.recipe), "data": dict(sf.provenance.data)}
-                  for k, sf in st.files.items()}
+    chosen, base = decision.row, found.entries.get(BASELINE)
     return {
-        "schema": SCHEMA, "producer": "kvcalib tune", "version": __version__, "argv": sys.argv[1:], "config": _config(cfg),
-        "model": str(cfg.model), "model_dtype": str(loaded.dtype).removeprefix("torch."), "layers": layers,
-        "serving_dtype": serving, "kv_bytes_reference": MODEL_DTYPE_BYTES.get(serving, 2), "target": cfg.target,
-        "statistics": {**st.origin, "files": stats_info}, "held_out": held, "thresholds": th.to_dict(),
+        "schema": SCHEMA, "producer": "kvcalib tune", "version": __version__, "argv": sys.argv[1:],
+        "config": _config(cfg), "model": str(cfg.model), "model_dtype": str(loaded.dtype).removeprefix("torch."),
+        "layers": layers, "serving_dtype": serving, "kv_bytes_reference": MODEL_DTYPE_BYTES.get(serving, 2),
+        "target": cfg.target, "statistics": {**st.origin, "files": {
+            k: {"recipe": dict(sf.provenance.recipe), "data": dict(sf.provenance.data)} for k, sf in st.files.items()}},
+        "held_out": held, "thresholds": th.to_dict(),
         "rule": choose_mod.__doc__.split("The rule", 1)[1].split("\n", 1)[1].strip(),
         "reference": None if found.ref is None else _pick(found.ref.to_dict(), ("buckets", "summary", "sample_tokens")),
-        "baseline": None if base is None else {"name": BASELINE, **_pick(base.to_dict(), ("summary", "buckets", "sample_nll",
-                                                                                           "sample_kl")),
-                                               "failures": verdict.failures(base, found.ref, th)},
+        "baseline": None if base is None else {"name": BASELINE, **_pick(base.to_dict(), (
+            "summary", "buckets", "sample_nll", "sample_kl")), "failures": verdict.failures(base, found.ref, th)},
         "candidates": table,
-        "sensitivity": {"base": found.sensitivity_base, "kl_only_this_layer": {str(i): v for i, v in
-                                                                               found.sensitivity.items()},
-                        "ranking": ranking(found.sensitivity), "samples": cfg.sensitivity_samples},
-        "scales_matter": matter,
-        "capacity": decision.to_dict(),
+        "sensitivity": {"base": found.sensitivity_base, "kl_only_this_layer": {
+            str(i): v for i, v in found.sensitivity.items()}, "ranking": ranking(found.sensitivity),
+            "samples": cfg.sensitivity_samples},
+        "scales_matter": choose_mod.scales_matter(found, table, _ranges(st), BASELINE), "capacity": decision.to_dict(),
         "choice": {"candidate": chosen and chosen["name"], "action": "ship" if chosen else "keep_reference",
                    "serve": serve_command(cfg.target, Path(cfg.out), chosen["skip"]) if chosen else None},
         "budget": {"minutes": cfg.budget_minutes, "stopped": found.stopped, "not_scored": found.not_scored},
@@ -327,8 +322,7 @@ def finish(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any, h
            log: Any) -> Outcome:
     doc = document(cfg, loaded, source, found, st, held, seconds)
     files = {JSON: json.dumps(report.finite(doc), indent=1) + "\n", MD: markdown(doc)}
-    svg = plot_svg(doc) if cfg.plots else None
-    if svg:
+    if cfg.plots and (svg := plot_svg(doc)):
         files[SVG] = svg
     out, row = Path(cfg.out), _chosen(doc)
     if row is None:

@@ -46,7 +46,6 @@ from calib.evaluation.run import probe
 from calib.evaluation.samples import calibration_windows, select_samples, usable_buckets
 from calib.evaluation.session import Session, open_session
 from calib.model import context
-from calib.model import load as model_mod
 from calib.progress import SILENT, Progress, duration
 from calib.recipe.dtypes import FP8_E4M3
 from calib.recipe.recipe import Recipe
