@@ -110,13 +110,14 @@ def decide(route: Route, model: str, result: Any) -> Decision:
                         f"{100 * summ.ppl_rel:+.2f}% <= +{100 * route.bar.max_ppl_increase:g}%"
                         + (f", passkey >= {route.bar.min_passkey:g}" if route.bar.min_passkey is not None else ""))
 
-    layers = tuple(v.skip_layers)
     if v.action == "ship":       # a checkpoint's own skipped layers are served as it was measured
         tries = [(n, FP8, tuple(support.skip_order(arms[n].info.serve_skip))) for n in v.within_threshold]
-    else:
-        tries = [(n, FP8_SKIP, layers) for n, e in arms.items() if v.action == "ship_with_skip"
-                 and n.startswith(f"{v.arm} skip ")
+    elif v.action == "ship_with_skip":
+        layers = tuple(v.skip_layers)
+        tries = [(n, FP8_SKIP, layers) for n, e in arms.items() if n.startswith(f"{v.arm} skip ")
                  and sorted(set(e.info.skip) | set(e.info.serve_skip)) == list(layers)]
+    else:
+        tries = []
     for name, kind, skips in tries:
         if _servable(arms[name]) and (d := chosen(name, arms[name], kind, skips)):
             return d

@@ -147,9 +147,13 @@ def _chosen(doc: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _chosen_words(doc: dict[str, Any], row: dict[str, Any]) -> str:
+    """The chosen candidate's numbers, and its capacity where an engine counted the reference's (no speed)."""
+    cap = row.get("capacity") or {}
     return (f"{row['support']}; KV memory saved {100 * row['memory_saved']:.1f}%, worst-bucket KL "
             f"{row['summary']['max_bucket_kl']:.3g}, ppl {100 * row['summary']['ppl_rel']:+.2f}% ({row['numbers']})"
-            + _capacity_words(row.get("capacity"), _dtype(doc)))
+            + ("" if cap.get("vs_reference") is None else f"; {cap['vs_reference']:.2f}x {_dtype(doc)}'s KV capacity "
+               f"at {cap['length']:,} tokens ({cap['source']}); speed was not measured (`kvcalib validate` measures "
+               "goodput under load)"))
 
 
 def headline(doc: dict[str, Any]) -> str:
@@ -158,14 +162,6 @@ def headline(doc: dict[str, Any]) -> str:
     if why is not None or row is None:
         return f"keep {_dtype(doc)} KV: {why}"
     return f"chosen: {row['name']} — {_chosen_words(doc, row)}"
-
-
-def _capacity_words(cap: dict[str, Any] | None, dtype: str = "BF16") -> str:
-    """The chosen candidate's capacity, where an engine counted the reference's (speed is not measured)."""
-    if not cap or cap.get("vs_reference") is None:
-        return ""
-    return (f"; {cap['vs_reference']:.2f}x {dtype}'s KV capacity at {cap['length']:,} tokens ({cap['source']}); speed "
-            "was not measured (`kvcalib validate` measures goodput under load)")
 
 
 def _cell(x: Any, fmt: str = ".3g") -> str:
