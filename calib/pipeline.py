@@ -409,19 +409,13 @@ def check_calibrate(job: CalibrateJob, *, options_checked: bool = False) -> Chec
     return Checked(model, target_dir, prepared, tuple(inputs), fingerprint.of_model(model.weights))
 
 
-def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, device: str | None = None,
-              trust_remote_code: bool = False, force: bool = False, progress: Any | None = None,
-              options: RunOptions = RunOptions(), placement: model_mod.Placement | None = None,
-              stats_out: Path | None = None, into: Path | None = None, overwrite_kv: bool = False,
-              allow_pickle: bool = False, recipe_file: Path | None = None,
-              engine_versions: Mapping[str, str] | None = None) -> Result:
-    """Calibrate `model_src` on `data_src` and write the recipe's targets to `out`. With `into` (a
-    weight-quantized checkpoint of the same model), the scales are attached to `into`'s files instead:
-    its weights are carried over byte for byte and its quantization config gains the KV scheme."""
-    return run(CalibrateJob(model_src, data_src, recipe, out, device=device, trust_remote_code=trust_remote_code,
-                            force=force, options=options, placement=placement, stats_out=stats_out, into=into,
-                            overwrite_kv=overwrite_kv, allow_pickle=allow_pickle, recipe_file=recipe_file,
-                            engine_versions=dict(engine_versions or {})),
+def calibrate(model_src: str | Path, data_src: str | Path, recipe: Recipe, out: Path, *, progress: Any | None = None,
+              engine_versions: Mapping[str, str] | None = None, **job: Any) -> Result:
+    """Calibrate `model_src` on `data_src` and write the recipe's targets to `out`; `job`: CalibrateJob's other
+    fields (device, placement, into, ...). With `into` (a weight-quantized checkpoint of the same model), the
+    scales are attached to `into`'s files instead: its weights are carried over byte for byte and its
+    quantization config gains the KV scheme."""
+    return run(CalibrateJob(model_src, data_src, recipe, out, engine_versions=dict(engine_versions or {}), **job),
                progress)
 
 

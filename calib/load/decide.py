@@ -128,7 +128,7 @@ def decide(arms: Sequence[Arm], floor: float = 0.03) -> Decision:
         return Decision(ref.name, why, dominated, ratios, tol)
     win = max(faster, key=lambda a: (a.goodput or 0.0, -cands.index(a)))
     why = (f"`{win.name}`: {ratio_text(ratios[win.name])} the reference's goodput (beyond the {tol[win.name]:.0%} noise), "
-           f"quality within the bar ({_pct(win.ppl_rel)} ppl)" + (f"; {missing}" if unserved else ""))
+           f"quality within the bar ({pct(win.ppl_rel)} ppl)" + (f"; {missing}" if unserved else ""))
     return Decision(win.name, why, dominated, ratios, tol)
 
 
@@ -136,7 +136,7 @@ def ratio_text(x: float | None) -> str:
     return "–" if x is None else ("inf x" if x == float("inf") else f"{x:.2f}x")
 
 
-def _pct(x: float | None) -> str:
+def pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:+.2f} %"
 
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from calib.errors import KvcalibError
-from calib.load.stats import distribution
 from calib.safety.readers import clean_text, items, number, raising, whole
 
 MAX_TEXT = 300
 MAX_SECONDS = 7 * 24 * 3600.0
+PERCENTILES = (50, 90, 99)
 
 
 class RecordsError(KvcalibError, ValueError):
@@ -99,6 +99,25 @@ def parse(doc: Any, asked: int, output_tokens: int, max_prompt: int) -> tuple[li
                                        "max_concurrent_requests")
                if isinstance(doc.get(k), (int, float)) and not isinstance(doc.get(k), bool) and math.isfinite(doc[k])}
         return reqs, duration, own
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear interpolation between order statistics (numpy's default, so a number
+    kvcalib prints can be checked against numpy on the same values); None for no values."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def distribution(values: Sequence[float]) -> dict[str, float | None]:
+    """mean and p50 / p90 / p99 of `values` (seconds), as vLLM bench serve reports them; None where there is
+    nothing to measure."""
+    return {"mean": sum(values) / len(values) if values else None,
+            **{f"p{q}": percentile(values, q) for q in PERCENTILES}}
 
 
 def summarize(reqs: Sequence[Request], duration: float, output_tokens: int, slo: SLO) -> dict[str, Any]:

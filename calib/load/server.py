@@ -23,8 +23,6 @@ as the scheduler does.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import os
 import re
 import shlex
@@ -120,12 +118,6 @@ def env(launch: Launch, folder: Path) -> dict[str, str]:
     return e
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def capacity(log: str) -> dict[str, Any]:
     """The engine's own KV capacity from its start-up log: pool size in tokens, and the requests of
     max_model_len it holds at once (the concurrency it logs, and its whole part: requests that fit)."""
@@ -172,9 +164,6 @@ class Watch:
     peak_memory_bytes: int | None = None
     samples: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def _hi(a: float | None, b: float | None) -> float | None:
     return b if a is None else (a if b is None else max(a, b))
@@ -220,7 +209,10 @@ class Server:
             return 0, ""
 
     def start(self) -> None:
-        self.port = self.port or free_port()
+        if not self.port:
+            with socket.socket() as s:      # a free port
+                s.bind(("127.0.0.1", 0))
+                self.port = int(s.getsockname()[1])
         self.log_path = self.folder / f"server-{self.port}.log"
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
@@ -361,10 +353,3 @@ def run_bench(cmd: Sequence[str], folder: Path, timeout: float) -> tuple[int, st
         raise
     text = log.read_bytes()[-LOG_TAIL:].decode("utf-8", "replace")
     return code, text
-
-
-def write_dataset(path: Path, prompts: Sequence[str], output_tokens: Sequence[int]) -> None:
-    """The load generator's custom dataset: one {"prompt", "output_tokens"} line per request, in order."""
-    with open(path, "w", encoding="utf-8") as f:
-        for p, n in zip(prompts, output_tokens):
-            f.write(json.dumps({"prompt": p, "output_tokens": int(n)}) + "\n")

@@ -13,7 +13,7 @@ import json
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,9 @@ def _level(venv: Path, srv: server.Server, b: Bucket, spec: LoadSpec, level: int
            tag: str, timeout: float, n: int | None = None) -> dict[str, Any]:
     n = n or spec.requests(level)
     data = folder / f"{tag}-data.jsonl"
-    server.write_dataset(data, [b.prompts[k % len(b.prompts)] for k in range(n)], [spec.output_tokens] * n)
+    with open(data, "w", encoding="utf-8") as f:      # the load generator's custom dataset: a line per request
+        f.writelines(json.dumps({"prompt": b.prompts[k % len(b.prompts)], "output_tokens": spec.output_tokens}) + "\n"
+                     for k in range(n))
     result = folder / f"{tag}-result.json"
     cmd = server.bench_argv(venv, srv, data, n, level, result, tokenizer, spec.slo_ttft_ms, spec.slo_tpot_ms)
     t0 = time.monotonic()
@@ -46,7 +48,7 @@ def _level(venv: Path, srv: server.Server, b: Bucket, spec: LoadSpec, level: int
         except subprocess.TimeoutExpired:
             code, text = -1, f"the load generator passed its {timeout:.0f} s deadline"
     out: dict[str, Any] = {"level": level, "requests_sent": n, "seconds": time.monotonic() - t0,
-                           "server": watch.to_dict()}
+                           "server": asdict(watch)}
     if srv.proc is not None and srv.proc.poll() is not None:
         return {**out, "status": "failed", "error": f"the server died: {srv.why()}"}
     if code != 0 or not result.is_file():
@@ -111,16 +113,14 @@ def best_of(entry: dict[str, Any]) -> dict[str, Any]:
     if not ok:
         return {"best": None, "noise": None}
     best = max(ok, key=lambda r: (r["goodput"], -r["level"]))
+    keys = ("goodput", "request_throughput", "output_throughput")
     rep = entry.get("repeat")
-    if rep and rep.get("status") == "ok" and rep["level"] == best["level"]:
-        a, b = best["goodput"], rep["goodput"]
-        ta, tb = best["request_throughput"], rep["request_throughput"]
-        spread = abs(a - b) / max(a, b) if max(a, b) > 0 else abs(ta - tb) / max(ta, tb, 1e-12)
-        return {"best": {"level": best["level"], "goodput": (a + b) / 2, "request_throughput": (ta + tb) / 2,
-                         "output_throughput": (best["output_throughput"] + rep["output_throughput"]) / 2},
-                "noise": spread}
-    return {"best": {k: best[k] for k in ("level", "goodput", "request_throughput", "output_throughput")},
-            "noise": None}
+    if not (rep and rep.get("status") == "ok" and rep["level"] == best["level"]):
+        return {"best": {"level": best["level"], **{k: best[k] for k in keys}}, "noise": None}
+    a, b = best["goodput"], rep["goodput"]
+    ta, tb = best["request_throughput"], rep["request_throughput"]
+    spread = abs(a - b) / max(a, b) if max(a, b) > 0 else abs(ta - tb) / max(ta, tb, 1e-12)
+    return {"best": {"level": best["level"], **{k: (best[k] + rep[k]) / 2 for k in keys}}, "noise": spread}
 
 
 def sweep_config(venv: Path, cfg: server.ServeConfig, buckets: Sequence[Bucket], spec: LoadSpec,

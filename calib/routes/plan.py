@@ -110,20 +110,17 @@ def decide(route: Route, model: str, result: Any) -> Decision:
                         f"{100 * summ.ppl_rel:+.2f}% <= +{100 * route.bar.max_ppl_increase:g}%"
                         + (f", passkey >= {route.bar.min_passkey:g}" if route.bar.min_passkey is not None else ""))
 
-    if v.action == "ship":
-        for name in v.within_threshold:
-            if _servable(arms[name]):     # a checkpoint's own skipped layers are served as it was measured
-                d = chosen(name, arms[name], FP8, tuple(support.skip_order(arms[name].info.serve_skip)))
-                if d:
-                    return d
-    if v.action == "ship_with_skip":
+    if v.action == "ship":       # a checkpoint's own skipped layers are served as it was measured
+        tries = [(n, FP8, tuple(support.skip_order(arms[n].info.serve_skip))) for n in v.within_threshold]
+    elif v.action == "ship_with_skip":
         layers = tuple(v.skip_layers)
-        for name, e in arms.items():
-            if (name.startswith(f"{v.arm} skip ") and sorted(set(e.info.skip) | set(e.info.serve_skip)) == list(layers)
-                    and _servable(e)):
-                d = chosen(name, e, FP8_SKIP, layers)
-                if d:
-                    return d
+        tries = [(n, FP8_SKIP, layers) for n, e in arms.items() if n.startswith(f"{v.arm} skip ")
+                 and sorted(set(e.info.skip) | set(e.info.serve_skip)) == list(layers)]
+    else:
+        tries = []
+    for name, kind, skips in tries:
+        if _servable(arms[name]) and (d := chosen(name, arms[name], kind, skips)):
+            return d
     why = "; ".join(misses) if misses else v.text.split(". ")[0].rstrip(".")
     return Decision(route.name, BF16, None, model, "auto", (), length, None, f"BF16 KV: {why}")
 
@@ -177,7 +174,7 @@ def check(routes: Routes, base: EvalConfig, force: bool = False) -> None:
 
     outputs.check_folder(Path(base.out), force=force, inputs=inputs(routes, base))
     outputs.check_room(Path(base.out))
-    served.check(base.target, base.engine_version)
+    served.stated(base.target, base.engine_version)
     ctx = context.of_directory(base.model) if base.model else None    # "": the default model, not built yet
     for r in routes.routes:
         cfg = eval_config(r, base, Path(base.out) / r.name)

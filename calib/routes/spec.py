@@ -15,7 +15,6 @@ is missing or empty is an error naming it, before any model loads.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 from calib.errors import KvcalibError
 from calib.recipe import safeyaml
+from calib.safety import readers
 from calib.safety.files import expand_user
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -68,10 +68,6 @@ class Routes:
     routes: tuple[Route, ...]
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _mapping(v: Any, where: str, allowed: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise RoutesError(f"{where} must be a mapping of field: value, got {type(v).__name__}")
@@ -83,13 +79,9 @@ def _mapping(v: Any, where: str, allowed: tuple[str, ...]) -> dict[str, Any]:
 
 def _bar(v: Any, where: str) -> Bar:
     d = _mapping({} if v is None else v, f"{where} field 'bar'", tuple(f.name for f in fields(Bar)))
-    for key in ("max_kl", "max_ppl_increase"):
-        if key in d and not (_number(d[key]) and d[key] >= 0):
-            raise RoutesError(f"{where} field 'bar.{key}' = {d[key]!r}: give a number >= 0")
-    p = d.get("min_passkey")
-    if p is not None and not (_number(p) and 0 <= p <= 1):
-        raise RoutesError(f"{where} field 'bar.min_passkey' = {p!r}: give an accuracy between 0 and 1 (0.8 = 80 %)")
-    return Bar(**{k: float(x) if x is not None else None for k, x in d.items()})
+    with readers.raising(RoutesError):       # min_passkey: an accuracy, 0.8 = 80 %
+        return Bar(**{k: readers.number(x, f"{where} field 'bar.{k}'", 0, 1 if k == "min_passkey" else None,
+                                        null=k == "min_passkey") for k, x in d.items()})
 
 
 def _data(v: Any, base: Path, where: str) -> Path:

@@ -74,8 +74,7 @@ def rows(found: Any, th: verdict.Thresholds, layers: int, ref_bytes: int, baseli
                        emulated=score.slim(e), failures=verdict.failures(e, ref, th))
             if base is not None:
                 row["vs_default"] = score.compare(e, base, tokens)
-            cap = capacity(found, c, e, row["memory_saved"], counts)
-            if cap is not None:
+            if (cap := capacity(found, c, e, row["memory_saved"], counts)) is not None:
                 row["capacity"] = cap
         out.append(row)
     return out

@@ -44,8 +44,7 @@ def shortlist(found: Any, th: verdict.Thresholds, n: int) -> list[Any]:
     return out
 
 
-def confirm(cfg: Any, found: Any, st: Any, source: Path, loaded: Any, samples: Any, buckets: Any, log: Any,
-            progress: Any) -> None:
+def confirm(cfg: Any, found: Any, st: Any, source: Path, loaded: Any, held: Any, log: Any, progress: Any) -> None:
     from calib.engine import driver
     from calib.engine.run import EngineRun
 
@@ -66,9 +65,9 @@ def confirm(cfg: Any, found: Any, st: Any, source: Path, loaded: Any, samples: A
         base = found.entries.get(BASELINE)
         default = [Arm(BASELINE, kv_dtype("fp8_e4m3"), kind="default")] if base is not None else []
         ref_arm = reference_arm(loaded.dtype)
-        engine = EngineRun(cfg.engine, version, str(source), str(loaded.dtype).removeprefix("torch."), samples,
-                           buckets, (), 0, loaded.tokenizer, getattr(loaded.config, "max_position_embeddings", None),
-                           progress)
+        engine = EngineRun(cfg.engine, version, str(source), str(loaded.dtype).removeprefix("torch."), held.samples,
+                           held.buckets, (), 0, loaded.tokenizer,
+                           getattr(loaded.config, "max_position_embeddings", None), progress)
         log(f"tune: confirming {len(short)} candidate(s) in {cfg.engine.name} {version}")
         res = engine.measure(ref_arm, default + arms)
     finally:

@@ -77,32 +77,27 @@ def _config(cfg: TuneConfig) -> dict[str, Any]:
 
 def document(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any, held: dict[str, Any],
              seconds: float) -> dict[str, Any]:
-    th = cfg.thresholds
-    layers = len(loaded.attention_layers)
+    th, layers = cfg.thresholds, len(loaded.attention_layers)
     serving = report.declared_dtype(source) or "bfloat16"     # served without KV quantization; BF16: none declared
     table = choose_mod.rows(found, th, layers, MODEL_DTYPE_BYTES.get(serving, 2), BASELINE)
     decision = choose_mod.decide(found, table)
-    chosen = decision.row
-    matter = choose_mod.scales_matter(found, table, _ranges(st), BASELINE)
-    base = found.entries.get(BASELINE)
-    stats_info = {k: {"recipe": dict(sf.provenance.recipe), "data": dict(sf.provenance.data)}
-                  for k, sf in st.files.items()}
+    chosen, base = decision.row, found.entries.get(BASELINE)
     return {
-        "schema": SCHEMA, "producer": "kvcalib tune", "version": __version__, "argv": sys.argv[1:], "config": _config(cfg),
-        "model": str(cfg.model), "model_dtype": str(loaded.dtype).removeprefix("torch."), "layers": layers,
-        "serving_dtype": serving, "kv_bytes_reference": MODEL_DTYPE_BYTES.get(serving, 2), "target": cfg.target,
-        "statistics": {**st.origin, "files": stats_info}, "held_out": held, "thresholds": th.to_dict(),
+        "schema": SCHEMA, "producer": "kvcalib tune", "version": __version__, "argv": sys.argv[1:],
+        "config": _config(cfg), "model": str(cfg.model), "model_dtype": str(loaded.dtype).removeprefix("torch."),
+        "layers": layers, "serving_dtype": serving, "kv_bytes_reference": MODEL_DTYPE_BYTES.get(serving, 2),
+        "target": cfg.target, "statistics": {**st.origin, "files": {
+            k: {"recipe": dict(sf.provenance.recipe), "data": dict(sf.provenance.data)} for k, sf in st.files.items()}},
+        "held_out": held, "thresholds": th.to_dict(),
         "rule": choose_mod.__doc__.split("The rule", 1)[1].split("\n", 1)[1].strip(),
         "reference": None if found.ref is None else _pick(found.ref.to_dict(), ("buckets", "summary", "sample_tokens")),
-        "baseline": None if base is None else {"name": BASELINE, **_pick(base.to_dict(), ("summary", "buckets", "sample_nll",
-                                                                                           "sample_kl")),
-                                               "failures": verdict.failures(base, found.ref, th)},
+        "baseline": None if base is None else {"name": BASELINE, **_pick(base.to_dict(), (
+            "summary", "buckets", "sample_nll", "sample_kl")), "failures": verdict.failures(base, found.ref, th)},
         "candidates": table,
-        "sensitivity": {"base": found.sensitivity_base, "kl_only_this_layer": {str(i): v for i, v in
-                                                                               found.sensitivity.items()},
-                        "ranking": ranking(found.sensitivity), "samples": cfg.sensitivity_samples},
-        "scales_matter": matter,
-        "capacity": decision.to_dict(),
+        "sensitivity": {"base": found.sensitivity_base, "kl_only_this_layer": {
+            str(i): v for i, v in found.sensitivity.items()}, "ranking": ranking(found.sensitivity),
+            "samples": cfg.sensitivity_samples},
+        "scales_matter": choose_mod.scales_matter(found, table, _ranges(st), BASELINE), "capacity": decision.to_dict(),
         "choice": {"candidate": chosen and chosen["name"], "action": "ship" if chosen else "keep_reference",
                    "serve": serve_command(cfg.target, Path(cfg.out), chosen["skip"]) if chosen else None},
         "budget": {"minutes": cfg.budget_minutes, "stopped": found.stopped, "not_scored": found.not_scored},
@@ -119,11 +114,8 @@ def formats(cfg: TuneConfig, loaded: Any, found: Search, chosen: dict[str, Any] 
     from calib.evaluation.arms import Geometry, reference_arm
 
     geo = Geometry.of(loaded.config, loaded.attention_layers)
-    entries = {n: found.entries[n] for n in cfg.formats if n in found.entries}
-    if found.entries.get(BASELINE) is not None:
-        entries[BASELINE] = found.entries[BASELINE]
-    if chosen is not None and found.entry(chosen["name"]) is not None:
-        entries[chosen["name"]] = found.entry(chosen["name"])
+    names = [*cfg.formats, BASELINE, *([chosen["name"]] if chosen is not None else [])]
+    entries = {n: e for n in names if (e := found.entry(n)) is not None}
     choice = kv_formats.choose(entries, lambda e: verdict.failures(e, found.ref, cfg.thresholds),
                                str(loaded.dtype).removeprefix("torch."), geo.kv_heads, geo.head_dim,
                                reference_arm(loaded.dtype).name, len(geo.layers))
@@ -155,9 +147,13 @@ def _chosen(doc: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _chosen_words(doc: dict[str, Any], row: dict[str, Any]) -> str:
+    """The chosen candidate's numbers, and its capacity where an engine counted the reference's (no speed)."""
+    cap = row.get("capacity") or {}
     return (f"{row['support']}; KV memory saved {100 * row['memory_saved']:.1f}%, worst-bucket KL "
             f"{row['summary']['max_bucket_kl']:.3g}, ppl {100 * row['summary']['ppl_rel']:+.2f}% ({row['numbers']})"
-            + _capacity_words(row.get("capacity"), _dtype(doc)))
+            + ("" if cap.get("vs_reference") is None else f"; {cap['vs_reference']:.2f}x {_dtype(doc)}'s KV capacity "
+               f"at {cap['length']:,} tokens ({cap['source']}); speed was not measured (`kvcalib validate` measures "
+               "goodput under load)"))
 
 
 def headline(doc: dict[str, Any]) -> str:
@@ -166,14 +162,6 @@ def headline(doc: dict[str, Any]) -> str:
     if why is not None or row is None:
         return f"keep {_dtype(doc)} KV: {why}"
     return f"chosen: {row['name']} — {_chosen_words(doc, row)}"
-
-
-def _capacity_words(cap: dict[str, Any] | None, dtype: str = "BF16") -> str:
-    """The chosen candidate's capacity, where an engine counted the reference's (speed is not measured)."""
-    if not cap or cap.get("vs_reference") is None:
-        return ""
-    return (f"; {cap['vs_reference']:.2f}x {dtype}'s KV capacity at {cap['length']:,} tokens ({cap['source']}); speed "
-            "was not measured (`kvcalib validate` measures goodput under load)")
 
 
 def _cell(x: Any, fmt: str = ".3g") -> str:
@@ -317,10 +305,8 @@ def plot_svg(doc: dict[str, Any]) -> str | None:
         ax.scatter([100 * chosen["memory_saved"]], [max(chosen["summary"]["max_bucket_kl"], floor)], s=160,
                    facecolors="none", edgecolors="tab:blue", label="chosen")
     ax.axhline(doc["thresholds"]["max_kl"], color="gray", linestyle="--", label="--max-kl")
-    ax.set_yscale("log")
-    ax.set_xlabel("KV-cache memory saved vs the model dtype (%)")
-    ax.set_ylabel("worst-bucket KL to the reference (nats)")
-    ax.set_title(f"kvcalib tune: {doc['target']} candidates")
+    ax.set(yscale="log", xlabel="KV-cache memory saved vs the model dtype (%)",
+           ylabel="worst-bucket KL to the reference (nats)", title=f"kvcalib tune: {doc['target']} candidates")
     ax.legend(fontsize=8)
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight")
@@ -332,8 +318,7 @@ def finish(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any, h
            log: Any) -> Outcome:
     doc = document(cfg, loaded, source, found, st, held, seconds)
     files = {JSON: json.dumps(report.finite(doc), indent=1) + "\n", MD: markdown(doc)}
-    svg = plot_svg(doc) if cfg.plots else None
-    if svg:
+    if cfg.plots and (svg := plot_svg(doc)):
         files[SVG] = svg
     out, row = Path(cfg.out), _chosen(doc)
     if row is None:

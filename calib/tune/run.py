@@ -38,8 +38,7 @@ def run(cfg: TuneConfig, log: Log = lambda _m: None, progress: Progress = SILENT
         ref_name = reference_arm(loaded.dtype).name
         check_measurable(found, ref_name)     # before the engine is asked to confirm a short list drawn from them
         if kept.plan.parts.confirm:
-            confirm(replace(cfg, confirm=kept.plan.parts.confirm), found, st, source, loaded, held.samples,
-                    held.buckets, log, progress)
+            confirm(replace(cfg, confirm=kept.plan.parts.confirm), found, st, source, loaded, held, log, progress)
             check_measurable(found, ref_name)
         return output.finish(cfg, loaded, Path(source), found, st, held.info, search_mod.now() - start, log)
 

@@ -37,8 +37,7 @@ def arm_for(c: Candidate, stats: Any, geo: Geometry, emulation: emulate.Emulatio
     dtype = kv_dtype(c.dtype)
     sc = scales_mod.compute(stats, dtype=c.dtype, granularity=c.granularity, headroom=c.headroom)
     fa3 = emulation.attention == "fa3"
-    notes = []
-    k, v, q = {}, {}, {}
+    notes, k, v, q = [], {}, {}, {}
     for i in geo.layers:
         if i in c.skip:
             continue

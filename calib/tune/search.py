@@ -46,7 +46,6 @@ from calib.evaluation.run import probe
 from calib.evaluation.samples import calibration_windows, select_samples, usable_buckets
 from calib.evaluation.session import Session, open_session
 from calib.model import context
-from calib.model import load as model_mod
 from calib.progress import SILENT, Progress, duration
 from calib.recipe.dtypes import FP8_E4M3
 from calib.recipe.recipe import Recipe
@@ -343,7 +342,6 @@ def search(cfg: TuneConfig, loaded: Any, source: Path, end: float | None, log: L
     st = _stats(cfg, loaded, source, _candidates(cfg) if not cfg.stats else [], log)
     candidates = _candidates(cfg, st)
     geo = Geometry.of(loaded.config, loaded.attention_layers)
-    sf = st.any()
     ecfg = cfg.eval_config()
     vocab = getattr(loaded.config, "vocab_size", None)
     ctx = context.of_loaded(loaded.config, loaded.tokenizer)
@@ -352,7 +350,7 @@ def search(cfg: TuneConfig, loaded: Any, source: Path, end: float | None, log: L
     buckets, dropped = usable_buckets(ecfg.buckets, ctx.tokens if ctx else None)
     if dropped:
         log(f"tune: default buckets {dropped} exceed the model's context ({ctx.tokens} tokens: {ctx.why}): dropped")
-    recorded = sf.provenance
+    recorded = st.any().provenance
     cal = [("the calibration pass", {"data": dict(recorded.data), "recipe": dict(recorded.recipe)})]
     windows, held_out = calibration_windows(cal, cfg.eval_data, loaded.tokenizer, vocab)
     samples, used, excluded = select_samples(ecfg, loaded.tokenizer, vocab, buckets, windows)

@@ -13,7 +13,7 @@ run) plus the layers it keeps in the model dtype. Nothing here imports torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from calib.errors import KvcalibError
@@ -71,9 +71,7 @@ class Candidate:
         return (OBSERVERS.index(self.observer) if self.observer in OBSERVERS else len(OBSERVERS), self.headroom)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "target": self.target, "dtype": self.dtype, "granularity": self.granularity,
-                "observer": self.observer, "headroom": self.headroom, "q_scale": self.q_scale,
-                "skip": list(self.skip), "support": self.support()}
+        return {"name": self.name, **asdict(self), "skip": list(self.skip), "support": self.support()}
 
 
 def generate(target: str, observers: Sequence[str] = OBSERVERS, headrooms: Sequence[float] = HEADROOMS) -> list[Candidate]:

@@ -68,24 +68,20 @@ class StatsSet:
         return next(iter(self.files.values()))
 
 
-def _recipe_for(base: Recipe, observer: str, dtype: str, target: str) -> Recipe:
-    return base.replace(dtype=dtype, observer=observer, observer_params={}, granularity="tensor",
-                        q_scale=target == "vllm", skip_layers="", targets=target, headroom=1.0)
-
-
 def collect(loaded: model_mod.LoadedModel, data_src: str, base: Recipe, keys: Sequence[tuple[str, str, str]],
             target: str, model_src: str, log: Any = None) -> StatsSet:
     """One forward pass over the calibration samples with every key's observers installed at once (the
     pipeline's capture stage, one capture per key)."""
-    recipes = {key: _recipe_for(base, obs, dtype, target) for key, obs, dtype in keys}
+    recipes = {key: base.replace(dtype=dtype, observer=obs, observer_params={}, granularity="tensor",
+                                 q_scale=target == "vllm", skip_layers="", targets=target, headroom=1.0)
+               for key, obs, dtype in keys}
     seqs, report = pipeline.token_stream(data_src, loaded, base)
     padding = PaddingStats()
     seen = pipeline.observe_kv_each(loaded, seqs, base.batch_size,
                                     [spec.capture_spec(r, loaded.config) for r in recipes.values()], padding=padding)
     seconds = seen[0].seconds
     dtype = str(loaded.dtype).removeprefix("torch.")
-    sha = statsfile.config_sha256(loaded.source_dir)
-    weights = _weights(loaded.source_dir)
+    sha, weights = statsfile.config_sha256(loaded.source_dir), _weights(loaded.source_dir)
     files = {}
     for key, got in zip(recipes, seen):
         prov = pipeline.provenance(recipes[key], model_src, pipeline.data_record(data_src, report), got.stats, {},

@@ -90,11 +90,12 @@ def build(result: Any, thresholds: eval_verdict.Thresholds, load: LoadSpec,
     ref_name = result.report["reference"]
     entries = {ref_name: result.reference, **result.arms}
     config_of = {n: j for j, (_, names, _) in enumerate(sweeps) for n in names}
+    swept = {n: sweeps[j][2]["buckets"] for n, j in config_of.items()}       # an arm's sweep per bucket
     mix = shares(result.samples)
     buckets = list(mix)
     quality = {n: _quality(e, result.reference, thresholds, n == ref_name) for n, e in entries.items()}
-    per_bucket = {b: [_bucket_arm(n, quality[n], sweeps[config_of[n]][2]["buckets"].get(b) if n in config_of
-                                  else None, e.engine, n == ref_name) for n, e in entries.items()] for b in buckets}
+    per_bucket = {b: [_bucket_arm(n, quality[n], swept.get(n, {}).get(b), e.engine, n == ref_name)
+                      for n, e in entries.items()] for b in buckets}
     decisions = {b: decide.decide(arms, load.noise) for b, arms in per_bucket.items()}
     overall_arms = decide.mix([per_bucket[b] for b in buckets], [mix[b] for b in buckets]) if buckets else []
     overall = decide.decide(overall_arms, load.noise) if overall_arms else \
@@ -103,18 +104,15 @@ def build(result: Any, thresholds: eval_verdict.Thresholds, load: LoadSpec,
     for k, (n, e) in enumerate(entries.items()):
         label, why = _label(n, overall_arms[k], overall) if overall_arms else (NOT_MEASURED, overall.why)
         j = config_of.get(n)
-        stopped = [f"<= {b}: {e['error']}" for b, e in (sweeps[j][2]["buckets"] if j is not None else {}).items()
-                   if e.get("error") and e.get("best")]
+        stopped = [f"<= {b}: {x['error']}" for b, x in swept.get(n, {}).items() if x.get("error") and x.get("best")]
         if stopped:          # measured up to the level that failed: said beside the decision, never hidden
             why += f" (its sweep stopped early: {'; '.join(stopped)})"
         arms[n] = {"quality": quality[n], "config": j, "serve_command": sweeps[j][0].command() if j is not None else None,
                    "shares_sweep_of": sweeps[j][1][0] if j is not None and sweeps[j][1][0] != n else None,
                    "decision": label, "why": why,
                    "buckets": {b: {"capacity": per_bucket[b][k].capacity,
-                                   "capacity_bytes_model": _bytes_fit(result, e, sweeps[j][2]["buckets"].get(b)
-                                                                      if j is not None else None),
-                                   "goodput": per_bucket[b][k].goodput,
-                                   "noise": per_bucket[b][k].noise,
+                                   "capacity_bytes_model": _bytes_fit(result, e, swept.get(n, {}).get(b)),
+                                   "goodput": per_bucket[b][k].goodput, "noise": per_bucket[b][k].noise,
                                    "vs_reference": decisions[b].ratios.get(n)} for b in buckets}}
     eng = result.report.get("engine") or {}
     return {"schema": SCHEMA, "producer": "kvcalib validate", "model": result.report["model"], "reference": ref_name,
@@ -144,10 +142,6 @@ def _ms(d: Mapping[str, Any] | None, q: str = "p50") -> str:
 
 def _n(x: Any, fmt: str = ".3g") -> str:
     return "–" if x is None else format(x, fmt)
-
-
-def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{100 * x:+.2f} %"
 
 
 def _dtype(doc: Mapping[str, Any]) -> str:
@@ -229,7 +223,8 @@ def markdown(doc: Mapping[str, Any]) -> str:
         cells = [f"{_n(x['goodput'])} ({decide.ratio_text(x['vs_reference'])}), fits {_n(x['capacity'], 'd')}"
                  f" (bytes model {_n(x.get('capacity_bytes_model'), 'd')})"
                  for x in (a["buckets"][str(b)] for b in doc["buckets"])]
-        rows.append([f"`{n}`", f"**{a['decision']}**", _pct(a["quality"]["summary"]["ppl_rel"]), *cells, a["why"]])
+        rows.append([f"`{n}`", f"**{a['decision']}**", decide.pct(a["quality"]["summary"]["ppl_rel"]), *cells,
+                     a["why"]])
     out += table(["arm", "decision", "Δppl (" + "engine" + ")",
                   *[f"<= {b}: goodput req/s (vs ref), requests fit" for b in doc["buckets"]], "why"], rows)
     out += ["", "Requests fit: requests of the bucket's longest length (prompt + output) the engine's KV pool holds at "

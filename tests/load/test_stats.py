@@ -1,4 +1,4 @@
-"""Latency distributions (calib/load/stats.py) against brute force: percentiles against numpy's linear
+"""Latency distributions (calib/load/records.py) against brute force: percentiles against numpy's linear
 interpolation, the mean and p50 / p90 / p99 of a distribution."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from calib.load import stats
+from calib.load import records as stats
 
 
 def test_percentile_is_numpys_linear_interpolation():
