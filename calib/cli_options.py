@@ -344,12 +344,3 @@ def engine_spec(engine: str | None, vllm_venv: Path | None, **settings: Any) -> 
                                    "environment where vLLM is installed (`make engine-venv` builds one)")
     return EngineSpec(engine, vllm_venv, **given(**settings))
 
-
-default_emulation = emulate.for_this_machine       # --emulate's default on this machine
-
-
-def stats_one(stats: tuple[str, ...]) -> str | None:
-    """eval's --stats: at most one statistics output."""
-    if len(stats) > 1:
-        raise click.ClickException(f"--stats given {len(stats)} times: eval takes one statistics output")
-    return stats[0] if stats else None

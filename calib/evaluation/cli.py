@@ -14,6 +14,7 @@ import click
 
 from calib import cli_options as opts
 from calib import resources
+from calib.evaluation import emulate
 from calib.safety import outputs
 
 
@@ -37,7 +38,7 @@ def settings(command: str, model_src: str | None, *, buckets: str | None, sample
     return {**opts.given(buckets=opts.buckets(first["buckets"], "512,2048,8192"), samples=first["samples"],
                          passkey_trials=first["passkey_trials"], engine=engine,
                          **opts.placement(device_map, max_memory, offload_folder), **rest),
-            "emulate": emulation or opts.default_emulation(),
+            "emulate": emulation or emulate.for_this_machine(),
             "cpu_dtype": cpu_dtype or (None if engine else "float32"),   # None: the checkpoint's own, as served
             "fit_buckets": buckets is None}      # default buckets beyond the model's context are dropped, not refused
 
@@ -59,10 +60,12 @@ def eval_cmd(model_src, data_src, scales, stats, kv_cache_dtype, formats, max_kl
     from calib.progress import Progress
     from calib.safety import options
 
+    if len(stats) > 1:
+        raise click.ClickException(f"--stats given {len(stats)} times: eval takes one statistics output")
     spec = opts.engine_spec(engine, vllm_venv, top_k=engine_top_k, kv_gib=engine_kv_gib, timeout=engine_timeout)
     cfg = EvalConfig(
         model=str(model_src or ""), data=data_src or str(resources.default_data()), out=out or Path("out"),
-        scales=tuple(scales), stats=opts.stats_one(stats), formats=opts.formats(formats),
+        scales=tuple(scales), stats=stats[0] if stats else None, formats=opts.formats(formats),
         thresholds=Thresholds(**opts.given(max_kl=max_kl, max_ppl_increase=max_ppl_increase, passkey_drop=passkey_drop,
                                            max_skip=max_skip, dominance=dominance)),
         target=target, engine_version=served.stated(target, engine_version),

@@ -84,7 +84,7 @@ def check_eval(cfg: EvalConfig) -> None:
     except ValueError as e:
         raise EvalError(f"--emulate: {e}") from None
     data_mod.check_source(cfg.data)
-    served.check(cfg.target, cfg.engine_version)
+    served.stated(cfg.target, cfg.engine_version)
     if not cfg.fit_buckets:
         check_buckets(cfg.buckets, context.of_directory(cfg.model), cfg.model)
 

@@ -27,11 +27,6 @@ _BACKEND_OF_EMULATION = {"vllm-cpu": "cpu", "vllm-fa3": "fa3"}
 _SHARED_KV = {"trtllm-engine": "TensorRT-LLM engine"}
 
 
-def check(target: str | None, version: str | None) -> None:
-    """A target the matrix knows and a version it parses; EvalError (one line) otherwise."""
-    stated(target, version)
-
-
 def stated(target: str | None, text: str | None) -> str | None:
     """The --target's version from `--engine-version` in the grammar every command reads (calib.export.serve:
     ENGINE=VERSION, or a bare VERSION of the one target): None when none was stated; EvalError (one line) for a

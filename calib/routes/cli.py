@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from calib import cli_options as opts
+from calib.evaluation import emulate
 from calib.load.options import load_options, spec_from
 from calib.safety import outputs
 
@@ -47,7 +48,7 @@ def plan(routes_file, model_src, scales, emulation, passkey_trials, batch_size, 
     name = DIR_NAME if model_src is None else Path(str(model_src).rstrip("/")).name
     target = "vllm" if engine_version else None      # a stated vLLM version: the arms as that version serves them
     base = EvalConfig(model=str(model_src or ""), data="", out=out or Path("out") / f"{name}-plan",
-                      scales=tuple(scales), emulate=emulation or opts.default_emulation(),
+                      scales=tuple(scales), emulate=emulation or emulate.for_this_machine(),
                       thresholds=Thresholds(**opts.given(max_skip=max_skip)),
                       cpu_dtype=cpu_dtype or (None if engine else "float32"), force=True, engine=engine_spec,
                       target=target, engine_version=served.stated(target, engine_version),

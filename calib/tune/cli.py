@@ -12,6 +12,7 @@ import click
 
 from calib import cli_options as opts
 from calib import resources
+from calib.evaluation import emulate
 from calib.safety import outputs
 from calib.tune.space import OBSERVERS
 
@@ -61,7 +62,7 @@ def tune(model_src, data_src, eval_src, target, emulation, observers, headrooms,
                                                     batch_size=batch_size, seed=seed), targets=target)
     spec = opts.engine_spec(engine, vllm_venv, top_k=engine_top_k, kv_gib=engine_kv_gib, timeout=engine_timeout)
     if emulation is None and target == "vllm":
-        emulation = opts.default_emulation()     # FlashAttention-3's arithmetic on a Hopper GPU
+        emulation = emulate.for_this_machine()     # FlashAttention-3's arithmetic on a Hopper GPU
     data = data_src if (data_src or stats) else str(resources.default_data())
     name = DIR_NAME if model_src is None else Path(str(model_src).rstrip("/")).name
     version = served.stated(target, engine_version) if target in space.TARGETS else None

@@ -50,9 +50,9 @@ def test_no_target_changes_nothing_and_bad_versions_are_one_line():
     arms = [_arm()]
     assert served.as_served(arms, None, None, "vllm-cpu") == (arms, None)
     with pytest.raises(EvalError, match="needs --target"):
-        served.check(None, "0.5.18")
+        served.stated(None, "0.5.18")
     with pytest.raises(EvalError, match="engine version"):
-        served.check("sglang", "latest!")
+        served.stated("sglang", "latest!")
 
 
 def test_eval_target_trtllm_measures_the_calibrated_arm_as_the_default(tmp_path, token_data):
