@@ -30,8 +30,3 @@ def target(name: str) -> Target:
         return TARGETS[name]
     except KeyError:
         raise ExportError(f"unknown target {name!r}; kvcalib writes {sorted(TARGETS)}") from None
-
-
-__all__ = ["ExportError", "INDEX_FILE", "PROVENANCE_FILE", "PreparedSource", "SCALES_FILE", "SourceFiles", "TARGETS",
-           "WriteOptions", "discover", "export_trtllm", "export_vllm", "read_source", "scan_source", "target",
-           "vllm_quantization_config"]

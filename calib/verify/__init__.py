@@ -73,6 +73,3 @@ def verify(ckpt: str | Path, engine: str = "all") -> list[Problem]:
     for name in _targets(ck) if engine == "all" else [engine]:
         problems.extend(CHECKERS[name].check(ck))
     return list(dict.fromkeys(problems))
-
-
-__all__ = ["CHECKERS", "ENGINES", "discover", "verify"]

@@ -22,9 +22,3 @@ from calib.recipe.support.matrix import (CELLS, DYNAMIC_FORMATS, ENGINES, KV_FOR
                                          SupportError, applies, builds, cell, effect, engine, lacks_format, lacks_skip,
                                          markdown, q_scale_readers, skip_by_kind, skip_order, targets, version_of)
 from calib.recipe.support.outcome import DIFFERS, REFUSE, SAME, Calibrated, Outcome, outcome, who_serves
-
-__all__ = ["ASPECTS", "CELLS", "Calibrated", "DIFFERS", "DYNAMIC_FORMATS", "ENGINES", "Effect", "KV_FORMATS",
-           "Measurement", "NOTES", "Outcome", "REFUSE", "SAME", "SKIP_KINDS", "STATIC_FORMATS", "Source",
-           "SupportError", "Version", "applies", "builds", "cell", "effect", "engine", "lacks_format", "lacks_skip",
-           "markdown", "outcome", "q_scale_readers", "skip_by_kind", "skip_order", "targets", "version_of",
-           "who_serves"]

@@ -168,8 +168,3 @@ def markdown() -> str:
     cites = [f"{n}. {x.cite()}" for x, n in refs.items()]
     return "\n".join([*rows, "", *(["Read, not a cell:", "", *notes, ""] if notes else []), f"Read from: {read}.", "",
                       *cites]) + "\n"
-
-
-__all__ = ["CELLS", "DYNAMIC_FORMATS", "ENGINES", "KV_FORMATS", "NOTES", "SKIP_KINDS", "STATIC_FORMATS",
-           "SupportError", "applies", "builds", "cell", "effect", "engine", "lacks_format", "lacks_skip", "markdown",
-           "q_scale_readers", "skip_by_kind", "skip_order", "targets", "version_of"]

@@ -21,6 +21,3 @@ def modules(path: list[str] | None = None, package: str = __name__) -> list[Modu
     found = [importlib.import_module(f"{package}.{n}") for n in names]
     found = [m for m in found if isinstance(getattr(m, "ENGINE", None), Engine)]
     return sorted(found, key=lambda m: (m.ENGINE.order, m.ENGINE.name))
-
-
-__all__ = ["modules"]
