@@ -274,7 +274,3 @@ class TrtllmTarget(Target):
 
 
 TARGET = TrtllmTarget()
-
-
-__all__ = ["HF_QUANT_CONFIG", "KV_ALGOS", "TrtllmSource", "export_trtllm", "prepare_trtllm", "saturation_report",
-           "trtllm_scale_names"]

@@ -295,6 +295,3 @@ class TrtllmEngineTarget(Target):
 
 
 TARGET = TrtllmEngineTarget()
-
-__all__ = ["EngineCheckpoint", "TARGET", "engine_scales", "export_engine_checkpoint", "is_engine_checkpoint",
-           "prepare_engine_checkpoint", "rewrite_rank_file", "same_model_config"]

@@ -195,7 +195,3 @@ def lacking_cells(engine: Engine) -> tuple[Cell, ...]:
             out.append(Cell(engine.name, frozenset(engine.backends), frozenset([d.name]), frozenset(ASPECTS),
                             Effect.REFUSED, note, engine.lacks_evidence, v(lo), v(until)))
     return tuple(out)
-
-
-__all__ = ["ASPECTS", "Cell", "EVERY_FORMAT", "Effect", "Engine", "Evidence", "Measurement", "Source", "TuneSpace",
-           "Version", "cell_maker", "lacking_cells", "source_maker"]

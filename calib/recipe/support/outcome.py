@@ -154,6 +154,3 @@ def who_serves(kv_format: str, granularity: str = "tensor") -> str:
     built = [f"{ENGINES[n].title} +{b}" for n in ENGINES for b in builds(n, kv_format, granularity)]
     text = f"calibrated {kv_format} KV scales are " + "; ".join(parts)
     return text + (f" (applied by a build: {', '.join(built)})" if built else "")
-
-
-__all__ = ["Calibrated", "Consequence", "DIFFERS", "Outcome", "REFUSE", "SAME", "outcome", "who_serves"]
