@@ -69,7 +69,10 @@ class Recipe:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_type(f.name, getattr(self, f.name), f.type)
+            ok, want = _TYPES[str(f.type)]
+            if not ok(getattr(self, f.name)):
+                raise RecipeError(f"recipe field '{f.name}' = {getattr(self, f.name)!r} has the wrong type: "
+                                  f"expected {want}")
         for name, accepted in (("dtype", DTYPES), ("granularity", GRANULARITIES), ("observer", tuple(OBSERVERS))):
             _check_choice(name, getattr(self, name), accepted)
         _check_observer_params(self.observer, self.observer_params)
@@ -154,12 +157,6 @@ _TYPES = {"tuple": (lambda v: isinstance(v, tuple), "a list"),
           "bool": (lambda v: isinstance(v, bool), "a bool")}
 
 
-def _check_type(name: str, value: Any, type_name: Any) -> None:
-    ok, want = _TYPES[str(type_name)]
-    if not ok(value):
-        raise RecipeError(f"recipe field '{name}' = {value!r} has the wrong type: expected {want}")
-
-
 def _check_observer_params(observer: str, params: dict) -> None:
     spec = dtypes.OBSERVERS[observer]
     accepted = spec.recipe_params()
@@ -221,5 +218,4 @@ def load(path: str | Path | None) -> Recipe:
     try:
         return from_dict(data, source=f"recipe file {path}")
     except RecipeError as e:
-        msg = str(e)
-        raise RecipeError(msg if msg.startswith("recipe file") else f"{path}: {msg}") from None
+        raise RecipeError(str(e) if str(e).startswith("recipe file") else f"{path}: {e}") from None
