@@ -117,8 +117,7 @@ class Provenance:
     @property
     def data_source(self) -> str | None:
         """Where the data came from (the resume header's `data_source`)."""
-        source = self.data.get("source")
-        return None if source is None else str(source)
+        return None if self.data.get("source") is None else str(self.data["source"])
 
     def replace(self, **changes: Any) -> Provenance:
         return dataclasses.replace(self, **changes)
@@ -176,9 +175,7 @@ class Provenance:
         written = None
         if file == RECORD and "target" in doc:
             target = text_or_none(doc["target"], f"{where}: field 'target'")
-            weights = doc.get("weights")
-            if weights is not None:
-                weights = _strings(weights, f"{where}: field 'weights'")
+            weights = None if doc.get("weights") is None else _strings(doc["weights"], f"{where}: field 'weights'")
             engine = {k: v for k, v in doc.items() if k not in known | {"target", "weights", "data_source"}}
             written = Written(target, weights, engine)
         return cls(**values, written=written)  # type: ignore[arg-type]
