@@ -72,14 +72,13 @@ from calib.export.target import Target, WriteOptions
 from calib.export.write import write_variant
 from calib.provenance import Provenance, as_provenance
 from calib.recipe import dtypes
-from calib.recipe.dtypes import FP8_E4M3
 
 if TYPE_CHECKING:
     import torch
 
     from calib.scales.fold import Scales
 
-FP8_E4M3_MAX = FP8_E4M3.qmax
+FP8_E4M3_MAX = dtypes.FP8_E4M3.qmax
 
 # KV dtype (calib.recipe.dtypes) -> TensorRT-LLM's kv_cache_quant_algo
 ALGO_OF_DTYPE = {d: d.cache_name("trtllm") for d in dtypes.for_engine("trtllm")}
@@ -253,7 +252,7 @@ class TrtllmTarget(Target):
     order = 1
     folds_heads = True
 
-    def serve_command(self, path: str, skip: tuple[int | str, ...] = (), dtype: str = FP8_E4M3.name) -> str:
+    def serve_command(self, path: str, skip: tuple[int | str, ...] = (), dtype: str = dtypes.FP8_E4M3.name) -> str:
         """`trtllm-serve PATH --extra_llm_api_options PATH/llm_api_options.yaml`: the options file carries the KV
         dtype (the only way an unquantized model gets a quantized KV cache; module docstring)."""
         options = str(path).rstrip("/") + "/" + TRTLLM_API_OPTIONS

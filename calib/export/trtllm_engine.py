@@ -48,7 +48,6 @@ from calib.ckpt.source import ExportError, PreparedSource, SourceFiles, check_ou
 from calib.export.target import Target, WriteOptions
 from calib.provenance import Provenance, as_provenance
 from calib.recipe import dtypes
-from calib.recipe.dtypes import FP8_E4M3
 from calib.safety import files
 from calib.safety.outputs import atomic_dir, check_room
 from calib.safety.readers import raising
@@ -273,7 +272,7 @@ class TrtllmEngineTarget(Target):
     order = 3
     folds_heads = False
 
-    def serve_command(self, path: str, skip: tuple[int | str, ...] = (), dtype: str = FP8_E4M3.name) -> str:
+    def serve_command(self, path: str, skip: tuple[int | str, ...] = (), dtype: str = dtypes.FP8_E4M3.name) -> str:
         """`trtllm-serve OUT --backend tensorrt` (TensorRT-LLM 1.2.x / 1.3.0rc up to rc20); the checkpoint carries no
         tokenizer, so `--tokenizer` names the Hugging Face model folder."""
         if skip:
