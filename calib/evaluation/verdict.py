@@ -59,8 +59,7 @@ def failures(entry: ArmMetrics, ref: Reference, th: Thresholds) -> list[str]:
     if odd:
         return [odd]
     nums = decisive(entry)
-    why = [f"KL {row.kl:.3g} > {th.max_kl:g} in bucket <= {b}" for b, row in nums.buckets.items()
-           if row.kl > th.max_kl]
+    why = [f"KL {row.kl:.3g} > {th.max_kl:g} in bucket <= {b}" for b, row in nums.buckets.items() if row.kl > th.max_kl]
     if nums.summary.ppl_rel > th.max_ppl_increase:
         why.append(f"perplexity +{100 * nums.summary.ppl_rel:.2f}% > +{100 * th.max_ppl_increase:g}%")
     pk = passkey_decision(entry, ref, th)
