@@ -113,8 +113,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, q_scale: Tensor | float = 1.0, k
     dev = q.device
     if quant_q:
         qd = _descale(q_scale, b, kvh, dev, "q_scale")
-        qs = qd[0].repeat_interleave(h // kvh)[None, :, None, None]
-        qc = fp8.quantize(q, qs, fp8.E4M3, fp8.RNE, "reciprocal")
+        qc = fp8.quantize(q, qd[0].repeat_interleave(h // kvh)[None, :, None, None], fp8.E4M3, fp8.RNE, "reciprocal")
         q_exact = True
     else:
         qd, qc = _descale(None, b, kvh, dev, "q_scale"), q.to(torch.float32)
@@ -178,8 +177,7 @@ def _reference(x: Inputs, scaling: float, causal: bool, window_left: int | None,
         for j in reversed(range(lo // bn, -(-hi // bn) if hi > 0 else 0)):
             blk = slice(j * bn, min(t, (j + 1) * bn))
             cols = torch.arange(blk.start, blk.stop, device=dev)[None, :]
-            kb = x.k[:, :, blk].repeat_interleave(rep, dim=1)
-            sc = torch.matmul(x.q[:, :, a:z], kb.transpose(-1, -2))
+            sc = torch.matmul(x.q[:, :, a:z], x.k[:, :, blk].repeat_interleave(rep, dim=1).transpose(-1, -2))
             xs = torch.tanh(sc * cap) * c if cap is not None else sc * c
             keep = torch.ones_like(xs, dtype=torch.bool)
             if causal:
@@ -201,8 +199,7 @@ def _reference(x: Inputs, scaling: float, causal: bool, window_left: int | None,
             pq = fp8.round_fp8(p, fp8.E4M3, fp8.RNE) if quant_p else p
             acc = acc * alpha + torch.matmul(pq, x.v[:, :, blk].repeat_interleave(rep, dim=1))
             m = m_new
-        inv = torch.where(l > 0, 1.0 / torch.where(l > 0, l, 1.0), 0.0)
-        out[:, :, a:z] = acc * (inv * vd)
+        out[:, :, a:z] = acc * (torch.where(l > 0, 1.0 / torch.where(l > 0, l, 1.0), 0.0) * vd)
     return out.transpose(1, 2)
 
 

@@ -140,8 +140,7 @@ if triton is not None:
         f = tl.floor(n)
         rem = n - f
         odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-        r = f + tl.where(rem > 0.5, 1.0, 0.0) + tl.where((rem == 0.5) & odd, 1.0, 0.0)
-        return r * quantum
+        return (f + tl.where(rem > 0.5, 1.0, 0.0) + tl.where((rem == 0.5) & odd, 1.0, 0.0)) * quantum
 
     @triton.jit
     def _round_kernel(x_ptr, o_ptr, N, BLOCK: tl.constexpr, HW: tl.constexpr):
@@ -321,8 +320,7 @@ if triton is not None:
                 acc, l_i, m_i = _block(acc, l_i, m_i, (f_lo - 1 - jj) * BN, q, k_base, v_base, m_base, offs_m, offs_d,
                                        offs_dv, rows, c, cap, skt, skd, svt, svd, smm, smt, S, T, D, DV, window, T1, T2,
                                        T3, CAUSAL, WINDOW, MASK, SOFTCAP, QUANT_P, BF16, HW_CAST, False, EVEN_D)
-        inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
-        o = acc * (inv * vd)[:, None]
+        o = acc * (tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0) * vd)[:, None]
         tl.store(o_ptr + b * sob + h * soh + offs_m[:, None] * sos + offs_dv[None, :] * sod, o,
                  mask=(offs_m[:, None] < S) & (offs_dv[None, :] < DV))
 
