@@ -1,9 +1,8 @@
 """`run_eval`: the evaluation from a config to a written report.
 
-Order of work: every check that needs no weights, the report folder's lock, then `prepare` (model, arms,
-held-out samples, passkey prompts), the measuring passes inside one installed hook (`measure_arms`:
-metrics, passkey, the engine; then `skip_trials`), the verdict (`calib/evaluation/verdict.py`) and the report
-(`calib/evaluation/report.py`).
+Order of work: every check that needs no weights, the report folder's lock, then `prepare` (model, arms, held-out
+samples, passkey prompts), the measuring passes inside one installed hook (`measure_arms`: metrics, passkey, the engine;
+then `skip_trials`), the verdict (`calib/evaluation/verdict.py`) and the report (`calib/evaluation/report.py`).
 """
 
 from __future__ import annotations
