@@ -242,11 +242,10 @@ def _fa3(module: Any, query: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Ten
     window = kwargs.get("sliding_window")
     window_left = int(window) - 1 if window and int(window) - 1 < k_hat.shape[2] - 1 else None
     kvh = k_hat.shape[1]
-    out = fa3.fa3_attention(query, k_hat, v_hat, scaling=float(scaling), q_scale=arm.q_scale(layer),
-                            k_scale=_descale(arm.k[layer], kvh), v_scale=_descale(arm.v[layer], kvh), mask=mask,
-                            causal=causal, window_left=window_left, quant_q=emu.q is not None,
-                            quant_p=emu.p is not None, softcap=kwargs.get("softcap") or None)
-    return out.to(query.dtype).contiguous()
+    return fa3.fa3_attention(query, k_hat, v_hat, scaling=float(scaling), q_scale=arm.q_scale(layer), mask=mask,
+                             k_scale=_descale(arm.k[layer], kvh), v_scale=_descale(arm.v[layer], kvh), causal=causal,
+                             window_left=window_left, quant_q=emu.q is not None, quant_p=emu.p is not None,
+                             softcap=kwargs.get("softcap") or None).to(query.dtype).contiguous()
 
 
 @contextlib.contextmanager

@@ -128,9 +128,8 @@ def saturation_text(name: str, entry: ArmMetrics, ref: Reference) -> str | None:
     def amax(i: str, kind: str) -> str:
         r = ref.ranges.get(i)
         return f", max |{kind.upper()}| {max(r.k_amax if kind == 'k' else r.v_amax):.3g}" if r else ""
-    parts = [f"layer {i} (K {100 * s['k']:.3g}%{amax(i, 'k')}, V {100 * s['v']:.3g}%{amax(i, 'v')})"
-             for i, s in sat.items()]
-    return f"`{name}` saturates: " + "; ".join(parts) + "."
+    return f"`{name}` saturates: " + "; ".join(f"layer {i} (K {100 * s['k']:.3g}%{amax(i, 'k')}, V {100 * s['v']:.3g}%"
+                                               f"{amax(i, 'v')})" for i, s in sat.items()) + "."
 
 
 def skip_confirmed(trial: ArmMetrics, base: ArmMetrics) -> tuple[bool, str]:
