@@ -141,7 +141,9 @@ class FakeQuantKV:
         measured into `meter` (None: not measured, e.g. generation) over the real tokens of `token_mask`
         ([batch, seq]), recording per-head max |K|, |V| into `ranges`; all switches off after."""
         self.arm, self.meter, self.token_mask, self.ranges = arm, meter, token_mask, ranges
-        self.right_padded = token_mask is not None and _right_padded(token_mask)
+        self.right_padded = token_mask is not None and bool(torch.equal(     # every row real tokens, then padding
+            token_mask.bool(), torch.arange(token_mask.shape[1], device=token_mask.device)
+            < token_mask.sum(dim=1, keepdim=True)))                    # (calib.data.batching.pad)
         try:
             yield self
         finally:
@@ -207,12 +209,6 @@ def _reference_output(delegate: Callable, module: Any, query: torch.Tensor, key:
         sub = attention_mask[:, :, -w:, :]
     ref = delegate(module, query[:, :, -w:], key, value, sub, **kwargs)[0]
     return ref, out[:, -w:], None if mask is None else mask[:, -w:]
-
-
-def _right_padded(token_mask: torch.Tensor) -> bool:
-    """Whether every row of [batch, seq] `token_mask` is real tokens then padding (calib.data.batching.pad)."""
-    n = token_mask.sum(dim=1, keepdim=True)
-    return bool(torch.equal(token_mask.bool(), torch.arange(token_mask.shape[1], device=token_mask.device) < n))
 
 
 def _descale(scale: torch.Tensor | str, kv_heads: int) -> torch.Tensor | None:
