@@ -114,11 +114,6 @@ class PasskeyDecision:
                 "failed": list(self.failed), "notes": list(self.notes)}
 
 
-def _outcomes(row: PasskeyRow) -> list[tuple[str, bool]] | None:
-    """[(depth, correct)] per prompt, in prompt order; None when not recorded."""
-    return [(f"{float(d):g}", bool(c)) for d, c in row.outcomes] or None
-
-
 def _test(bucket: str, depth: str | None, pairs: Sequence[tuple[bool, bool]], alpha: float) -> PairedTest:
     losses = sum(r and not a for r, a in pairs)
     gains = sum(a and not r for r, a in pairs)
@@ -133,7 +128,8 @@ def decide(ref_rows: Mapping[str, PasskeyRow] | None, arm_rows: Mapping[str, Pas
     if not ref_rows or not arm_rows:
         return None
     common = [b for b in ref_rows if b in arm_rows]
-    paired = {b: (_outcomes(ref_rows[b]), _outcomes(arm_rows[b])) for b in common}
+    paired = {b: tuple([(f"{float(d):g}", bool(c)) for d, c in rows[b].outcomes] or None   # (depth, correct) a prompt
+                       for rows in (ref_rows, arm_rows)) for b in common}                # None: not recorded
     if not common or any(ro is None or ao is None or [d for d, _ in ro] != [d for d, _ in ao]
                          for ro, ao in paired.values()):
         # no per-prompt outcomes to pair (an older report): the count rule over every bucket
