@@ -99,7 +99,8 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
             t_plan = time.perf_counter()
             ref, results, engine = measure_arms(cfg, p, s, progress, planned.parts)
             measurable.check(ref, results, p.reference.name)     # before skip trials are planned on the numbers
-            results.update(skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts))
+            trials = skip_trials(cfg, p, s, ref, results, engine, log, progress, planned.parts)
+            results.update(trials)
         serving = report.declared_dtype(cfg.model) or str(p.loaded.dtype).removeprefix("torch.")   # report.md's
         # the KV bytes model at the evaluation's lengths, reference KV and skipped layers in the serving dtype: the
         # verdict ranks by its capacity where the engine did not count
