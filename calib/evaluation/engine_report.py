@@ -61,9 +61,8 @@ class SideBySide:
 
 
 def side_by_side(doc: dict[str, Any]) -> SideBySide:
-    """Every arm's emulated and engine numbers over the samples both measured: the buckets the reference's
-    emulation and its engine run both have, with the same number of samples (without an engine reference, the
-    emulated buckets)."""
+    """Every arm's emulated and engine numbers over the samples both measured: the buckets the reference's emulation and
+    its engine run both have, with the same number of samples (without an engine reference, the emulated buckets)."""
     ref = doc["arms"][doc["reference"]]
     eng = (_engine(ref) or {}).get("buckets")
     shared = tuple(b for b, r in ref["buckets"].items() if eng is None or (b in eng and eng[b]["samples"] == r["samples"]))

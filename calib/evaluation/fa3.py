@@ -1,11 +1,10 @@
 """FlashAttention-3's FP8 forward, block by block: a float32 torch reference and a fused Triton kernel.
 
-Why: `fp8.fp8_attention` multiplies each query chunk with all keys in float32 and rounds P against one
-global row max: quadratic traffic without tensor cores (issue 30: 5.5K tokens/s at 32K), and not FA3's
-arithmetic, which rounds P per key block against the *running* row max and rescales the accumulator
-afterwards (rounding then rescaling by a non-power-of-two is not rounding the rescaled value). This module
-computes what the Hopper kernel computes, in O(length) memory, the same way on CPU (reference) and GPU
-(the kernel in `calib/evaluation/fa3_kernel.py`).
+Why: `fp8.fp8_attention` multiplies each query chunk with all keys in float32 and rounds P against one global row max:
+quadratic traffic without tensor cores (issue 30: 5.5K tokens/s at 32K), and not FA3's arithmetic, which rounds P per
+key block against the *running* row max and rescales the accumulator afterwards (rounding then rescaling by a
+non-power-of-two is not rounding the rescaled value). This module computes what the Hopper kernel computes, in O(length)
+memory, the same way on CPU (reference) and GPU (the kernel in `calib/evaluation/fa3_kernel.py`).
 
 The algorithm, as read from flash-attention's hopper/ sources:
 - Q, K, V enter as e4m3 codes with one descale factor each per (batch, KV head): `flash_fwd_kernel_sm90.h`
@@ -26,12 +25,11 @@ The algorithm, as read from flash-attention's hopper/ sources:
   taking the non-TMA paged path (`flash_api.cpp` get_pagedkv_tma: page_size % kBlockN != 0): see
   `fa3_block_n`.
 
-Here the log2-domain logits x = S * scale_log2 are formed first (x - (m - 8) instead of FA3's fused
-multiply-add): the same numbers up to float32 rounding. Masks: bool (True = attend) or additive (added as
-mask * log2(e) to x), ANDed with `causal` (bottom-right aligned, as FA3) and `window_left` (FA3 local:
-keys row - window_left .. row; transformers' sliding window W is window_left = W - 1). Unlike
-`fp8.fp8_attention`, `causal` still applies when a mask is given: identical for transformers' causal-LM
-masks, which are causal already.
+Here the log2-domain logits x = S * scale_log2 are formed first (x - (m - 8) instead of FA3's fused multiply-add): the
+same numbers up to float32 rounding. Masks: bool (True = attend) or additive (added as mask * log2(e) to x), ANDed with
+`causal` (bottom-right aligned, as FA3) and `window_left` (FA3 local: keys row - window_left .. row; transformers'
+sliding window W is window_left = W - 1). Unlike `fp8.fp8_attention`, `causal` still applies when a mask is given:
+identical for transformers' causal-LM masks, which are causal already.
 """
 
 from __future__ import annotations
@@ -113,8 +111,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, q_scale: Tensor | float = 1.0, k
     dev = q.device
     if quant_q:
         qd = _descale(q_scale, b, kvh, dev, "q_scale")
-        qs = qd[0].repeat_interleave(h // kvh)[None, :, None, None]
-        qc = fp8.quantize(q, qs, fp8.E4M3, fp8.RNE, "reciprocal")
+        qc = fp8.quantize(q, qd[0].repeat_interleave(h // kvh)[None, :, None, None], fp8.E4M3, fp8.RNE, "reciprocal")
         q_exact = True
     else:
         qd, qc = _descale(None, b, kvh, dev, "q_scale"), q.to(torch.float32)
@@ -178,8 +175,7 @@ def _reference(x: Inputs, scaling: float, causal: bool, window_left: int | None,
         for j in reversed(range(lo // bn, -(-hi // bn) if hi > 0 else 0)):
             blk = slice(j * bn, min(t, (j + 1) * bn))
             cols = torch.arange(blk.start, blk.stop, device=dev)[None, :]
-            kb = x.k[:, :, blk].repeat_interleave(rep, dim=1)
-            sc = torch.matmul(x.q[:, :, a:z], kb.transpose(-1, -2))
+            sc = torch.matmul(x.q[:, :, a:z], x.k[:, :, blk].repeat_interleave(rep, dim=1).transpose(-1, -2))
             xs = torch.tanh(sc * cap) * c if cap is not None else sc * c
             keep = torch.ones_like(xs, dtype=torch.bool)
             if causal:
@@ -201,8 +197,7 @@ def _reference(x: Inputs, scaling: float, causal: bool, window_left: int | None,
             pq = fp8.round_fp8(p, fp8.E4M3, fp8.RNE) if quant_p else p
             acc = acc * alpha + torch.matmul(pq, x.v[:, :, blk].repeat_interleave(rep, dim=1))
             m = m_new
-        inv = torch.where(l > 0, 1.0 / torch.where(l > 0, l, 1.0), 0.0)
-        out[:, :, a:z] = acc * (inv * vd)
+        out[:, :, a:z] = acc * (torch.where(l > 0, 1.0 / torch.where(l > 0, l, 1.0), 0.0) * vd)
     return out.transpose(1, 2)
 
 

@@ -140,8 +140,7 @@ if triton is not None:
         f = tl.floor(n)
         rem = n - f
         odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-        r = f + tl.where(rem > 0.5, 1.0, 0.0) + tl.where((rem == 0.5) & odd, 1.0, 0.0)
-        return r * quantum
+        return (f + tl.where(rem > 0.5, 1.0, 0.0) + tl.where((rem == 0.5) & odd, 1.0, 0.0)) * quantum
 
     @triton.jit
     def _round_kernel(x_ptr, o_ptr, N, BLOCK: tl.constexpr, HW: tl.constexpr):
@@ -301,33 +300,27 @@ if triton is not None:
             for jj in range(0, LOOP_N):   # block; those outside [j_lo, j_hi) are fully masked: no-ops
                 j = LOOP_N - 1 - jj
                 if (j >= f_lo) & (j < f_hi):
-                    acc, l_i, m_i = _block(acc, l_i, m_i, j * BN, q, k_base, v_base, m_base, offs_m, offs_d,
-                                           offs_dv, rows, c, cap, skt, skd, svt, svd, smm, smt, S, T, D, DV,
-                                           window, T1, T2, T3, CAUSAL, WINDOW, MASK, SOFTCAP, QUANT_P, BF16,
-                                           HW_CAST, True, EVEN_D)
+                    acc, l_i, m_i = _block(acc, l_i, m_i, j * BN, q, k_base, v_base, m_base, offs_m, offs_d, offs_dv,
+                                           rows, c, cap, skt, skd, svt, svd, smm, smt, S, T, D, DV, window, T1, T2, T3,
+                                           CAUSAL, WINDOW, MASK, SOFTCAP, QUANT_P, BF16, HW_CAST, True, EVEN_D)
                 else:
-                    acc, l_i, m_i = _block(acc, l_i, m_i, j * BN, q, k_base, v_base, m_base, offs_m, offs_d,
-                                           offs_dv, rows, c, cap, skt, skd, svt, svd, smm, smt, S, T, D, DV,
-                                           window, T1, T2, T3, CAUSAL, WINDOW, MASK, SOFTCAP, QUANT_P, BF16,
-                                           HW_CAST, False, EVEN_D)
+                    acc, l_i, m_i = _block(acc, l_i, m_i, j * BN, q, k_base, v_base, m_base, offs_m, offs_d, offs_dv,
+                                           rows, c, cap, skt, skd, svt, svd, smm, smt, S, T, D, DV, window, T1, T2, T3,
+                                           CAUSAL, WINDOW, MASK, SOFTCAP, QUANT_P, BF16, HW_CAST, False, EVEN_D)
         else:              # key blocks from the last one down: masked ones, whole ones, masked ones
             for jj in range(0, j_hi - f_hi):
-                acc, l_i, m_i = _block(acc, l_i, m_i, (j_hi - 1 - jj) * BN, q, k_base, v_base, m_base, offs_m,
-                                       offs_d, offs_dv, rows, c, cap, skt, skd, svt, svd, smm, smt, S, T, D, DV,
-                                       window, T1, T2, T3, CAUSAL, WINDOW, MASK, SOFTCAP, QUANT_P, BF16, HW_CAST,
-                                       False, EVEN_D)
+                acc, l_i, m_i = _block(acc, l_i, m_i, (j_hi - 1 - jj) * BN, q, k_base, v_base, m_base, offs_m, offs_d,
+                                       offs_dv, rows, c, cap, skt, skd, svt, svd, smm, smt, S, T, D, DV, window, T1, T2,
+                                       T3, CAUSAL, WINDOW, MASK, SOFTCAP, QUANT_P, BF16, HW_CAST, False, EVEN_D)
             for jj in range(0, f_hi - f_lo):
-                acc, l_i, m_i = _block(acc, l_i, m_i, (f_hi - 1 - jj) * BN, q, k_base, v_base, m_base, offs_m,
-                                       offs_d, offs_dv, rows, c, cap, skt, skd, svt, svd, smm, smt, S, T, D, DV,
-                                       window, T1, T2, T3, CAUSAL, WINDOW, MASK, SOFTCAP, QUANT_P, BF16, HW_CAST,
-                                       True, EVEN_D)
+                acc, l_i, m_i = _block(acc, l_i, m_i, (f_hi - 1 - jj) * BN, q, k_base, v_base, m_base, offs_m, offs_d,
+                                       offs_dv, rows, c, cap, skt, skd, svt, svd, smm, smt, S, T, D, DV, window, T1, T2,
+                                       T3, CAUSAL, WINDOW, MASK, SOFTCAP, QUANT_P, BF16, HW_CAST, True, EVEN_D)
             for jj in range(0, f_lo - j_lo):
-                acc, l_i, m_i = _block(acc, l_i, m_i, (f_lo - 1 - jj) * BN, q, k_base, v_base, m_base, offs_m,
-                                       offs_d, offs_dv, rows, c, cap, skt, skd, svt, svd, smm, smt, S, T, D, DV,
-                                       window, T1, T2, T3, CAUSAL, WINDOW, MASK, SOFTCAP, QUANT_P, BF16, HW_CAST,
-                                       False, EVEN_D)
-        inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
-        o = acc * (inv * vd)[:, None]
+                acc, l_i, m_i = _block(acc, l_i, m_i, (f_lo - 1 - jj) * BN, q, k_base, v_base, m_base, offs_m, offs_d,
+                                       offs_dv, rows, c, cap, skt, skd, svt, svd, smm, smt, S, T, D, DV, window, T1, T2,
+                                       T3, CAUSAL, WINDOW, MASK, SOFTCAP, QUANT_P, BF16, HW_CAST, False, EVEN_D)
+        o = acc * (tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0) * vd)[:, None]
         tl.store(o_ptr + b * sob + h * soh + offs_m[:, None] * sos + offs_dv[None, :] * sod, o,
                  mask=(offs_m[:, None] < S) & (offs_dv[None, :] < DV))
 

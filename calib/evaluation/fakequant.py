@@ -141,7 +141,9 @@ class FakeQuantKV:
         measured into `meter` (None: not measured, e.g. generation) over the real tokens of `token_mask`
         ([batch, seq]), recording per-head max |K|, |V| into `ranges`; all switches off after."""
         self.arm, self.meter, self.token_mask, self.ranges = arm, meter, token_mask, ranges
-        self.right_padded = token_mask is not None and _right_padded(token_mask)
+        self.right_padded = token_mask is not None and bool(torch.equal(     # every row real tokens, then padding
+            token_mask.bool(), torch.arange(token_mask.shape[1], device=token_mask.device)
+            < token_mask.sum(dim=1, keepdim=True)))                    # (calib.data.batching.pad)
         try:
             yield self
         finally:
@@ -209,12 +211,6 @@ def _reference_output(delegate: Callable, module: Any, query: torch.Tensor, key:
     return ref, out[:, -w:], None if mask is None else mask[:, -w:]
 
 
-def _right_padded(token_mask: torch.Tensor) -> bool:
-    """Whether every row of [batch, seq] `token_mask` is real tokens then padding (calib.data.batching.pad)."""
-    n = token_mask.sum(dim=1, keepdim=True)
-    return bool(torch.equal(token_mask.bool(), torch.arange(token_mask.shape[1], device=token_mask.device) < n))
-
-
 def _descale(scale: torch.Tensor | str, kv_heads: int) -> torch.Tensor | None:
     """An arm's scale as FA3's descale (one per tensor or per KV head); None where FA3 takes none (per
     channel, per token: the what-if arms), and the kernel then multiplies the values as they are."""
@@ -242,11 +238,10 @@ def _fa3(module: Any, query: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Ten
     window = kwargs.get("sliding_window")
     window_left = int(window) - 1 if window and int(window) - 1 < k_hat.shape[2] - 1 else None
     kvh = k_hat.shape[1]
-    out = fa3.fa3_attention(query, k_hat, v_hat, scaling=float(scaling), q_scale=arm.q_scale(layer),
-                            k_scale=_descale(arm.k[layer], kvh), v_scale=_descale(arm.v[layer], kvh), mask=mask,
-                            causal=causal, window_left=window_left, quant_q=emu.q is not None,
-                            quant_p=emu.p is not None, softcap=kwargs.get("softcap") or None)
-    return out.to(query.dtype).contiguous()
+    return fa3.fa3_attention(query, k_hat, v_hat, scaling=float(scaling), q_scale=arm.q_scale(layer), mask=mask,
+                             k_scale=_descale(arm.k[layer], kvh), v_scale=_descale(arm.v[layer], kvh), causal=causal,
+                             window_left=window_left, quant_q=emu.q is not None, quant_p=emu.p is not None,
+                             softcap=kwargs.get("softcap") or None).to(query.dtype).contiguous()
 
 
 @contextlib.contextmanager

@@ -130,8 +130,7 @@ def static_vs_dynamic(table: list[FormatRow]) -> str | None:
     dyn = [r for r in table if dtypes.kv_format(r.format).dynamic]
     if not static or not dyn:
         return None
-    calibrated = [r for r in static if r.kind != "default"]
-    s_best = min(calibrated or static, key=lambda r: (not r.passes, r.ppl_rel))
+    s_best = min([r for r in static if r.kind != "default"] or static, key=lambda r: (not r.passes, r.ppl_rel))
     eight = [r for r in dyn if dtypes.kv_format(r.format).bits == 8]
     d_best = min(eight or dyn, key=lambda r: (not r.passes, r.ppl_rel))
     what = "static (scale 1.0)" if s_best.kind == "default" else "calibrated static"

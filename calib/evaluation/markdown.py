@@ -1,16 +1,15 @@
-"""report.md: the evaluation's decision, tables and verdict as GitHub markdown, from the typed report; and the
-opening every report shares (eval's report.md, validate.md, tune.md, plan.md).
+"""report.md: the evaluation's decision, tables and verdict as GitHub markdown, from the typed report; and the opening
+every report shares (eval's report.md, validate.md, tune.md, plan.md).
 
 Why a module of its own: calib/evaluation/verdict.py decides (thresholds, verdict, skip plan) and
-calib/evaluation/report.py writes the files; this one only renders. Every number it prints is already in
-report.json; nothing here computes a decision, so a change of wording cannot change what the verdict says.
+calib/evaluation/report.py writes the files; this one only renders. Every number it prints is already in report.json;
+nothing here computes a decision, so a change of wording cannot change what the verdict says.
 
-Why every report opens the same way (`lead`): a reader asks "what do I serve, and with which command?" before
-anything else. So the decision comes first in one line, then one table (each arm: its decision, its quality
-against the bar, its KV capacity — the engine's own count where it ran, else the bytes model's, said which — and
-its speed where it was measured), then the whole serve command; the per-bucket and per-layer detail follows, the
-per-layer tables last. Paths are written relative to the folder the command ran in (`relative`): report.json
-keeps them whole.
+Why every report opens the same way (`lead`): a reader asks "what do I serve, and with which command?" before anything
+else. So the decision comes first in one line, then one table (each arm: its decision, its quality against the bar, its
+KV capacity — the engine's own count where it ran, else the bytes model's, said which — and its speed where it was
+measured), then the whole serve command; the per-bucket and per-layer detail follows, the per-layer tables last. Paths
+are written relative to the folder the command ran in (`relative`): report.json keeps them whole.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """What each arm costs in KV memory at the evaluation's lengths, and skip decisions weighed by that memory.
 
-Why: keeping layers at the model dtype buys back quality and gives back memory, and the two do not scale
-together. On a hybrid model the sliding-window layers hold only their window: measured on a 270M model with 15
-sliding (window 512) and 3 global layers, keeping them in BF16 halved FP8's perplexity loss at 32K for ~7 % of
-FP8's memory saving. A single global layer kept in BF16 gives back more memory than all of them. So every skip
-candidate measured here (the sliding-window group, the single layers of the skip trials) is ranked by the
-perplexity loss it regains per share of the memory saving it gives back, at the longest length the user asked
-for, from its measured numbers (the engine's where it ran). Bytes come from calib.model.layer_kinds, the one
-bytes model.
+Why: keeping layers at the model dtype buys back quality and gives back memory, and the two do not scale together. On a
+hybrid model the sliding-window layers hold only their window: measured on a 270M model with 15 sliding (window 512) and
+3 global layers, keeping them in BF16 halved FP8's perplexity loss at 32K for ~7 % of FP8's memory saving. A single
+global layer kept in BF16 gives back more memory than all of them. So every skip candidate measured here (the
+sliding-window group, the single layers of the skip trials) is ranked by the perplexity loss it regains per share of the
+memory saving it gives back, at the longest length the user asked for, from its measured numbers (the engine's where it
+ran). Bytes come from calib.model.layer_kinds, the one bytes model.
 """
 
 from __future__ import annotations

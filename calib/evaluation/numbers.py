@@ -80,8 +80,7 @@ def paired(a: Sequence[float], b: Sequence[float], tokens: Sequence[int]) -> tup
         return None
     d = [x - y for x, y in zip(a, b)]
     mean = sum(d) / t
-    var = sum((di - ti * mean) ** 2 for di, ti in zip(d, tokens)) * n / (n - 1)
-    return mean, math.sqrt(var) / t
+    return mean, math.sqrt(sum((di - ti * mean) ** 2 for di, ti in zip(d, tokens)) * n / (n - 1)) / t
 
 
 def scales_within_noise(ref: Reference, results: Mapping[str, ArmMetrics],
@@ -118,8 +117,7 @@ def saturated_layers(entry: ArmMetrics, top: int = 5) -> dict[str, dict[str, flo
     """{layer: {k, v}} shares of values beyond the dtype's range under this arm (emulated), worst first."""
     rows = {i: {"k": r["k_saturated"], "v": r["v_saturated"]} for i, r in entry.layers.items()
             if r.get("k_saturated", 0) > 0 or r.get("v_saturated", 0) > 0}
-    worst = sorted(rows, key=lambda i: -max(rows[i].values()))[:top]
-    return {i: rows[i] for i in worst}
+    return {i: rows[i] for i in sorted(rows, key=lambda i: -max(rows[i].values()))[:top]}
 
 
 def saturation_text(name: str, entry: ArmMetrics, ref: Reference) -> str | None:
@@ -130,9 +128,8 @@ def saturation_text(name: str, entry: ArmMetrics, ref: Reference) -> str | None:
     def amax(i: str, kind: str) -> str:
         r = ref.ranges.get(i)
         return f", max |{kind.upper()}| {max(r.k_amax if kind == 'k' else r.v_amax):.3g}" if r else ""
-    parts = [f"layer {i} (K {100 * s['k']:.3g}%{amax(i, 'k')}, V {100 * s['v']:.3g}%{amax(i, 'v')})"
-             for i, s in sat.items()]
-    return f"`{name}` saturates: " + "; ".join(parts) + "."
+    return f"`{name}` saturates: " + "; ".join(f"layer {i} (K {100 * s['k']:.3g}%{amax(i, 'k')}, V {100 * s['v']:.3g}%"
+                                               f"{amax(i, 'v')})" for i, s in sat.items()) + "."
 
 
 def skip_confirmed(trial: ArmMetrics, base: ArmMetrics) -> tuple[bool, str]:

@@ -229,8 +229,7 @@ def run_passkey(s: Session, arm: Arm | None, prompts: Sequence[Prompt],
 
 def passkey_stage(progress: Progress, name: str, prompts: Sequence[Prompt], arms: int) -> Stage:
     """A stage of every passkey prompt under `arms` arms (prompt tokens plus the generated ones)."""
-    per_arm = sum(len(p.ids) + MAX_NEW_TOKENS for p in prompts)
-    return progress.stage(name, arms * per_arm, prompts=arms * len(prompts))
+    return progress.stage(name, arms * sum(len(p.ids) + MAX_NEW_TOKENS for p in prompts), prompts=arms * len(prompts))
 
 
 def score_engine(entries: Mapping[str, EngineNumbers], prompts: Sequence[Prompt],

@@ -1,30 +1,29 @@
 """The time plan of one evaluation: a short probe, minutes per phase, and what `--budget-minutes` drops.
 
-Why: at 32K-128K an evaluation runs for hours when nothing bounds it, and nothing said so before it began
-(issue 30: after 17 minutes no engine arm had started). A probe times one forward of the reference and of
-one emulated arm on one sample of the smallest bucket; each phase is then extrapolated per sample length
-with the attention's quadratic term (work per sample L * (2 * parameters + attention * L), the model's own
-FLOP count, so a probe at 512 tokens says what 32K costs). The engine is not started for a probe (a start
-costs a minute): its start and scoring rate are stated defaults, printed as such. Arms that differ only in
-their KV scales share one engine start (calib/engine/serve.py), so starts are counted per serve configuration:
-the reference's, one per group of arms, one per skip trial.
+Why: at 32K-128K an evaluation runs for hours when nothing bounds it, and nothing said so before it began (issue 30:
+after 17 minutes no engine arm had started). A probe times one forward of the reference and of one emulated arm on one
+sample of the smallest bucket; each phase is then extrapolated per sample length with the attention's quadratic term
+(work per sample L * (2 * parameters + attention * L), the model's own FLOP count, so a probe at 512 tokens says what
+32K costs). The engine is not started for a probe (a start costs a minute): its start and scoring rate are stated
+defaults, printed as such. Arms that differ only in their KV scales share one engine start (calib/engine/serve.py), so
+starts are counted per serve configuration: the reference's, one per group of arms, one per skip trial.
 
-A budget drops optional parts in a fixed order, each fully before the next, until the plan fits: passkey
-depths (5 -> 3 -> 1), skip trials, emulated long buckets (longest first; with an engine they are still
-measured there), then the engine's passkey prompts (the retrieval confirmation). What it dropped is
-printed and recorded; a plan that still does not fit runs its minimum and says so.
+A budget drops optional parts in a fixed order, each fully before the next, until the plan fits: passkey depths (5 -> 3
+-> 1), skip trials, emulated long buckets (longest first; with an engine they are still measured there), then the
+engine's passkey prompts (the retrieval confirmation). What it dropped is printed and recorded; a plan that still does
+not fit runs its minimum and says so.
 
 The engine's figures were measured on one H200 with GPU vLLM 0.24 (FlashAttention-3, enforce_eager; bench/RESULTS.md,
-"long context"): a start (runner process, LLM(), the answer read back) 24-27 s once the machine has run vLLM, the
-first one on a fresh machine about 40 s more; prompt-logprob scoring of held-out samples is bound by per-token
-overhead on a small model (12-19K tokens/s on a 135M model at 2K-8K) and by compute on a large one (about 1.5x
-kvcalib's own bf16 reference pass: an 8B shape scored 32K + 128K tokens in 18-20 s, the reference pass took 13.5 s);
-passkey prompts, submitted together and generating 8 tokens without log-probs, ran at 90-150K tokens/s there. On a
-small model a decode step costs its launches, not its FLOPs (decoded one at a time, a prompt of 2K-8K took ~0.33 s
-for the reference and ~0.6 s for an emulated arm on the H200, over a third of an 8-arm evaluation at 8K), so the
-emulated passkey phase decodes a bucket's prompts in batches of the run's batch size and the probe times a step
-(`run.decode_step`), charged once per batch. CPU figures: vLLM's CPU build on a 2-core machine (a start ~20 s,
-~1.5K tokens/s with top-20 prompt log-probs on the default model), rougher.
+"long context"): a start (runner process, LLM(), the answer read back) 24-27 s once the machine has run vLLM, the first
+one on a fresh machine about 40 s more; prompt-logprob scoring of held-out samples is bound by per-token overhead on a
+small model (12-19K tokens/s on a 135M model at 2K-8K) and by compute on a large one (about 1.5x kvcalib's own bf16
+reference pass: an 8B shape scored 32K + 128K tokens in 18-20 s, the reference pass took 13.5 s); passkey prompts,
+submitted together and generating 8 tokens without log-probs, ran at 90-150K tokens/s there. On a small model a decode
+step costs its launches, not its FLOPs (decoded one at a time, a prompt of 2K-8K took ~0.33 s for the reference and ~0.6
+s for an emulated arm on the H200, over a third of an 8-arm evaluation at 8K), so the emulated passkey phase decodes a
+bucket's prompts in batches of the run's batch size and the probe times a step (`run.decode_step`), charged once per
+batch. CPU figures: vLLM's CPU build on a 2-core machine (a start ~20 s, ~1.5K tokens/s with top-20 prompt log-probs on
+the default model), rougher.
 """
 
 from __future__ import annotations

@@ -55,9 +55,8 @@ class PasskeyRow:
     outcomes: tuple[tuple[float, bool], ...] = ()     # (depth, correct) per prompt, in prompt order
 
     def to_dict(self) -> dict[str, Any]:
-        return {"correct": self.correct, "total": self.total,
-                "by_depth": plain(self.by_depth), "accuracy": self.accuracy,
-                "outcomes": [{"depth": d, "correct": c} for d, c in self.outcomes]}
+        return {"correct": self.correct, "total": self.total, "by_depth": plain(self.by_depth),
+                "accuracy": self.accuracy, "outcomes": [{"depth": d, "correct": c} for d, c in self.outcomes]}
 
 
 def passkey_rows(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, PasskeyRow]:

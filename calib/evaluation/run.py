@@ -1,9 +1,8 @@
 """`run_eval`: the evaluation from a config to a written report.
 
-Order of work: every check that needs no weights, the report folder's lock, then `prepare` (model, arms,
-held-out samples, passkey prompts), the measuring passes inside one installed hook (`measure_arms`:
-metrics, passkey, the engine; then `skip_trials`), the verdict (`calib/evaluation/verdict.py`) and the report
-(`calib/evaluation/report.py`).
+Order of work: every check that needs no weights, the report folder's lock, then `prepare` (model, arms, held-out
+samples, passkey prompts), the measuring passes inside one installed hook (`measure_arms`: metrics, passkey, the engine;
+then `skip_trials`), the verdict (`calib/evaluation/verdict.py`) and the report (`calib/evaluation/report.py`).
 """
 
 from __future__ import annotations
@@ -18,9 +17,8 @@ import torch
 
 from calib.ckpt.kvinfo import read_kv_info
 from calib.data import sources as data_mod
-from calib.evaluation import emulate, markdown, measurable, memory, passkey
+from calib.evaluation import emulate, markdown, measurable, memory, passkey, report, served
 from calib.evaluation import plan as plan_mod
-from calib.evaluation import report, served
 from calib.evaluation import verdict as verdict_mod
 from calib.evaluation.arms import (Arm, EvalError, Geometry, arms_for, format_arms, read_stats, reference_arm,
                                    sliding_skip_arms)
@@ -116,8 +114,7 @@ def run_eval(cfg: EvalConfig, log: Log = lambda _m: None, progress: Progress = S
         # like with like: the plan covers the measuring passes after it, not loading, the probe or the report
         log(f"eval: done in {duration(seconds)}; the measuring passes took {duration(time.perf_counter() - t_plan)} "
             f"(planned {duration(planned.total)}{ran})")
-        meta = _meta(cfg, p, ([note] if note else []) + plan_notes(planned, p.buckets, cfg.engine is not None),
-                     seconds)
+        meta = _meta(cfg, p, ([note] if note else []) + plan_notes(planned, p.buckets, cfg.engine is not None), seconds)
         if bm is not None and bm.layers.hybrid:
             meta["memory"] = memory.table(bm, p.reference.name, results, ref.engine)
         doc = report.write(Path(cfg.out), report.Report(meta, ref, results, cfg.thresholds, decided), force=cfg.force,

@@ -1,24 +1,23 @@
 """Passkey decisions from a paired test, not from one prompt.
 
-Why: with 10 prompts a bucket, 6/10 against the reference's 7/10 is one prompt whose greedy answer flipped,
-which FP8 rounding near a tie can do either way; failing an arm on it is noise. Every arm answers the same
-prompts as the reference (same ids, same order), so the outcomes pair per prompt, and the exact McNemar test
-applies: of the discordant prompts (one run right, the other wrong), under "no difference" each is a loss
-(reference right, arm wrong) or a gain with probability 1/2, so losses ~ Binomial(losses + gains, 1/2).
+Why: with 10 prompts a bucket, 6/10 against the reference's 7/10 is one prompt whose greedy answer flipped, which FP8
+rounding near a tie can do either way; failing an arm on it is noise. Every arm answers the same prompts as the
+reference (same ids, same order), so the outcomes pair per prompt, and the exact McNemar test applies: of the discordant
+prompts (one run right, the other wrong), under "no difference" each is a loss (reference right, arm wrong) or a gain
+with probability 1/2, so losses ~ Binomial(losses + gains, 1/2).
 
-The rule (`decide`): per bucket, the arm fails passkey when it lost more prompts than it gained by more than
-`allowed` and the one-sided exact p-value of that drop is below ALPHA / k (Bonferroni over the k buckets
-with prompts). A lower count that does not reach it is "within noise"; a bucket where even losing every
-prompt could not reach it is "too few prompts to conclude"; one with fewer prompts than DEFAULT_PROMPTS
-("underpowered") can miss a 10-point drop. Per depth the same test is reported, never decided on (a few
-prompts each). Rows without per-prompt outcomes (older reports) fall back to comparing counts.
+The rule (`decide`): per bucket, the arm fails passkey when it lost more prompts than it gained by more than `allowed`
+and the one-sided exact p-value of that drop is below ALPHA / k (Bonferroni over the k buckets with prompts). A lower
+count that does not reach it is "within noise"; a bucket where even losing every prompt could not reach it is "too few
+prompts to conclude"; one with fewer prompts than DEFAULT_PROMPTS ("underpowered") can miss a 10-point drop. Per depth
+the same test is reported, never decided on (a few prompts each). Rows without per-prompt outcomes (older reports) fall
+back to comparing counts.
 
 How many prompts (exact power by enumerating the multinomial of losses and gains: `prompts_needed` in
-tests/evaluation/test_significance.py): to detect a drop of 10 accuracy points with power 0.8 at ALPHA 0.05 / 3
-buckets, when the arm only loses keys, 66 prompts a bucket at alpha 0.05 and 78 at 0.05 / 3 are needed;
-DEFAULT_PROMPTS = 80 (16 per depth x 5 depths) has power 0.82 there. If, besides the drop, 2 % of prompts flip
-each way, power at 80 falls to 0.51 (128 prompts for 0.8) — the report says which buckets are underpowered rather
-than claim more.
+tests/evaluation/test_significance.py): to detect a drop of 10 accuracy points with power 0.8 at ALPHA 0.05 / 3 buckets,
+when the arm only loses keys, 66 prompts a bucket at alpha 0.05 and 78 at 0.05 / 3 are needed; DEFAULT_PROMPTS = 80 (16
+per depth x 5 depths) has power 0.82 there. If, besides the drop, 2 % of prompts flip each way, power at 80 falls to
+0.51 (128 prompts for 0.8) — the report says which buckets are underpowered rather than claim more.
 """
 
 from __future__ import annotations
@@ -115,11 +114,6 @@ class PasskeyDecision:
                 "failed": list(self.failed), "notes": list(self.notes)}
 
 
-def _outcomes(row: PasskeyRow) -> list[tuple[str, bool]] | None:
-    """[(depth, correct)] per prompt, in prompt order; None when not recorded."""
-    return [(f"{float(d):g}", bool(c)) for d, c in row.outcomes] or None
-
-
 def _test(bucket: str, depth: str | None, pairs: Sequence[tuple[bool, bool]], alpha: float) -> PairedTest:
     losses = sum(r and not a for r, a in pairs)
     gains = sum(a and not r for r, a in pairs)
@@ -134,7 +128,8 @@ def decide(ref_rows: Mapping[str, PasskeyRow] | None, arm_rows: Mapping[str, Pas
     if not ref_rows or not arm_rows:
         return None
     common = [b for b in ref_rows if b in arm_rows]
-    paired = {b: (_outcomes(ref_rows[b]), _outcomes(arm_rows[b])) for b in common}
+    paired = {b: tuple([(f"{float(d):g}", bool(c)) for d, c in rows[b].outcomes] or None   # (depth, correct) a prompt
+                       for rows in (ref_rows, arm_rows)) for b in common}                # None: not recorded
     if not common or any(ro is None or ao is None or [d for d, _ in ro] != [d for d, _ in ao]
                          for ro, ao in paired.values()):
         # no per-prompt outcomes to pair (an older report): the count rule over every bucket

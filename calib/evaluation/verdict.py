@@ -1,16 +1,15 @@
 """The evaluation's verdict: what to ship, where it breaks, and the numbers behind it.
 
-Why a verdict and not just tables: the person running `eval` has to decide between three actions — ship
-FP8 KV with some scales, ship it with a few layers kept in the model dtype, or keep the model-dtype KV
-cache — and the tables only help once they know which numbers decide (calib/evaluation/numbers.py: the
-engine's where it measured the arm). The rule (thresholds below) is written into every report so the decision
-can be checked and re-argued.
+Why a verdict and not just tables: the person running `eval` has to decide between three actions — ship FP8 KV with some
+scales, ship it with a few layers kept in the model dtype, or keep the model-dtype KV cache — and the tables only help
+once they know which numbers decide (calib/evaluation/numbers.py: the engine's where it measured the arm). The rule
+(thresholds below) is written into every report so the decision can be checked and re-argued.
 
-A skip recommendation is never a guess: `skip_plan` names the layers whose attention-output error
-dominates, the evaluation re-measures the arm with those layers unquantised, and only that measurement
-can turn into "ship with --kv-cache-dtype-skip-layers ...". Advice names the engine that serves the arm's KV
-dtype and its setting, never another engine's flag, and never an engine that would run the scales at 1.0 (the
-support matrix, calib.recipe.support, says which).
+A skip recommendation is never a guess: `skip_plan` names the layers whose attention-output error dominates, the
+evaluation re-measures the arm with those layers unquantised, and only that measurement can turn into "ship with
+--kv-cache-dtype-skip-layers ...". Advice names the engine that serves the arm's KV dtype and its setting, never another
+engine's flag, and never an engine that would run the scales at 1.0 (the support matrix, calib.recipe.support, says
+which).
 """
 
 from __future__ import annotations
@@ -59,8 +58,7 @@ def failures(entry: ArmMetrics, ref: Reference, th: Thresholds) -> list[str]:
     if odd:
         return [odd]
     nums = decisive(entry)
-    why = [f"KL {row.kl:.3g} > {th.max_kl:g} in bucket <= {b}" for b, row in nums.buckets.items()
-           if row.kl > th.max_kl]
+    why = [f"KL {row.kl:.3g} > {th.max_kl:g} in bucket <= {b}" for b, row in nums.buckets.items() if row.kl > th.max_kl]
     if nums.summary.ppl_rel > th.max_ppl_increase:
         why.append(f"perplexity +{100 * nums.summary.ppl_rel:.2f}% > +{100 * th.max_ppl_increase:g}%")
     pk = passkey_decision(entry, ref, th)
