@@ -32,7 +32,7 @@ from calib.errors import KvcalibError
 from calib.provenance import RESUME, STATS, Provenance, ProvenanceError
 from calib.recipe.recipe import Recipe, RecipeError, from_dict
 from calib.safety import files, outputs
-from calib.safety.readers import ReadError, raising, whole
+from calib.safety.readers import raising, whole
 from calib.scales.stats import LayerStats, Stats, stats_to_tensors
 
 # Recipe fields that decide what the observers recorded; runs must agree on them to be merged.
@@ -164,13 +164,11 @@ def _check_header(header: Any, where: str) -> Recipe:
     data = header.get("data", {})
     if not isinstance(data, dict):
         raise fail("field 'data' must be a JSON object")
-    try:
+    with raising(fail):
         rot = whole(header.get("rotary_dim"), "field 'rotary_dim'", 0, 1 << 16, null=True)
         whole(header.get("batches_done"), "field 'batches_done'", null=True)
         for k in [k for k in ("samples", "tokens", "skipped_short") if k in data]:
             whole(data[k], f"field 'data.{k}'")
-    except ReadError as e:
-        raise fail(str(e)) from None
     if not isinstance(header.get("recipe"), dict):
         raise fail("has no 'recipe' object")
     try:

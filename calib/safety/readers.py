@@ -12,7 +12,7 @@ anyway, and kvcalib does not depend on pydantic itself.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
@@ -26,8 +26,8 @@ class ReadError(KvcalibError, ValueError):
 
 
 @contextmanager
-def raising(error: type[Exception], *catch: type[Exception]) -> Iterator[None]:
-    """Every ReadError (or each of `catch`) inside as `error`, same message: a caller keeps its own error class."""
+def raising(error: Callable[[str], Exception], *catch: type[Exception]) -> Iterator[None]:
+    """Every ReadError (or each of `catch`) inside as `error(message)`: a caller keeps its error class or wrapper."""
     try:
         yield
     except catch or ReadError as e:
