@@ -24,6 +24,7 @@ from typing import Any
 
 import click
 
+from calib import resources
 from calib.evaluation import emulate
 from calib.recipe import dtypes as dtypes_mod
 from calib.recipe import recipe as recipe_mod
@@ -45,6 +46,13 @@ VLLM_KV_NAMES = {v: d.name for d in dtypes_mod.for_engine("vllm") for v in d.eng
 
 def echo_err(message: str) -> None:
     click.echo(message, err=True)
+
+
+def default_model() -> str:
+    """The embedded default model's directory, built on first use (build messages go to stderr)."""
+    from calib.model.default_model import ensure_default_model
+
+    return str(ensure_default_model(resources.build_dir(), log=echo_err))
 
 
 # ------------------------------------------------------------------------------------- defaults in help
