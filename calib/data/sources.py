@@ -125,8 +125,7 @@ def _read_parquet(path: Path) -> Iterator[Record]:
         pf = pq.ParquetFile(path)
     except Exception as e:
         raise DataError(f"{path}: not a readable parquet file ({first_line(e)})") from None
-    rows = (row for batch in pf.iter_batches(batch_size=256) for row in batch.to_pylist())
-    for n, row in enumerate(rows):
+    for n, row in enumerate(row for batch in pf.iter_batches(batch_size=256) for row in batch.to_pylist()):
         yield Record(row, f"{path} row {n}")
 
 
