@@ -15,8 +15,7 @@ from typing import Any
 
 import click
 
-from calib import __version__, errors, resources
-from calib import cli_options as opts
+from calib import __version__, cli_options as opts, errors, resources
 from calib.errors import KvcalibError
 from calib.recipe import recipe as recipe_mod
 from calib.export import serve

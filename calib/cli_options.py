@@ -26,8 +26,7 @@ import click
 
 from calib import resources
 from calib.evaluation import emulate
-from calib.recipe import dtypes as dtypes_mod
-from calib.recipe import recipe as recipe_mod
+from calib.recipe import dtypes as dtypes_mod, recipe as recipe_mod
 
 # The embedded default model: a first look that finishes in minutes on a 2-core CPU (measured in the README).
 # Everything else defaults to the config dataclasses' values. validate's pre-launch defaults are eval's.

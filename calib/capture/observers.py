@@ -25,8 +25,7 @@ import torch
 
 from calib.capture import kernels
 from calib.errors import KvcalibError
-from calib.recipe.dtypes import HISTOGRAM_BINS, OBSERVERS, observer as observer_spec
-from calib.recipe.dtypes import KVDtype
+from calib.recipe.dtypes import HISTOGRAM_BINS, OBSERVERS, KVDtype, observer as observer_spec
 from calib.scales.quant import fake_quant
 
 Tensor = torch.Tensor
