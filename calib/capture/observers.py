@@ -134,7 +134,6 @@ class AbsMaxObserver(StateObserver):
         kernels.absmax_(x, mask, state)
 
 
-
 @dataclass(frozen=True)
 class RotaryLayout:
     """Which K channels RoPE rotates together: of the first `rotary_dim`, (i, i + rotary_dim/2) — transformers'

@@ -34,7 +34,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from calib.errors import KvcalibError
-
 from calib.safety import files
 
 MARKER = ".kvcalib-output.json"
