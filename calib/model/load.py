@@ -84,23 +84,19 @@ def check_cache_kind(config: Any, where: str) -> None:
                          "latent, not K and V, so per-layer K/V scales do not apply — not supported")
     if mtype in NOT_PLAIN_KV or getattr(config, "model_type", None) in NOT_PLAIN_KV:
         raise ModelError(f"{where}: {mtype} has recurrent/state-space layers whose cache is not plain K/V — not supported")
-    kinds = set(getattr(text, "layer_types", None) or []) - KV_LAYER_TYPES
-    if kinds:
+    if kinds := set(getattr(text, "layer_types", None) or []) - KV_LAYER_TYPES:
         raise ModelError(f"{where}: layer types {sorted(kinds)} keep no plain K/V cache — not supported "
                          f"(only {sorted(KV_LAYER_TYPES)})")
 
 
 def find_attention_layers(model: torch.nn.Module) -> list[int]:
     """layer_idx of every attention module (modules named *Attention that carry a layer_idx)."""
-    found = {m.layer_idx for m in model.modules()
-             if "Attention" in type(m).__name__ and isinstance(getattr(m, "layer_idx", None), int)}
-    return sorted(found)
+    return sorted({m.layer_idx for m in model.modules()
+                   if "Attention" in type(m).__name__ and isinstance(getattr(m, "layer_idx", None), int)})
 
 
 def pick_device(device: str | None) -> torch.device:
-    if device:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 @dataclass(frozen=True)
