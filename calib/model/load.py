@@ -265,13 +265,11 @@ def check_load_report(info: dict[str, Any], src: Path, lm_head: bool) -> None:
         shown = [str(x[0] if isinstance(x, tuple) else x) for x in sorted(items, key=str)[:n]]
         return ", ".join(shown) + (f" and {len(items) - n} more" if len(items) > n else "")
 
-    missing = list(info.get("missing_keys") or [])
-    if missing:
+    if missing := list(info.get("missing_keys") or []):
         raise ModelError(f"MODEL {src}: the weight files lack {len(missing)} tensor(s) config.json needs "
                          f"({names(missing)}); they would be random — the config and the weights are not one "
                          "model (check num_hidden_layers and the shards)")
-    mismatched = list(info.get("mismatched_keys") or [])
-    if mismatched:
+    if mismatched := list(info.get("mismatched_keys") or []):
         first = mismatched[0]
         detail = f": file {tuple(first[1])} vs config {tuple(first[2])}" if isinstance(first, tuple) and len(first) == 3 else ""
         raise ModelError(f"MODEL {src}: {len(mismatched)} tensor(s) have another shape than config.json implies "
@@ -282,8 +280,7 @@ def check_load_report(info: dict[str, Any], src: Path, lm_head: bool) -> None:
         raise ModelError(f"MODEL {src}: the weight files hold {len(unexpected)} tensor(s) the model defined by "
                          f"config.json does not have ({names(unexpected)}); the config and the weights are not "
                          "one model")
-    errors = [e for e in info.get("error_msgs") or [] if e]
-    if errors:
+    if errors := [e for e in info.get("error_msgs") or [] if e]:
         raise ModelError(f"MODEL {src}: loading the weights failed ({str(errors[0]).splitlines()[0][:200]})")
 
 
@@ -302,8 +299,7 @@ def _check_size(auto: Any, pre: Preflight, trust_remote_code: bool) -> None:
         return
     meta.tie_weights()  # built empty, tied embeddings are two tensors until tied; the files hold one
     need = sum(p.numel() for p in meta.parameters())
-    ckpt = pre.weights
-    have = sum(math.prod(ckpt.tensor(n).shape) for n in ckpt.weight_map)
+    have = sum(math.prod(pre.weights.tensor(n).shape) for n in pre.weights.weight_map)
     if need > have:
         raise ModelError(f"MODEL {src}: config.json describes {need:,} parameters but the weight files hold "
                          f"{have:,}; the config and the weights are not one model (check num_hidden_layers, "
