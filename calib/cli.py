@@ -256,8 +256,7 @@ def _inspect_one(ckpt: Path) -> None:
                    f"of {d.get('source')} ({p.get('created')})")
         click.echo(f"recipe:     {r.get('dtype')} granularity={r.get('granularity')} observer={r.get('observer')} "
                    f"headroom={r.get('headroom')} q_scale={r.get('q_scale')}")
-        skipped = p.get("skipped_layers") or []
-        if skipped:
+        if skipped := p.get("skipped_layers") or []:
             click.echo(f"skipped:    layers {skipped} keep the model dtype: serve with "
                        f"--kv-cache-dtype-skip-layers {' '.join(map(str, skipped))}")
     if not info.scales:

@@ -291,8 +291,7 @@ def first_look(command: str, model_src: str | None, **values: Any) -> dict[str, 
     if model_src is not None:
         return values
     preset = FIRST_LOOK[command]
-    filled = {k: v for k, v in preset.items() if values.get(k) is None}
-    if filled:
+    if filled := {k: v for k, v in preset.items() if values.get(k) is None}:
         echo_err("default model, first look: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in filled.items())
                  + " unless given")
     return {**values, **filled}
@@ -315,8 +314,7 @@ def formats(text: str | None) -> tuple[str, ...]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if names == ["all"]:
         return FORMAT_CHOICES
-    bad = [n for n in names if n not in FORMAT_CHOICES]
-    if bad:
+    if bad := [n for n in names if n not in FORMAT_CHOICES]:
         raise click.ClickException(f"--formats {text!r}: unknown {', '.join(bad)}; choose from "
                                    f"{', '.join(FORMAT_CHOICES)} or all")
     return tuple(dict.fromkeys(names))

@@ -103,10 +103,8 @@ def fields(doc: Any, where: str, required: tuple[str, ...], optional: tuple[str,
     """An object holding every `required` field and nothing beyond `optional`."""
     if not isinstance(doc, dict):
         raise ReadError(f"{where}: expected a JSON object, got {type(doc).__name__}")
-    missing = [f for f in required if f not in doc]
-    if missing:
+    if missing := [f for f in required if f not in doc]:
         raise ReadError(f"{where}: missing field(s) {', '.join(missing)}")
-    extra = sorted(str(f) for f in doc if f not in required + optional)
-    if extra:
+    if extra := sorted(str(f) for f in doc if f not in required + optional):
         raise ReadError(f"{where}: unknown field(s) {clean_text(', '.join(extra), 80)}")
     return doc
