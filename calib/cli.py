@@ -15,15 +15,13 @@ from typing import Any
 
 import click
 
-from calib import __version__, errors, resources
-from calib import cli_options as opts
+from calib import __version__, cli_options as opts, errors, resources
 from calib.errors import KvcalibError
 from calib.recipe import recipe as recipe_mod
 from calib.export import serve
 from calib.safety import outputs
 
 DEFAULT_DATA = resources.default_data()
-BUILD_DIR = resources.build_dir()
 
 EXIT_CODES = f"""Exit codes:
 
@@ -51,13 +49,6 @@ class Kvcalib(click.Group):
             # 130 for Ctrl-C; 128 + N for signal N turned into an interrupt (outputs.terminate_as_interrupt)
             signum = str(e).removeprefix("signal ")
             ctx.exit(128 + int(signum) if str(e).startswith("signal ") and signum.isdigit() else errors.INTERRUPTED)
-
-
-def _default_model() -> str:
-    """The embedded default model's directory, built on first use (build messages go to stderr)."""
-    from calib.model.default_model import ensure_default_model
-
-    return str(ensure_default_model(BUILD_DIR, log=lambda m: click.echo(m, err=True)))
 
 
 def _is_shipped(recipe_path: str | None) -> bool:
@@ -135,7 +126,7 @@ def calibrate(model_src, data_src, recipe_path, out, samples, seq_len, batch_siz
     serve.check(recipe, versions=versions)      # an engine that ignores these scales whatever the data: refuse now
     with outputs.terminate_as_interrupt():
         if model_src is None:
-            model_src = str(into) if into is not None else _default_model()
+            model_src = str(into) if into is not None else opts.default_model()
         data_src = data_src or str(DEFAULT_DATA)
         out = out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-kv-{recipe.dtype.split('_')[0]}"
         dist = distributed.from_env()
@@ -265,8 +256,7 @@ def _inspect_one(ckpt: Path) -> None:
                    f"of {d.get('source')} ({p.get('created')})")
         click.echo(f"recipe:     {r.get('dtype')} granularity={r.get('granularity')} observer={r.get('observer')} "
                    f"headroom={r.get('headroom')} q_scale={r.get('q_scale')}")
-        skipped = p.get("skipped_layers") or []
-        if skipped:
+        if skipped := p.get("skipped_layers") or []:
             click.echo(f"skipped:    layers {skipped} keep the model dtype: serve with "
                        f"--kv-cache-dtype-skip-layers {' '.join(map(str, skipped))}")
     if not info.scales:
@@ -358,7 +348,7 @@ def verify(ckpt: Path, engine: str, engine_version: str | None) -> None:
 @main.command("default-model")
 def default_model_cmd() -> None:
     """Build (once) and print the path of the embedded default model (SmolLM2-135M-Instruct)."""
-    click.echo(_default_model())
+    click.echo(opts.default_model())
 
 
 @main.group(invoke_without_command=True)

@@ -24,9 +24,9 @@ from typing import Any
 
 import click
 
+from calib import resources
 from calib.evaluation import emulate
-from calib.recipe import dtypes as dtypes_mod
-from calib.recipe import recipe as recipe_mod
+from calib.recipe import dtypes as dtypes_mod, recipe as recipe_mod
 
 # The embedded default model: a first look that finishes in minutes on a 2-core CPU (measured in the README).
 # Everything else defaults to the config dataclasses' values. validate's pre-launch defaults are eval's.
@@ -45,6 +45,13 @@ VLLM_KV_NAMES = {v: d.name for d in dtypes_mod.for_engine("vllm") for v in d.eng
 
 def echo_err(message: str) -> None:
     click.echo(message, err=True)
+
+
+def default_model() -> str:
+    """The embedded default model's directory, built on first use (build messages go to stderr)."""
+    from calib.model.default_model import ensure_default_model
+
+    return str(ensure_default_model(resources.build_dir(), log=echo_err))
 
 
 # ------------------------------------------------------------------------------------- defaults in help
@@ -284,8 +291,7 @@ def first_look(command: str, model_src: str | None, **values: Any) -> dict[str, 
     if model_src is not None:
         return values
     preset = FIRST_LOOK[command]
-    filled = {k: v for k, v in preset.items() if values.get(k) is None}
-    if filled:
+    if filled := {k: v for k, v in preset.items() if values.get(k) is None}:
         echo_err("default model, first look: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in filled.items())
                  + " unless given")
     return {**values, **filled}
@@ -308,8 +314,7 @@ def formats(text: str | None) -> tuple[str, ...]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if names == ["all"]:
         return FORMAT_CHOICES
-    bad = [n for n in names if n not in FORMAT_CHOICES]
-    if bad:
+    if bad := [n for n in names if n not in FORMAT_CHOICES]:
         raise click.ClickException(f"--formats {text!r}: unknown {', '.join(bad)}; choose from "
                                    f"{', '.join(FORMAT_CHOICES)} or all")
     return tuple(dict.fromkeys(names))

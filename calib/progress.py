@@ -36,8 +36,7 @@ class Stage:
     `advance` adds tokens and updates counters; a line is written at most every `every` seconds."""
 
     def __init__(self, owner: "Progress", name: str, total_tokens: int, counters: dict[str, int]) -> None:
-        self.owner, self.name, self.total = owner, name, max(0, int(total_tokens))
-        self.tokens = 0
+        self.owner, self.name, self.total, self.tokens = owner, name, max(0, int(total_tokens)), 0
         self.counters = {k: [0, int(v)] for k, v in counters.items()}
         self.labels: dict[str, str] = {}
         self.start = owner.clock()
@@ -55,8 +54,7 @@ class Stage:
         return done / elapsed if elapsed > 0 and done > 0 else None
 
     def line(self) -> str:
-        parts = [f"{k} {d}/{t}" for k, (d, t) in self.counters.items()]
-        parts += list(self.labels.values())
+        parts = [f"{k} {d}/{t}" for k, (d, t) in self.counters.items()] + list(self.labels.values())
         r = self.rate()
         if r is not None:
             parts.append(f"{r:,.0f} tok/s")

@@ -29,8 +29,7 @@ def _is_checkout(root: Path) -> bool:
 
 
 def _locate(folder: str, package: str) -> Path:
-    home = os.environ.get("KVCALIB_HOME")
-    if home:
+    if home := os.environ.get("KVCALIB_HOME"):
         return Path(home) / folder
     if _is_checkout(_CHECKOUT):
         return _CHECKOUT / folder

@@ -40,10 +40,9 @@ def from_env() -> Dist:
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if not td.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+        if torch.cuda.is_available():
             torch.cuda.set_device(local)
-        td.init_process_group(backend)
+        td.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return Dist(rank=td.get_rank(), world=td.get_world_size(), local_rank=local)
 
 
@@ -65,9 +64,8 @@ def merge_all(local: dict[int, Any], dist: Dist) -> dict[int, Any]:
         return local
     import torch.distributed as td
 
-    cpu_local = {i: obs.to_cpu() for i, obs in local.items()}
     gathered: list[dict[int, Any] | None] = [None] * dist.world
-    td.all_gather_object(gathered, cpu_local)
+    td.all_gather_object(gathered, {i: obs.to_cpu() for i, obs in local.items()})
     merged = gathered[0]
     for other in gathered[1:]:
         for i, obs in other.items():

@@ -201,8 +201,7 @@ class KVCapture(_Group):
 
     def stats(self) -> Stats:
         """The statistics of every layer; errors name layers that were never seen or are not finite."""
-        missing = [i for i in self.layers if not self._obs[i].k.seen]
-        if missing:
+        if missing := [i for i in self.layers if not self._obs[i].k.seen]:
             raise CaptureError(
                 f"attention layers {missing} never passed K/V through the attention interface; this architecture "
                 "does not use transformers' AttentionInterface for them and cannot be calibrated")

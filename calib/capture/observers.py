@@ -25,8 +25,7 @@ import torch
 
 from calib.capture import kernels
 from calib.errors import KvcalibError
-from calib.recipe.dtypes import HISTOGRAM_BINS, OBSERVERS, observer as observer_spec
-from calib.recipe.dtypes import KVDtype
+from calib.recipe.dtypes import HISTOGRAM_BINS, OBSERVERS, KVDtype, observer as observer_spec
 from calib.scales.quant import fake_quant
 
 Tensor = torch.Tensor
@@ -133,7 +132,6 @@ class AbsMaxObserver(StateObserver):
         if state.shape[0] != x.shape[1]:
             raise ValueError(f"AbsMaxObserver: {x.shape[1]} heads, state has {state.shape[0]}")
         kernels.absmax_(x, mask, state)
-
 
 
 @dataclass(frozen=True)
@@ -399,8 +397,7 @@ def make_observer(name: str, params: dict, dtype: KVDtype, rotary: RotaryLayout 
     """A fresh observer by recipe name, its parameters checked against its spec. `dtype` matters for `mse`;
     `rotary` is required by `rope_bound` (`bins` is accepted here but not in a recipe: see calib.recipe.dtypes)."""
     spec = observer_spec(name)
-    unknown = sorted(set(params) - set(spec.params))
-    if unknown:
+    if unknown := sorted(set(params) - set(spec.params)):
         raise ValueError(f"observer {name!r} has no parameter(s) {unknown}; accepted: {sorted(spec.params)}")
     kw = {k: _coerce(name, k, v, spec.params[k].kind) for k, v in params.items()}
     for key, value in kw.items():

@@ -32,7 +32,7 @@ from calib.errors import KvcalibError
 from calib.provenance import RESUME, STATS, Provenance, ProvenanceError
 from calib.recipe.recipe import Recipe, RecipeError, from_dict
 from calib.safety import files, outputs
-from calib.safety.readers import ReadError, raising, whole
+from calib.safety.readers import raising, whole
 from calib.scales.stats import LayerStats, Stats, stats_to_tensors
 
 # Recipe fields that decide what the observers recorded; runs must agree on them to be merged.
@@ -128,8 +128,7 @@ def read(path: Path, what: str = "statistics file") -> RawFile:
                              "write one with `kvcalib calibrate --stats-out FILE`")
         header = integrity.parse_json(shard.metadata["kvcalib"].encode(), f"{where}: its kvcalib header")
     recipe = _check_header(header, where)
-    bad = [k for k, t in shard.tensors.items() if t.dtype not in ("F32", "F64", "I64", "I32")]
-    if bad:
+    if bad := [k for k, t in shard.tensors.items() if t.dtype not in ("F32", "F64", "I64", "I32")]:
         raise StatsError(f"{where}: tensor {bad[0]!r} has dtype {shard.tensors[bad[0]].dtype}; statistics are "
                          "float32/float64/int64 — the file was not written by kvcalib")
     layers = set(header["layers"])
@@ -164,13 +163,11 @@ def _check_header(header: Any, where: str) -> Recipe:
     data = header.get("data", {})
     if not isinstance(data, dict):
         raise fail("field 'data' must be a JSON object")
-    try:
+    with raising(fail):
         rot = whole(header.get("rotary_dim"), "field 'rotary_dim'", 0, 1 << 16, null=True)
         whole(header.get("batches_done"), "field 'batches_done'", null=True)
         for k in [k for k in ("samples", "tokens", "skipped_short") if k in data]:
             whole(data[k], f"field 'data.{k}'")
-    except ReadError as e:
-        raise fail(str(e)) from None
     if not isinstance(header.get("recipe"), dict):
         raise fail("has no 'recipe' object")
     try:
@@ -202,8 +199,7 @@ def build_capture(raw: RawFile) -> observe.KVCapture:
         raise StatsError(f"{where}: the observer states do not fit recipe observer {raw.recipe.observer!r} "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); the file was edited or is "
                          "not kvcalib's") from None
-    stray = sorted(set(raw.state) - set(kept))
-    if stray:
+    if stray := sorted(set(raw.state) - set(kept)):
         raise StatsError(f"{where}: state tensor {stray[0]!r} belongs to no observer of this recipe; the file was "
                          "edited or is not kvcalib's")
     _check_ranges(derived, raw.stats, where)
@@ -331,8 +327,7 @@ def _merge(paths: list[Path], out: Path) -> Path:
     from calib.ckpt import fingerprint
 
     weights = [f.provenance.model_weights_sha256 for f in files]
-    unbound = [str(p) for p, w in zip(paths, weights) if w is None]
-    if unbound:
+    if unbound := [str(p) for p, w in zip(paths, weights) if w is None]:
         fingerprint.note(f"statistics file(s) {', '.join(unbound)} carry no weights fingerprint (written by an older "
                          "kvcalib): not checked that every input was recorded on the same weights")
     known = [(p, w) for p, w in zip(paths, weights) if w is not None]
@@ -348,8 +343,7 @@ def _merge(paths: list[Path], out: Path) -> Path:
                                   ("layers", first.header["layers"], f.header["layers"])):
             if mine != theirs:
                 raise StatsError(f"{p}: {key} differs from {paths[0]}; only runs of the same model can be merged")
-        diff = [k for k in OBSERVED if a.recipe.get(k) != b.recipe.get(k)]
-        if diff:
+        if diff := [k for k in OBSERVED if a.recipe.get(k) != b.recipe.get(k)]:
             raise StatsError(f"{p}: recipe field(s) {diff} differ from {paths[0]}; runs must record the same "
                              "statistics to be merged")
         first.capture.merge(f.capture)

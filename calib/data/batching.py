@@ -56,10 +56,8 @@ def batches(seqs: Iterable[list[int]], batch_size: int, pad_id: int = 0, *, max_
 
     it = iter(seqs)
     while group := list(itertools.islice(it, batch_size if max_batch_tokens is None else window)):
-        if max_batch_tokens is None:
-            yield emit(group)
-        else:
-            yield from (emit(g) for g in _budget_groups(group, batch_size, max_batch_tokens))
+        yield from map(emit, [group] if max_batch_tokens is None else
+                       _budget_groups(group, batch_size, max_batch_tokens))
 
 
 def _budget_groups(buf: list[list[int]], batch_size: int, budget: int) -> Iterator[list[list[int]]]:

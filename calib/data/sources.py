@@ -125,8 +125,7 @@ def _read_parquet(path: Path) -> Iterator[Record]:
         pf = pq.ParquetFile(path)
     except Exception as e:
         raise DataError(f"{path}: not a readable parquet file ({first_line(e)})") from None
-    rows = (row for batch in pf.iter_batches(batch_size=256) for row in batch.to_pylist())
-    for n, row in enumerate(rows):
+    for n, row in enumerate(row for batch in pf.iter_batches(batch_size=256) for row in batch.to_pylist()):
         yield Record(row, f"{path} row {n}")
 
 
@@ -278,8 +277,7 @@ def _detect_column(rec: Record) -> str:
     for c in COLUMNS:
         if rec.fields.get(c) is not None:  # columnar readers (json array, parquet, hub) fill absent keys with None
             return c
-    nulls = [c for c in COLUMNS if c in rec.fields]
-    if nulls:
+    if nulls := [c for c in COLUMNS if c in rec.fields]:
         raise DataError(f"{rec.origin}: '{nulls[0]}' is null; give a value or remove the record")
     raise DataError(f"{rec.origin}: no usable column; found {sorted(map(str, rec.fields))[:8]}, "
                     f"need one of {', '.join(COLUMNS)}")

@@ -80,11 +80,6 @@ class EngineSpec:
         return Path(os.environ.get(RUNNER_ENV) or RUNNERS[self.name])
 
 
-def _last_line(lines: Any) -> str:
-    kept = (clean_text(ln) for ln in reversed(lines) if ln.strip() and protocol.parse_progress(ln) is None)
-    return next((ln for ln in kept if ln), "")
-
-
 # ------------------------------------------------------------------------------------------- children
 
 def parent_death_signal() -> Callable[[], None] | None:
@@ -136,7 +131,9 @@ class _Child:
             t.join(timeout=10)
 
     def why(self) -> str:
-        return _last_line(self.err) or _last_line(self.out)
+        kept = (clean_text(ln) for lines in (self.err, self.out) for ln in reversed(lines)
+                if ln.strip() and protocol.parse_progress(ln) is None)
+        return next((ln for ln in kept if ln), "")
 
     def exit_code(self, timeout: float) -> int | None:
         """The runner's exit code, None past `timeout`; the runner is killed then, and on any interrupt (Ctrl-C,

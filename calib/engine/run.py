@@ -142,8 +142,7 @@ class EngineRun:
                 done[0] = at
             self.starts += 1
             resp = driver.run(self.spec, self._request(arm_specs), on_progress, self.version)["arms"]
-            failed = [(labels[j], r["reason"]) for j, r in enumerate(resp) if r["status"] != protocol.OK]
-            if failed:
+            if failed := [(labels[j], r["reason"]) for j, r in enumerate(resp) if r["status"] != protocol.OK]:
                 said = [f"not run: {why}" if n == 1 else f"{lab} not run: {why}" for lab, why in failed]
                 stage.labels = {"arm": labels[-1], "status": "; ".join(said[:2])
                                 + (f"; {len(said) - 2} more not run" if len(said) > 2 else "")}
@@ -153,8 +152,7 @@ class EngineRun:
         base = EngineNumbers(self.spec.name, resp.get("version") or self.version)
         if resp["status"] != protocol.OK:
             return replace(base, reason=resp["reason"])
-        bad = protocol.scales_mismatch(arm_spec.get("scales"), resp.get("scales"))
-        if bad:
+        if bad := protocol.scales_mismatch(arm_spec.get("scales"), resp.get("scales")):
             return replace(base, reason=f"scales did not take ({bad})")
         if self.reference is None:
             raise RuntimeError("engine arms are measured after the reference")

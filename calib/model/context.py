@@ -59,11 +59,10 @@ def declared(config: Mapping[str, Any], tokenizer_max: Any = None) -> Context | 
     """The context config.json declares (and the tokenizer's `model_max_length`, when set, caps); None when the
     config states no length."""
     cfg, prefix = text_part(dict(config))
-    found = [(int(cfg[k]), k) for k in LENGTH_KEYS if _positive(cfg.get(k))]
+    found = [(int(cfg[k]), f"{prefix}{k} {int(cfg[k])}") for k in LENGTH_KEYS if _positive(cfg.get(k))]
     if not found:
         return None
-    tokens, key = min(found)
-    why = f"{prefix}{key} {tokens}"
+    tokens, why = min(found)
     if _positive(cfg.get("model_max_length")):           # Command-R style: this key wins over the others
         tokens, why = int(cfg["model_max_length"]), f"{prefix}model_max_length {int(cfg['model_max_length'])}"
     if _positive(tokenizer_max) and int(tokenizer_max) < tokens:

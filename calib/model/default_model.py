@@ -81,8 +81,7 @@ def ensure_default_model(build_dir: Path, *, log: Log = print, source: Path | No
         from calib.model.gguf_convert import convert_gguf
 
         config = convert_gguf(source, tmp)
-        wrong = {k: getattr(config, k, None) for k, v in (shape or {}).items() if getattr(config, k, None) != v}
-        if wrong:
+        if wrong := {k: getattr(config, k, None) for k, v in (shape or {}).items() if getattr(config, k, None) != v}:
             raise DefaultModelError(f"{source.name}: not the expected model ({wrong}; expected {shape}); "
                                     f"reinstall {PIP_SPEC}")
         info: dict[str, Any] = {"key": key, "build_version": BUILD_VERSION, "source": source.name}

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from calib.errors import KvcalibError
-from calib.safety.readers import ReadError, number
+from calib.safety.readers import number, raising
 
 # field -> (aliases older architectures use, upper bound). Bounds sit far above any released model.
 SIZES: dict[str, tuple[tuple[str, ...], int]] = {
@@ -89,11 +89,9 @@ def check(config: dict[str, Any], where: str) -> None:
     factor = cfg.get("partial_rotary_factor")
     rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     factor = rope.get("partial_rotary_factor", factor) if factor is None else factor
-    try:
+    with raising(fail):
         number(factor, f"field '{prefix}partial_rotary_factor'", 0, 1, above=True, null=True)
         number(cfg.get("rope_theta", rope.get("rope_theta")), f"field '{prefix}rope_theta'", 0, above=True, null=True)
-    except ReadError as e:
-        raise fail(str(e)) from None
     uses_rope = any(cfg.get(k) is not None for k in ROPE_KEYS)
     if uses_rope and head_dim is not None:
         rot = int(head_dim * (factor or 1.0))

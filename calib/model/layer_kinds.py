@@ -70,8 +70,7 @@ class Layers:
     def describe(self) -> str:
         parts = []
         for kind in (GLOBAL, SLIDING, CHUNKED, SHARED):
-            idx = self.of(kind)
-            if idx:
+            if idx := self.of(kind):
                 wins = sorted({self.kinds[i].window for i in idx if self.kinds[i].window})
                 parts.append(f"{len(idx)} {kind}" + (f" (window {', '.join(map(str, wins))})" if wins else ""))
         return ", ".join(parts) + f" ({self.why})"
@@ -99,8 +98,7 @@ def layer_kinds(config: Any, where: str = "config.json") -> Layers:
         if not isinstance(types, list) or len(types) != n or not all(isinstance(t, str) for t in types):
             raise GeometryError(f"{where}: field '{prefix}layer_types' must list one string per layer "
                                 f"({n} layers)")
-        unknown = sorted({t for t in types if t not in TYPE_NAMES})
-        if unknown:
+        if unknown := sorted({t for t in types if t not in TYPE_NAMES}):
             raise GeometryError(f"{where}: field '{prefix}layer_types' holds {unknown[0]!r}: kvcalib knows "
                                 f"{', '.join(TYPE_NAMES)} (other layers keep state that is not a KV cache)")
         kinds = [TYPE_NAMES[t] for t in types]

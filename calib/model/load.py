@@ -84,23 +84,19 @@ def check_cache_kind(config: Any, where: str) -> None:
                          "latent, not K and V, so per-layer K/V scales do not apply — not supported")
     if mtype in NOT_PLAIN_KV or getattr(config, "model_type", None) in NOT_PLAIN_KV:
         raise ModelError(f"{where}: {mtype} has recurrent/state-space layers whose cache is not plain K/V — not supported")
-    kinds = set(getattr(text, "layer_types", None) or []) - KV_LAYER_TYPES
-    if kinds:
+    if kinds := set(getattr(text, "layer_types", None) or []) - KV_LAYER_TYPES:
         raise ModelError(f"{where}: layer types {sorted(kinds)} keep no plain K/V cache — not supported "
                          f"(only {sorted(KV_LAYER_TYPES)})")
 
 
 def find_attention_layers(model: torch.nn.Module) -> list[int]:
     """layer_idx of every attention module (modules named *Attention that carry a layer_idx)."""
-    found = {m.layer_idx for m in model.modules()
-             if "Attention" in type(m).__name__ and isinstance(getattr(m, "layer_idx", None), int)}
-    return sorted(found)
+    return sorted({m.layer_idx for m in model.modules()
+                   if "Attention" in type(m).__name__ and isinstance(getattr(m, "layer_idx", None), int)})
 
 
 def pick_device(device: str | None) -> torch.device:
-    if device:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 @dataclass(frozen=True)
@@ -269,13 +265,11 @@ def check_load_report(info: dict[str, Any], src: Path, lm_head: bool) -> None:
         shown = [str(x[0] if isinstance(x, tuple) else x) for x in sorted(items, key=str)[:n]]
         return ", ".join(shown) + (f" and {len(items) - n} more" if len(items) > n else "")
 
-    missing = list(info.get("missing_keys") or [])
-    if missing:
+    if missing := list(info.get("missing_keys") or []):
         raise ModelError(f"MODEL {src}: the weight files lack {len(missing)} tensor(s) config.json needs "
                          f"({names(missing)}); they would be random — the config and the weights are not one "
                          "model (check num_hidden_layers and the shards)")
-    mismatched = list(info.get("mismatched_keys") or [])
-    if mismatched:
+    if mismatched := list(info.get("mismatched_keys") or []):
         first = mismatched[0]
         detail = f": file {tuple(first[1])} vs config {tuple(first[2])}" if isinstance(first, tuple) and len(first) == 3 else ""
         raise ModelError(f"MODEL {src}: {len(mismatched)} tensor(s) have another shape than config.json implies "
@@ -286,8 +280,7 @@ def check_load_report(info: dict[str, Any], src: Path, lm_head: bool) -> None:
         raise ModelError(f"MODEL {src}: the weight files hold {len(unexpected)} tensor(s) the model defined by "
                          f"config.json does not have ({names(unexpected)}); the config and the weights are not "
                          "one model")
-    errors = [e for e in info.get("error_msgs") or [] if e]
-    if errors:
+    if errors := [e for e in info.get("error_msgs") or [] if e]:
         raise ModelError(f"MODEL {src}: loading the weights failed ({str(errors[0]).splitlines()[0][:200]})")
 
 
@@ -306,8 +299,7 @@ def _check_size(auto: Any, pre: Preflight, trust_remote_code: bool) -> None:
         return
     meta.tie_weights()  # built empty, tied embeddings are two tensors until tied; the files hold one
     need = sum(p.numel() for p in meta.parameters())
-    ckpt = pre.weights
-    have = sum(math.prod(ckpt.tensor(n).shape) for n in ckpt.weight_map)
+    have = sum(math.prod(pre.weights.tensor(n).shape) for n in pre.weights.weight_map)
     if need > have:
         raise ModelError(f"MODEL {src}: config.json describes {need:,} parameters but the weight files hold "
                          f"{have:,}; the config and the weights are not one model (check num_hidden_layers, "

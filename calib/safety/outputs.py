@@ -34,7 +34,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from calib.errors import KvcalibError
-
 from calib.safety import files
 
 MARKER = ".kvcalib-output.json"
@@ -139,8 +138,7 @@ def check_folder(out: Path, *, force: bool, inputs: Inputs = (), option: str = "
         raise OutputError(f"{option} {out} is a file, not a directory; choose another {option}")
     if not force:
         raise OutputError(f"output {out} already exists; pass --force to replace it or choose another {option}")
-    foreign = foreign_files(out)
-    if foreign:
+    if foreign := foreign_files(out):
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise OutputError(f"{option} {out} holds files kvcalib did not write ({foreign[0]}{more}); --force replaces "
                           "only a previous kvcalib output: remove them yourself or choose another folder")

