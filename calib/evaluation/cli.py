@@ -22,9 +22,7 @@ def with_model(cfg: Any, model_src: str | None, out: Path | None, kind: str) -> 
     """`cfg` with its model (the embedded default built on first use when none was given) and its report folder
     (default out/<model>-<kind>): shared by eval and validate, after their options are checked."""
     if model_src is None:
-        from calib.model.default_model import ensure_default_model
-
-        model_src = str(ensure_default_model(resources.build_dir(), log=opts.echo_err))
+        model_src = opts.default_model()
     return dataclasses.replace(cfg, model=str(model_src),
                                out=out or Path("out") / f"{Path(str(model_src).rstrip('/')).name}-{kind}")
 
