@@ -89,10 +89,8 @@ def _data(v: Any, base: Path, where: str) -> Path:
     not empty: checked on a few bytes, never by reading a file whole (route data may be larger than memory)."""
     if not isinstance(v, str) or not v.strip():
         raise RoutesError(f"{where} field 'data' = {v!r}: give the path of the route's held-out data")
-    try:
+    with readers.raising(RoutesError, KvcalibError):
         path = expand_user(v, f"{where} field 'data':")
-    except KvcalibError as e:
-        raise RoutesError(str(e)) from None
     path = path if path.is_absolute() else base / path
     if not path.exists():
         raise RoutesError(f"{where} field 'data': {path} not found; each route needs its own held-out data")
@@ -143,10 +141,8 @@ def load(path: str | Path) -> Routes:
     where = f"routes file {path}"
     if not path.is_file():
         raise RoutesError(f"{where} not found")
-    try:
+    with readers.raising(RoutesError, safeyaml.SafeYAMLError):
         doc = safeyaml.load(path, where=where)
-    except safeyaml.SafeYAMLError as e:
-        raise RoutesError(str(e)) from None
     doc = _mapping({} if doc is None else doc, where, ("routes",))
     routes = doc.get("routes")
     if not isinstance(routes, dict) or not routes:
