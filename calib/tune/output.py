@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from calib import __version__
-from calib import pipeline
+from calib import __version__, pipeline
 from calib.engine import command
 from calib.errors import KvcalibError
 from calib.evaluation import formats as kv_formats
