@@ -176,8 +176,7 @@ def decide(found: Any, table: list[dict[str, Any]]) -> Choice:
     ref_row = rule.CapacityRow(REFERENCE, True, 0.0, first["reference_requests"], 1.0, True)
     cap_rows = (ref_row, *(capacity_row(r) for r in ok if r["name"] in reps))
     d = rule.by_capacity(cap_rows, first["length"])
-    row = next((r for r in ok if r["name"] == d.recommended), None)
-    return Choice(row, ENGINE_COUNTED, cap_rows, d)
+    return Choice(next((r for r in ok if r["name"] == d.recommended), None), ENGINE_COUNTED, cap_rows, d)
 
 
 def capacity_row(r: dict[str, Any]) -> rule.CapacityRow:
