@@ -126,9 +126,8 @@ def _route(name: Any, v: Any, base: Path, where: str) -> Route:
     if (not isinstance(b, list) or not b
             or not all(isinstance(x, int) and not isinstance(x, bool) and 2 <= x <= 1 << 24 for x in b)):
         raise RoutesError(f"{at} field 'buckets' = {b!r}: give a list of token lengths >= 2, e.g. [512, 2048]")
-    samples = d.get("samples", 64)
-    if not (isinstance(samples, int) and not isinstance(samples, bool) and 1 <= samples <= 1_000_000):
-        raise RoutesError(f"{at} field 'samples' = {samples!r}: give a whole number >= 1")
+    with readers.raising(RoutesError):
+        samples = readers.whole(d.get("samples", 64), f"{at} field 'samples'", 1, 1_000_000)
     pack = d.get("pack", False)
     if not isinstance(pack, bool):
         raise RoutesError(f"{at} field 'pack' = {pack!r}: give true or false")

@@ -261,8 +261,7 @@ def markdown(doc: dict[str, Any]) -> str:
         top = sens["ranking"][:8]
         lines += ["", f"Layer sensitivity (KL with only that layer quantised, recipe {sens['base']}): " +
                   ", ".join(f"{i}: {sens['kl_only_this_layer'][str(i)]:.3g}" for i in top)]
-    lines += format_lines(doc)
-    lines += ["", "Rule:", "", doc["rule"], ""]
+    lines += [*format_lines(doc), "", "Rule:", "", doc["rule"], ""]
     return render.relative("\n".join(lines)) + "\n"
 
 
