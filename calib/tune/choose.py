@@ -164,8 +164,7 @@ def decide(found: Any, table: list[dict[str, Any]]) -> Choice:
     """tune's choice (module docstring): eval's capacity rule where the engine counted the reference's capacity
     (every scored row then has `capacity`), else the fewest skipped layers."""
     ok = [r for r in table if r["scored"] and not r["failures"]]
-    counted = found.ref is not None and any("capacity" in r for r in table if r["scored"])
-    if not counted:
+    if found.ref is None or not any("capacity" in r for r in table if r["scored"]):      # not counted
         return Choice(_settle(found, _fewest(ok)) if ok else None, NOT_COUNTED)
     groups: dict[tuple[str, tuple[int, ...]], list[dict[str, Any]]] = {}
     by_name = {c.name: c for c in found.candidates}
