@@ -71,8 +71,7 @@ class Routes:
 def _mapping(v: Any, where: str, allowed: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise RoutesError(f"{where} must be a mapping of field: value, got {type(v).__name__}")
-    unknown = [k for k in v if k not in allowed]
-    if unknown:
+    if unknown := [k for k in v if k not in allowed]:
         raise RoutesError(f"{where}: unknown field {str(unknown[0])!r} (fields: {', '.join(allowed)})")
     return v
 
