@@ -89,9 +89,9 @@ def of_validate(res: Any) -> dict[str, Any]:
     headline = {"recommended": rec, "reference": ref, "why": overall.get("why"),
                 "goodput_vs_reference": _num((overall.get("goodput_vs_reference") or {}).get(rec)) if rec else None,
                 "device": doc.get("device"), "arms": {n: a.get("decision") for n, a in doc["arms"].items()}}
-    files = {"report": "validate.md", "json": "validate.json", "eval_report": "eval/report.md"}
     return document("validate", decision, doc.get("recommended_command"), headline,
-                    {"folder": str(res.out), **files})
+                    {"folder": str(res.out), "report": "validate.md", "json": "validate.json",
+                     "eval_report": "eval/report.md"})
 
 
 def of_tune(result: Any, cfg: Any) -> dict[str, Any]:

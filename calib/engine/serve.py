@@ -33,11 +33,6 @@ from calib.recipe.support import skip_order
 ONE = [1.0]
 
 
-def layers_of(arm: Any) -> list[int]:
-    """Every attention layer of the arm's model: quantised, skipped by this evaluation or by calibration."""
-    return sorted(set(arm.k) | set(arm.v) | set(arm.skip) | set(arm.serve_skip))
-
-
 def held_q(q: list[float], n: int) -> list[float]:
     """The q scales an engine with `n` per layer (KV heads; 1 per tensor) holds for a layer that stores `q`: one
     per query head is reduced to the max of each KV head's group of consecutive query heads, as vLLM's
@@ -59,7 +54,7 @@ def scales_of(arm: Any) -> dict[str, Any] | None:
     """What the engine must hold for `arm` (protocol: a request arm's `scales`); None for the reference."""
     if arm.dtype is None:
         return None
-    layers = layers_of(arm)
+    layers = sorted(set(arm.k) | set(arm.v) | set(arm.skip) | set(arm.serve_skip))   # quantised or skipped: all
     if arm.kind != "checkpoint":
         return {"layout": "tensor", "layers": [_row(i, 1, {}) for i in layers]}
     info = read_kv_info(arm.source)

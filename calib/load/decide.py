@@ -70,9 +70,7 @@ def _speed_cmp(a: Arm, b: Arm, floor: float) -> int:
     ga, gb, tol = a.goodput or 0.0, b.goodput or 0.0, tolerance(a, b, floor)
     if ga > gb * (1 + tol) or (gb == 0 and ga > 0):
         return 1
-    if gb > ga * (1 + tol) or (ga == 0 and gb > 0):
-        return -1
-    return 0
+    return -1 if gb > ga * (1 + tol) or (ga == 0 and gb > 0) else 0
 
 
 def _cmp(x: float | None, y: float | None, lower_is_better: bool = False) -> int | None:
@@ -87,9 +85,7 @@ def dominates(b: Arm, a: Arm, floor: float, b_first: bool) -> bool:
     """True when `b` beats or equals `a` on quality, capacity and speed together, and is strictly better on one
     of them (or ties on all three and comes first). An unknown number never dominates."""
     parts = [_cmp(b.ppl_rel, a.ppl_rel, lower_is_better=True), _cmp(b.capacity, a.capacity), _speed_cmp(b, a, floor)]
-    if any(p is None or p < 0 for p in parts):
-        return False
-    return any(p > 0 for p in parts) or b_first
+    return not any(p is None or p < 0 for p in parts) and (any(p > 0 for p in parts) or b_first)
 
 
 def decide(arms: Sequence[Arm], floor: float = 0.03) -> Decision:

@@ -109,8 +109,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
         return None
     pos = (len(xs) - 1) * q / 100.0
     lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
 
 
 def distribution(values: Sequence[float]) -> dict[str, float | None]:

@@ -302,8 +302,7 @@ def _group_rss(pgid: int) -> int | None:
         if not e.isdigit():
             continue
         with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = Path(f"/proc/{e}/stat").read_text()
-            fields = stat.rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()
             if int(fields[2]) == pgid:                     # field 5 of stat: the process group
                 total += int(Path(f"/proc/{e}/statm").read_text().split()[1]) * page
     return total or None
@@ -351,5 +350,4 @@ def run_bench(cmd: Sequence[str], folder: Path, timeout: float) -> tuple[int, st
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise
-    text = log.read_bytes()[-LOG_TAIL:].decode("utf-8", "replace")
-    return code, text
+    return code, log.read_bytes()[-LOG_TAIL:].decode("utf-8", "replace")

@@ -87,10 +87,6 @@ def passkey_floor(entry: Any, min_passkey: float | None) -> str | None:
     return None
 
 
-def _servable(entry: Any) -> bool:
-    return entry.info.dtype in VLLM_KV and entry.info.kind in ("default", "checkpoint")
-
-
 def decide(route: Route, model: str, result: Any) -> Decision:
     """The route's decision from its evaluation (`calib.evaluation.run.EvalResult`)."""
     v, arms = result.verdict, result.arms
@@ -119,7 +115,8 @@ def decide(route: Route, model: str, result: Any) -> Decision:
     else:
         tries = []
     for name, kind, skips in tries:
-        if _servable(arms[name]) and (d := chosen(name, arms[name], kind, skips)):
+        e = arms[name]
+        if e.info.dtype in VLLM_KV and e.info.kind in ("default", "checkpoint") and (d := chosen(name, e, kind, skips)):
             return d
     why = "; ".join(misses) if misses else v.text.split(". ")[0].rstrip(".")
     return Decision(route.name, BF16, None, model, "auto", (), length, None, f"BF16 KV: {why}")

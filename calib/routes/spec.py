@@ -71,8 +71,7 @@ class Routes:
 def _mapping(v: Any, where: str, allowed: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise RoutesError(f"{where} must be a mapping of field: value, got {type(v).__name__}")
-    unknown = [k for k in v if k not in allowed]
-    if unknown:
+    if unknown := [k for k in v if k not in allowed]:
         raise RoutesError(f"{where}: unknown field {str(unknown[0])!r} (fields: {', '.join(allowed)})")
     return v
 
@@ -89,10 +88,8 @@ def _data(v: Any, base: Path, where: str) -> Path:
     not empty: checked on a few bytes, never by reading a file whole (route data may be larger than memory)."""
     if not isinstance(v, str) or not v.strip():
         raise RoutesError(f"{where} field 'data' = {v!r}: give the path of the route's held-out data")
-    try:
+    with readers.raising(RoutesError, KvcalibError):
         path = expand_user(v, f"{where} field 'data':")
-    except KvcalibError as e:
-        raise RoutesError(str(e)) from None
     path = path if path.is_absolute() else base / path
     if not path.exists():
         raise RoutesError(f"{where} field 'data': {path} not found; each route needs its own held-out data")
@@ -128,9 +125,8 @@ def _route(name: Any, v: Any, base: Path, where: str) -> Route:
     if (not isinstance(b, list) or not b
             or not all(isinstance(x, int) and not isinstance(x, bool) and 2 <= x <= 1 << 24 for x in b)):
         raise RoutesError(f"{at} field 'buckets' = {b!r}: give a list of token lengths >= 2, e.g. [512, 2048]")
-    samples = d.get("samples", 64)
-    if not (isinstance(samples, int) and not isinstance(samples, bool) and 1 <= samples <= 1_000_000):
-        raise RoutesError(f"{at} field 'samples' = {samples!r}: give a whole number >= 1")
+    with readers.raising(RoutesError):
+        samples = readers.whole(d.get("samples", 64), f"{at} field 'samples'", 1, 1_000_000)
     pack = d.get("pack", False)
     if not isinstance(pack, bool):
         raise RoutesError(f"{at} field 'pack' = {pack!r}: give true or false")
@@ -143,10 +139,8 @@ def load(path: str | Path) -> Routes:
     where = f"routes file {path}"
     if not path.is_file():
         raise RoutesError(f"{where} not found")
-    try:
+    with readers.raising(RoutesError, safeyaml.SafeYAMLError):
         doc = safeyaml.load(path, where=where)
-    except safeyaml.SafeYAMLError as e:
-        raise RoutesError(str(e)) from None
     doc = _mapping({} if doc is None else doc, where, ("routes",))
     routes = doc.get("routes")
     if not isinstance(routes, dict) or not routes:

@@ -164,8 +164,7 @@ def decide(found: Any, table: list[dict[str, Any]]) -> Choice:
     """tune's choice (module docstring): eval's capacity rule where the engine counted the reference's capacity
     (every scored row then has `capacity`), else the fewest skipped layers."""
     ok = [r for r in table if r["scored"] and not r["failures"]]
-    counted = found.ref is not None and any("capacity" in r for r in table if r["scored"])
-    if not counted:
+    if found.ref is None or not any("capacity" in r for r in table if r["scored"]):      # not counted
         return Choice(_settle(found, _fewest(ok)) if ok else None, NOT_COUNTED)
     groups: dict[tuple[str, tuple[int, ...]], list[dict[str, Any]]] = {}
     by_name = {c.name: c for c in found.candidates}
@@ -176,8 +175,7 @@ def decide(found: Any, table: list[dict[str, Any]]) -> Choice:
     ref_row = rule.CapacityRow(REFERENCE, True, 0.0, first["reference_requests"], 1.0, True)
     cap_rows = (ref_row, *(capacity_row(r) for r in ok if r["name"] in reps))
     d = rule.by_capacity(cap_rows, first["length"])
-    row = next((r for r in ok if r["name"] == d.recommended), None)
-    return Choice(row, ENGINE_COUNTED, cap_rows, d)
+    return Choice(next((r for r in ok if r["name"] == d.recommended), None), ENGINE_COUNTED, cap_rows, d)
 
 
 def capacity_row(r: dict[str, Any]) -> rule.CapacityRow:

@@ -19,7 +19,7 @@ from typing import Any
 from calib.evaluation import verdict
 from calib.evaluation.arms import Arm, reference_arm
 from calib.recipe.dtypes import kv_dtype
-from calib.safety import files
+from calib.safety import files, readers
 from calib.tune import choose as choose_mod
 from calib.tune.output import write_checkpoint
 from calib.tune.search import BASELINE, TuneError
@@ -48,10 +48,8 @@ def confirm(cfg: Any, found: Any, st: Any, source: Path, loaded: Any, held: Any,
     from calib.engine import driver
     from calib.engine.run import EngineRun
 
-    try:
+    with readers.raising(TuneError, driver.EngineError):
         version = driver.check(cfg.engine)
-    except driver.EngineError as e:
-        raise TuneError(str(e)) from None
     short = shortlist(found, cfg.thresholds, cfg.confirm)
     root = Path(cfg.out).parent / f".{Path(cfg.out).name}.kvcalib-tmp-{os.getpid()}-engine"
     shutil.rmtree(root, ignore_errors=True)

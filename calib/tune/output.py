@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from calib import __version__
-from calib import pipeline
+from calib import __version__, pipeline
 from calib.engine import command
 from calib.errors import KvcalibError
 from calib.evaluation import formats as kv_formats
@@ -119,8 +118,7 @@ def formats(cfg: TuneConfig, loaded: Any, found: Search, chosen: dict[str, Any] 
     choice = kv_formats.choose(entries, lambda e: verdict.failures(e, found.ref, cfg.thresholds),
                                str(loaded.dtype).removeprefix("torch."), geo.kv_heads, geo.head_dim,
                                reference_arm(loaded.dtype).name, len(geo.layers))
-    missing = [n for n in cfg.formats if n not in found.entries]
-    return {"formats": {**choice.to_dict(), "not_scored": missing}}
+    return {"formats": {**choice.to_dict(), "not_scored": [n for n in cfg.formats if n not in found.entries]}}
 
 
 def _dtype(doc: dict[str, Any]) -> str:
@@ -263,8 +261,7 @@ def markdown(doc: dict[str, Any]) -> str:
         top = sens["ranking"][:8]
         lines += ["", f"Layer sensitivity (KL with only that layer quantised, recipe {sens['base']}): " +
                   ", ".join(f"{i}: {sens['kl_only_this_layer'][str(i)]:.3g}" for i in top)]
-    lines += format_lines(doc)
-    lines += ["", "Rule:", "", doc["rule"], ""]
+    lines += [*format_lines(doc), "", "Rule:", "", doc["rule"], ""]
     return render.relative("\n".join(lines)) + "\n"
 
 
@@ -326,8 +323,7 @@ def finish(cfg: TuneConfig, loaded: Any, source: Path, found: Search, st: Any, h
             for name, text in files.items():
                 new_file.write_text(tmp / name, text)
         return Outcome(out, None, None, headline(doc), doc, seconds)
-    cand = next(c for c in found.candidates if c.name == row["name"])
-    write_checkpoint(cfg, loaded, source, st, cand, files)
+    write_checkpoint(cfg, loaded, source, st, next(c for c in found.candidates if c.name == row["name"]), files)
     log(f"tune: wrote {out}")
     return Outcome(out, row, doc["choice"]["serve"], headline(doc), doc, seconds)
 

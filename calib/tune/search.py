@@ -49,7 +49,7 @@ from calib.model import context
 from calib.progress import SILENT, Progress, duration
 from calib.recipe.dtypes import FP8_E4M3
 from calib.recipe.recipe import Recipe
-from calib.safety import options, outputs
+from calib.safety import options, outputs, readers
 from calib.tune import score, space
 from calib.tune import stats as stats_mod
 
@@ -447,10 +447,8 @@ def sliding_layers(cfg: TuneConfig, loaded: Any) -> tuple[int, ...]:
 
     if cfg.target != "vllm":
         return ()
-    try:
+    with readers.raising(TuneError, GeometryError):
         sliding = layer_kinds.layer_kinds(loaded.config, "MODEL config.json").sliding
-    except GeometryError as e:
-        raise TuneError(str(e)) from None
     return sliding if len(sliding) < len(loaded.attention_layers) else ()
 
 

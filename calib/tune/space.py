@@ -59,8 +59,7 @@ class Candidate:
     def support(self) -> str:
         """What the target engine does with this candidate (the support matrix, calib.recipe.support)."""
         cal = support.Calibrated(self.dtype, self.granularity, self.q_scale, tuple(self.skip))
-        text = support.outcome(self.target, cal).summary()
-        return text + ("; --kv-cache-dtype-skip-layers" if self.skip else "")
+        return support.outcome(self.target, cal).summary() + ("; --kv-cache-dtype-skip-layers" if self.skip else "")
 
     def breadth(self) -> int:
         """2: every backend of the engine applies it as written; 1: only one backend reads all of it."""
@@ -121,5 +120,4 @@ def memory_saved(candidate: Candidate | None, layers: int, ref_bytes: int) -> fl
     (calib.recipe.dtypes; FP8 and INT8 one) against `ref_bytes`; skipped layers keep `ref_bytes`."""
     if candidate is None:
         return 0.0
-    kept = layers - len(candidate.skip)
-    return kept / layers * (1 - dtypes.kv_dtype(candidate.dtype).element_bytes / ref_bytes)
+    return (layers - len(candidate.skip)) / layers * (1 - dtypes.kv_dtype(candidate.dtype).element_bytes / ref_bytes)

@@ -79,8 +79,7 @@ def _label(name: str, arm: decide.Arm, overall: decide.Decision) -> tuple[str, s
         return RECOMMENDED, overall.why
     if name in overall.dominated:
         return DOMINATED, f"`{overall.dominated[name]}` is as good or better on quality, capacity and goodput together"
-    ratio = overall.ratios.get(name)
-    return NO_GAIN, f"goodput {decide.ratio_text(ratio)} the reference's" if not arm.reference else \
+    return NO_GAIN, f"goodput {decide.ratio_text(overall.ratios.get(name))} the reference's" if not arm.reference else \
         "the reference; another arm delivers more within the bar"
 
 

@@ -123,7 +123,6 @@ def run_validate(cfg: EvalConfig, load: LoadSpec, log: Log = lambda _m: None,
     check(cfg, load)
     check_eval(cfg)
     with atomic_dir(Path(cfg.out), cfg.force, kind="validation report") as tmp:
-        result = run_eval(replace(cfg, out=tmp / "eval", force=False), log=log, progress=progress)
-        doc = serve(result, cfg, load, log)
+        doc = serve(run_eval(replace(cfg, out=tmp / "eval", force=False), log=log, progress=progress), cfg, load, log)
         made = report.write(tmp, doc, cfg.plots)
     return ValidateResult(Path(cfg.out), doc, tuple(made))

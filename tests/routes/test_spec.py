@@ -77,7 +77,7 @@ BAD = [
     ("routes:\n  chat: {data: chat.jsonl, buckets: [512], bar: [1]}",
      "route 'chat' field 'bar' must be a mapping of field: value, got list"),
     ("routes:\n  chat: {data: chat.jsonl, buckets: [512], samples: 0}",
-     "route 'chat' field 'samples' = 0: give a whole number >= 1"),
+     "route 'chat' field 'samples' = 0: expected a whole number in [1, 1000000]"),
     ("routes:\n  chat: {data: chat.jsonl, buckets: [512], pack: 'yes'}",
      "route 'chat' field 'pack' = 'yes': give true or false"),
     ("routes:\n  'a b': {data: chat.jsonl, buckets: [512]}", "route name 'a b': use letters, digits"),
