@@ -110,8 +110,9 @@ class Report:
                     **({"passkey_significance": pk.to_dict()} if (pk := self.passkey(n)) is not None else {})}
                 for n, e in self.arms.items()}
         fmt = self.formats()
+        arms = {self.reference_name: self.reference.to_dict(), **arms}
         return {"schema": SCHEMA, **self.meta, "serving_dtype": self.serving_dtype,
-                "thresholds": self.thresholds.to_dict(), "arms": {self.reference_name: self.reference.to_dict(), **arms},
+                "thresholds": self.thresholds.to_dict(), "arms": arms,
                 "verdict": self.verdict.to_dict(), **({"formats": fmt.to_dict()} if fmt else {})}
 
 
