@@ -25,8 +25,9 @@ def capture_spec(recipe: Recipe, config: Any = None, *, rotary_dim: int | None =
     params = dict(recipe.observer_params)
     k_obs = v_obs = None
     if not obs.exact:       # the exact max is recorded by every capture
-        rot = rotary_dim if rotary_dim is not None else model_mod.rotary_dim(config)
-        rotary = RotaryLayout(rot) if obs.k_only else None
+        # only rope_bound needs the rotary layout: a statistics file of another observer may lack rotary_dim
+        rotary = RotaryLayout(rotary_dim if rotary_dim is not None else model_mod.rotary_dim(config)) if obs.k_only \
+            else None
         k_obs = partial(make_observer, obs.name, params, dtype, rotary)
         if not obs.k_only:
             v_obs = partial(make_observer, obs.name, params, dtype, None)

@@ -446,3 +446,13 @@ def test_one_registry_names_every_observer_a_recipe_may_name():
         assert type(obs) is cls
     assert make_observer("mse", {"grid": 7, "min_ratio": 0.5}, INT8, None).dtype is INT8
     assert make_observer("percentile", {"p": 99.5}, FP8_E4M3, None).p == 99.5
+
+
+def test_only_rope_bound_needs_the_rotary_layout():
+    """A statistics file of another observer may lack rotary_dim (a damaged header that still parses): rebuilding
+    its observers must not reach for a model config (hypothesis found an AttributeError here)."""
+    from calib.capture.spec import capture_spec
+    from calib.recipe.recipe import Recipe
+
+    spec = capture_spec(Recipe(observer="mse"), None, rotary_dim=None)
+    assert spec.k_observer is not None and spec.v_observer is not None
